@@ -1,0 +1,439 @@
+//! `BlockCache`: a map from chained block hash to page, in the style of vLLM's Automatic Prefix
+//! Caching.
+//!
+//! Every full page of a request has a key, `h_i = H(h_{i-1}, tokens of page i)` (see
+//! [`crate::hash`]), so a page's key names its whole prefix. Lookups walk a prompt's hashes until
+//! the first miss. Pages are refcounted one by one. Unpinned pages sit in one of two intrusive
+//! lists threaded through the page records:
+//!
+//! ```text
+//!   FREE:      never hashed (or evicted)  -- reused first, most recently freed first
+//!   EVICTABLE: hashed, refcount 0         -- least recently released at the front
+//! ```
+//!
+//! A hit takes its page out of EVICTABLE in O(1). A finished request releases its pages tail
+//! first, so a chain's tail is evicted before its head. Eviction is lazy: a cached page loses its
+//! hash only when allocation reuses it (or on `evict`/`reset`).
+
+use crate::cache::{check_commit, check_pool_args, check_prompt, match_limit, Namespace};
+use crate::cache::{PrefixCache, RequestView};
+use crate::error::{corrupt, Error, Result};
+use crate::hash::{next_hash, root_hash, BlockHash};
+use crate::links::{Links, ListId};
+use crate::request::{new_cache_id, Request, RequestId, Requests};
+use crate::stats::{CacheStats, Counters};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+const FREE: ListId = ListId(0);
+const EVICTABLE: ListId = ListId(1);
+
+/// Block hashes are uniformly random already: their first eight bytes are the table hash.
+#[derive(Default)]
+struct PrefixHasher(u64);
+
+impl Hasher for PrefixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        if bytes.len() >= 8 {
+            self.0 = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+        }
+    }
+}
+
+type HashMapToPage = HashMap<BlockHash, u32, BuildHasherDefault<PrefixHasher>>;
+
+/// The block cache's own part of a request: the hashes of its full pages computed so far.
+#[derive(Debug, Clone, Default)]
+pub struct BlockExt {
+    hashes: Vec<BlockHash>,
+}
+
+/// Page records and the hash map: everything besides the requests.
+#[derive(Debug)]
+struct Pool {
+    page_size: usize,
+    refcount: Vec<u32>,
+    hash_of: Vec<Option<BlockHash>>,
+    map: HashMapToPage,
+    lists: Links,
+}
+
+impl Pool {
+    fn available(&self) -> usize {
+        self.lists.len(FREE) + self.lists.len(EVICTABLE)
+    }
+
+    /// Takes `count` pages, never-hashed ones first, then the least recently released cached
+    /// ones (dropping their hashes). Returns how many cached pages were evicted.
+    fn allocate(&mut self, count: usize, out: &mut Vec<u32>) -> usize {
+        let mut evicted = 0;
+        for _ in 0..count {
+            let page = match self.lists.pop_front(FREE) {
+                Some(p) => p,
+                None => {
+                    let p = self.lists.pop_front(EVICTABLE).expect("capacity checked");
+                    self.unhash(p);
+                    evicted += 1;
+                    p
+                }
+            };
+            self.refcount[page as usize] = 1;
+            out.push(page);
+        }
+        evicted
+    }
+
+    fn unhash(&mut self, page: u32) {
+        let h = self.hash_of[page as usize]
+            .take()
+            .expect("evictable pages are hashed");
+        self.map.remove(&h);
+    }
+
+    /// Pins a cached page (a hit).
+    fn pin(&mut self, page: u32) {
+        let rc = &mut self.refcount[page as usize];
+        if *rc == 0 {
+            self.lists.remove(EVICTABLE, page);
+        }
+        *rc += 1;
+    }
+
+    /// Drops one pin of each page, tail first.
+    fn release(&mut self, pages: &[u32]) {
+        for &page in pages.iter().rev() {
+            let rc = &mut self.refcount[page as usize];
+            *rc -= 1;
+            if *rc == 0 {
+                if self.hash_of[page as usize].is_some() {
+                    self.lists.push_back(EVICTABLE, page);
+                } else {
+                    self.lists.push_front(FREE, page);
+                }
+            }
+        }
+    }
+
+    /// Hashes of the full pages of `tokens` up to page `upto`, extending `hashes`.
+    fn ensure_hashes(
+        &self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        hashes: &mut Vec<BlockHash>,
+        upto: usize,
+    ) {
+        let p = self.page_size;
+        while hashes.len() < upto {
+            let i = hashes.len();
+            let prev = match hashes.last() {
+                Some(h) => *h,
+                None => root_hash(p, namespace),
+            };
+            hashes.push(next_hash(&prev, &tokens[i * p..(i + 1) * p]));
+        }
+    }
+
+    /// Cached pages for the longest prefix of `tokens[..limit]`, hashing as it goes.
+    fn lookup(
+        &self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        limit: usize,
+        hashes: &mut Vec<BlockHash>,
+    ) -> Vec<u32> {
+        let p = self.page_size;
+        let mut hits = Vec::new();
+        let mut prev = root_hash(p, namespace);
+        for page in tokens[..limit].chunks_exact(p) {
+            let h = next_hash(&prev, page);
+            hashes.push(h);
+            match self.map.get(&h) {
+                Some(&pg) => hits.push(pg),
+                None => break,
+            }
+            prev = h;
+        }
+        hits
+    }
+}
+
+/// A prefix cache indexed by chained block hashes.
+#[derive(Debug)]
+pub struct BlockCache {
+    pool: Pool,
+    num_pages: usize,
+    requests: Requests<BlockExt>,
+    counters: Counters,
+}
+
+impl BlockCache {
+    /// A cache over `num_pages` pages of `page_size` tokens (16 is the usual choice).
+    pub fn new(num_pages: usize, page_size: usize) -> Result<Self> {
+        check_pool_args(num_pages, page_size)?;
+        let mut lists = Links::new(2, num_pages);
+        for page in 0..num_pages as u32 {
+            lists.push_back(FREE, page);
+        }
+        Ok(BlockCache {
+            pool: Pool {
+                page_size,
+                refcount: vec![0; num_pages],
+                hash_of: vec![None; num_pages],
+                map: HashMapToPage::default(),
+                lists,
+            },
+            num_pages,
+            requests: Requests::new(new_cache_id()),
+            counters: Counters::default(),
+        })
+    }
+
+    fn p(&self) -> usize {
+        self.pool.page_size
+    }
+
+    /// Publishes the full pages of `r` below `upto` tokens. A page whose hash another page holds
+    /// already stays private to `r` (its table does not change) and is freed when `r` ends.
+    fn publish(pool: &mut Pool, r: &mut Request<BlockExt>, upto: usize) {
+        let p = pool.page_size;
+        let (first, last) = (r.published / p, upto / p);
+        if last <= first {
+            return;
+        }
+        pool.ensure_hashes(&r.tokens, &r.namespace, &mut r.ext.hashes, last);
+        for i in first..last {
+            let h = r.ext.hashes[i];
+            if let std::collections::hash_map::Entry::Vacant(e) = pool.map.entry(h) {
+                e.insert(r.pages[i]);
+                pool.hash_of[r.pages[i] as usize] = Some(h);
+            }
+        }
+        r.published = last * p;
+    }
+
+    fn release(&mut self, id: RequestId, publish: bool) -> Result<()> {
+        let mut r = self.requests.remove(id)?;
+        if publish {
+            let upto = r.num_computed / self.p() * self.p();
+            Self::publish(&mut self.pool, &mut r, upto);
+        }
+        self.pool.release(&r.pages);
+        Ok(())
+    }
+}
+
+impl PrefixCache for BlockCache {
+    fn admit(&mut self, tokens: &[u32], namespace: Namespace) -> Result<RequestId> {
+        check_prompt(tokens)?;
+        let (p, n) = (self.p(), tokens.len());
+        let mut hashes = Vec::with_capacity(n / p);
+        let hits = self
+            .pool
+            .lookup(tokens, &namespace, match_limit(n, p), &mut hashes);
+        hashes.truncate(hits.len());
+        let needed = n.div_ceil(p) - hits.len();
+        let pinned = hits
+            .iter()
+            .filter(|&&pg| self.pool.refcount[pg as usize] == 0)
+            .count();
+        let available = self.pool.available() - pinned;
+        if needed > available {
+            return Err(Error::OutOfPages { needed, available });
+        }
+        for &page in &hits {
+            self.pool.pin(page);
+        }
+        let matched = hits.len() * p;
+        let mut pages = hits;
+        pages.reserve_exact(needed);
+        self.counters.evicted_pages += self.pool.allocate(needed, &mut pages) as u64;
+        self.counters.record_query(n, matched);
+        Ok(self.requests.insert(Request {
+            tokens: tokens.to_vec(),
+            namespace,
+            pages,
+            num_cached: matched,
+            num_computed: matched,
+            published: matched,
+            ext: BlockExt { hashes },
+        }))
+    }
+
+    fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<()> {
+        let p = self.p();
+        let r = self.requests.get(id)?;
+        let needed = (r.tokens.len() + tokens.len()).div_ceil(p) - r.pages.len();
+        let available = self.pool.available();
+        if needed > available {
+            return Err(Error::OutOfPages { needed, available });
+        }
+        let r = self.requests.get_mut(id)?;
+        self.counters.evicted_pages += self.pool.allocate(needed, &mut r.pages) as u64;
+        r.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    fn commit(&mut self, id: RequestId, num_computed: usize) -> Result<()> {
+        let p = self.p();
+        let r = self.requests.get_mut(id)?;
+        check_commit(num_computed, r.num_computed, r.tokens.len())?;
+        r.num_computed = num_computed;
+        Self::publish(&mut self.pool, r, num_computed / p * p);
+        Ok(())
+    }
+
+    fn fork(&mut self, id: RequestId) -> Result<RequestId> {
+        // The computed full pages of `id` are published, so admitting its tokens again hits them.
+        let r = self.requests.get(id)?;
+        let (tokens, namespace) = (r.tokens.clone(), r.namespace.clone());
+        self.admit(&tokens, namespace)
+    }
+
+    fn finish(&mut self, id: RequestId) -> Result<()> {
+        self.release(id, true)
+    }
+
+    fn abort(&mut self, id: RequestId) -> Result<()> {
+        self.release(id, false)
+    }
+
+    fn match_prefix(&self, tokens: &[u32], namespace: &Namespace) -> Result<usize> {
+        check_prompt(tokens)?;
+        let mut scratch = Vec::new();
+        let limit = match_limit(tokens.len(), self.p());
+        Ok(self
+            .pool
+            .lookup(tokens, namespace, limit, &mut scratch)
+            .len()
+            * self.p())
+    }
+
+    fn evict(&mut self, num_pages: usize) -> usize {
+        let mut done = 0;
+        while done < num_pages {
+            let Some(page) = self.pool.lists.pop_front(EVICTABLE) else {
+                break;
+            };
+            self.pool.unhash(page);
+            self.pool.lists.push_front(FREE, page);
+            done += 1;
+        }
+        self.counters.evicted_pages += done as u64;
+        done
+    }
+
+    fn reset(&mut self) -> usize {
+        self.evict(usize::MAX)
+    }
+
+    fn stats(&self) -> CacheStats {
+        let free = self.pool.lists.len(FREE);
+        let evictable = self.pool.lists.len(EVICTABLE);
+        CacheStats {
+            num_pages: self.num_pages,
+            page_size: self.p(),
+            free_pages: free,
+            evictable_pages: evictable,
+            used_pages: self.num_pages - free - evictable,
+            queries: self.counters.queries,
+            query_tokens: self.counters.query_tokens,
+            hit_tokens: self.counters.hit_tokens,
+            evicted_pages: self.counters.evicted_pages,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let pool = &self.pool;
+        let p = pool.page_size;
+        let mut refs = vec![0u32; self.num_pages];
+        for r in self.requests.iter() {
+            if r.pages.len() != r.tokens.len().div_ceil(p)
+                || r.published % p != 0
+                || r.published > r.num_computed
+            {
+                return corrupt("a request's page table or published count is malformed");
+            }
+            let mut hashes = Vec::new();
+            pool.ensure_hashes(&r.tokens, &r.namespace, &mut hashes, r.ext.hashes.len());
+            if hashes != r.ext.hashes {
+                return corrupt("a request's stored block hashes differ from its tokens'");
+            }
+            for (i, &page) in r.pages.iter().enumerate() {
+                let Some(rc) = refs.get_mut(page as usize) else {
+                    return corrupt(format!("a request holds page {page}, outside the pool"));
+                };
+                *rc += 1;
+                if i < r.num_cached / p && pool.hash_of[page as usize] != Some(r.ext.hashes[i]) {
+                    return corrupt(format!(
+                        "page {page}, a cache hit, no longer holds its prefix"
+                    ));
+                }
+            }
+        }
+        for page in 0..self.num_pages {
+            let rc = pool.refcount[page];
+            if rc != refs[page] {
+                return corrupt(format!(
+                    "page {page} has refcount {rc}, live requests hold it {} times",
+                    refs[page]
+                ));
+            }
+            let linked = pool.lists.is_linked(page as u32);
+            if linked != (rc == 0) {
+                return corrupt(format!(
+                    "page {page} with refcount {rc} is linked: {linked}"
+                ));
+            }
+            if let Some(h) = pool.hash_of[page] {
+                if pool.map.get(&h) != Some(&(page as u32)) {
+                    return corrupt(format!(
+                        "page {page} is hashed but the map does not point to it"
+                    ));
+                }
+            }
+        }
+        for (list, hashed, name) in [(FREE, false, "free"), (EVICTABLE, true, "evictable")] {
+            for page in pool.lists.iter(list) {
+                if pool.hash_of[page as usize].is_some() != hashed
+                    || pool.refcount[page as usize] != 0
+                {
+                    return corrupt(format!("page {page} does not belong on the {name} list"));
+                }
+            }
+        }
+        let hashed = pool.hash_of.iter().filter(|h| h.is_some()).count();
+        if hashed != pool.map.len() {
+            return corrupt(format!(
+                "{hashed} pages are hashed, the map holds {}",
+                pool.map.len()
+            ));
+        }
+        if self.counters.hit_tokens > self.counters.query_tokens {
+            return corrupt("more hit tokens than query tokens");
+        }
+        Ok(())
+    }
+
+    fn request(&self, id: RequestId) -> Result<RequestView<'_>> {
+        let r = self.requests.get(id)?;
+        Ok(RequestView {
+            tokens: &r.tokens,
+            namespace: &r.namespace,
+            pages: &r.pages,
+            num_cached: r.num_cached,
+            num_computed: r.num_computed,
+            page_size: self.p(),
+        })
+    }
+
+    fn metadata_bytes(&self) -> usize {
+        let pool = &self.pool;
+        pool.refcount.capacity() * 4
+            + pool.hash_of.capacity() * std::mem::size_of::<Option<BlockHash>>()
+            + pool.map.capacity() * (std::mem::size_of::<(BlockHash, u32)>() + 1)
+            + pool.lists.heap_bytes()
+    }
+}

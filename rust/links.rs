@@ -1,0 +1,175 @@
+//! Intrusive doubly linked lists over `u32` ids.
+//!
+//! One [`Links`] holds the `prev`/`next` pair of every element and a fixed number of lists, each
+//! with its own sentinel. An element is in at most one list at a time. Push, pop and removal from
+//! the middle are O(1) and allocate nothing (the arrays grow only when the id space does).
+//!
+//! ```text
+//!   index:   0 .. num_lists          num_lists + id
+//!            sentinels (one a list)  elements
+//!   sentinel.next = front (least recently pushed to the back), sentinel.prev = back
+//! ```
+
+const UNLINKED: u32 = u32::MAX;
+
+/// Which of a [`Links`]'s lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListId(pub u32);
+
+/// Storage for a few intrusive lists over the ids `0..capacity`.
+#[derive(Debug, Clone)]
+pub struct Links {
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    lens: Vec<usize>,
+}
+
+impl Links {
+    /// `num_lists` empty lists over ids `0..capacity`.
+    pub fn new(num_lists: u32, capacity: usize) -> Self {
+        let n = num_lists as usize;
+        let mut prev = vec![UNLINKED; n + capacity];
+        let mut next = vec![UNLINKED; n + capacity];
+        for s in 0..n {
+            prev[s] = s as u32;
+            next[s] = s as u32;
+        }
+        Links {
+            prev,
+            next,
+            lens: vec![0; n],
+        }
+    }
+
+    fn base(&self) -> u32 {
+        self.lens.len() as u32
+    }
+
+    /// Makes room for ids `0..capacity`.
+    pub fn ensure(&mut self, capacity: usize) {
+        let want = self.lens.len() + capacity;
+        if self.prev.len() < want {
+            self.prev.resize(want, UNLINKED);
+            self.next.resize(want, UNLINKED);
+        }
+    }
+
+    /// Number of elements in `list`.
+    pub fn len(&self, list: ListId) -> usize {
+        self.lens[list.0 as usize]
+    }
+
+    /// Whether `list` is empty.
+    pub fn is_empty(&self, list: ListId) -> bool {
+        self.len(list) == 0
+    }
+
+    /// Whether `id` is in some list.
+    pub fn is_linked(&self, id: u32) -> bool {
+        self.next[(self.base() + id) as usize] != UNLINKED
+    }
+
+    fn link_after(&mut self, list: ListId, at: u32, id: u32) {
+        let i = self.base() + id;
+        debug_assert_eq!(self.next[i as usize], UNLINKED, "id {id} is linked already");
+        let after = self.next[at as usize];
+        self.prev[i as usize] = at;
+        self.next[i as usize] = after;
+        self.next[at as usize] = i;
+        self.prev[after as usize] = i;
+        self.lens[list.0 as usize] += 1;
+    }
+
+    /// Appends `id` at the back of `list`.
+    pub fn push_back(&mut self, list: ListId, id: u32) {
+        let back = self.prev[list.0 as usize];
+        self.link_after(list, back, id);
+    }
+
+    /// Puts `id` at the front of `list`.
+    pub fn push_front(&mut self, list: ListId, id: u32) {
+        self.link_after(list, list.0, id);
+    }
+
+    /// Inserts `id` right before the element `before` (which must be in `list`).
+    pub fn insert_before(&mut self, list: ListId, before: u32, id: u32) {
+        let at = self.prev[(self.base() + before) as usize];
+        self.link_after(list, at, id);
+    }
+
+    /// Unlinks `id` from `list`, which must hold it.
+    pub fn remove(&mut self, list: ListId, id: u32) {
+        let i = (self.base() + id) as usize;
+        let (p, n) = (self.prev[i], self.next[i]);
+        debug_assert_ne!(n, UNLINKED, "id {id} is not linked");
+        self.next[p as usize] = n;
+        self.prev[n as usize] = p;
+        self.prev[i] = UNLINKED;
+        self.next[i] = UNLINKED;
+        self.lens[list.0 as usize] -= 1;
+    }
+
+    fn element(&self, index: u32) -> Option<u32> {
+        (index >= self.base()).then(|| index - self.base())
+    }
+
+    /// The front element of `list`.
+    pub fn front(&self, list: ListId) -> Option<u32> {
+        self.element(self.next[list.0 as usize])
+    }
+
+    /// The element after `id` in its list.
+    pub fn next_of(&self, id: u32) -> Option<u32> {
+        self.element(self.next[(self.base() + id) as usize])
+    }
+
+    /// Removes and returns the front element of `list`.
+    pub fn pop_front(&mut self, list: ListId) -> Option<u32> {
+        let id = self.front(list)?;
+        self.remove(list, id);
+        Some(id)
+    }
+
+    /// The elements of `list`, front to back.
+    pub fn iter(&self, list: ListId) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors(self.front(list), move |&id| self.next_of(id))
+    }
+
+    /// Heap bytes held.
+    pub fn heap_bytes(&self) -> usize {
+        (self.prev.capacity() + self.next.capacity()) * 4 + self.lens.capacity() * 8
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: ListId = ListId(0);
+    const B: ListId = ListId(1);
+
+    #[test]
+    fn push_pop_remove_keep_order() {
+        let mut l = Links::new(2, 8);
+        for id in [3, 1, 4] {
+            l.push_back(A, id);
+        }
+        l.push_front(A, 5);
+        l.push_back(B, 0);
+        assert_eq!(l.iter(A).collect::<Vec<_>>(), vec![5, 3, 1, 4]);
+        l.remove(A, 1);
+        assert!(!l.is_linked(1));
+        l.insert_before(A, 4, 7);
+        assert_eq!(l.iter(A).collect::<Vec<_>>(), vec![5, 3, 7, 4]);
+        assert_eq!(l.pop_front(A), Some(5));
+        assert_eq!(l.len(A), 3);
+        assert_eq!(l.iter(B).collect::<Vec<_>>(), vec![0]);
+        l.ensure(20);
+        l.push_back(B, 19);
+        assert_eq!(l.iter(B).collect::<Vec<_>>(), vec![0, 19]);
+        assert_eq!(l.pop_front(B), Some(0));
+        assert_eq!(l.pop_front(B), Some(19));
+        assert_eq!(l.pop_front(B), None);
+        assert!(l.is_empty(B));
+    }
+}

@@ -1,0 +1,108 @@
+//! Index arithmetic of one forward pass: what the torch layer needs to pack a batch.
+//!
+//! For each request `b` the step computes its new tokens `num_computed..num_tokens`:
+//!
+//! ```text
+//!   request b:   [ cached / computed KV ........ | new tokens (queries) ]
+//!                0                        num_computed             num_tokens = kv_len[b]
+//!   packed rows: q_start[b] .. q_start[b + 1]  (T rows in all)
+//! ```
+//!
+//! A query at absolute position `pos` attends to keys `0..=pos` of its own request, which is the
+//! bottom-right aligned causal mask when a request has a cached prefix.
+
+use crate::cache::RequestView;
+
+/// Everything a step's layers share, as flat arrays (lengths in the field docs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    /// `[T]` token ids of the new tokens, packed request after request.
+    pub input_ids: Vec<i64>,
+    /// `[T]` absolute positions.
+    pub positions: Vec<i64>,
+    /// `[T]` slot each new token's K/V is written to.
+    pub write_slots: Vec<i64>,
+    /// `[B + 1]` row offsets of each request's queries in the packed batch.
+    pub q_start: Vec<i64>,
+    /// `[B]` keys each request attends to (its `num_tokens`).
+    pub kv_len: Vec<i64>,
+    /// `[B]` packed row of each request's last token.
+    pub last_token_index: Vec<i64>,
+    /// `[B, max_kv_len]` slots of every key of each request, row-major, padded with slot 0.
+    pub kv_slots: Vec<i64>,
+    /// Longest `kv_len`.
+    pub max_kv_len: usize,
+    /// Longest query run (`q_start[b + 1] - q_start[b]`).
+    pub max_q_len: usize,
+}
+
+/// Plans a step over `requests`, each of which must have at least one token left to compute.
+/// Returns the index of the first request with nothing to compute as an error.
+pub fn plan_step(requests: &[RequestView<'_>]) -> std::result::Result<StepPlan, usize> {
+    let mut s = StepPlan {
+        q_start: vec![0],
+        ..StepPlan::default()
+    };
+    for (b, r) in requests.iter().enumerate() {
+        let (start, end) = (r.num_computed, r.num_tokens());
+        if start >= end {
+            return Err(b);
+        }
+        s.input_ids
+            .extend(r.tokens[start..end].iter().map(|&t| t as i64));
+        s.positions.extend(start as i64..end as i64);
+        r.extend_slots(start, end, &mut s.write_slots);
+        s.q_start.push(s.input_ids.len() as i64);
+        s.kv_len.push(end as i64);
+        s.last_token_index.push(s.input_ids.len() as i64 - 1);
+        s.max_kv_len = s.max_kv_len.max(end);
+        s.max_q_len = s.max_q_len.max(end - start);
+    }
+    s.kv_slots.reserve(requests.len() * s.max_kv_len);
+    for r in requests {
+        r.extend_slots(0, r.num_tokens(), &mut s.kv_slots);
+        s.kv_slots
+            .resize(s.kv_slots.len() + s.max_kv_len - r.num_tokens(), 0);
+    }
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packs_suffixes_and_pads_slots() {
+        let ns = None;
+        let a = RequestView {
+            tokens: &[5, 6, 7, 8, 9],
+            namespace: &ns,
+            pages: &[3, 1, 4],
+            num_cached: 2,
+            num_computed: 2,
+            page_size: 2,
+        };
+        let b = RequestView {
+            tokens: &[1, 2],
+            namespace: &ns,
+            pages: &[0],
+            num_cached: 0,
+            num_computed: 1,
+            page_size: 2,
+        };
+        let s = plan_step(&[a, b]).unwrap();
+        assert_eq!(s.input_ids, vec![7, 8, 9, 2]);
+        assert_eq!(s.positions, vec![2, 3, 4, 1]);
+        assert_eq!(s.write_slots, vec![2, 3, 8, 1]);
+        assert_eq!(s.q_start, vec![0, 3, 4]);
+        assert_eq!(s.kv_len, vec![5, 2]);
+        assert_eq!(s.last_token_index, vec![2, 3]);
+        assert_eq!(s.kv_slots, vec![6, 7, 2, 3, 8, 0, 1, 0, 0, 0]);
+        assert_eq!((s.max_kv_len, s.max_q_len), (5, 3));
+        let done = RequestView {
+            num_computed: 2,
+            ..b
+        };
+        assert_eq!(plan_step(&[a, done]), Err(1));
+    }
+}

@@ -1,0 +1,493 @@
+//! `RadixCache`, `BlockCache`, `Request` and `CacheStats` as Python classes.
+
+use super::convert;
+use super::CorruptionError;
+use crate::cache::{PrefixCache, RequestView};
+use crate::error::Result as CoreResult;
+use crate::hash;
+use crate::request::RequestId;
+use crate::stats::CacheStats;
+use crate::{BlockCache, RadixCache};
+use numpy::PyArray1;
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Mutex;
+
+/// Inputs at least this long are handled with the GIL released.
+const LONG: usize = 4096;
+
+/// Common base of `RadixCache` and `BlockCache`: one core cache behind a mutex.
+#[pyclass(name = "_Cache", module = "radixkv._radixkv", subclass, frozen)]
+pub struct PyCache {
+    inner: Mutex<Box<dyn PrefixCache>>,
+    kind: &'static str,
+}
+
+impl PyCache {
+    /// Runs `f` on the core under the mutex, with the GIL released when `long`. A panic inside
+    /// becomes a `CorruptionError` rather than crossing into Python.
+    pub fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        long: bool,
+        f: impl FnOnce(&mut dyn PrefixCache) -> CoreResult<R> + Send,
+    ) -> PyResult<R> {
+        let run = || {
+            let mut guard = self
+                .inner
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            catch_unwind(AssertUnwindSafe(|| f(&mut **guard)))
+        };
+        let out = if long { py.allow_threads(run) } else { run() };
+        match out {
+            Ok(r) => r.map_err(PyErr::from),
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                Err(CorruptionError::new_err(format!("internal error: {msg}")))
+            }
+        }
+    }
+
+    /// Reads a live request under the mutex (GIL held: views are short reads).
+    pub fn view<R>(&self, id: RequestId, f: impl FnOnce(RequestView<'_>) -> R) -> PyResult<R> {
+        let guard = self
+            .inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        Ok(f(guard.request(id)?))
+    }
+}
+
+fn request_of<'py>(slf: &Bound<'py, PyCache>, req: &Bound<'py, PyRequest>) -> RequestId {
+    // Requests of another cache carry another cache id: the core refuses them.
+    let _ = slf;
+    req.get().id
+}
+
+fn new_request(slf: &Bound<'_, PyCache>, id: RequestId, namespace: PyObject) -> PyRequest {
+    PyRequest {
+        cache: slf.clone().unbind(),
+        id,
+        namespace,
+    }
+}
+
+#[pymethods]
+impl PyCache {
+    /// Finds the longest cached prefix of ``tokens`` in ``namespace``, pins it and allocates pages
+    /// for the rest, all or nothing (``OutOfPages`` leaves everything unchanged).
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn admit(
+        slf: &Bound<'_, Self>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyRequest> {
+        let py = slf.py();
+        let toks = convert::tokens("tokens", tokens)?;
+        let ns = convert::namespace(namespace)?;
+        let id = slf
+            .get()
+            .with(py, toks.len() >= LONG, |c| c.admit(&toks, ns))?;
+        let ns_obj = namespace.map_or_else(|| py.None(), |o| o.clone().unbind());
+        Ok(new_request(slf, id, ns_obj))
+    }
+
+    /// Appends ``tokens`` to ``req`` (e.g. the sampled token), allocating pages as needed.
+    fn extend(
+        slf: &Bound<'_, Self>,
+        req: &Bound<'_, PyRequest>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = request_of(slf, req);
+        let toks = convert::tokens("tokens", tokens)?;
+        slf.get()
+            .with(slf.py(), toks.len() >= LONG, |c| c.extend(id, &toks))
+    }
+
+    /// Records that the KV of ``tokens[:num_computed]`` is written; publishes the full pages
+    /// this completes so that concurrent requests can reuse them.
+    fn commit(
+        slf: &Bound<'_, Self>,
+        req: &Bound<'_, PyRequest>,
+        num_computed: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = request_of(slf, req);
+        let n = convert_count("num_computed", num_computed)?;
+        slf.get().with(slf.py(), false, |c| c.commit(id, n))
+    }
+
+    /// A new request with ``req``'s tokens and namespace sharing every full page of its
+    /// computed prefix, without copying KV.
+    fn fork(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<PyRequest> {
+        let id = request_of(slf, req);
+        let new = slf.get().with(slf.py(), false, |c| c.fork(id))?;
+        Ok(new_request(
+            slf,
+            new,
+            req.get().namespace.clone_ref(slf.py()),
+        ))
+    }
+
+    /// Publishes what is computed, unpins, frees what is not published, and closes ``req``.
+    fn finish(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<()> {
+        let id = request_of(slf, req);
+        slf.get().with(slf.py(), false, |c| c.finish(id))
+    }
+
+    /// Unpins and frees what is not published, publishing nothing more; closes ``req``.
+    fn abort(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<()> {
+        let id = request_of(slf, req);
+        slf.get().with(slf.py(), false, |c| c.abort(id))
+    }
+
+    /// How many tokens ``admit`` would find cached now. Changes nothing, LRU order included.
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn match_prefix(
+        slf: &Bound<'_, Self>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let toks = convert::tokens("tokens", tokens)?;
+        let ns = convert::namespace(namespace)?;
+        slf.get()
+            .with(slf.py(), toks.len() >= LONG, |c| c.match_prefix(&toks, &ns))
+    }
+
+    /// Evicts up to ``num_pages`` evictable pages in eviction order; returns how many.
+    fn evict(slf: &Bound<'_, Self>, num_pages: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let n = convert_count("num_pages", num_pages)?;
+        slf.get().with(slf.py(), n >= LONG, |c| Ok(c.evict(n)))
+    }
+
+    /// Drops every evictable page (e.g. after a weight update); returns how many.
+    fn reset(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.get().with(slf.py(), true, |c| Ok(c.reset()))
+    }
+
+    /// A snapshot of the page counts and hit counters.
+    #[getter]
+    fn stats(slf: &Bound<'_, Self>) -> PyResult<PyCacheStats> {
+        Ok(PyCacheStats(
+            slf.get().with(slf.py(), false, |c| Ok(c.stats()))?,
+        ))
+    }
+
+    /// Verifies every internal invariant; raises ``CorruptionError`` naming the first broken one.
+    fn check(slf: &Bound<'_, Self>) -> PyResult<()> {
+        slf.get().with(slf.py(), true, |c| c.check())
+    }
+
+    /// Physical pages in the pool.
+    #[getter]
+    fn num_pages(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(Self::stats(slf)?.0.num_pages)
+    }
+
+    /// Tokens per page.
+    #[getter]
+    fn page_size(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(Self::stats(slf)?.0.page_size)
+    }
+
+    /// Heap bytes of the index and pool bookkeeping (live requests excluded).
+    #[getter]
+    fn metadata_bytes(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.get().with(slf.py(), false, |c| Ok(c.metadata_bytes()))
+    }
+
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        let s = Self::stats(slf)?.0;
+        Ok(format!(
+            "{}(num_pages={}, page_size={}, free={}, evictable={}, used={})",
+            slf.get().kind,
+            s.num_pages,
+            s.page_size,
+            s.free_pages,
+            s.evictable_pages,
+            s.used_pages
+        ))
+    }
+}
+
+fn convert_count(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    match obj.extract::<i64>() {
+        Ok(v) if v >= 0 => Ok(v as usize),
+        Ok(v) => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{what} must be >= 0, got {v}"
+        ))),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{what} must be an int, got {}",
+            obj.get_type().name()?
+        ))),
+    }
+}
+
+fn pool_args(num_pages: i64, page_size: i64) -> PyResult<(usize, usize)> {
+    let err = |what: &str, v: i64| {
+        Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{what} must be at least 1, got {v}"
+        )))
+    };
+    if num_pages < 1 {
+        return err("num_pages", num_pages);
+    }
+    if page_size < 1 {
+        return err("page_size", page_size);
+    }
+    Ok((num_pages as usize, page_size as usize))
+}
+
+/// A prefix cache indexed by a compressed radix tree over token ids (SGLang RadixAttention
+/// style): token-exact reuse at ``page_size=1``; least recently used leaves are evicted first.
+#[pyclass(name = "RadixCache", module = "radixkv._radixkv", extends = PyCache, frozen)]
+pub struct PyRadixCache;
+
+#[pymethods]
+impl PyRadixCache {
+    #[new]
+    #[pyo3(signature = (num_pages, page_size=1))]
+    fn new(num_pages: i64, page_size: i64) -> PyResult<PyClassInitializer<Self>> {
+        let (n, p) = pool_args(num_pages, page_size)?;
+        let core = RadixCache::new(n, p)?;
+        Ok(PyClassInitializer::from(PyCache {
+            inner: Mutex::new(Box::new(core)),
+            kind: "RadixCache",
+        })
+        .add_subclass(PyRadixCache))
+    }
+}
+
+/// A prefix cache indexed by chained block hashes (vLLM Automatic Prefix Caching style): full
+/// pages only; least recently used pages are evicted first, a chain's tail before its head.
+#[pyclass(name = "BlockCache", module = "radixkv._radixkv", extends = PyCache, frozen)]
+pub struct PyBlockCache;
+
+#[pymethods]
+impl PyBlockCache {
+    #[new]
+    #[pyo3(signature = (num_pages, page_size=16))]
+    fn new(num_pages: i64, page_size: i64) -> PyResult<PyClassInitializer<Self>> {
+        let (n, p) = pool_args(num_pages, page_size)?;
+        let core = BlockCache::new(n, p)?;
+        Ok(PyClassInitializer::from(PyCache {
+            inner: Mutex::new(Box::new(core)),
+            kind: "BlockCache",
+        })
+        .add_subclass(PyBlockCache))
+    }
+}
+
+/// A live request: its tokens, its page table and how much of it is cached and computed.
+/// Returned by ``admit`` and ``fork``; closed by ``finish`` or ``abort``, after which every
+/// attribute but ``namespace`` and ``closed`` raises ``InvalidRequest``.
+#[pyclass(name = "Request", module = "radixkv._radixkv", frozen)]
+pub struct PyRequest {
+    pub(crate) cache: Py<PyCache>,
+    pub(crate) id: RequestId,
+    namespace: PyObject,
+}
+
+impl PyRequest {
+    fn view<R>(&self, f: impl FnOnce(RequestView<'_>) -> R) -> PyResult<R> {
+        self.cache.get().view(self.id, f)
+    }
+}
+
+#[pymethods]
+impl PyRequest {
+    /// Tokens in the request so far.
+    #[getter]
+    fn num_tokens(&self) -> PyResult<usize> {
+        self.view(|r| r.num_tokens())
+    }
+
+    /// Tokens whose KV came from the cache at admission (a multiple of ``page_size``).
+    #[getter]
+    fn num_cached(&self) -> PyResult<usize> {
+        self.view(|r| r.num_cached)
+    }
+
+    /// Tokens whose KV has been written; advanced by ``commit``.
+    #[getter]
+    fn num_computed(&self) -> PyResult<usize> {
+        self.view(|r| r.num_computed)
+    }
+
+    /// Page table: numpy int32, ``ceil(num_tokens / page_size)`` entries.
+    #[getter]
+    fn pages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let v = self.view(|r| r.pages.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    /// Slot of every token, numpy int64: ``pages[i // P] * P + i % P``.
+    #[getter]
+    fn slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let v = self.view(|r| {
+            let mut out = Vec::with_capacity(r.num_tokens());
+            r.extend_slots(0, r.num_tokens(), &mut out);
+            out
+        })?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    /// Token ids, numpy uint32 (a copy).
+    #[getter]
+    fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let v = self.view(|r| r.tokens.to_vec())?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    /// The namespace, as given to ``admit``.
+    #[getter]
+    fn namespace(&self, py: Python<'_>) -> PyObject {
+        self.namespace.clone_ref(py)
+    }
+
+    /// Whether the request was finished or aborted.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.view(|_| ()).is_err()
+    }
+
+    /// The cache this request belongs to.
+    #[getter]
+    fn cache(&self, py: Python<'_>) -> Py<PyCache> {
+        self.cache.clone_ref(py)
+    }
+
+    fn __repr__(&self) -> String {
+        match self.view(|r| (r.num_tokens(), r.num_cached, r.num_computed)) {
+            Ok((t, c, d)) => format!("Request(num_tokens={t}, num_cached={c}, num_computed={d})"),
+            Err(_) => "Request(closed)".to_string(),
+        }
+    }
+}
+
+/// A snapshot of a cache's page states and hit counters. Always
+/// ``free_pages + evictable_pages + used_pages == num_pages``.
+#[pyclass(name = "CacheStats", module = "radixkv._radixkv", frozen)]
+pub struct PyCacheStats(CacheStats);
+
+#[pymethods]
+impl PyCacheStats {
+    /// Physical pages in the pool.
+    #[getter]
+    fn num_pages(&self) -> usize {
+        self.0.num_pages
+    }
+    /// Tokens per page.
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.0.page_size
+    }
+    /// Pages holding nothing.
+    #[getter]
+    fn free_pages(&self) -> usize {
+        self.0.free_pages
+    }
+    /// Pages holding published KV that no live request uses.
+    #[getter]
+    fn evictable_pages(&self) -> usize {
+        self.0.evictable_pages
+    }
+    /// Pages pinned by at least one live request.
+    #[getter]
+    fn used_pages(&self) -> usize {
+        self.0.used_pages
+    }
+    /// Admissions (``admit`` and ``fork``) so far.
+    #[getter]
+    fn queries(&self) -> u64 {
+        self.0.queries
+    }
+    /// Tokens of those admissions.
+    #[getter]
+    fn query_tokens(&self) -> u64 {
+        self.0.query_tokens
+    }
+    /// Tokens served from the cache at admission.
+    #[getter]
+    fn hit_tokens(&self) -> u64 {
+        self.0.hit_tokens
+    }
+    /// ``hit_tokens / query_tokens`` (0.0 before any query).
+    #[getter]
+    fn hit_rate(&self) -> f64 {
+        self.0.hit_rate()
+    }
+    /// Pages evicted so far.
+    #[getter]
+    fn evicted_pages(&self) -> u64 {
+        self.0.evicted_pages
+    }
+
+    /// The fields as a dict.
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let d = pyo3::types::PyDict::new(py);
+        let s = self.0;
+        d.set_item("num_pages", s.num_pages)?;
+        d.set_item("page_size", s.page_size)?;
+        d.set_item("free_pages", s.free_pages)?;
+        d.set_item("evictable_pages", s.evictable_pages)?;
+        d.set_item("used_pages", s.used_pages)?;
+        d.set_item("queries", s.queries)?;
+        d.set_item("query_tokens", s.query_tokens)?;
+        d.set_item("hit_tokens", s.hit_tokens)?;
+        d.set_item("hit_rate", s.hit_rate())?;
+        d.set_item("evicted_pages", s.evicted_pages)?;
+        Ok(d)
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .downcast::<PyCacheStats>()
+            .is_ok_and(|o| o.get().0 == self.0)
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.0;
+        format!(
+            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={})",
+            s.num_pages, s.page_size, s.free_pages, s.evictable_pages, s.used_pages, s.queries, s.query_tokens, s.hit_tokens, s.hit_rate(), s.evicted_pages
+        )
+    }
+}
+
+/// The keys ``BlockCache`` uses: one 32-byte blake3 digest per full page of ``tokens``
+/// (spec ``radixkv.block.v1`` in the design).
+#[pyfunction]
+#[pyo3(signature = (tokens, page_size=16, namespace=None))]
+fn block_hashes<'py>(
+    py: Python<'py>,
+    tokens: &Bound<'py, PyAny>,
+    page_size: i64,
+    namespace: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    if page_size < 1 {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "page_size must be at least 1, got {page_size}"
+        )));
+    }
+    let toks = convert::tokens("tokens", tokens)?;
+    let ns = convert::namespace(namespace)?;
+    let hashes = py.allow_threads(|| hash::block_hashes(&toks, page_size as usize, &ns));
+    Ok(hashes.iter().map(|h| PyBytes::new(py, h)).collect())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCache>()?;
+    m.add_class::<PyRadixCache>()?;
+    m.add_class::<PyBlockCache>()?;
+    m.add_class::<PyRequest>()?;
+    m.add_class::<PyCacheStats>()?;
+    m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,168 @@
+//! Live requests: a slab of records addressed by generation-checked ids.
+//!
+//! A [`RequestId`] names its cache and a slot's generation, so a closed request or a request of
+//! another cache is detected and refused, never silently aliased to whatever reuses the slot.
+
+use crate::cache::Namespace;
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+static NEXT_CACHE_ID: AtomicU32 = AtomicU32::new(1);
+
+/// A fresh id for a new cache.
+pub(crate) fn new_cache_id() -> u32 {
+    NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Handle of a live request inside one cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RequestId {
+    cache: u32,
+    slot: u32,
+    generation: u32,
+}
+
+/// What every cache keeps of a request; `X` is the index's own part.
+#[derive(Debug, Clone)]
+pub struct Request<X> {
+    /// Token ids so far.
+    pub tokens: Vec<u32>,
+    /// Namespace the request was admitted in.
+    pub namespace: Namespace,
+    /// Page table: `ceil(tokens / page_size)` page ids. Entries never change once set.
+    pub pages: Vec<u32>,
+    /// Tokens served from the cache at admission.
+    pub num_cached: usize,
+    /// Tokens whose KV has been written.
+    pub num_computed: usize,
+    /// Tokens whose pages the index has seen published (page aligned, `<= num_computed`).
+    pub published: usize,
+    /// The index's own state of this request.
+    pub ext: X,
+}
+
+#[derive(Debug, Clone)]
+struct Slot<X> {
+    generation: u32,
+    request: Option<Request<X>>,
+}
+
+/// The live requests of one cache.
+#[derive(Debug, Clone)]
+pub struct Requests<X> {
+    cache: u32,
+    slots: Vec<Slot<X>>,
+    vacant: Vec<u32>,
+}
+
+impl<X> Requests<X> {
+    /// An empty registry for the cache `cache`.
+    pub fn new(cache: u32) -> Self {
+        Requests {
+            cache,
+            slots: Vec::new(),
+            vacant: Vec::new(),
+        }
+    }
+
+    /// Stores `request` and returns its id.
+    pub fn insert(&mut self, request: Request<X>) -> RequestId {
+        let slot = match self.vacant.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot {
+                    generation: 0,
+                    request: None,
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let s = &mut self.slots[slot as usize];
+        s.request = Some(request);
+        RequestId {
+            cache: self.cache,
+            slot,
+            generation: s.generation,
+        }
+    }
+
+    fn slot(&self, id: RequestId) -> Result<usize> {
+        if id.cache != self.cache {
+            return Err(Error::ForeignRequest);
+        }
+        match self.slots.get(id.slot as usize) {
+            Some(s) if s.generation == id.generation && s.request.is_some() => Ok(id.slot as usize),
+            _ => Err(Error::ClosedRequest),
+        }
+    }
+
+    /// The live request `id`.
+    pub fn get(&self, id: RequestId) -> Result<&Request<X>> {
+        let i = self.slot(id)?;
+        Ok(self.slots[i].request.as_ref().expect("slot checked live"))
+    }
+
+    /// The live request `id`, mutably.
+    pub fn get_mut(&mut self, id: RequestId) -> Result<&mut Request<X>> {
+        let i = self.slot(id)?;
+        Ok(self.slots[i].request.as_mut().expect("slot checked live"))
+    }
+
+    /// Closes `id` and returns its record; the id is dead from now on.
+    pub fn remove(&mut self, id: RequestId) -> Result<Request<X>> {
+        let i = self.slot(id)?;
+        let s = &mut self.slots[i];
+        s.generation = s.generation.wrapping_add(1);
+        self.vacant.push(i as u32);
+        Ok(s.request.take().expect("slot checked live"))
+    }
+
+    /// Every live request.
+    pub fn iter(&self) -> impl Iterator<Item = &Request<X>> + '_ {
+        self.slots.iter().filter_map(|s| s.request.as_ref())
+    }
+
+    /// Number of live requests.
+    pub fn len(&self) -> usize {
+        self.slots.len() - self.vacant.len()
+    }
+
+    /// Whether no request is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> Request<()> {
+        Request {
+            tokens: vec![1],
+            namespace: None,
+            pages: vec![0],
+            num_cached: 0,
+            num_computed: 0,
+            published: 0,
+            ext: (),
+        }
+    }
+
+    #[test]
+    fn closed_and_foreign_ids_are_refused() {
+        let mut a = Requests::new(1);
+        let mut b = Requests::<()>::new(2);
+        let id = a.insert(req());
+        assert!(a.get(id).is_ok());
+        assert_eq!(b.get(id).unwrap_err(), Error::ForeignRequest);
+        a.remove(id).unwrap();
+        assert_eq!(a.get(id).unwrap_err(), Error::ClosedRequest);
+        let id2 = a.insert(req());
+        // Same slot, new generation: the old handle stays dead.
+        assert_eq!(a.get(id).unwrap_err(), Error::ClosedRequest);
+        assert!(a.get(id2).is_ok());
+        assert_eq!(a.len(), 1);
+        let _ = b.insert(req());
+    }
+}

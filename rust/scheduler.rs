@@ -1,0 +1,1 @@
+//! Cache-aware scheduling (see issue 4).

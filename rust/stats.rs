@@ -1,0 +1,56 @@
+//! Counters every cache reports.
+
+/// A snapshot of a cache's page states and hit counters.
+///
+/// Always `free_pages + evictable_pages + used_pages == num_pages`. `queries`, `query_tokens` and
+/// `hit_tokens` count admissions (`admit` and `fork`): requests, their tokens, and their
+/// `num_cached`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Physical pages in the pool.
+    pub num_pages: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Pages holding nothing.
+    pub free_pages: usize,
+    /// Pages holding published KV that no live request uses.
+    pub evictable_pages: usize,
+    /// Pages pinned by at least one live request.
+    pub used_pages: usize,
+    /// Admissions so far.
+    pub queries: u64,
+    /// Tokens of those admissions.
+    pub query_tokens: u64,
+    /// Tokens served from the cache at admission.
+    pub hit_tokens: u64,
+    /// Pages evicted so far (by allocation, `evict` or `reset`).
+    pub evicted_pages: u64,
+}
+
+impl CacheStats {
+    /// `hit_tokens / query_tokens`, 0.0 before any query.
+    pub fn hit_rate(&self) -> f64 {
+        if self.query_tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens as f64 / self.query_tokens as f64
+        }
+    }
+}
+
+/// The counters a cache keeps itself; page counts are read off its pool when a snapshot is taken.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub queries: u64,
+    pub query_tokens: u64,
+    pub hit_tokens: u64,
+    pub evicted_pages: u64,
+}
+
+impl Counters {
+    pub fn record_query(&mut self, tokens: usize, hits: usize) {
+        self.queries += 1;
+        self.query_tokens += tokens as u64;
+        self.hit_tokens += hits as u64;
+    }
+}
