@@ -16,7 +16,7 @@
 //! hash only when allocation reuses it (or on `evict`/`reset`).
 
 use crate::cache::{check_commit, check_pool_args, check_prompt, match_limit, Namespace};
-use crate::cache::{PrefixCache, RequestView};
+use crate::cache::{Cursor, PrefixCache, RequestView};
 use crate::error::{corrupt, Error, Result};
 use crate::hash::{next_hash, root_hash, BlockHash};
 use crate::links::{Links, ListId};
@@ -427,6 +427,31 @@ impl PrefixCache for BlockCache {
             num_computed: r.num_computed,
             page_size: self.p(),
         })
+    }
+
+    fn page_size(&self) -> usize {
+        self.p()
+    }
+
+    fn cursor(&self, namespace: &Namespace) -> Cursor {
+        Cursor {
+            matched: 0,
+            node: 0,
+            offset: 0,
+            hash: root_hash(self.p(), namespace),
+        }
+    }
+
+    fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
+        for page in tokens.chunks_exact(self.p()) {
+            let h = next_hash(&cursor.hash, page);
+            if !self.pool.map.contains_key(&h) {
+                return false;
+            }
+            cursor.hash = h;
+            cursor.matched += page.len();
+        }
+        true
     }
 
     fn metadata_bytes(&self) -> usize {

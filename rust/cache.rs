@@ -8,6 +8,18 @@ use crate::stats::CacheStats;
 /// namespaces never share pages.
 pub type Namespace = Option<Box<[u8]>>;
 
+/// Where a step-by-step match stands: how many tokens matched so far, and the index position to
+/// continue from. Valid only while the cache is unchanged (the scheduler holds the cache's lock
+/// for a whole ranking pass).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    /// Tokens matched so far.
+    pub matched: usize,
+    pub(crate) node: u32,
+    pub(crate) offset: usize,
+    pub(crate) hash: [u8; 32],
+}
+
 /// A read-only view of one live request.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestView<'a> {
@@ -79,6 +91,13 @@ pub trait PrefixCache: Send {
     fn request(&self, id: RequestId) -> Result<RequestView<'_>>;
     /// Heap bytes of the index and pool bookkeeping (requests excluded).
     fn metadata_bytes(&self) -> usize;
+    /// Tokens per page.
+    fn page_size(&self) -> usize;
+    /// A cursor at the start of `namespace` (nothing matched yet).
+    fn cursor(&self, namespace: &Namespace) -> Cursor;
+    /// Continues a match over `tokens` (a whole number of pages); returns whether all of them
+    /// matched. `cursor.matched` grows by the whole pages that did. Changes nothing.
+    fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool;
 }
 
 /// Checks the pool arguments shared by both caches.

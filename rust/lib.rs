@@ -23,13 +23,15 @@ pub mod radix;
 pub mod request;
 pub mod scheduler;
 pub mod stats;
+pub mod waiting;
 
 #[cfg(feature = "python")]
 pub mod python;
 
 pub use block::BlockCache;
-pub use cache::{Namespace, PrefixCache, RequestView};
+pub use cache::{Cursor, Namespace, PrefixCache, RequestView};
 pub use error::{Error, Result};
 pub use radix::RadixCache;
 pub use request::RequestId;
+pub use scheduler::{Admitted, Policy, Scheduler};
 pub use stats::CacheStats;

@@ -17,7 +17,7 @@
 //! page by page so that exactly the pages asked for are freed.
 
 use crate::cache::{check_commit, check_pool_args, check_prompt, match_limit, Namespace};
-use crate::cache::{PrefixCache, RequestView};
+use crate::cache::{Cursor, PrefixCache, RequestView};
 use crate::error::{corrupt, Error, Result};
 use crate::freeset::FreeSet;
 use crate::links::{Links, ListId};
@@ -603,6 +603,53 @@ impl PrefixCache for RadixCache {
             num_computed: r.num_computed,
             page_size: self.p(),
         })
+    }
+
+    fn page_size(&self) -> usize {
+        self.p()
+    }
+
+    fn cursor(&self, namespace: &Namespace) -> Cursor {
+        let node = self.tree.roots.get(namespace).copied().unwrap_or(NIL);
+        Cursor {
+            matched: 0,
+            node,
+            offset: 0,
+            hash: [0; 32],
+        }
+    }
+
+    fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
+        let (t, p) = (&self.tree, self.p());
+        let mut pos = 0;
+        while pos < tokens.len() {
+            if cursor.node == NIL {
+                return false;
+            }
+            let node = &t.nodes[cursor.node as usize];
+            if cursor.offset == node.key.len() {
+                match t.child(cursor.node, &tokens[pos..pos + p]) {
+                    Some(c) => {
+                        *cursor = Cursor {
+                            node: c,
+                            offset: 0,
+                            ..*cursor
+                        }
+                    }
+                    None => return false,
+                }
+                continue;
+            }
+            let rest = &node.key[cursor.offset..];
+            let common = common_prefix(rest, &tokens[pos..]) / p * p;
+            cursor.offset += common;
+            cursor.matched += common;
+            pos += common;
+            if common < rest.len().min(tokens.len() - pos + common) {
+                return false;
+            }
+        }
+        true
     }
 
     fn metadata_bytes(&self) -> usize {

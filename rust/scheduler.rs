@@ -1,1 +1,307 @@
-//! Cache-aware scheduling (see issue 4).
+//! Cache-aware scheduling of the waiting queue.
+//!
+//! SGLang orders its waiting queue by longest cached prefix (LPM) in Python and falls back to
+//! arrival order once more than 128 requests wait; it has no aging. This scheduler is native:
+//! the waiting prompts live in a chunk trie ([`crate::waiting`]), so ranking probes the cache once
+//! per shared chunk rather than once per request, and the policy stays on at any queue length.
+//!
+//! Order of service, for every policy:
+//! 1. starved requests (waited more than `max_wait` schedule calls), oldest first;
+//! 2. higher `priority` first;
+//! 3. the policy: `Fcfs` arrival order; `Lpm` longest cached prefix (in the request's own
+//!    namespace) first, ties by arrival; `DfsWeight` depth first over the trie of waiting
+//!    prompts, heaviest subtree first, so requests sharing a prefix run back to back.
+//!
+//! Admission counts only uncached tokens against the token budget and lets the cache count
+//! evictable pages as available. Under the cache-aware policies, a request whose uncached prefix
+//! (a whole chunk or more) is shared with a request admitted in the same call waits one call, so
+//! the shared part is computed once and hit afterwards. `Fcfs` stops at the first request that
+//! does not fit; the others skip it, except that a starved request that does not fit stops the
+//! call (nothing behind it takes its budget), which bounds its wait.
+
+use crate::cache::{match_limit, Namespace, PrefixCache};
+use crate::error::{invalid, Error, Result};
+use crate::request::RequestId;
+use crate::waiting::WaitingTrie;
+use std::cmp::Reverse;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Which order the waiting queue is served in (after starvation and priority).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// First come, first served.
+    Fcfs,
+    /// Longest cached prefix first.
+    Lpm,
+    /// Depth first over the waiting prompts' trie, heaviest subtree first.
+    DfsWeight,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "fcfs" => Ok(Policy::Fcfs),
+            "lpm" => Ok(Policy::Lpm),
+            "dfs-weight" => Ok(Policy::DfsWeight),
+            _ => Err(invalid(format!(
+                "policy must be 'fcfs', 'lpm' or 'dfs-weight', got {s:?}"
+            ))),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Waiting {
+    tokens: Arc<[u32]>,
+    namespace: Namespace,
+    priority: i32,
+    max_new_tokens: u32,
+    /// Schedule call count when the request arrived.
+    arrived: u64,
+    /// Trie path, root first; chunk `i` is `path[i + 1]`.
+    path: Vec<u32>,
+    limit: usize,
+}
+
+/// A request the scheduler admitted into the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admitted {
+    /// The id `add` returned.
+    pub id: u64,
+    /// The cache's request.
+    pub request: RequestId,
+    /// As given to `add`.
+    pub max_new_tokens: u32,
+}
+
+/// A waiting queue that admits requests into a cache in a cache-aware order.
+#[derive(Debug)]
+pub struct Scheduler {
+    policy: Policy,
+    max_wait: u64,
+    page_size: usize,
+    trie: WaitingTrie,
+    waiting: BTreeMap<u64, Waiting>,
+    next_id: u64,
+    calls: u64,
+}
+
+impl Scheduler {
+    /// A scheduler for a cache of `page_size`. `max_wait`: schedule calls after which a waiting
+    /// request goes ahead of cache order (0 turns the bound off).
+    pub fn new(page_size: usize, policy: Policy, max_wait: u64) -> Self {
+        let chunk = page_size * 64usize.div_ceil(page_size);
+        Scheduler {
+            policy,
+            max_wait,
+            page_size,
+            trie: WaitingTrie::new(chunk),
+            waiting: BTreeMap::new(),
+            next_id: 0,
+            calls: 0,
+        }
+    }
+
+    /// Queues a prompt; returns its id (ids grow with arrival).
+    pub fn add(
+        &mut self,
+        tokens: &[u32],
+        namespace: Namespace,
+        priority: i32,
+        max_new_tokens: u32,
+    ) -> Result<u64> {
+        if tokens.is_empty() {
+            return Err(invalid(
+                "tokens must hold at least one token, got an empty sequence",
+            ));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let tokens: Arc<[u32]> = tokens.into();
+        let limit = match_limit(tokens.len(), self.page_size);
+        let path = self
+            .trie
+            .insert(id, &tokens, &namespace, limit / self.trie.chunk);
+        let arrived = self.calls;
+        self.waiting.insert(
+            id,
+            Waiting {
+                tokens,
+                namespace,
+                priority,
+                max_new_tokens,
+                arrived,
+                path,
+                limit,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Drops a waiting request; returns whether it was waiting.
+    pub fn cancel(&mut self, id: u64) -> bool {
+        match self.waiting.remove(&id) {
+            Some(w) => {
+                self.trie.remove(id, &w.path);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Number of waiting requests.
+    pub fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    /// Ids of the waiting requests, by arrival.
+    pub fn waiting_ids(&self) -> Vec<u64> {
+        self.waiting.keys().copied().collect()
+    }
+
+    /// Cached prefix of a waiting request as ranked in pass `stamp` (after `match_all`).
+    fn estimate(&self, cache: &dyn PrefixCache, w: &Waiting, stamp: u64) -> usize {
+        let f = self.trie.frontier(&w.path, stamp);
+        let node = &self.trie.nodes[w.path[f] as usize];
+        let mut cur = node.cursor.expect("probed nodes hold a cursor");
+        if node.full && f + 1 == w.path.len() {
+            let start = (w.path.len() - 1) * self.trie.chunk;
+            cache.advance(&mut cur, &w.tokens[start..w.limit]);
+        }
+        cur.matched
+    }
+
+    fn starved(&self, w: &Waiting) -> bool {
+        self.max_wait > 0 && self.calls - w.arrived > self.max_wait
+    }
+
+    /// The waiting ids in service order, with each one's estimated cached prefix.
+    fn rank(&mut self, cache: &dyn PrefixCache) -> Vec<(u64, usize)> {
+        let stamp = self.calls;
+        if self.policy != Policy::Fcfs {
+            self.trie.match_all(cache, stamp);
+        }
+        let dfs_rank: BTreeMap<u64, usize> = match self.policy {
+            Policy::DfsWeight => self
+                .trie
+                .dfs_order()
+                .into_iter()
+                .enumerate()
+                .map(|(r, id)| (id, r))
+                .collect(),
+            _ => BTreeMap::new(),
+        };
+        let mut keyed: Vec<((bool, u64, Reverse<i32>, Reverse<usize>, usize, u64), usize)> = self
+            .waiting
+            .iter()
+            .map(|(&id, w)| {
+                let est = if self.policy == Policy::Fcfs {
+                    0
+                } else {
+                    self.estimate(cache, w, stamp)
+                };
+                let starved = self.starved(w);
+                let policy_key = match self.policy {
+                    Policy::Fcfs => (Reverse(0), 0),
+                    Policy::Lpm => (Reverse(est), 0),
+                    Policy::DfsWeight => (Reverse(0), dfs_rank[&id]),
+                };
+                let key = (
+                    !starved,
+                    if starved { id } else { 0 },
+                    Reverse(w.priority),
+                    policy_key.0,
+                    policy_key.1,
+                    id,
+                );
+                (key, est)
+            })
+            .collect();
+        keyed.sort_unstable_by_key(|(k, _)| *k);
+        keyed.into_iter().map(|(k, est)| (k.5, est)).collect()
+    }
+
+    /// Admits waiting requests, in service order, while they fit `token_budget` (uncached tokens)
+    /// and `max_requests`, and the cache has pages for them. A call that admits nothing leaves
+    /// the cache unchanged.
+    pub fn schedule(
+        &mut self,
+        cache: &mut dyn PrefixCache,
+        token_budget: usize,
+        max_requests: usize,
+    ) -> Vec<Admitted> {
+        self.calls += 1;
+        let stamp = self.calls;
+        let mut out = Vec::new();
+        if self.waiting.is_empty() || max_requests == 0 || token_budget == 0 {
+            return out;
+        }
+        let ranked = self.rank(cache);
+        let chunk = self.trie.chunk;
+        let evicted_at_rank = cache.stats().evicted_pages;
+        let mut budget = token_budget;
+        for (id, est) in ranked {
+            if out.len() >= max_requests || budget == 0 {
+                break;
+            }
+            let w = &self.waiting[&id];
+            let starved = self.starved(w);
+            let n = w.tokens.len();
+            // Admissions never add cached pages, so `est` bounds the cached prefix from above.
+            if n - est > budget {
+                if starved || self.policy == Policy::Fcfs {
+                    break;
+                }
+                continue;
+            }
+            let exact =
+                if self.policy == Policy::Fcfs || cache.stats().evicted_pages != evicted_at_rank {
+                    match cache.match_prefix(&w.tokens, &w.namespace) {
+                        Ok(m) => m,
+                        Err(_) => continue,
+                    }
+                } else {
+                    est
+                };
+            let uncached_chunks = (exact / chunk + 1).min(w.path.len())..w.path.len();
+            let shared_with_batch = self.policy != Policy::Fcfs
+                && !starved
+                && w.path[uncached_chunks.clone()]
+                    .iter()
+                    .any(|&nd| self.trie.nodes[nd as usize].claimed == stamp);
+            if shared_with_batch {
+                continue;
+            }
+            if n - exact > budget {
+                if starved || self.policy == Policy::Fcfs {
+                    break;
+                }
+                continue;
+            }
+            let request = match cache.admit(&w.tokens, w.namespace.clone()) {
+                Ok(r) => r,
+                Err(_) if starved || self.policy == Policy::Fcfs => break,
+                Err(_) => continue,
+            };
+            budget -= n - exact;
+            for &nd in &w.path[uncached_chunks] {
+                self.trie.nodes[nd as usize].claimed = stamp;
+            }
+            let w = self.waiting.remove(&id).expect("ranked ids are waiting");
+            self.trie.remove(id, &w.path);
+            out.push(Admitted {
+                id,
+                request,
+                max_new_tokens: w.max_new_tokens,
+            });
+        }
+        out
+    }
+}

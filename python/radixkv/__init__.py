@@ -16,6 +16,7 @@ from radixkv._radixkv import (
     OutOfPages,
     RadixCache,
     Request,
+    Scheduler,
     block_hashes,
     plan_step,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "OutOfPages",
     "RadixCache",
     "Request",
+    "Scheduler",
     "block_hashes",
     "plan_step",
 ]

@@ -55,6 +55,13 @@ impl PyCache {
         }
     }
 
+    /// The core under its mutex. Call without holding the GIL, or for short work only.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Box<dyn PrefixCache>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// Reads a live request under the mutex (GIL held: views are short reads).
     pub fn view<R>(&self, id: RequestId, f: impl FnOnce(RequestView<'_>) -> R) -> PyResult<R> {
         let guard = self
@@ -295,6 +302,14 @@ pub struct PyRequest {
 }
 
 impl PyRequest {
+    pub(crate) fn new(cache: &Bound<'_, PyCache>, id: RequestId, namespace: PyObject) -> Self {
+        PyRequest {
+            cache: cache.clone().unbind(),
+            id,
+            namespace,
+        }
+    }
+
     fn view<R>(&self, f: impl FnOnce(RequestView<'_>) -> R) -> PyResult<R> {
         self.cache.get().view(self.id, f)
     }

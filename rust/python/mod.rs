@@ -10,6 +10,7 @@
 mod cache;
 mod convert;
 mod plan;
+mod scheduler;
 
 use crate::error::Error as CoreError;
 use pyo3::create_exception;
@@ -52,5 +53,6 @@ fn _radixkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidRequest", py.get_type::<InvalidRequest>())?;
     cache::register(m)?;
     plan::register(m)?;
+    scheduler::register(m)?;
     Ok(())
 }

@@ -1,0 +1,164 @@
+//! `Scheduler` as a Python class.
+
+use super::cache::{PyCache, PyRequest};
+use super::convert;
+use crate::scheduler::{Policy, Scheduler};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// A waiting queue that admits requests into a cache in a cache-aware order.
+///
+/// ``policy``: ``"fcfs"`` (arrival order), ``"lpm"`` (longest cached prefix first) or
+/// ``"dfs-weight"`` (requests sharing a prefix back to back, heaviest group first).
+/// ``max_wait``: a request that has waited more than this many ``schedule`` calls goes ahead of
+/// cache order (``0`` turns the bound off). Higher ``priority`` goes first within every policy.
+#[pyclass(name = "Scheduler", module = "radixkv._radixkv", frozen)]
+pub struct PyScheduler {
+    cache: Py<PyCache>,
+    inner: Mutex<Scheduler>,
+    policy: String,
+    /// The namespace object each waiting request was added with, handed back "as given".
+    namespaces: Mutex<HashMap<u64, PyObject>>,
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (cache, policy="lpm", max_wait=256))]
+    fn new(
+        py: Python<'_>,
+        cache: &Bound<'_, PyCache>,
+        policy: &str,
+        max_wait: i64,
+    ) -> PyResult<Self> {
+        let p: Policy = policy.parse()?;
+        if max_wait < 0 {
+            return Err(PyValueError::new_err(format!(
+                "max_wait must be >= 0, got {max_wait}"
+            )));
+        }
+        let page_size = cache.get().with(py, false, |c| Ok(c.page_size()))?;
+        Ok(PyScheduler {
+            cache: cache.clone().unbind(),
+            inner: Mutex::new(Scheduler::new(page_size, p, max_wait as u64)),
+            policy: policy.to_string(),
+            namespaces: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Queues a prompt; returns its id (ids grow with arrival).
+    #[pyo3(signature = (tokens, namespace=None, priority=0, max_new_tokens=0))]
+    fn add(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+        max_new_tokens: i64,
+    ) -> PyResult<u64> {
+        let toks = convert::tokens("tokens", tokens)?;
+        let ns = convert::namespace(namespace)?;
+        if !(0..=u32::MAX as i64).contains(&max_new_tokens) {
+            return Err(PyValueError::new_err(format!(
+                "max_new_tokens must be in [0, 2**32), got {max_new_tokens}"
+            )));
+        }
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let id = s.add(&toks, ns, priority, max_new_tokens as u32)?;
+        let ns_obj = namespace.map_or_else(|| tokens.py().None(), |o| o.clone().unbind());
+        self.namespaces
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, ns_obj);
+        Ok(id)
+    }
+
+    /// Drops a waiting request; returns whether it was waiting.
+    fn cancel(&self, id: u64) -> bool {
+        self.namespaces
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .cancel(id)
+    }
+
+    /// Admits waiting requests in service order while they fit ``token_budget`` (counting only
+    /// their uncached tokens), ``max_requests`` and the cache's pages (evictable ones count as
+    /// available). Returns ``(id, Request)`` pairs in admission order. A call that admits nothing
+    /// leaves the cache unchanged.
+    #[pyo3(signature = (token_budget, max_requests=None))]
+    fn schedule(
+        &self,
+        py: Python<'_>,
+        token_budget: i64,
+        max_requests: Option<i64>,
+    ) -> PyResult<Vec<(u64, PyRequest)>> {
+        if token_budget < 0 {
+            return Err(PyValueError::new_err(format!(
+                "token_budget must be >= 0, got {token_budget}"
+            )));
+        }
+        let max_requests = match max_requests {
+            None => usize::MAX,
+            Some(m) if m >= 0 => m as usize,
+            Some(m) => {
+                return Err(PyValueError::new_err(format!(
+                    "max_requests must be >= 0, got {m}"
+                )))
+            }
+        };
+        let cache = self.cache.bind(py);
+        let admitted = py.allow_threads(|| {
+            let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = cache_lock(self.cache.get());
+            s.schedule(&mut **c, token_budget as usize, max_requests)
+        });
+        let mut namespaces = self.namespaces.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(admitted
+            .into_iter()
+            .map(|a| {
+                let ns = namespaces.remove(&a.id).unwrap_or_else(|| py.None());
+                (a.id, PyRequest::new(cache, a.request, ns))
+            })
+            .collect())
+    }
+
+    /// Ids of the waiting requests, by arrival.
+    #[getter]
+    fn waiting(&self) -> Vec<u64> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .waiting_ids()
+    }
+
+    /// The policy name.
+    #[getter]
+    fn policy(&self) -> &str {
+        &self.policy
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Scheduler(policy={:?}, waiting={})",
+            self.policy,
+            self.__len__()
+        )
+    }
+}
+
+fn cache_lock(c: &PyCache) -> std::sync::MutexGuard<'_, Box<dyn crate::cache::PrefixCache>> {
+    c.lock()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyScheduler>()
+}

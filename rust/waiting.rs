@@ -1,0 +1,223 @@
+//! The waiting queue's prompts as a trie of fixed-size chunks, shared by the scheduler's policies.
+//!
+//! ```text
+//!   root[namespace] ── chunk 0 ── chunk 1 ──┬── chunk 2 ...   (weight: waiting requests below)
+//!                                           └── chunk 2'...
+//! ```
+//!
+//! A chunk is `C` tokens, a whole number of pages. Requests sharing a prefix share trie nodes, so
+//! ranking work is done once per shared chunk instead of once per request: matching the queue
+//! against the cache probes each trie node at most once, and only where its parent matched in
+//! full. Children are keyed by a 64-bit hash of the chunk (a collision can only mis-rank; the
+//! admission itself always matches exactly).
+
+use crate::cache::{Cursor, Namespace, PrefixCache};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+pub(crate) const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Default)]
+pub(crate) struct TrieNode {
+    pub parent: u32,
+    /// Chunk tokens: `src[offset..offset + C]` (shared with the request that brought it).
+    src: Option<Arc<[u32]>>,
+    offset: usize,
+    pub children: HashMap<u64, u32>,
+    /// Waiting requests whose path runs through (or ends at) this node.
+    pub weight: u32,
+    /// Waiting requests whose path ends here, by id (= arrival order).
+    pub ending: BTreeSet<u64>,
+    /// Pass in which `cursor` was computed, and whether the chunk matched in full then.
+    pub stamp: u64,
+    pub cursor: Option<Cursor>,
+    pub full: bool,
+    /// Pass in which a request admitted by that pass claimed this (uncached) chunk.
+    pub claimed: u64,
+    /// Id of the request that created the node: the tie-break between equal weights.
+    created_by: u64,
+}
+
+impl TrieNode {
+    pub fn chunk(&self, c: usize) -> &[u32] {
+        let src = self.src.as_ref().expect("non-root nodes hold a chunk");
+        &src[self.offset..self.offset + c]
+    }
+}
+
+fn chunk_key(chunk: &[u32]) -> u64 {
+    chunk.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
+        (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The trie of waiting prompts.
+#[derive(Debug, Default)]
+pub(crate) struct WaitingTrie {
+    pub chunk: usize,
+    pub nodes: Vec<TrieNode>,
+    vacant: Vec<u32>,
+    pub roots: HashMap<Namespace, u32>,
+}
+
+impl WaitingTrie {
+    pub fn new(chunk: usize) -> Self {
+        WaitingTrie {
+            chunk,
+            ..Default::default()
+        }
+    }
+
+    fn alloc(&mut self, node: TrieNode) -> u32 {
+        match self.vacant.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Adds a request's first `full_chunks` chunks; returns its path (root first).
+    pub fn insert(
+        &mut self,
+        id: u64,
+        tokens: &Arc<[u32]>,
+        namespace: &Namespace,
+        full_chunks: usize,
+    ) -> Vec<u32> {
+        let c = self.chunk;
+        let root = match self.roots.get(namespace) {
+            Some(&r) => r,
+            None => {
+                let r = self.alloc(TrieNode {
+                    parent: NIL,
+                    created_by: id,
+                    ..Default::default()
+                });
+                self.roots.insert(namespace.clone(), r);
+                r
+            }
+        };
+        let mut path = Vec::with_capacity(full_chunks + 1);
+        let mut node = root;
+        self.nodes[root as usize].weight += 1;
+        path.push(root);
+        for i in 0..full_chunks {
+            let key = chunk_key(&tokens[i * c..(i + 1) * c]);
+            node = match self.nodes[node as usize].children.get(&key) {
+                Some(&child) => child,
+                None => {
+                    let child = self.alloc(TrieNode {
+                        parent: node,
+                        src: Some(tokens.clone()),
+                        offset: i * c,
+                        created_by: id,
+                        ..Default::default()
+                    });
+                    self.nodes[node as usize].children.insert(key, child);
+                    child
+                }
+            };
+            self.nodes[node as usize].weight += 1;
+            path.push(node);
+        }
+        self.nodes[node as usize].ending.insert(id);
+        path
+    }
+
+    /// Removes a request along `path`, dropping nodes no request passes through any more.
+    pub fn remove(&mut self, id: u64, path: &[u32]) {
+        let c = self.chunk;
+        if let Some(&end) = path.last() {
+            self.nodes[end as usize].ending.remove(&id);
+        }
+        for &n in path.iter().rev() {
+            let node = &mut self.nodes[n as usize];
+            node.weight -= 1;
+            if node.weight == 0 && node.parent != NIL {
+                let key = chunk_key(node.chunk(c));
+                let parent = node.parent;
+                self.nodes[parent as usize].children.remove(&key);
+                self.nodes[n as usize] = TrieNode::default();
+                self.vacant.push(n);
+            }
+        }
+    }
+
+    /// Matches every live trie node against `cache` for pass `stamp`: a node is probed only if
+    /// its parent matched in full. Returns nothing; results sit in the nodes' `cursor`/`full`.
+    pub fn match_all(&mut self, cache: &dyn PrefixCache, stamp: u64) {
+        let c = self.chunk;
+        let mut stack: Vec<u32> = Vec::new();
+        for (ns, &root) in &self.roots {
+            let node = &mut self.nodes[root as usize];
+            node.stamp = stamp;
+            node.cursor = Some(cache.cursor(ns));
+            node.full = true;
+            stack.push(root);
+        }
+        while let Some(n) = stack.pop() {
+            let cursor = self.nodes[n as usize]
+                .cursor
+                .expect("stamped nodes hold a cursor");
+            let children: Vec<u32> = self.nodes[n as usize].children.values().copied().collect();
+            for ch in children {
+                let mut cur = cursor;
+                let full = cache.advance(&mut cur, self.nodes[ch as usize].chunk(c));
+                let node = &mut self.nodes[ch as usize];
+                node.stamp = stamp;
+                node.cursor = Some(cur);
+                node.full = full;
+                if full {
+                    stack.push(ch);
+                }
+            }
+        }
+    }
+
+    /// The deepest node of `path` probed in pass `stamp` (the match frontier), as an index.
+    pub fn frontier(&self, path: &[u32], stamp: u64) -> usize {
+        // Probed nodes form a prefix of the path: binary search for its end.
+        let (mut lo, mut hi) = (0, path.len());
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if self.nodes[path[mid] as usize].stamp == stamp {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Requests in depth-first order, heaviest subtree first (ties: earliest arrival first),
+    /// each node's own requests before its children's.
+    pub fn dfs_order(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut roots: Vec<u32> = self.roots.values().copied().collect();
+        roots.sort_by_key(|&r| {
+            (
+                std::cmp::Reverse(self.nodes[r as usize].weight),
+                self.nodes[r as usize].created_by,
+            )
+        });
+        let mut stack: Vec<u32> = roots.into_iter().rev().collect();
+        while let Some(n) = stack.pop() {
+            let node = &self.nodes[n as usize];
+            out.extend(node.ending.iter().copied());
+            let mut kids: Vec<u32> = node.children.values().copied().collect();
+            kids.sort_by_key(|&k| {
+                (
+                    std::cmp::Reverse(self.nodes[k as usize].weight),
+                    self.nodes[k as usize].created_by,
+                )
+            });
+            stack.extend(kids.into_iter().rev());
+        }
+        out
+    }
+}
