@@ -10,7 +10,8 @@
 //! 2. higher `priority` first;
 //! 3. the policy: `Fcfs` arrival order; `Lpm` longest cached prefix (in the request's own
 //!    namespace) first, ties by arrival; `DfsWeight` depth first over the trie of waiting
-//!    prompts, heaviest subtree first, so requests sharing a prefix run back to back.
+//!    prompts, cached subtrees first, then the heaviest, so requests sharing a prefix run back
+//!    to back.
 //!
 //! Admission counts only uncached tokens against the token budget and lets the cache count
 //! evictable pages as available. Under the cache-aware policies, a request whose uncached prefix
@@ -191,7 +192,7 @@ impl Scheduler {
         let dfs_rank: BTreeMap<u64, usize> = match self.policy {
             Policy::DfsWeight => self
                 .trie
-                .dfs_order()
+                .dfs_order(stamp)
                 .into_iter()
                 .enumerate()
                 .map(|(r, id)| (id, r))

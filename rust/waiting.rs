@@ -194,28 +194,26 @@ impl WaitingTrie {
         lo
     }
 
-    /// Requests in depth-first order, heaviest subtree first (ties: earliest arrival first),
-    /// each node's own requests before its children's.
-    pub fn dfs_order(&self) -> Vec<u64> {
+    /// Requests in depth-first order: at each node its own requests, then its children, those
+    /// whose chunk is cached in full (in pass `stamp`) first, then the heaviest, then the oldest.
+    /// This is SGLang's DFS-weight order made to see the cache: a group whose prefix is cached
+    /// is served before a heavier group that would have to compute (and maybe evict for) its own.
+    pub fn dfs_order(&self, stamp: u64) -> Vec<u64> {
+        let key = |n: u32| {
+            let node = &self.nodes[n as usize];
+            let cached =
+                node.stamp == stamp && node.full && node.cursor.is_some_and(|c| c.matched > 0);
+            (!cached, std::cmp::Reverse(node.weight), node.created_by)
+        };
         let mut out = Vec::new();
         let mut roots: Vec<u32> = self.roots.values().copied().collect();
-        roots.sort_by_key(|&r| {
-            (
-                std::cmp::Reverse(self.nodes[r as usize].weight),
-                self.nodes[r as usize].created_by,
-            )
-        });
+        roots.sort_by_key(|&r| key(r));
         let mut stack: Vec<u32> = roots.into_iter().rev().collect();
         while let Some(n) = stack.pop() {
             let node = &self.nodes[n as usize];
             out.extend(node.ending.iter().copied());
             let mut kids: Vec<u32> = node.children.values().copied().collect();
-            kids.sort_by_key(|&k| {
-                (
-                    std::cmp::Reverse(self.nodes[k as usize].weight),
-                    self.nodes[k as usize].created_by,
-                )
-            });
+            kids.sort_by_key(|&k| key(k));
             stack.extend(kids.into_iter().rev());
         }
         out
