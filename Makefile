@@ -46,12 +46,13 @@ demo: $(EXT)
 replay: $(EXT)
 	$(PY) -m radixkv replay ../shared/traces/mooncake_conversation_trace.jsonl
 
-lint: $(DEPS)
+lint: $(EXT)
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python -- -D warnings
 	cargo fmt --check
 	$(PY) -m ruff check python tests benches
 	$(PY) -m ruff format --check python tests benches
+	$(PY) -m mypy.stubtest radixkv._radixkv
 
 fmt: $(DEPS)
 	cargo fmt
