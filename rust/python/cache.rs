@@ -55,13 +55,6 @@ impl PyCache {
         }
     }
 
-    /// The core under its mutex. Call without holding the GIL, or for short work only.
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, Box<dyn PrefixCache>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
     /// Reads a live request under the mutex (GIL held: views are short reads).
     pub fn view<R>(&self, id: RequestId, f: impl FnOnce(RequestView<'_>) -> R) -> PyResult<R> {
         let guard = self

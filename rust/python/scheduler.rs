@@ -112,11 +112,11 @@ impl PyScheduler {
             }
         };
         let cache = self.cache.bind(py);
-        let admitted = py.allow_threads(|| {
+        // Lock order: the cache, then the scheduler (the only place that holds both).
+        let admitted = self.cache.get().with(py, true, |c| {
             let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            let mut c = cache_lock(self.cache.get());
-            s.schedule(&mut **c, token_budget as usize, max_requests)
-        });
+            Ok(s.schedule(c, token_budget as usize, max_requests))
+        })?;
         let mut namespaces = self.namespaces.lock().unwrap_or_else(|e| e.into_inner());
         Ok(admitted
             .into_iter()
@@ -155,9 +155,6 @@ impl PyScheduler {
     }
 }
 
-fn cache_lock(c: &PyCache) -> std::sync::MutexGuard<'_, Box<dyn crate::cache::PrefixCache>> {
-    c.lock()
-}
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()
