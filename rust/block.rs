@@ -45,10 +45,15 @@ impl Hasher for PrefixHasher {
 
 type HashMapToPage = HashMap<BlockHash, u32, BuildHasherDefault<PrefixHasher>>;
 
-/// The block cache's own part of a request: the hashes of its full pages computed so far.
+/// The block cache's own part of a request.
 #[derive(Debug, Clone, Default)]
 pub struct BlockExt {
+    /// Hashes of its full pages computed so far.
     hashes: Vec<BlockHash>,
+    /// `(position, stored page)` where this request computed a page that another request had
+    /// published first: its own copy stays private, and it pins the stored one instead, so that
+    /// the chain through its published pages stays whole (and reachable by `fork`) while it lives.
+    stored: Vec<(u32, u32)>,
 }
 
 /// Page records and the hash map: everything besides the requests.
@@ -102,18 +107,29 @@ impl Pool {
         *rc += 1;
     }
 
-    /// Drops one pin of each page, tail first.
-    fn release(&mut self, pages: &[u32]) {
-        for &page in pages.iter().rev() {
-            let rc = &mut self.refcount[page as usize];
-            *rc -= 1;
-            if *rc == 0 {
-                if self.hash_of[page as usize].is_some() {
-                    self.lists.push_back(EVICTABLE, page);
-                } else {
-                    self.lists.push_front(FREE, page);
-                }
+    /// Drops one pin of a page: at refcount 0 a hashed page becomes the most recently used
+    /// evictable page, an unhashed one the next free page.
+    fn unpin(&mut self, page: u32) {
+        let rc = &mut self.refcount[page as usize];
+        *rc -= 1;
+        if *rc == 0 {
+            if self.hash_of[page as usize].is_some() {
+                self.lists.push_back(EVICTABLE, page);
+            } else {
+                self.lists.push_front(FREE, page);
             }
+        }
+    }
+
+    /// Drops a request's pins, its chain's tail first. At a position where the request holds a
+    /// private duplicate, the stored copy it pinned is released right there in the chain.
+    fn release(&mut self, pages: &[u32], stored: &[(u32, u32)]) {
+        let mut stored = stored.iter().rev().peekable();
+        for (i, &page) in pages.iter().enumerate().rev() {
+            if let Some(&(_, copy)) = stored.next_if(|(at, _)| *at as usize == i) {
+                self.unpin(copy);
+            }
+            self.unpin(page);
         }
     }
 
@@ -196,7 +212,8 @@ impl BlockCache {
     }
 
     /// Publishes the full pages of `r` below `upto` tokens. A page whose hash another page holds
-    /// already stays private to `r` (its table does not change) and is freed when `r` ends.
+    /// already stays private to `r` (its table does not change) and is freed when `r` ends;
+    /// `r` pins the stored copy in its place.
     fn publish(pool: &mut Pool, r: &mut Request<BlockExt>, upto: usize) {
         let p = pool.page_size;
         let (first, last) = (r.published / p, upto / p);
@@ -206,9 +223,15 @@ impl BlockCache {
         pool.ensure_hashes(&r.tokens, &r.namespace, &mut r.ext.hashes, last);
         for i in first..last {
             let h = r.ext.hashes[i];
-            if let std::collections::hash_map::Entry::Vacant(e) = pool.map.entry(h) {
-                e.insert(r.pages[i]);
-                pool.hash_of[r.pages[i] as usize] = Some(h);
+            match pool.map.get(&h) {
+                Some(&copy) => {
+                    pool.pin(copy);
+                    r.ext.stored.push((i as u32, copy));
+                }
+                None => {
+                    pool.map.insert(h, r.pages[i]);
+                    pool.hash_of[r.pages[i] as usize] = Some(h);
+                }
             }
         }
         r.published = last * p;
@@ -220,7 +243,7 @@ impl BlockCache {
             let upto = r.num_computed / self.p() * self.p();
             Self::publish(&mut self.pool, &mut r, upto);
         }
-        self.pool.release(&r.pages);
+        self.pool.release(&r.pages, &r.ext.stored);
         Ok(())
     }
 }
@@ -258,7 +281,7 @@ impl PrefixCache for BlockCache {
             num_cached: matched,
             num_computed: matched,
             published: matched,
-            ext: BlockExt { hashes },
+            ext: BlockExt { hashes, stored: Vec::new() },
         }))
     }
 
@@ -371,6 +394,18 @@ impl PrefixCache for BlockCache {
                         "page {page}, a cache hit, no longer holds its prefix"
                     ));
                 }
+            }
+            for &(at, copy) in &r.ext.stored {
+                let (at, copy) = (at as usize, copy as usize);
+                let stands_for = at < r.published / p
+                    && pool.hash_of[copy] == Some(r.ext.hashes[at])
+                    && pool.hash_of[r.pages[at] as usize].is_none();
+                if !stands_for {
+                    return corrupt(format!(
+                        "request position {at}: stored copy {copy} does not stand for its private page"
+                    ));
+                }
+                refs[copy] += 1;
             }
         }
         for page in 0..self.num_pages {

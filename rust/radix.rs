@@ -24,7 +24,8 @@ use crate::links::{Links, ListId};
 use crate::request::{new_cache_id, Request, RequestId, Requests};
 use crate::stats::{CacheStats, Counters};
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
 const NIL: u32 = u32::MAX;
 const LRU: ListId = ListId(0);
@@ -115,6 +116,8 @@ struct Tree {
     /// Pages held by unpinned nodes.
     evictable: usize,
     clock: u64,
+    /// Keys the hash of pages longer than two tokens.
+    hasher: RandomState,
 }
 
 impl Tree {
@@ -123,15 +126,20 @@ impl Tree {
         self.clock
     }
 
-    /// Child-map key of a page: exact for pages of one or two tokens, a 64-bit hash otherwise.
-    /// Lookups compare the page itself, so a hash collision can only cost a cache hit.
+    /// Child-map key of a page: exact for pages of one or two tokens; otherwise SipHash keyed
+    /// with this cache's random key, so nobody can construct two pages that collide. Lookups
+    /// compare the page itself: a chance collision (2^-64 per pair) can only cost a cache hit.
     fn page_key(&self, page: &[u32]) -> u64 {
         match page {
             [t] => *t as u64,
             [a, b] => (*a as u64) << 32 | *b as u64,
-            _ => page.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
-                (h.rotate_left(5) ^ t as u64).wrapping_mul(0x0000_0100_0000_01b3)
-            }),
+            _ => {
+                let mut h = self.hasher.build_hasher();
+                for &t in page {
+                    h.write_u32(t);
+                }
+                h.finish()
+            }
         }
     }
 
@@ -404,6 +412,7 @@ impl RadixCache {
                 free: FreeSet::full(num_pages),
                 evictable: 0,
                 clock: 0,
+                hasher: RandomState::new(),
             },
             num_pages,
             requests: Requests::new(new_cache_id()),

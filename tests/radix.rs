@@ -1,0 +1,1055 @@
+//! RadixCache unit tests with exact page ids and eviction orders (docs/SEMANTICS.md).
+//!
+//! Most tests run at page sizes 1 and 4 with tokens built from "units": one unit is one page of
+//! tokens, so page ids and page counts are the same at both sizes and only token counts scale.
+//! `check()` runs after every operation (the `Ck` wrapper does it).
+
+use radixkv::{CacheStats, Error, Namespace, PrefixCache, RadixCache, RequestId};
+
+/// A cache that runs `check()` after every operation and unwraps what must succeed.
+struct Ck<C: PrefixCache> {
+    c: C,
+}
+
+impl<C: PrefixCache> Ck<C> {
+    fn check(&self) {
+        if let Err(e) = self.c.check() {
+            panic!("check() failed: {e}");
+        }
+    }
+    fn try_admit_in(&mut self, t: &[u32], ns: &Namespace) -> Result<RequestId, Error> {
+        let r = self.c.admit(t, ns.clone());
+        self.check();
+        r
+    }
+    fn try_admit(&mut self, t: &[u32]) -> Result<RequestId, Error> {
+        self.try_admit_in(t, &None)
+    }
+    fn admit_in(&mut self, t: &[u32], ns: &Namespace) -> RequestId {
+        self.try_admit_in(t, ns)
+            .unwrap_or_else(|e| panic!("admit of {} tokens: {e}", t.len()))
+    }
+    fn admit(&mut self, t: &[u32]) -> RequestId {
+        self.admit_in(t, &None)
+    }
+    fn try_extend(&mut self, id: RequestId, t: &[u32]) -> Result<(), Error> {
+        let r = self.c.extend(id, t);
+        self.check();
+        r
+    }
+    fn extend(&mut self, id: RequestId, t: &[u32]) {
+        self.try_extend(id, t).unwrap();
+    }
+    fn try_commit(&mut self, id: RequestId, n: usize) -> Result<(), Error> {
+        let r = self.c.commit(id, n);
+        self.check();
+        r
+    }
+    fn commit(&mut self, id: RequestId, n: usize) {
+        self.try_commit(id, n).unwrap();
+    }
+    fn try_fork(&mut self, id: RequestId) -> Result<RequestId, Error> {
+        let r = self.c.fork(id);
+        self.check();
+        r
+    }
+    fn fork(&mut self, id: RequestId) -> RequestId {
+        self.try_fork(id).unwrap()
+    }
+    fn finish(&mut self, id: RequestId) {
+        self.c.finish(id).unwrap();
+        self.check();
+    }
+    fn abort(&mut self, id: RequestId) {
+        self.c.abort(id).unwrap();
+        self.check();
+    }
+    /// `match_prefix`, asserting that it changes nothing visible.
+    fn matched_in(&self, t: &[u32], ns: &Namespace) -> usize {
+        let before = self.c.stats();
+        let m = self.c.match_prefix(t, ns).unwrap();
+        assert_eq!(self.c.stats(), before, "match_prefix changed the stats");
+        self.check();
+        m
+    }
+    fn matched(&self, t: &[u32]) -> usize {
+        self.matched_in(t, &None)
+    }
+    fn evict(&mut self, k: usize) -> usize {
+        let n = self.c.evict(k);
+        self.check();
+        n
+    }
+    fn reset(&mut self) -> usize {
+        let n = self.c.reset();
+        self.check();
+        n
+    }
+    fn pages(&self, id: RequestId) -> Vec<u32> {
+        self.c.request(id).unwrap().pages.to_vec()
+    }
+    fn cached(&self, id: RequestId) -> usize {
+        self.c.request(id).unwrap().num_cached
+    }
+    fn stats(&self) -> CacheStats {
+        self.c.stats()
+    }
+    /// `(free, evictable, used)` pages.
+    fn counts(&self) -> (usize, usize, usize) {
+        let s = self.c.stats();
+        assert_eq!(s.free_pages + s.evictable_pages + s.used_pages, s.num_pages);
+        (s.free_pages, s.evictable_pages, s.used_pages)
+    }
+}
+
+fn radix(num_pages: usize, p: usize) -> Ck<RadixCache> {
+    let c = Ck {
+        c: RadixCache::new(num_pages, p).unwrap(),
+    };
+    c.check();
+    c
+}
+
+/// Tokens of whole pages: unit `s` is the page `[100 s, 100 s + 1, ..., 100 s + p - 1]`.
+fn u(p: usize, syms: &[u32]) -> Vec<u32> {
+    assert!(p <= 100);
+    syms.iter()
+        .flat_map(|&s| (0..p as u32).map(move |i| s * 100 + i))
+        .collect()
+}
+
+fn cat(a: &[u32], b: &[u32]) -> Vec<u32> {
+    [a, b].concat()
+}
+
+fn ns(s: &str) -> Namespace {
+    Some(s.as_bytes().into())
+}
+
+fn range(a: u32, b: u32) -> Vec<u32> {
+    (a..b).collect()
+}
+
+// ------------------------------------------------------------------------------------------------
+
+fn fresh_admit(p: usize) {
+    let mut c = radix(16, p);
+    let a = u(p, &[1, 2, 3, 4, 5]);
+    let r = c.admit(&a);
+    assert_eq!(c.pages(r), vec![0, 1, 2, 3, 4]);
+    let v = c.c.request(r).unwrap();
+    assert_eq!(
+        (v.num_cached, v.num_computed, v.num_tokens()),
+        (0, 0, 5 * p)
+    );
+    assert_eq!(v.tokens, &a[..]);
+    assert_eq!(v.namespace, &None);
+    assert_eq!(v.page_size, p);
+    // Slot of token i: pages[i / P] * P + i % P; pages are 0..5 here, so slot i == i.
+    for i in 0..5 * p {
+        assert_eq!(v.slot(i), i as i64);
+    }
+    assert_eq!(c.counts(), (11, 0, 5));
+    let s = c.stats();
+    assert_eq!((s.num_pages, s.page_size), (16, p));
+    assert_eq!(
+        (s.queries, s.query_tokens, s.hit_tokens, s.evicted_pages),
+        (1, 5 * p as u64, 0, 0)
+    );
+    assert_eq!(s.hit_rate(), 0.0);
+    // Nothing is published before a commit.
+    assert_eq!(c.matched(&cat(&a, &u(p, &[9]))), 0);
+
+    let b = u(p, &[6, 7, 8]);
+    let rb = c.admit(&b);
+    assert_eq!(c.pages(rb), vec![5, 6, 7]);
+    // A prompt that does not fill its last page still takes a whole page for it.
+    let odd = range(5000, 5000 + 2 * p as u32 + 1);
+    let ro = c.admit(&odd);
+    assert_eq!(c.pages(ro), vec![8, 9, 10]);
+    let v = c.c.request(ro).unwrap();
+    assert_eq!(v.slot(2 * p), 10 * p as i64);
+    assert_eq!(v.slot(p), 9 * p as i64);
+    assert_eq!(c.counts(), (5, 0, 11));
+    // Aborting publishes nothing: everything goes back to the free pool.
+    c.abort(r);
+    c.abort(rb);
+    c.abort(ro);
+    assert_eq!(c.counts(), (16, 0, 0));
+    assert_eq!(c.matched(&cat(&a, &u(p, &[9]))), 0);
+    // The smallest free ids come first again.
+    let r = c.admit(&u(p, &[3, 3]));
+    assert_eq!(c.pages(r), vec![0, 1]);
+}
+
+#[test]
+fn fresh_admit_takes_pages_in_order_p1() {
+    fresh_admit(1);
+}
+
+#[test]
+fn fresh_admit_takes_pages_in_order_p4() {
+    fresh_admit(4);
+}
+
+fn commit_and_readmit(p: usize) {
+    let mut c = radix(16, p);
+    let a = u(p, &[1, 2, 3, 4, 5]);
+    let a9 = cat(&a, &u(p, &[9]));
+    let r = c.admit(&a);
+    c.commit(r, 2 * p);
+    assert_eq!(c.matched(&a9), 2 * p);
+    // Published pages of a live request are pinned: not evictable.
+    assert_eq!(c.counts(), (11, 0, 5));
+    assert_eq!(c.evict(16), 0);
+    c.commit(r, 5 * p);
+    // At most floor((n - 1) / P) * P tokens come from the cache.
+    assert_eq!(c.matched(&a), 4 * p);
+    assert_eq!(c.matched(&a9), 5 * p);
+    assert_eq!(c.matched(&a[..3 * p]), 2 * p);
+    assert_eq!(c.matched(&a[..3 * p + 1]), 3 * p);
+    let r2 = c.admit(&a);
+    assert_eq!(c.cached(r2), 4 * p);
+    assert_eq!(c.c.request(r2).unwrap().num_computed, 4 * p);
+    assert_eq!(c.pages(r2), vec![0, 1, 2, 3, 5]);
+    let s = c.stats();
+    assert_eq!(
+        (s.queries, s.query_tokens, s.hit_tokens),
+        (2, 10 * p as u64, 4 * p as u64)
+    );
+    assert_eq!(s.hit_rate(), 0.4);
+    assert_eq!(c.counts(), (10, 0, 6));
+    // r2 computed nothing beyond its hit: finishing frees its private page 5.
+    c.finish(r2);
+    assert_eq!(c.counts(), (11, 0, 5));
+    c.finish(r);
+    assert_eq!(c.counts(), (11, 5, 0));
+    let r3 = c.admit(&a9);
+    assert_eq!(c.cached(r3), 5 * p);
+    assert_eq!(c.pages(r3), vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(c.counts(), (10, 0, 6));
+}
+
+#[test]
+fn commit_publishes_and_readmit_hits_p1() {
+    commit_and_readmit(1);
+}
+
+#[test]
+fn commit_publishes_and_readmit_hits_p4() {
+    commit_and_readmit(4);
+}
+
+#[test]
+fn partial_pages_are_never_published_p4() {
+    let mut c = radix(16, 4);
+    let a = range(100, 120); // 20 tokens, 5 pages
+    let r = c.admit(&a);
+    c.commit(r, 3);
+    assert_eq!(c.matched(&a), 0);
+    c.commit(r, 9);
+    assert_eq!(c.matched(&a), 8);
+    c.commit(r, 11);
+    assert_eq!(c.matched(&a), 8);
+    // The probe's own match limit: floor((n - 1) / 4) * 4.
+    assert_eq!(c.matched(&a[..9]), 8);
+    assert_eq!(c.matched(&a[..8]), 4);
+    assert_eq!(c.matched(&a[..5]), 4);
+    assert_eq!(c.matched(&a[..4]), 0);
+    // A divergence inside a page rounds the hit down to that page's start.
+    let b = cat(&a[..6], &[7, 7, 7]);
+    assert_eq!(c.matched(&b), 4);
+    // finish publishes the full pages of what is computed (11 tokens: 2 pages).
+    c.finish(r);
+    assert_eq!(c.counts(), (14, 2, 0));
+    let rb = c.admit(&b);
+    assert_eq!(c.cached(rb), 4);
+    // Page 0 is shared, the rest comes from the smallest free ids (2, 3, ...).
+    assert_eq!(c.pages(rb), vec![0, 2, 3]);
+    // Extending inside the last partial page needs no new page.
+    c.extend(rb, &[8, 8, 8]);
+    assert_eq!(c.pages(rb), vec![0, 2, 3]);
+    c.extend(rb, &[8]);
+    assert_eq!(c.pages(rb), vec![0, 2, 3, 4]);
+}
+
+#[test]
+fn token_exact_match_p1() {
+    let mut c = radix(32, 1);
+    let a = range(100, 110);
+    let r = c.admit(&a);
+    c.commit(r, 7);
+    assert_eq!(c.matched(&a), 7);
+    let b = cat(&a[..5], &[1, 2]);
+    assert_eq!(c.matched(&b), 5);
+    c.commit(r, 10);
+    assert_eq!(c.matched(&a), 9);
+    c.finish(r);
+    let rb = c.admit(&b);
+    assert_eq!(c.cached(rb), 5);
+    assert_eq!(c.pages(rb), vec![0, 1, 2, 3, 4, 10, 11]);
+}
+
+fn split(p: usize) {
+    let mut c = radix(16, p);
+    let a = u(p, &[1, 2, 3, 4, 5, 6]);
+    let ra = c.admit(&a);
+    assert_eq!(c.pages(ra), vec![0, 1, 2, 3, 4, 5]);
+    c.commit(ra, 6 * p);
+    c.finish(ra);
+    let b = u(p, &[1, 2, 3, 7, 8]);
+    let rb = c.admit(&b);
+    assert_eq!(c.cached(rb), 3 * p);
+    assert_eq!(c.pages(rb), vec![0, 1, 2, 6, 7]);
+    c.commit(rb, 5 * p);
+    c.finish(rb);
+    // Both branches stay cached, sharing the trunk.
+    assert_eq!(c.matched(&cat(&a, &u(p, &[9]))), 6 * p);
+    assert_eq!(c.matched(&cat(&b, &u(p, &[9]))), 5 * p);
+    assert_eq!(c.matched(&u(p, &[1, 2, 3, 9])), 3 * p);
+    assert_eq!(c.matched(&u(p, &[1, 2, 9])), 2 * p);
+    assert_eq!(c.matched(&u(p, &[9, 1, 2])), 0);
+    assert_eq!(c.counts(), (8, 8, 0));
+    let rc = c.admit(&u(p, &[1, 2, 3, 7, 8, 10]));
+    assert_eq!(c.cached(rc), 5 * p);
+    assert_eq!(c.pages(rc), vec![0, 1, 2, 6, 7, 8]);
+    let rd = c.admit(&u(p, &[1, 2, 3, 4, 5, 6, 11]));
+    assert_eq!(c.cached(rd), 6 * p);
+    assert_eq!(c.pages(rd), vec![0, 1, 2, 3, 4, 5, 9]);
+    // A split in the middle of the second branch's edge.
+    let re = c.admit(&u(p, &[1, 2, 3, 7, 12]));
+    assert_eq!(c.cached(re), 4 * p);
+    assert_eq!(c.pages(re), vec![0, 1, 2, 6, 10]);
+    c.abort(rc);
+    c.abort(rd);
+    c.abort(re);
+    assert_eq!(c.counts(), (8, 8, 0));
+    assert_eq!(c.matched(&cat(&b, &u(p, &[9]))), 5 * p);
+}
+
+#[test]
+fn split_on_divergence_keeps_both_branches_p1() {
+    split(1);
+}
+
+#[test]
+fn split_on_divergence_keeps_both_branches_p4() {
+    split(4);
+}
+
+#[test]
+fn split_inside_a_page_branches_at_the_page_start_p4() {
+    let mut c = radix(16, 4);
+    let a = range(0, 16);
+    let ra = c.admit(&a);
+    c.commit(ra, 16);
+    c.finish(ra);
+    let b = cat(&a[..6], &[90, 91, 92]);
+    let rb = c.admit(&b);
+    assert_eq!(c.cached(rb), 4);
+    assert_eq!(c.pages(rb), vec![0, 4, 5]);
+    c.commit(rb, 9);
+    c.finish(rb);
+    // Page 4 (tokens a[4..6] + [90, 91]) is a branch beside page 1; page 5 was partial: freed.
+    assert_eq!(c.counts(), (11, 5, 0));
+    assert_eq!(c.matched(&cat(&a, &[1])), 16);
+    assert_eq!(c.matched(&cat(&b[..8], &[0])), 8);
+    assert_eq!(c.matched(&cat(&b, &[93, 94])), 8);
+    let rc = c.admit(&cat(&b[..8], &[1, 2, 3, 4, 5]));
+    assert_eq!(c.pages(rc), vec![0, 4, 5, 6]);
+}
+
+fn lru_order(p: usize) {
+    let mut c = radix(16, p);
+    let t = [1, 2, 3, 4];
+    let x = u(p, &[1, 2, 3, 4, 11, 12, 13]);
+    let y = u(p, &[1, 2, 3, 4, 21, 22, 23]);
+    let z = u(p, &[1, 2, 3, 4, 31, 32, 33]);
+    let q = |v: &[u32]| cat(v, &u(p, &[99]));
+    let rx = c.admit(&x);
+    assert_eq!(c.pages(rx), vec![0, 1, 2, 3, 4, 5, 6]);
+    c.commit(rx, 7 * p);
+    c.finish(rx);
+    let ry = c.admit(&y);
+    assert_eq!(c.pages(ry), vec![0, 1, 2, 3, 7, 8, 9]);
+    c.commit(ry, 7 * p);
+    c.finish(ry);
+    let rz = c.admit(&z);
+    assert_eq!(c.pages(rz), vec![0, 1, 2, 3, 10, 11, 12]);
+    c.commit(rz, 7 * p);
+    c.finish(rz);
+    // Touch x again: use order is now y (oldest), z, x (newest).
+    let rq = c.admit(&q(&x));
+    assert_eq!(c.pages(rq), vec![0, 1, 2, 3, 4, 5, 6, 13]);
+    c.abort(rq);
+    assert_eq!(c.counts(), (3, 13, 0));
+    // Least recently used leaf first, deepest page of the edge first.
+    assert_eq!(c.evict(2), 2); // y's pages 9, 8
+    assert_eq!(c.matched(&q(&y)), 5 * p);
+    assert_eq!(c.matched(&q(&z)), 7 * p);
+    assert_eq!(c.matched(&q(&x)), 7 * p);
+    assert_eq!(c.evict(2), 2); // y's page 7, then z's page 12
+    assert_eq!(c.matched(&q(&y)), 4 * p);
+    assert_eq!(c.matched(&q(&z)), 6 * p);
+    assert_eq!(c.matched(&q(&x)), 7 * p);
+    assert_eq!(c.stats().evicted_pages, 4);
+    assert_eq!(c.counts(), (7, 9, 0));
+    // Free now: {7, 8, 9, 12, 13, 14, 15}; the smallest go first, no eviction needed.
+    let rw = c.admit(&u(p, &[50, 51, 52]));
+    assert_eq!(c.pages(rw), vec![7, 8, 9]);
+    assert_eq!(c.stats().evicted_pages, 4);
+    // Six pages with four free: evict z's 11 and 10 first, then take the smallest six.
+    let rv = c.admit(&u(p, &[60, 61, 62, 63, 64, 65]));
+    assert_eq!(c.pages(rv), vec![10, 11, 12, 13, 14, 15]);
+    assert_eq!(c.stats().evicted_pages, 6);
+    assert_eq!(c.matched(&q(&z)), 4 * p);
+    assert_eq!(c.matched(&q(&x)), 7 * p);
+    assert_eq!(c.counts(), (0, 7, 9));
+    c.abort(rw);
+    c.abort(rv);
+    assert_eq!(c.counts(), (9, 7, 0));
+    // Only x's branch is left above the trunk: it goes first, the trunk after it.
+    assert_eq!(c.evict(3), 3);
+    assert_eq!(c.matched(&q(&x)), 4 * p);
+    assert_eq!(c.evict(1), 1);
+    assert_eq!(c.matched(&q(&u(p, &t))), 3 * p);
+    assert_eq!(c.stats().evicted_pages, 10);
+    let r = c.admit(&u(p, &[70, 71]));
+    assert_eq!(c.pages(r), vec![3, 4]);
+}
+
+#[test]
+fn lru_leaf_eviction_order_p1() {
+    lru_order(1);
+}
+
+#[test]
+fn lru_leaf_eviction_order_p4() {
+    lru_order(4);
+}
+
+fn trunk_outlives_branches(p: usize) {
+    let mut c = radix(16, p);
+    let t = u(p, &[1, 2, 3]);
+    let a = u(p, &[1, 2, 3, 4, 5]);
+    let b = u(p, &[1, 2, 3, 6, 7]);
+    let w = u(p, &[8, 9]);
+    let q = |v: &[u32]| cat(v, &u(p, &[99]));
+    for (tokens, pages) in [
+        (&a, vec![0, 1, 2, 3, 4]),
+        (&b, vec![0, 1, 2, 5, 6]),
+        (&w, vec![7, 8]),
+    ] {
+        let r = c.admit(tokens);
+        assert_eq!(c.pages(r), pages);
+        c.commit(r, tokens.len());
+        c.finish(r);
+    }
+    // Use order: a, then b (which also touched the trunk), then w.
+    assert_eq!(c.evict(2), 2);
+    assert_eq!(c.matched(&q(&a)), 3 * p);
+    assert_eq!(c.matched(&q(&b)), 5 * p);
+    assert_eq!(c.evict(2), 2);
+    assert_eq!(c.matched(&q(&b)), 3 * p);
+    // Now the trunk is a leaf, last used with b: older than w, so it goes before w.
+    assert_eq!(c.evict(1), 1);
+    assert_eq!(c.matched(&q(&t)), 2 * p);
+    assert_eq!(c.matched(&q(&w)), 2 * p);
+    let r = c.admit(&u(p, &[30]));
+    assert_eq!(c.pages(r), vec![2]);
+}
+
+#[test]
+fn shared_trunk_outlives_its_branches_p1() {
+    trunk_outlives_branches(1);
+}
+
+#[test]
+fn shared_trunk_outlives_its_branches_p4() {
+    trunk_outlives_branches(4);
+}
+
+fn pinned_never_evicted(p: usize) {
+    let mut c = radix(12, p);
+    let a = u(p, &[1, 2, 3, 4, 5, 6]);
+    let ra = c.admit(&a);
+    c.commit(ra, 6 * p);
+    c.finish(ra);
+    assert_eq!(c.counts(), (6, 6, 0));
+    let b = u(p, &[1, 2, 3, 9, 10]);
+    let r = c.admit(&b);
+    assert_eq!(c.cached(r), 3 * p);
+    assert_eq!(c.pages(r), vec![0, 1, 2, 6, 7]);
+    assert_eq!(c.counts(), (4, 3, 5));
+    // Only a's unpinned tail (pages 3, 4, 5) can go.
+    assert_eq!(c.reset(), 3);
+    assert_eq!(c.matched(&cat(&a, &u(p, &[99]))), 3 * p);
+    assert_eq!(c.counts(), (7, 0, 5));
+    assert_eq!(c.evict(5), 0);
+    let before = c.stats();
+    assert_eq!(
+        c.try_admit(&u(p, &[20, 21, 22, 23, 24, 25, 26, 27])),
+        Err(Error::OutOfPages {
+            needed: 8,
+            available: 7
+        })
+    );
+    assert_eq!(c.stats(), before);
+    c.commit(r, 5 * p);
+    assert_eq!(c.counts(), (7, 0, 5));
+    assert_eq!(c.evict(10), 0);
+    assert_eq!(c.matched(&cat(&b, &u(p, &[99]))), 5 * p);
+    c.finish(r);
+    assert_eq!(c.counts(), (7, 5, 0));
+    assert_eq!(c.reset(), 5);
+    assert_eq!(c.counts(), (12, 0, 0));
+    assert_eq!(c.stats().evicted_pages, 8);
+    assert_eq!(c.matched(&cat(&b, &u(p, &[99]))), 0);
+}
+
+#[test]
+fn pinned_pages_are_never_evicted_p1() {
+    pinned_never_evicted(1);
+}
+
+#[test]
+fn pinned_pages_are_never_evicted_p4() {
+    pinned_never_evicted(4);
+}
+
+fn computed_twice(p: usize) {
+    let a = u(p, &[1, 2, 3, 4, 5, 6]);
+    let a7 = cat(&a, &u(p, &[7]));
+    let first: Vec<u32> = (0..6).collect();
+    let second: Vec<u32> = (6..12).collect();
+
+    // r1 publishes first: its copy stays, r2's copy stays private to r2.
+    let mut c = radix(16, p);
+    let r1 = c.admit(&a);
+    let r2 = c.admit(&a);
+    assert_eq!((c.pages(r1), c.pages(r2)), (first.clone(), second.clone()));
+    assert_eq!(c.cached(r2), 0);
+    c.commit(r1, 6 * p);
+    c.commit(r2, 6 * p);
+    assert_eq!((c.pages(r1), c.pages(r2)), (first.clone(), second.clone()));
+    assert_eq!(c.counts(), (4, 0, 12));
+    assert_eq!(c.matched(&a7), 6 * p);
+    let r3 = c.admit(&a7);
+    assert_eq!(c.pages(r3), vec![0, 1, 2, 3, 4, 5, 12]);
+    c.abort(r3);
+    // r2's duplicates are freed when it ends; r1 still pins the stored copy.
+    c.finish(r2);
+    assert_eq!(c.counts(), (10, 0, 6));
+    let rx = c.admit(&u(p, &[30]));
+    assert_eq!(c.pages(rx), vec![6]);
+    c.abort(rx);
+    c.finish(r1);
+    assert_eq!(c.counts(), (10, 6, 0));
+    assert_eq!(c.reset(), 6);
+
+    // r2 publishes first: now r2's pages are the stored copy.
+    let mut c = radix(16, p);
+    let r1 = c.admit(&a);
+    let r2 = c.admit(&a);
+    c.commit(r2, 6 * p);
+    c.commit(r1, 6 * p);
+    assert_eq!((c.pages(r1), c.pages(r2)), (first.clone(), second.clone()));
+    let r3 = c.admit(&a7);
+    assert_eq!(c.pages(r3), vec![6, 7, 8, 9, 10, 11, 12]);
+    c.abort(r3);
+    c.finish(r1);
+    assert_eq!(c.counts(), (10, 0, 6));
+    let rx = c.admit(&u(p, &[30]));
+    assert_eq!(c.pages(rx), vec![0]);
+    c.abort(rx);
+    c.finish(r2);
+    assert_eq!(c.counts(), (10, 6, 0));
+
+    // Partly the same: the shared head is a duplicate, the rest a new branch.
+    let mut c = radix(16, p);
+    let r1 = c.admit(&a);
+    let b = u(p, &[1, 2, 3, 7, 8]);
+    let r2 = c.admit(&b);
+    assert_eq!(c.pages(r2), vec![6, 7, 8, 9, 10]);
+    c.commit(r1, 6 * p);
+    c.commit(r2, 5 * p);
+    assert_eq!(c.pages(r2), vec![6, 7, 8, 9, 10]);
+    let r3 = c.admit(&u(p, &[1, 2, 3, 7, 8, 9]));
+    assert_eq!(c.cached(r3), 5 * p);
+    assert_eq!(c.pages(r3), vec![0, 1, 2, 9, 10, 11]);
+    c.abort(r3);
+    c.finish(r2);
+    // Pages 6, 7, 8 were duplicates (freed); 9, 10 are r2's branch, now unpinned.
+    assert_eq!(c.counts(), (8, 2, 6));
+    let rx = c.admit(&u(p, &[40, 41, 42, 43]));
+    assert_eq!(c.pages(rx), vec![6, 7, 8, 11]);
+    c.abort(rx);
+    c.finish(r1);
+    assert_eq!(c.counts(), (8, 8, 0));
+}
+
+#[test]
+fn a_page_computed_twice_is_stored_once_p1() {
+    computed_twice(1);
+}
+
+#[test]
+fn a_page_computed_twice_is_stored_once_p4() {
+    computed_twice(4);
+}
+
+fn namespaces(p: usize) {
+    let mut c = radix(32, p);
+    let a = u(p, &[1, 2, 3, 4]);
+    let a9 = cat(&a, &u(p, &[9]));
+    let a98 = cat(&a9, &u(p, &[8]));
+    let r = c.admit_in(&a, &None);
+    c.commit(r, 4 * p);
+    c.finish(r);
+    assert_eq!(c.matched_in(&a9, &None), 4 * p);
+    assert_eq!(c.matched_in(&a9, &ns("a")), 0);
+    // The empty namespace is not the None namespace.
+    assert_eq!(c.matched_in(&a9, &ns("")), 0);
+    let r2 = c.admit_in(&a9, &ns("a"));
+    assert_eq!(c.cached(r2), 0);
+    assert_eq!(c.pages(r2), vec![4, 5, 6, 7, 8]);
+    assert_eq!(c.c.request(r2).unwrap().namespace, &ns("a"));
+    c.commit(r2, 5 * p);
+    c.finish(r2);
+    assert_eq!(c.counts(), (23, 9, 0));
+    assert_eq!(c.matched_in(&a98, &ns("a")), 5 * p);
+    assert_eq!(c.matched_in(&a98, &None), 4 * p);
+    assert_eq!(c.matched_in(&a98, &ns("b")), 0);
+    // Two namespaces computing the same tokens at once: no duplicates, two copies.
+    let r3 = c.admit_in(&a9, &ns("b"));
+    let r4 = c.admit_in(&a9, &ns(""));
+    assert_eq!(c.pages(r3), vec![9, 10, 11, 12, 13]);
+    assert_eq!(c.pages(r4), vec![14, 15, 16, 17, 18]);
+    assert_eq!(c.cached(r4), 0);
+    c.commit(r3, 5 * p);
+    c.commit(r4, 5 * p);
+    c.finish(r3);
+    c.finish(r4);
+    assert_eq!(c.matched_in(&a98, &ns("b")), 5 * p);
+    assert_eq!(c.matched_in(&a98, &ns("")), 5 * p);
+    assert_eq!(c.matched_in(&a98, &None), 4 * p);
+    assert_eq!(c.counts(), (13, 19, 0));
+}
+
+#[test]
+fn namespaces_never_share_p1() {
+    namespaces(1);
+}
+
+#[test]
+fn namespaces_never_share_p4() {
+    namespaces(4);
+}
+
+fn fork(p: usize) {
+    let mut c = radix(32, p);
+    let a = u(p, &[1, 2, 3, 4, 5, 6]);
+    let r = c.admit(&a);
+    c.commit(r, 3 * p);
+    let f1 = c.fork(r);
+    assert_eq!(c.cached(f1), 3 * p);
+    assert_eq!(c.pages(f1), vec![0, 1, 2, 6, 7, 8]);
+    let v = c.c.request(f1).unwrap();
+    assert_eq!((v.tokens, v.num_computed), (&a[..], 3 * p));
+    c.commit(r, 6 * p);
+    let f2 = c.fork(r);
+    assert_eq!(c.cached(f2), 5 * p);
+    assert_eq!(c.pages(f2), vec![0, 1, 2, 3, 4, 9]);
+    // A fork is an admission of the same tokens now: f1 computed only 3 pages, but r published 6.
+    let f3 = c.fork(f1);
+    assert_eq!(c.cached(f3), 5 * p);
+    assert_eq!(c.pages(f3), vec![0, 1, 2, 3, 4, 10]);
+    let s = c.stats();
+    assert_eq!(
+        (s.queries, s.query_tokens, s.hit_tokens),
+        (4, 24 * p as u64, 13 * p as u64)
+    );
+    c.extend(r, &u(p, &[7]));
+    assert_eq!(c.pages(r), vec![0, 1, 2, 3, 4, 5, 11]);
+    c.commit(r, 7 * p);
+    let f4 = c.fork(r);
+    assert_eq!(c.cached(f4), 6 * p);
+    assert_eq!(c.pages(f4), vec![0, 1, 2, 3, 4, 5, 12]);
+    // Forks with namespaces keep their namespace.
+    let rn = c.admit_in(&a, &ns("t"));
+    c.commit(rn, 6 * p);
+    let fnn = c.fork(rn);
+    assert_eq!(c.c.request(fnn).unwrap().namespace, &ns("t"));
+    assert_eq!(c.cached(fnn), 5 * p);
+    assert_eq!(c.pages(fnn)[..5], c.pages(rn)[..5]);
+    for id in [r, f1, f2, f3, f4, rn, fnn] {
+        c.finish(id);
+    }
+    // Stored: r's 7 pages and rn's 6; every fork's private copy was a duplicate or unpublished.
+    assert_eq!(c.counts(), (19, 13, 0));
+}
+
+#[test]
+fn fork_shares_pages_p1() {
+    fork(1);
+}
+
+#[test]
+fn fork_shares_pages_p4() {
+    fork(4);
+}
+
+#[test]
+fn fork_shares_only_full_computed_pages_p4() {
+    let mut c = radix(16, 4);
+    let a = range(0, 10);
+    let r = c.admit(&a);
+    c.commit(r, 6);
+    let f = c.fork(r);
+    assert_eq!(c.cached(f), 4);
+    assert_eq!(c.pages(f), vec![0, 3, 4]);
+    c.commit(r, 10);
+    let g = c.fork(r);
+    assert_eq!(c.cached(g), 8);
+    assert_eq!(c.pages(g), vec![0, 1, 5]);
+}
+
+fn out_of_pages(p: usize) {
+    let mut c = radix(8, p);
+    let a = u(p, &[1, 2, 3, 4, 5, 6]);
+    let a99 = cat(&a, &u(p, &[99]));
+    let ra = c.admit(&a);
+    c.commit(ra, 6 * p);
+    c.finish(ra);
+    assert_eq!(c.counts(), (2, 6, 0));
+    let s0 = c.stats();
+    // The 6 pages the match would pin do not count as available: 2 + 6 - 6.
+    assert_eq!(
+        c.try_admit(&cat(&a, &u(p, &[7, 8, 9]))),
+        Err(Error::OutOfPages {
+            needed: 3,
+            available: 2
+        })
+    );
+    assert_eq!(c.stats(), s0);
+    assert_eq!(
+        c.try_admit(&u(p, &[20, 21, 22, 23, 24, 25, 26, 27, 28])),
+        Err(Error::OutOfPages {
+            needed: 9,
+            available: 8
+        })
+    );
+    assert_eq!(c.stats(), s0);
+    assert_eq!(c.matched(&a99), 6 * p);
+    // 3 pinned by the match: 2 + 6 - 3 = 5 available, 4 needed; evicts a's 5 and 4.
+    let rb = c.admit(&u(p, &[1, 2, 3, 7, 8, 9, 10]));
+    assert_eq!(c.cached(rb), 3 * p);
+    assert_eq!(c.pages(rb), vec![0, 1, 2, 4, 5, 6, 7]);
+    assert_eq!(c.stats().evicted_pages, 2);
+    assert_eq!(c.matched(&a99), 4 * p);
+    assert_eq!(c.counts(), (0, 1, 7));
+    let s1 = c.stats();
+    assert_eq!(
+        c.try_extend(rb, &u(p, &[11, 12])),
+        Err(Error::OutOfPages {
+            needed: 2,
+            available: 1
+        })
+    );
+    assert_eq!(c.stats(), s1);
+    let v = c.c.request(rb).unwrap();
+    assert_eq!(v.num_tokens(), 7 * p);
+    assert_eq!(v.pages, &[0, 1, 2, 4, 5, 6, 7]);
+    assert_eq!(c.matched(&a99), 4 * p);
+    c.extend(rb, &u(p, &[11]));
+    assert_eq!(c.pages(rb), vec![0, 1, 2, 4, 5, 6, 7, 3]);
+    assert_eq!(c.stats().evicted_pages, 3);
+    assert_eq!(c.matched(&a99), 3 * p);
+    let s2 = c.stats();
+    assert_eq!(
+        c.try_admit(&u(p, &[30])),
+        Err(Error::OutOfPages {
+            needed: 1,
+            available: 0
+        })
+    );
+    // A fork is an admission too: rb's 3 cached pages are pinned already, 5 more are needed.
+    assert_eq!(
+        c.try_fork(rb),
+        Err(Error::OutOfPages {
+            needed: 5,
+            available: 0
+        })
+    );
+    assert_eq!(c.stats(), s2);
+    assert_eq!(c.pages(rb), vec![0, 1, 2, 4, 5, 6, 7, 3]);
+    c.abort(rb);
+    assert_eq!(c.counts(), (5, 3, 0));
+}
+
+#[test]
+fn out_of_pages_changes_nothing_p1() {
+    out_of_pages(1);
+}
+
+#[test]
+fn out_of_pages_changes_nothing_p4() {
+    out_of_pages(4);
+}
+
+fn evict_and_reset_counts(p: usize) {
+    let mut c = radix(16, p);
+    let a = u(p, &[1, 2, 3, 4, 5]);
+    let b = u(p, &[6, 7, 8]);
+    for t in [&a, &b] {
+        let r = c.admit(t);
+        c.commit(r, t.len());
+        c.finish(r);
+    }
+    assert_eq!(c.counts(), (8, 8, 0));
+    assert_eq!(c.evict(0), 0);
+    assert_eq!(c.evict(3), 3); // a is older: its pages 4, 3, 2
+    assert_eq!(c.stats().evicted_pages, 3);
+    assert_eq!(c.matched(&cat(&a, &u(p, &[9]))), 2 * p);
+    assert_eq!(c.matched(&cat(&b, &u(p, &[9]))), 3 * p);
+    assert_eq!(c.reset(), 5);
+    assert_eq!(c.stats().evicted_pages, 8);
+    assert_eq!(c.counts(), (16, 0, 0));
+    assert_eq!(c.reset(), 0);
+    assert_eq!(c.evict(4), 0);
+    assert_eq!(c.stats().evicted_pages, 8);
+    assert_eq!(c.matched(&cat(&b, &u(p, &[9]))), 0);
+    // evict asks for more than there is: returns what it did.
+    let r = c.admit(&b);
+    c.commit(r, 3 * p);
+    c.finish(r);
+    assert_eq!(c.evict(100), 3);
+    assert_eq!(c.stats().evicted_pages, 11);
+}
+
+#[test]
+fn evict_and_reset_counts_p1() {
+    evict_and_reset_counts(1);
+}
+
+#[test]
+fn evict_and_reset_counts_p4() {
+    evict_and_reset_counts(4);
+}
+
+#[test]
+fn errors_change_nothing() {
+    assert!(matches!(
+        RadixCache::new(0, 1),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        RadixCache::new(1, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    let mut c = radix(8, 2);
+    assert!(matches!(c.try_admit(&[]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        c.c.match_prefix(&[], &None),
+        Err(Error::InvalidArgument(_))
+    ));
+    let r = c.admit(&[1, 2, 3]);
+    c.commit(r, 2);
+    let s = c.stats();
+    assert!(matches!(c.try_commit(r, 4), Err(Error::InvalidArgument(_))));
+    assert!(matches!(c.try_commit(r, 1), Err(Error::InvalidArgument(_))));
+    assert_eq!(c.stats(), s);
+    assert_eq!(c.c.request(r).unwrap().num_computed, 2);
+    c.commit(r, 2); // the same value again is fine
+    c.finish(r);
+    let s = c.stats();
+    assert_eq!(c.try_commit(r, 3), Err(Error::ClosedRequest));
+    assert_eq!(c.try_extend(r, &[4]), Err(Error::ClosedRequest));
+    assert_eq!(c.try_fork(r), Err(Error::ClosedRequest));
+    assert_eq!(c.c.finish(r), Err(Error::ClosedRequest));
+    assert_eq!(c.c.abort(r), Err(Error::ClosedRequest));
+    assert!(matches!(c.c.request(r), Err(Error::ClosedRequest)));
+    c.check();
+    assert_eq!(c.stats(), s);
+    // A new request may reuse the slot; the old handle stays dead.
+    let r2 = c.admit(&[1, 2, 5]);
+    assert_eq!(c.cached(r2), 2);
+    assert_eq!(c.c.finish(r), Err(Error::ClosedRequest));
+    assert_eq!(c.cached(r2), 2);
+    // A request of another cache.
+    let mut other = radix(8, 2);
+    let o = other.admit(&[1, 2, 3]);
+    let s = c.stats();
+    assert_eq!(c.try_commit(o, 1), Err(Error::ForeignRequest));
+    assert_eq!(c.try_extend(o, &[1]), Err(Error::ForeignRequest));
+    assert_eq!(c.try_fork(o), Err(Error::ForeignRequest));
+    assert_eq!(c.c.finish(o), Err(Error::ForeignRequest));
+    assert_eq!(c.c.abort(o), Err(Error::ForeignRequest));
+    assert!(matches!(c.c.request(o), Err(Error::ForeignRequest)));
+    c.check();
+    assert_eq!(c.stats(), s);
+    assert_eq!(other.pages(o), vec![0, 1]);
+    other.finish(o);
+}
+
+/// The agent loop of the design: a 128-token system prompt, a 144-token first turn, a 32-token
+/// tool result, a 25-token decoded tail, two forked sub-agents.
+fn agent_scenario(p: usize) {
+    let pages = |a: usize, b: usize| -> Vec<u32> { (a as u32..b as u32).collect() };
+    let mut c = radix(1024, p);
+    let sys = range(10_000, 10_128);
+    let turn1 = range(20_000, 20_144);
+    let prompt1 = cat(&sys, &turn1);
+    assert_eq!(prompt1.len(), 272);
+    let r1 = c.admit(&prompt1);
+    assert_eq!(c.cached(r1), 0);
+    assert_eq!(c.pages(r1), pages(0, 272 / p));
+    c.commit(r1, 272);
+    c.finish(r1);
+    assert_eq!(c.counts(), (1024 - 272 / p, 272 / p, 0));
+
+    let prompt2 = cat(&prompt1, &range(30_000, 30_032));
+    assert_eq!(prompt2.len(), 304);
+    let r2 = c.admit(&prompt2);
+    assert_eq!(c.cached(r2), 272);
+    assert_eq!(c.pages(r2), pages(0, 304 / p));
+    let s = c.stats();
+    assert_eq!((s.query_tokens, s.hit_tokens), (576, 272));
+    c.commit(r2, 304);
+    // Decode a 25-token tail, one token a step.
+    for i in 0..25 {
+        c.extend(r2, &[40_000 + i]);
+        c.commit(r2, 305 + i as usize);
+    }
+    let n: usize = 329;
+    assert_eq!(c.pages(r2), pages(0, n.div_ceil(p)));
+    let published = n / p * p;
+    assert_eq!(
+        c.matched(&cat(c.c.request(r2).unwrap().tokens, &[1])),
+        published
+    );
+
+    // Two sub-agents forked from the live context share the same pages.
+    let cached = (n - 1) / p * p;
+    let f1 = c.fork(r2);
+    let f2 = c.fork(r2);
+    let np = n.div_ceil(p);
+    assert_eq!((c.cached(f1), c.cached(f2)), (cached, cached));
+    let mut shared = c.pages(r2);
+    shared.truncate(cached / p);
+    assert_eq!(c.pages(f1)[..cached / p], shared[..]);
+    assert_eq!(c.pages(f2)[..cached / p], shared[..]);
+    // Their own pages beyond the shared prefix are new ones.
+    assert_eq!(
+        c.pages(f1)[cached / p..],
+        pages(np, np + np - cached / p)[..]
+    );
+    assert_eq!(
+        c.pages(f2)[cached / p..],
+        pages(2 * np - cached / p, 3 * np - 2 * cached / p)[..]
+    );
+    c.extend(f1, &range(50_000, 50_040));
+    c.extend(f2, &range(60_000, 60_040));
+    c.commit(f1, n + 40);
+    c.commit(f2, n + 40);
+    let t1 = c.c.request(f1).unwrap().tokens.to_vec();
+    let t2 = c.c.request(f2).unwrap().tokens.to_vec();
+    c.finish(f1);
+    c.finish(f2);
+    c.finish(r2);
+    assert_eq!(c.matched(&cat(&t1, &[1])), (n + 40) / p * p);
+    assert_eq!(c.matched(&cat(&t2, &[1])), (n + 40) / p * p);
+    assert_eq!(c.matched(&cat(&prompt2, &[7, 7, 7, 7])), 304);
+    assert_eq!(c.counts().2, 0);
+    // The main agent's next turn reuses its whole computed context.
+    let mut prompt3 = t1[..n].to_vec();
+    prompt3.extend(range(70_000, 70_016));
+    let r3 = c.admit(&prompt3);
+    assert_eq!(c.cached(r3), published);
+}
+
+#[test]
+fn agent_scenario_p1() {
+    agent_scenario(1);
+}
+
+#[test]
+fn agent_scenario_p4() {
+    agent_scenario(4);
+}
+
+/// Sub-agents in a pool that holds the shared context and three 16-token branches: each new
+/// sub-agent evicts the least recently used branch and reuses its page ids; the trunk stays.
+fn agent_small_pool(p: usize) {
+    let trunk = cat(&range(10_000, 10_128), &range(20_000, 20_176));
+    assert_eq!(trunk.len(), 304);
+    let (tp, bp) = (304 / p, 16 / p);
+    let mut c = radix(tp + 3 * bp, p);
+    let r = c.admit(&trunk);
+    c.commit(r, 304);
+    c.finish(r);
+    let task = |k: u32| cat(&trunk, &range(30_000 + 100 * k, 30_016 + 100 * k));
+    let branch =
+        |k: usize| -> Vec<u32> { ((tp + k * bp) as u32..(tp + (k + 1) * bp) as u32).collect() };
+    for k in 0..6u32 {
+        let s = c.admit(&task(k));
+        assert_eq!(c.cached(s), 304);
+        let own = c.pages(s)[tp..].to_vec();
+        assert_eq!(own, branch(k as usize % 3), "sub-agent {k}");
+        c.commit(s, 320);
+        c.finish(s);
+        assert_eq!(
+            c.stats().evicted_pages,
+            (k.saturating_sub(2) as usize * bp) as u64
+        );
+    }
+    for k in 0..6u32 {
+        let want = if k < 3 { 304 } else { 320 };
+        assert_eq!(c.matched(&cat(&task(k), &[1])), want, "sub-agent {k}");
+    }
+    assert_eq!(c.matched(&cat(&trunk, &[5, 5])), 304);
+    assert_eq!(c.counts(), (0, tp + 3 * bp, 0));
+}
+
+#[test]
+fn agent_small_pool_evicts_branches_not_the_trunk_p1() {
+    agent_small_pool(1);
+}
+
+#[test]
+fn agent_small_pool_evicts_branches_not_the_trunk_p4() {
+    agent_small_pool(4);
+}
+
+/// Two different 4-token pages whose 64-bit child keys collide (built by a birthday search over
+/// the child-key fold of rust/radix.rs). SEMANTICS.md keys the index by the tokens themselves, so
+/// both pages must be stored and found; DESIGN.md's fork shares every full computed page.
+#[test]
+fn pages_with_colliding_child_keys_are_both_cached_p4() {
+    let a: Vec<u32> = vec![1_649_902_869, 1_795_523_654, 2_785_341_928, 12_345];
+    let b: Vec<u32> = vec![1_246_149_050, 1_223_144_231, 4_071_259_989, 200_105_477];
+    let mut c = radix(16, 4);
+    let ta = cat(&a, &[1, 2, 3, 4]);
+    let tb = cat(&b, &[1, 2, 3, 4]);
+    let ra = c.admit(&ta);
+    c.commit(ra, 8);
+    c.finish(ra);
+    // Never share KV across different tokens: b finds nothing.
+    assert_eq!(c.matched(&cat(&tb, &[9])), 0);
+    let rb = c.admit(&tb);
+    assert_eq!(c.cached(rb), 0);
+    assert_eq!(c.pages(rb), vec![2, 3]);
+    c.commit(rb, 8);
+    // rb computed two full pages: a fork shares them (its match limit is 4 of its 8 tokens).
+    let f = c.fork(rb);
+    assert_eq!(
+        c.cached(f),
+        4,
+        "fork of a request whose first page collides"
+    );
+    c.abort(f);
+    c.finish(rb);
+    assert_eq!(c.matched(&cat(&ta, &[9])), 8);
+    assert_eq!(c.matched(&cat(&tb, &[9])), 8, "b's pages were published");
+    assert_eq!(c.counts(), (12, 4, 0));
+}
