@@ -64,6 +64,27 @@ struct Pool {
     hash_of: Vec<Option<BlockHash>>,
     map: HashMapToPage,
     lists: Links,
+    /// Of each hashed page: the hash of its prefix (`h_{i-1}`) and its tokens, `page_size` per
+    /// page. With them a cached page answers "what is `H(prev, tokens)`" without blake3.
+    parent_of: Vec<BlockHash>,
+    tokens_of: Vec<u32>,
+    /// `memo_key(prev, tokens)` -> a hashed page with that parent and those tokens (verified on
+    /// use, so a collision of this 64-bit key only costs a blake3 call).
+    memo: HashMap<u64, u32, BuildHasherDefault<PrefixHasher>>,
+}
+
+/// A fast 64-bit key of `(prev, tokens)` for the memo: two tokens a multiply.
+fn memo_key(prev: &BlockHash, page: &[u32]) -> u64 {
+    const K: u64 = 0x517c_c1b7_2722_0a95;
+    let mut h = u64::from_le_bytes(prev[..8].try_into().expect("8 bytes"));
+    let mut pairs = page.chunks_exact(2);
+    for pair in &mut pairs {
+        h = (h ^ ((pair[0] as u64) << 32 | pair[1] as u64)).wrapping_mul(K).rotate_left(23);
+    }
+    if let [t] = pairs.remainder() {
+        h = (h ^ *t as u64).wrapping_mul(K);
+    }
+    (h ^ (h >> 29)).wrapping_mul(K)
 }
 
 impl Pool {
@@ -96,6 +117,39 @@ impl Pool {
             .take()
             .expect("evictable pages are hashed");
         self.map.remove(&h);
+        let key = memo_key(&self.parent_of[page as usize], self.page_tokens(page));
+        if self.memo.get(&key) == Some(&page) {
+            self.memo.remove(&key);
+        }
+    }
+
+    fn page_tokens(&self, page: u32) -> &[u32] {
+        let p = self.page_size;
+        &self.tokens_of[page as usize * p..(page as usize + 1) * p]
+    }
+
+    /// Enters `page` into the index under `h = H(prev, tokens)`.
+    fn hash_page(&mut self, page: u32, prev: &BlockHash, tokens: &[u32], h: BlockHash) {
+        let p = self.page_size;
+        self.map.insert(h, page);
+        self.hash_of[page as usize] = Some(h);
+        self.parent_of[page as usize] = *prev;
+        self.tokens_of[page as usize * p..(page as usize + 1) * p].copy_from_slice(tokens);
+        self.memo.insert(memo_key(prev, tokens), page);
+    }
+
+    /// `H(prev, tokens)`, and the cached page holding that prefix if there is one. A cached page
+    /// with the same parent hash and tokens already carries the value, so blake3 runs only for
+    /// content the cache does not hold.
+    fn chain(&self, prev: &BlockHash, tokens: &[u32]) -> (BlockHash, Option<u32>) {
+        if let Some(&page) = self.memo.get(&memo_key(prev, tokens)) {
+            if self.parent_of[page as usize] == *prev && self.page_tokens(page) == tokens {
+                let h = self.hash_of[page as usize].expect("memo pages are hashed");
+                return (h, Some(page));
+            }
+        }
+        let h = next_hash(prev, tokens);
+        (h, self.map.get(&h).copied())
     }
 
     /// Pins a cached page (a hit).
@@ -148,7 +202,7 @@ impl Pool {
                 Some(h) => *h,
                 None => root_hash(p, namespace),
             };
-            hashes.push(next_hash(&prev, &tokens[i * p..(i + 1) * p]));
+            hashes.push(self.chain(&prev, &tokens[i * p..(i + 1) * p]).0);
         }
     }
 
@@ -164,10 +218,10 @@ impl Pool {
         let mut hits = Vec::new();
         let mut prev = root_hash(p, namespace);
         for page in tokens[..limit].chunks_exact(p) {
-            let h = next_hash(&prev, page);
+            let (h, cached) = self.chain(&prev, page);
             hashes.push(h);
-            match self.map.get(&h) {
-                Some(&pg) => hits.push(pg),
+            match cached {
+                Some(pg) => hits.push(pg),
                 None => break,
             }
             prev = h;
@@ -200,6 +254,9 @@ impl BlockCache {
                 hash_of: vec![None; num_pages],
                 map: HashMapToPage::default(),
                 lists,
+                parent_of: vec![[0; 32]; num_pages],
+                tokens_of: vec![0; num_pages * page_size],
+                memo: HashMap::default(),
             },
             num_pages,
             requests: Requests::new(new_cache_id()),
@@ -229,8 +286,8 @@ impl BlockCache {
                     r.ext.stored.push((i as u32, copy));
                 }
                 None => {
-                    pool.map.insert(h, r.pages[i]);
-                    pool.hash_of[r.pages[i] as usize] = Some(h);
+                    let prev = if i == 0 { root_hash(p, &r.namespace) } else { r.ext.hashes[i - 1] };
+                    pool.hash_page(r.pages[i], &prev, &r.tokens[i * p..(i + 1) * p], h);
                 }
             }
         }
@@ -379,9 +436,9 @@ impl PrefixCache for BlockCache {
             {
                 return corrupt("a request's page table or published count is malformed");
             }
-            let mut hashes = Vec::new();
-            pool.ensure_hashes(&r.tokens, &r.namespace, &mut hashes, r.ext.hashes.len());
-            if hashes != r.ext.hashes {
+            // Straight from the spec (no memo), so a wrong memo entry cannot vouch for itself.
+            let full = &r.tokens[..r.ext.hashes.len() * p];
+            if crate::hash::block_hashes(full, p, &r.namespace) != r.ext.hashes {
                 return corrupt("a request's stored block hashes differ from its tokens'");
             }
             for (i, &page) in r.pages.iter().enumerate() {
@@ -423,6 +480,9 @@ impl PrefixCache for BlockCache {
                 ));
             }
             if let Some(h) = pool.hash_of[page] {
+                if next_hash(&pool.parent_of[page], pool.page_tokens(page as u32)) != h {
+                    return corrupt(format!("page {page}: its parent hash and tokens do not hash to its key"));
+                }
                 if pool.map.get(&h) != Some(&(page as u32)) {
                     return corrupt(format!(
                         "page {page} is hashed but the map does not point to it"
@@ -437,6 +497,12 @@ impl PrefixCache for BlockCache {
                 {
                     return corrupt(format!("page {page} does not belong on the {name} list"));
                 }
+            }
+        }
+        for (&key, &page) in &pool.memo {
+            let hashed = pool.hash_of[page as usize].is_some();
+            if !hashed || memo_key(&pool.parent_of[page as usize], pool.page_tokens(page)) != key {
+                return corrupt(format!("memo entry for page {page} is stale"));
             }
         }
         let hashed = pool.hash_of.iter().filter(|h| h.is_some()).count();
@@ -495,5 +561,8 @@ impl PrefixCache for BlockCache {
             + pool.hash_of.capacity() * std::mem::size_of::<Option<BlockHash>>()
             + pool.map.capacity() * (std::mem::size_of::<(BlockHash, u32)>() + 1)
             + pool.lists.heap_bytes()
+            + pool.parent_of.capacity() * 32
+            + pool.tokens_of.capacity() * 4
+            + pool.memo.capacity() * (std::mem::size_of::<(u64, u32)>() + 1)
     }
 }

@@ -4,12 +4,15 @@
 //! almost nothing next to the 8 bytes a cached token takes in the tree. `pop` hands out the
 //! lowest free id, which keeps page ids deterministic and dense.
 
-/// A set of page ids `0..capacity` with O(1) insert and remove and a near-O(1) `pop` of the
-/// smallest member (one scan of the summary words: 64 x 64 pages each).
+/// A set of page ids `0..capacity` with O(1) insert and an amortized O(1) `pop` of the smallest
+/// member.
 #[derive(Debug, Clone)]
 pub struct FreeSet {
     words: Vec<u64>,
     summary: Vec<u64>,
+    /// Every summary word below this index is zero, so `pop` starts its scan here. Pops only
+    /// raise it and inserts only lower it, so a run of allocations scans each word once.
+    low: usize,
     len: usize,
     capacity: usize,
 }
@@ -32,6 +35,7 @@ impl FreeSet {
         FreeSet {
             words,
             summary,
+            low: 0,
             len: capacity,
             capacity,
         }
@@ -60,12 +64,14 @@ impl FreeSet {
         let w = id / 64;
         self.words[w] |= 1 << (id % 64);
         self.summary[w / 64] |= 1 << (w % 64);
+        self.low = self.low.min(w / 64);
         self.len += 1;
     }
 
     /// Removes and returns the smallest member.
     pub fn pop(&mut self) -> Option<u32> {
-        let s = self.summary.iter().position(|&s| s != 0)?;
+        let s = self.low + self.summary[self.low..].iter().position(|&s| s != 0)?;
+        self.low = s;
         let w = s * 64 + self.summary[s].trailing_zeros() as usize;
         let bit = self.words[w].trailing_zeros() as usize;
         self.words[w] &= self.words[w] - 1;
