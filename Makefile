@@ -35,10 +35,13 @@ test-python: $(EXT)
 bench: bench-rust bench-python
 
 bench-rust:
-	cargo bench --bench cache
+	cargo bench --bench cache --bench scheduler
 
 bench-python: $(EXT)
 	$(PY) benches/bench_cache.py
+	$(PY) benches/bench_scheduler.py
+	$(PY) benches/bench_torch.py
+	$(PY) benches/bench_torch.py
 
 demo: $(EXT)
 	$(PY) -m radixkv demo

@@ -25,8 +25,12 @@ use crate::error::{invalid, Error, Result};
 use crate::request::RequestId;
 use crate::waiting::WaitingTrie;
 use std::cmp::Reverse;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Arc;
+
+/// Sort key of a waiting request: starved first (oldest first among them), then higher
+/// priority, then the policy's two keys, then arrival.
+type RankKey = (bool, u64, Reverse<i32>, Reverse<usize>, usize, u64);
 
 /// Which order the waiting queue is served in (after starvation and priority).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,13 +187,14 @@ impl Scheduler {
         self.max_wait > 0 && self.calls - w.arrived > self.max_wait
     }
 
-    /// The waiting ids in service order, with each one's estimated cached prefix.
-    fn rank(&mut self, cache: &dyn PrefixCache) -> Vec<(u64, usize)> {
+    /// The waiting ids in service order, with each one's estimated cached prefix, as a heap:
+    /// building it is linear, and a call pops only as far as its budget reaches.
+    fn rank(&mut self, cache: &dyn PrefixCache) -> BinaryHeap<Reverse<(RankKey, usize)>> {
         let stamp = self.calls;
         if self.policy != Policy::Fcfs {
             self.trie.match_all(cache, stamp);
         }
-        let dfs_rank: BTreeMap<u64, usize> = match self.policy {
+        let dfs_rank: HashMap<u64, usize> = match self.policy {
             Policy::DfsWeight => self
                 .trie
                 .dfs_order(stamp)
@@ -197,16 +202,14 @@ impl Scheduler {
                 .enumerate()
                 .map(|(r, id)| (id, r))
                 .collect(),
-            _ => BTreeMap::new(),
+            _ => HashMap::new(),
         };
-        let mut keyed: Vec<((bool, u64, Reverse<i32>, Reverse<usize>, usize, u64), usize)> = self
-            .waiting
+        self.waiting
             .iter()
             .map(|(&id, w)| {
-                let est = if self.policy == Policy::Fcfs {
-                    0
-                } else {
-                    self.estimate(cache, w, stamp)
+                let est = match self.policy {
+                    Policy::Fcfs => 0,
+                    _ => self.estimate(cache, w, stamp),
                 };
                 let starved = self.starved(w);
                 let policy_key = match self.policy {
@@ -222,11 +225,9 @@ impl Scheduler {
                     policy_key.1,
                     id,
                 );
-                (key, est)
+                Reverse((key, est))
             })
-            .collect();
-        keyed.sort_unstable_by_key(|(k, _)| *k);
-        keyed.into_iter().map(|(k, est)| (k.5, est)).collect()
+            .collect()
     }
 
     /// Admits waiting requests, in service order, while they fit `token_budget` (uncached tokens)
@@ -244,11 +245,12 @@ impl Scheduler {
         if self.waiting.is_empty() || max_requests == 0 || token_budget == 0 {
             return out;
         }
-        let ranked = self.rank(cache);
+        let mut ranked = self.rank(cache);
         let chunk = self.trie.chunk;
         let evicted_at_rank = cache.stats().evicted_pages;
         let mut budget = token_budget;
-        for (id, est) in ranked {
+        while let Some(Reverse((key, est))) = ranked.pop() {
+            let id = key.5;
             if out.len() >= max_requests || budget == 0 {
                 break;
             }

@@ -26,6 +26,9 @@ pub(crate) struct TrieNode {
     pub children: HashMap<u64, u32>,
     /// Waiting requests whose path runs through (or ends at) this node.
     pub weight: u32,
+    /// Sum of the ids of those requests: when `weight` is 1 it is that request's id, so a
+    /// depth-first walk can stop at a subtree of one request.
+    pub id_sum: u64,
     /// Waiting requests whose path ends here, by id (= arrival order).
     pub ending: BTreeSet<u64>,
     /// Pass in which `cursor` was computed, and whether the chunk matched in full then.
@@ -105,6 +108,7 @@ impl WaitingTrie {
         let mut path = Vec::with_capacity(full_chunks + 1);
         let mut node = root;
         self.nodes[root as usize].weight += 1;
+        self.nodes[root as usize].id_sum += id;
         path.push(root);
         for i in 0..full_chunks {
             let key = chunk_key(&tokens[i * c..(i + 1) * c]);
@@ -123,6 +127,7 @@ impl WaitingTrie {
                 }
             };
             self.nodes[node as usize].weight += 1;
+            self.nodes[node as usize].id_sum += id;
             path.push(node);
         }
         self.nodes[node as usize].ending.insert(id);
@@ -138,6 +143,7 @@ impl WaitingTrie {
         for &n in path.iter().rev() {
             let node = &mut self.nodes[n as usize];
             node.weight -= 1;
+            node.id_sum -= id;
             if node.weight == 0 && node.parent != NIL {
                 let key = chunk_key(node.chunk(c));
                 let parent = node.parent;
@@ -211,6 +217,10 @@ impl WaitingTrie {
         let mut stack: Vec<u32> = roots.into_iter().rev().collect();
         while let Some(n) = stack.pop() {
             let node = &self.nodes[n as usize];
+            if node.weight == 1 {
+                out.push(node.id_sum);
+                continue;
+            }
             out.extend(node.ending.iter().copied());
             let mut kids: Vec<u32> = node.children.values().copied().collect();
             kids.sort_by_key(|&k| key(k));

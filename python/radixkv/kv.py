@@ -70,6 +70,8 @@ class KVCache:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._gather_k: torch.Tensor | None = None
+        self._gather_v: torch.Tensor | None = None
 
     @staticmethod
     def bytes_per_page(
@@ -81,8 +83,12 @@ class KVCache:
     ) -> int:
         """Bytes one page takes across every layer, K and V together."""
         elem = torch.empty((), dtype=_check_dtype(dtype)).element_size()
-        per_token = 2 * _positive("num_layers", num_layers) * _positive("num_kv_heads", num_kv_heads)
-        return per_token * _positive("head_dim", head_dim) * elem * _positive("page_size", page_size)
+        per_token = (
+            2 * _positive("num_layers", num_layers) * _positive("num_kv_heads", num_kv_heads)
+        )
+        return (
+            per_token * _positive("head_dim", head_dim) * elem * _positive("page_size", page_size)
+        )
 
     @staticmethod
     def pages_for_budget(
@@ -101,9 +107,21 @@ class KVCache:
             raise ValueError(f"budget_bytes={budget_bytes} is smaller than one page ({page} bytes)")
         return int(budget_bytes) // page
 
+    def gather_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two contiguous ``[rows, num_kv_heads, head_dim]`` scratch tensors that attention
+        gathers each batch's K and V into. Kept between layers and steps (grown when a step
+        needs more): allocating megabytes afresh in every layer costs more than the gather
+        itself on CPU. Their contents are valid only inside one ``Step.attention`` call."""
+        if self._gather_k is None or self._gather_k.shape[0] < rows:
+            size = max(rows, 64)
+            shape = (size, self.num_kv_heads, self.head_dim)
+            self._gather_k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self._gather_k[:rows], self._gather_v[:rows]
+
     @property
     def nbytes(self) -> int:
-        """Bytes held by the K and V pools of every layer."""
+        """Bytes held by the K and V pools of every layer (the gather buffers not included)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     def plan(self, requests: Sequence[radixkv.Request]) -> Step:

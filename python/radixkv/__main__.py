@@ -1,0 +1,7 @@
+"""``python -m radixkv``: the command line of :mod:`radixkv.cli`."""
+
+import sys
+
+from radixkv.cli import main
+
+sys.exit(main())

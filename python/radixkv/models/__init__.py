@@ -1,0 +1,13 @@
+"""A Llama-style decoder (Llama and Qwen2 families) whose attention runs over the paged KV cache.
+
+- :class:`ModelConfig`: hyper-parameters; ``ModelConfig.from_hf`` reads a ``config.json``.
+- :class:`CausalLM`: the model; ``CausalLM.random(cfg, seed)`` for tests and the demo,
+  ``model(step)`` for cached inference, ``model.forward_dense(tokens)`` as the reference.
+- :func:`load_checkpoint` / :func:`save_checkpoint`: local Hugging Face checkpoint directories.
+"""
+
+from radixkv.models.checkpoint import load_checkpoint, save_checkpoint
+from radixkv.models.config import ModelConfig
+from radixkv.models.llama import CausalLM
+
+__all__ = ["CausalLM", "ModelConfig", "load_checkpoint", "save_checkpoint"]

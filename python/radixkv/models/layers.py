@@ -1,0 +1,114 @@
+"""Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, and the dense
+causal attention that the reference forward uses."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back (as Llama and Qwen2 do)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalises ``x`` over its last dimension."""
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``theta ** (-2i / head_dim)`` of rotary embeddings (float32
+    ``[head_dim // 2]``), adjusted by ``scaling`` of type ``linear`` or ``llama3``."""
+    inv = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    )
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
+        # between the two wavelength limits interpolated smoothly.
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        slowed = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * slowed / factor + smooth * slowed
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, slowed)
+    raise ValueError(f"rope_scaling type must be linear or llama3, got {kind!r}")
+
+
+class Rotary(nn.Module):
+    """Rotary position embeddings in the half-split layout of Hugging Face Llama checkpoints.
+
+    The frequencies stay float32 whatever the model's dtype (``model.to(bfloat16)`` would round
+    a registered buffer and shift every angle), so they are kept outside the module's buffers.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self._inv_freq = {"cpu": rope_inv_freq(head_dim, theta, scaling)}
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``cos`` and ``sin`` of shape ``[T, 1, head_dim]`` for absolute ``positions [T]``."""
+        key = str(positions.device)
+        inv = self._inv_freq.get(key)
+        if inv is None:
+            inv = self._inv_freq[key] = self._inv_freq["cpu"].to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x [T, H, D]``: pairs ``(i, i + D/2)`` turn by the position's angle."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Applies the gated MLP."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Reference attention of one whole sequence, no cache: ``q [N, Hq, D]``, ``k``/``v``
+    ``[N, Hkv, D]`` -> ``[N, Hq, D]``. Written out (no SDPA) so that tests compare two
+    independent computations; softmax in float32.
+    """
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)

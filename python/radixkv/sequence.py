@@ -1,0 +1,131 @@
+"""`Sequence`: one generation request inside the engine, and `Result`, what it reports.
+
+A sequence's *target* is every token whose KV the next logits need: the prompt, then each sampled
+token once it is known. Its cache ``Request`` holds a prefix of the target:
+
+```text
+  target:   [ prompt ....................................... | out_0 out_1 ... ]
+  req:      [ cached | computed | pending (this step) ]  (not admitted yet)
+            0     num_cached  num_computed        num_tokens              len(target)
+```
+
+Each step computes the pending tokens; once ``num_tokens == len(target)`` the step's logits
+belong to the target's last token and the next token is sampled.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import radixkv
+
+
+class Status(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"  # queued for admission (new, or preempted)
+    RUNNING = "running"  # holds a cache request; scheduled every step until done
+    HELD = "held"  # a branch context, computed and pinned until its branches are admitted
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one request reports. Times are seconds; ``ttft_s`` is None for a request that
+    generates nothing (``max_new_tokens=0``, a branch context) or ended without a token.
+
+    ``cached_tokens``: prompt tokens whose KV came from the cache at its first admission.
+    ``computed_tokens``: tokens computed until the first token was sampled (the prefill work,
+    recomputation after a preemption included); ``total_computed_tokens`` adds decode steps.
+    ``finish_reason``: ``"stop"``, ``"length"``, ``"cancelled"``, ``"out_of_pages"`` (the request
+    alone needs more pages than the pool has) or ``"context"`` (a branch context).
+    """
+
+    id: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    total_computed_tokens: int
+    output: list[int]
+    ttft_s: float | None
+    latency_s: float
+    preemptions: int
+    finish_reason: str
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Engine-side state of one request (see the module docstring for the index ranges)."""
+
+    id: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    temperature: float = 0.0
+    stop: frozenset[int] = frozenset()
+    namespace: str | bytes | None = None
+    seed: int = 0
+    priority: int = 0
+    parent: Sequence | None = None
+    children: list[Sequence] = field(default_factory=list)
+
+    #: Namespace the engine admits under (``namespace``, or a private one with caching off).
+    cache_namespace: str | bytes | None = None
+    status: Status = Status.WAITING
+    req: radixkv.Request | None = None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    admissions: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    total_computed_tokens: int = 0
+    preemptions: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    _target: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def target(self) -> np.ndarray:
+        """The prompt and every sampled token so far (uint32)."""
+        if self._target is None or len(self._target) != len(self.prompt) + len(self.output):
+            out = np.asarray(self.output, dtype=np.uint32)
+            self._target = np.concatenate([self.prompt, out])
+        return self._target
+
+    @property
+    def done(self) -> bool:
+        """Whether the sequence has finished (for any reason)."""
+        return self.status is Status.FINISHED
+
+    def record_token(self, token: int, now: float) -> None:
+        """Appends a sampled token; ends the sequence on a stop token or at its length limit."""
+        self.output.append(token)
+        if self.first_token_at is None:
+            self.first_token_at = now
+        if token in self.stop:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.max_new_tokens:
+            self.finish_reason = "length"
+
+    def result(self) -> Result:
+        """The report of this sequence (latency so far if it has not finished)."""
+        end = self.finished_at if self.finished_at is not None else time.perf_counter()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        return Result(
+            id=self.id,
+            prompt_tokens=len(self.prompt),
+            cached_tokens=self.cached_tokens,
+            computed_tokens=self.computed_tokens,
+            total_computed_tokens=self.total_computed_tokens,
+            output=list(self.output),
+            ttft_s=ttft,
+            latency_s=end - self.arrival,
+            preemptions=self.preemptions,
+            finish_reason=self.finish_reason or self.status.value,
+        )
