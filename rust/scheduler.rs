@@ -172,7 +172,10 @@ impl Scheduler {
     }
 
     /// Cached prefix of a waiting request as ranked in pass `stamp` (after `match_all`).
-    fn estimate(&self, cache: &dyn PrefixCache, w: &Waiting, stamp: u64) -> usize {
+    fn estimate(&self, cache: &dyn PrefixCache, id: u64, w: &Waiting, stamp: u64) -> usize {
+        if let Some(&est) = self.trie.settled.get(&id) {
+            return est;
+        }
         let f = self.trie.frontier(&w.path, stamp);
         let node = &self.trie.nodes[w.path[f] as usize];
         let mut cur = node.cursor.expect("probed nodes hold a cursor");
@@ -209,7 +212,7 @@ impl Scheduler {
             .map(|(&id, w)| {
                 let est = match self.policy {
                     Policy::Fcfs => 0,
-                    _ => self.estimate(cache, w, stamp),
+                    _ => self.estimate(cache, id, w, stamp),
                 };
                 let starved = self.starved(w);
                 let policy_key = match self.policy {

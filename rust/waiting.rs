@@ -61,6 +61,9 @@ pub(crate) struct WaitingTrie {
     pub nodes: Vec<TrieNode>,
     vacant: Vec<u32>,
     pub roots: HashMap<Namespace, u32>,
+    /// Cached prefix of requests whose match `match_all` settled on its own (the only request
+    /// below a partially matched chunk), by id; the rest are looked up along their paths.
+    pub settled: HashMap<u64, usize>,
 }
 
 impl WaitingTrie {
@@ -158,6 +161,7 @@ impl WaitingTrie {
     /// its parent matched in full. Returns nothing; results sit in the nodes' `cursor`/`full`.
     pub fn match_all(&mut self, cache: &dyn PrefixCache, stamp: u64) {
         let c = self.chunk;
+        self.settled.clear();
         let mut stack: Vec<u32> = Vec::new();
         for (ns, &root) in &self.roots {
             let node = &mut self.nodes[root as usize];
@@ -180,6 +184,9 @@ impl WaitingTrie {
                 node.full = full;
                 if full {
                     stack.push(ch);
+                } else if node.weight == 1 {
+                    // The one request below a partial match: its estimate is settled here.
+                    self.settled.insert(node.id_sum, cur.matched);
                 }
             }
         }
