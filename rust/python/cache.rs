@@ -9,7 +9,6 @@ use crate::request::RequestId;
 use crate::stats::CacheStats;
 use crate::{BlockCache, RadixCache};
 use numpy::PyArray1;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -119,7 +118,7 @@ impl PyCache {
         num_computed: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let id = request_of(slf, req);
-        let n = convert_count("num_computed", num_computed)?;
+        let n = convert::count("num_computed", num_computed)?;
         slf.get().with(slf.py(), false, |c| c.commit(id, n))
     }
 
@@ -162,7 +161,7 @@ impl PyCache {
 
     /// Evicts up to ``num_pages`` evictable pages in eviction order; returns how many.
     fn evict(slf: &Bound<'_, Self>, num_pages: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let n = convert_count("num_pages", num_pages)?;
+        let n = convert::count("num_pages", num_pages)?;
         slf.get().with(slf.py(), n >= LONG, |c| Ok(c.evict(n)))
     }
 
@@ -216,32 +215,15 @@ impl PyCache {
     }
 }
 
-fn convert_count(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
-    match obj.extract::<i64>() {
-        Ok(v) if v >= 0 => Ok(v as usize),
-        Ok(v) => Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "{what} must be >= 0, got {v}"
-        ))),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{what} must be an int, got {}",
-            obj.get_type().name()?
-        ))),
-    }
-}
 
-fn pool_args(num_pages: i64, page_size: i64) -> PyResult<(usize, usize)> {
-    let err = |what: &str, v: i64| {
-        Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "{what} must be at least 1, got {v}"
-        )))
+fn pool_args(num_pages: &Bound<'_, PyAny>, page_size: Option<&Bound<'_, PyAny>>, default: usize) -> PyResult<(usize, usize)> {
+    let n = convert::count("num_pages", num_pages)?;
+    let p = match page_size {
+        Some(p) => convert::count("page_size", p)?,
+        None => default,
     };
-    if num_pages < 1 {
-        return err("num_pages", num_pages);
-    }
-    if page_size < 1 {
-        return err("page_size", page_size);
-    }
-    Ok((num_pages as usize, page_size as usize))
+    // The core names a zero or a too-large value; a value past 64 bits was named above.
+    Ok((n, p))
 }
 
 /// A prefix cache indexed by a compressed radix tree over token ids (SGLang RadixAttention
@@ -252,9 +234,9 @@ pub struct PyRadixCache;
 #[pymethods]
 impl PyRadixCache {
     #[new]
-    #[pyo3(signature = (num_pages, page_size=1))]
-    fn new(num_pages: i64, page_size: i64) -> PyResult<PyClassInitializer<Self>> {
-        let (n, p) = pool_args(num_pages, page_size)?;
+    #[pyo3(signature = (num_pages, page_size=None), text_signature = "(num_pages, page_size=1)")]
+    fn new(num_pages: &Bound<'_, PyAny>, page_size: Option<&Bound<'_, PyAny>>) -> PyResult<PyClassInitializer<Self>> {
+        let (n, p) = pool_args(num_pages, page_size, 1)?;
         let core = RadixCache::new(n, p)?;
         Ok(PyClassInitializer::from(PyCache {
             inner: Mutex::new(Box::new(core)),
@@ -272,9 +254,9 @@ pub struct PyBlockCache;
 #[pymethods]
 impl PyBlockCache {
     #[new]
-    #[pyo3(signature = (num_pages, page_size=16))]
-    fn new(num_pages: i64, page_size: i64) -> PyResult<PyClassInitializer<Self>> {
-        let (n, p) = pool_args(num_pages, page_size)?;
+    #[pyo3(signature = (num_pages, page_size=None), text_signature = "(num_pages, page_size=16)")]
+    fn new(num_pages: &Bound<'_, PyAny>, page_size: Option<&Bound<'_, PyAny>>) -> PyResult<PyClassInitializer<Self>> {
+        let (n, p) = pool_args(num_pages, page_size, 16)?;
         let core = BlockCache::new(n, p)?;
         Ok(PyClassInitializer::from(PyCache {
             inner: Mutex::new(Box::new(core)),
@@ -472,21 +454,21 @@ impl PyCacheStats {
 /// The keys ``BlockCache`` uses: one 32-byte blake3 digest per full page of ``tokens``
 /// (spec ``radixkv.block.v1`` in the design).
 #[pyfunction]
-#[pyo3(signature = (tokens, page_size=16, namespace=None))]
+#[pyo3(signature = (tokens, page_size=None, namespace=None), text_signature = "(tokens, page_size=16, namespace=None)")]
 fn block_hashes<'py>(
     py: Python<'py>,
     tokens: &Bound<'py, PyAny>,
-    page_size: i64,
+    page_size: Option<&Bound<'py, PyAny>>,
     namespace: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    if page_size < 1 {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "page_size must be at least 1, got {page_size}"
-        )));
-    }
+    let page_size = match page_size {
+        Some(p) => convert::count("page_size", p)?,
+        None => 16,
+    };
+    crate::cache::check_pool_args(1, page_size)?;
     let toks = convert::tokens("tokens", tokens)?;
     let ns = convert::namespace(namespace)?;
-    let hashes = py.allow_threads(|| hash::block_hashes(&toks, page_size as usize, &ns));
+    let hashes = py.allow_threads(|| hash::block_hashes(&toks, page_size, &ns));
     Ok(hashes.iter().map(|h| PyBytes::new(py, h)).collect())
 }
 

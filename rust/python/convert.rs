@@ -60,6 +60,16 @@ fn from_array(what: &str, arr: &Bound<'_, PyUntypedArray>) -> PyResult<Vec<u32>>
         return Ok(ro.as_array().to_vec());
     }
     try_dtypes!(what, arr, i64, i32, u64, u16, i16, u8, i8);
+    let dtype = arr.dtype();
+    if matches!(dtype.kind(), b'i' | b'u') && !dtype.is_native_byteorder().unwrap_or(true) {
+        // An integer array in the other byte order: swap it once into native order.
+        let native = arr.call_method1("astype", (dtype.call_method1("newbyteorder", ("=",))?,))?;
+        if let Ok(native) = native.downcast::<PyUntypedArray>() {
+            if native.dtype().is_native_byteorder().unwrap_or(false) {
+                return from_array(what, native);
+            }
+        }
+    }
     Err(PyTypeError::new_err(format!(
         "{what} must hold integers, got an array of dtype {}",
         arr.dtype().str()?
@@ -143,4 +153,18 @@ pub fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Namespace> {
         "namespace must be None, str or bytes, got {}",
         obj.get_type().name()?
     )))
+}
+
+/// A count (`>= 0`) from a Python int, with errors that name the argument and the value: a
+/// negative value, or one beyond 64 bits, is a `ValueError`; anything but an int a `TypeError`.
+pub fn count(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if let Ok(v) = obj.extract::<u64>() {
+        return Ok(usize::try_from(v).unwrap_or(usize::MAX));
+    }
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        let negative = obj.lt(0)?;
+        let bound = if negative { "must be >= 0" } else { "must be below 2**64" };
+        return Err(PyValueError::new_err(format!("{what} {bound}, got {obj}")));
+    }
+    Err(PyTypeError::new_err(format!("{what} must be an int, got {}", obj.get_type().name()?)))
 }

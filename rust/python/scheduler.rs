@@ -49,23 +49,34 @@ impl PyScheduler {
     }
 
     /// Queues a prompt; returns its id (ids grow with arrival).
-    #[pyo3(signature = (tokens, namespace=None, priority=0, max_new_tokens=0))]
+    #[pyo3(
+        signature = (tokens, namespace=None, priority=None, max_new_tokens=None),
+        text_signature = "($self, tokens, namespace=None, priority=0, max_new_tokens=0)"
+    )]
     fn add(
         &self,
         tokens: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
-        priority: i32,
-        max_new_tokens: i64,
+        priority: Option<&Bound<'_, PyAny>>,
+        max_new_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
         let toks = convert::tokens("tokens", tokens)?;
         let ns = convert::namespace(namespace)?;
-        if !(0..=u32::MAX as i64).contains(&max_new_tokens) {
-            return Err(PyValueError::new_err(format!(
-                "max_new_tokens must be in [0, 2**32), got {max_new_tokens}"
-            )));
-        }
+        let priority: i32 = match priority {
+            None => 0,
+            Some(p) => p.extract().map_err(|_| {
+                PyValueError::new_err(format!("priority must be an int in [-2**31, 2**31), got {p}"))
+            })?,
+        };
+        let max_new_tokens = match max_new_tokens {
+            None => 0,
+            Some(m) => convert::count("max_new_tokens", m)?,
+        };
+        let Ok(max_new_tokens) = u32::try_from(max_new_tokens) else {
+            return Err(PyValueError::new_err(format!("max_new_tokens must be below 2**32, got {max_new_tokens}")));
+        };
         let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let id = s.add(&toks, ns, priority, max_new_tokens as u32)?;
+        let id = s.add(&toks, ns, priority, max_new_tokens)?;
         let ns_obj = namespace.map_or_else(|| tokens.py().None(), |o| o.clone().unbind());
         self.namespaces
             .lock()
@@ -94,28 +105,19 @@ impl PyScheduler {
     fn schedule(
         &self,
         py: Python<'_>,
-        token_budget: i64,
-        max_requests: Option<i64>,
+        token_budget: &Bound<'_, PyAny>,
+        max_requests: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<(u64, PyRequest)>> {
-        if token_budget < 0 {
-            return Err(PyValueError::new_err(format!(
-                "token_budget must be >= 0, got {token_budget}"
-            )));
-        }
-        let max_requests = match max_requests {
+        let token_budget = convert::count("token_budget", token_budget)?;
+        let max_requests = match max_requests.filter(|m| !m.is_none()) {
             None => usize::MAX,
-            Some(m) if m >= 0 => m as usize,
-            Some(m) => {
-                return Err(PyValueError::new_err(format!(
-                    "max_requests must be >= 0, got {m}"
-                )))
-            }
+            Some(m) => convert::count("max_requests", m)?,
         };
         let cache = self.cache.bind(py);
         // Lock order: the cache, then the scheduler (the only place that holds both).
         let admitted = self.cache.get().with(py, true, |c| {
             let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            Ok(s.schedule(c, token_budget as usize, max_requests))
+            Ok(s.schedule(c, token_budget, max_requests))
         })?;
         let mut namespaces = self.namespaces.lock().unwrap_or_else(|e| e.into_inner());
         Ok(admitted

@@ -1,0 +1,305 @@
+"""Random operation sequences against the pure-Python reference models (tests/reference.py).
+
+Each state machine drives a real cache and its reference model side by side through every
+operation (admit, extend, commit, fork, finish, abort, match_prefix, evict, reset, misuse of a
+closed request). Prompts share a few trunks and use a four-token alphabet for their tails, so
+hits, splits, concurrent duplicates, evictions and ``OutOfPages`` all happen often in pools of
+8-40 pages. After every step both must agree exactly: the same exception type, the same
+``num_cached``, the same page tables (page ids included), the same stats; and the real cache's
+``check()`` must pass. A seeded run in pools of thousands of pages does the same with long
+prompts, so that page ids far from 0 are allocated, evicted and reused.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import radixkv
+from reference import RefBlockCache, RefRadixCache
+
+NAMESPACES = st.sampled_from([None, "a", b"a", "b", ""])
+MAX_LIVE = 12
+
+
+class Raised:
+    """An exception one side raised, compared by type."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def __repr__(self) -> str:
+        return f"Raised({type(self.exc).__name__}: {self.exc})"
+
+
+def attempt(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except (radixkv.Error, ValueError, TypeError) as e:
+        return Raised(e)
+
+
+def request_state(req: Any) -> dict[str, Any]:
+    return {
+        "num_tokens": req.num_tokens,
+        "num_cached": req.num_cached,
+        "num_computed": req.num_computed,
+        "pages": [int(x) for x in req.pages],
+        "slots": [int(x) for x in req.slots],
+        "tokens": [int(x) for x in req.tokens],
+    }
+
+
+def make_machine(
+    kind: str, page_size: int, trunk_pages: int, pool: tuple[int, int]
+) -> type[RuleBasedStateMachine]:
+    """A state machine class for one cache kind and page size."""
+    real_cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    ref_cls = RefRadixCache if kind == "radix" else RefBlockCache
+    p = page_size
+    trunk_len = trunk_pages * p
+    trunks = [[1000 * (j + 1) + i for i in range(trunk_len)] for j in range(3)]
+    tails = st.lists(st.integers(0, 3), max_size=2 * p + 1)
+    prompts = st.builds(
+        lambda j, cut, tail: (trunks[j][:cut] + tail) or [0],
+        st.integers(0, 2),
+        st.integers(0, trunk_len),
+        tails,
+    )
+    picks = st.integers(0, 10**6)
+
+    class Machine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.real: Any = None
+            self.ref: Any = None
+            self.live: list[tuple[Any, Any]] = []
+            self.closed: list[tuple[Any, Any]] = []
+            # Prompts seen lately: probing them after every step makes each eviction visible.
+            self.seen: list[tuple[list[int], Any]] = []
+
+        def both(self, op: Callable[[Any, Any], Any]) -> tuple[Any, Any]:
+            """Runs ``op(cache, side)`` on the model, then on the real cache; same outcome."""
+            want = attempt(lambda: op(self.ref, 1))
+            got = attempt(lambda: op(self.real, 0))
+            if isinstance(want, Raised) or isinstance(got, Raised):
+                assert type(getattr(got, "exc", None)) is type(getattr(want, "exc", None)), (
+                    f"real {got!r}, reference {want!r}"
+                )
+            return got, want
+
+        def pick(self, i: int) -> tuple[Any, Any]:
+            return self.live[i % len(self.live)]
+
+        def admitted(self, got: Any, want: Any) -> None:
+            if not isinstance(want, Raised):
+                assert request_state(got) == request_state(want)
+                self.live.append((got, want))
+
+        def closing(self, i: int, how: str) -> None:
+            pair = self.pick(i)
+            # One token more, so that the probe reaches the request's last full page too.
+            self.seen = [*self.seen[-7:], ([*pair[1].tokens, 0], pair[1].namespace)]
+            self.both(lambda c, s: getattr(c, how)(pair[s]))
+            self.live.remove(pair)
+            self.closed.append(pair)
+
+        @initialize(num_pages=st.integers(*pool))
+        def create(self, num_pages: int) -> None:
+            self.real = real_cls(num_pages, p)
+            self.ref = ref_cls(num_pages, p)
+
+        @precondition(lambda self: len(self.live) < MAX_LIVE)
+        @rule(prompt=prompts, ns=NAMESPACES)
+        def admit(self, prompt: list[int], ns: Any) -> None:
+            self.admitted(*self.both(lambda c, s: c.admit(prompt, ns)))
+
+        @precondition(lambda self: len(self.live) < MAX_LIVE)
+        @rule(prompt=prompts, ns=NAMESPACES)
+        def admit_and_compute(self, prompt: list[int], ns: Any) -> None:
+            """Admit, then commit every token: a prefill that publishes all its full pages."""
+            got, want = self.both(lambda c, s: c.admit(prompt, ns))
+            self.admitted(got, want)
+            if not isinstance(want, Raised):
+                self.both(lambda c, s: c.commit((got, want)[s], len(prompt)))
+
+        @precondition(lambda self: 0 < len(self.live) < MAX_LIVE)
+        @rule(i=picks, tail=tails)
+        def admit_next_turn(self, i: int, tail: list[int]) -> None:
+            """A new turn: a live request's tokens plus more, in its namespace."""
+            pair = self.pick(i)
+            prompt = [int(t) for t in pair[0].tokens] + tail
+            ns = pair[0].namespace
+            self.admitted(*self.both(lambda c, s: c.admit(prompt, ns)))
+
+        @precondition(lambda self: self.live)
+        @rule(i=picks, toks=st.lists(st.integers(0, 3), max_size=p + 2))
+        def extend(self, i: int, toks: list[int]) -> None:
+            pair = self.pick(i)
+            self.both(lambda c, s: c.extend(pair[s], toks))
+
+        @precondition(lambda self: self.live)
+        @rule(
+            i=picks, eighths=st.integers(0, 8), mode=st.sampled_from(["ok"] * 6 + ["over", "under"])
+        )
+        def commit(self, i: int, eighths: int, mode: str) -> None:
+            pair = self.pick(i)
+            n, done = pair[1].num_tokens, pair[1].num_computed
+            c = {"ok": done + (n - done) * eighths // 8, "over": n + 1, "under": done - 1}[mode]
+            self.both(lambda cache, s: cache.commit(pair[s], c))
+
+        @precondition(lambda self: self.live)
+        @rule(i=picks)
+        def commit_all(self, i: int) -> None:
+            """Everything computed: the common case that makes later admissions hit."""
+            pair = self.pick(i)
+            self.both(lambda c, s: c.commit(pair[s], pair[s].num_tokens))
+
+        @precondition(lambda self: 0 < len(self.live) < MAX_LIVE)
+        @rule(i=picks)
+        def fork(self, i: int) -> None:
+            pair = self.pick(i)
+            self.admitted(*self.both(lambda c, s: c.fork(pair[s])))
+
+        @precondition(lambda self: self.live)
+        @rule(i=picks)
+        def finish(self, i: int) -> None:
+            self.closing(i, "finish")
+
+        @precondition(lambda self: self.live)
+        @rule(i=picks)
+        def abort(self, i: int) -> None:
+            self.closing(i, "abort")
+
+        @rule(prompt=prompts, ns=NAMESPACES)
+        def match_prefix(self, prompt: list[int], ns: Any) -> None:
+            before = self.real.stats
+            got, want = self.both(lambda c, s: c.match_prefix(prompt, ns))
+            assert got == want
+            assert self.real.stats == before
+
+        @rule(k=st.integers(0, 6))
+        def evict(self, k: int) -> None:
+            got, want = self.both(lambda c, s: c.evict(k))
+            assert got == want
+
+        @rule()
+        def reset(self) -> None:
+            got, want = self.both(lambda c, s: c.reset())
+            assert got == want
+
+        @precondition(lambda self: self.closed)
+        @rule(
+            i=st.integers(0, 10**6),
+            op=st.sampled_from(["extend", "commit", "fork", "finish", "abort"]),
+        )
+        def use_closed(self, i: int, op: str) -> None:
+            pair = self.closed[i % len(self.closed)]
+            args = {"extend": ([1],), "commit": (0,)}.get(op, ())
+            got, _ = self.both(lambda c, s: getattr(c, op)(pair[s], *args))
+            assert isinstance(got, Raised) and isinstance(got.exc, radixkv.InvalidRequest)
+            assert pair[0].closed
+
+        @invariant()
+        def agree(self) -> None:
+            if self.real is None:
+                return
+            self.real.check()
+            self.ref.check()
+            assert self.real.stats.as_dict() == self.ref.stats.as_dict()
+            for got, want in self.live:
+                assert request_state(got) == request_state(want)
+            for tokens, ns in self.seen:
+                assert self.real.match_prefix(tokens, ns) == self.ref.match_prefix(tokens, ns)
+
+    Machine.__name__ = f"{kind.title()}P{p}Machine"
+    return Machine
+
+
+SETTINGS = settings(
+    max_examples=250,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+TestRadixP1 = make_machine("radix", 1, trunk_pages=12, pool=(8, 40)).TestCase
+TestRadixP1.settings = SETTINGS
+TestRadixP2 = make_machine("radix", 2, trunk_pages=8, pool=(8, 32)).TestCase
+TestRadixP2.settings = SETTINGS
+TestRadixP4 = make_machine("radix", 4, trunk_pages=6, pool=(8, 32)).TestCase
+TestRadixP4.settings = SETTINGS
+TestBlockP4 = make_machine("block", 4, trunk_pages=6, pool=(8, 32)).TestCase
+TestBlockP4.settings = SETTINGS
+TestBlockP16 = make_machine("block", 16, trunk_pages=4, pool=(8, 20)).TestCase
+TestBlockP16.settings = SETTINGS
+
+
+LARGE = [("radix", 1, 4500), ("radix", 16, 600), ("block", 4, 5000)]
+
+
+@pytest.mark.parametrize("kind,p,num_pages", LARGE, ids=[f"{k}-p{p}" for k, p, _ in LARGE])
+def test_large_pool_against_the_reference(kind, p, num_pages):
+    """Long prompts in a pool of thousands of pages: page ids far from 0 (past the first 4096 at
+    P=1) are allocated, evicted and reused in the same order as the reference model's."""
+    rng = random.Random(f"{kind}-{p}")
+    machine = make_machine(kind, p, trunk_pages=1, pool=(num_pages, num_pages))()
+    machine.create(num_pages=num_pages)
+    span = num_pages * p // 3
+    trunks = [[rng.randrange(1 << 32) for _ in range(span)] for _ in range(3)]
+
+    def prompt() -> list[int]:
+        cut = rng.randint(1, span)
+        return rng.choice(trunks)[:cut] + [rng.randint(0, 3) for _ in range(rng.randint(0, 2 * p))]
+
+    for _ in range(150):
+        op = rng.choice(
+            [
+                "admit",
+                "admit",
+                "turn",
+                "commit_all",
+                "commit",
+                "extend",
+                "fork",
+                "finish",
+                "finish",
+                "abort",
+                "match_prefix",
+                "evict",
+            ]
+        )
+        live = bool(machine.live)
+        i = rng.randrange(10**6)
+        if op == "admit" and len(machine.live) < MAX_LIVE:
+            machine.admit(prompt(), rng.choice([None, "x"]))
+        elif op == "turn" and live and len(machine.live) < MAX_LIVE:
+            machine.admit_next_turn(i, [rng.randint(0, 3) for _ in range(rng.randint(0, 3 * p))])
+        elif op == "commit_all" and live:
+            machine.commit_all(i)
+        elif op == "commit" and live:
+            machine.commit(i, rng.randint(0, 8), "ok")
+        elif op == "extend" and live:
+            machine.extend(i, [rng.randint(0, 3) for _ in range(rng.randint(1, 3 * p))])
+        elif op == "fork" and live and len(machine.live) < MAX_LIVE:
+            machine.fork(i)
+        elif op in ("finish", "abort") and live:
+            machine.closing(i, op)
+        elif op == "match_prefix":
+            machine.match_prefix(prompt(), None)
+        elif op == "evict":
+            machine.evict(rng.randint(0, 6) * rng.choice([1, 100]))
+        machine.agree()
+    assert machine.real.stats.evicted_pages > 0
+    assert machine.real.stats.hit_tokens > 0
