@@ -17,14 +17,18 @@ import radixkv
 from radixkv.replay import ReplayConfig, infinite_bound, replay
 from radixkv.trace import read_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
 
 
 def seq(start: int, n: int) -> np.ndarray:
     return np.arange(start, start + n, dtype=np.uint32)
 
 
-def alternating(policy: str, groups: int = 2, per_group: int = 32, prefix: int = 4096, tail: int = 64):
+def alternating(
+    policy: str, groups: int = 2, per_group: int = 32, prefix: int = 4096, tail: int = 64
+):
     """X/Y/X/Y arrivals, all queued at once; the pool holds one prefix (plus a batch's tails).
     One request is served per schedule call and finishes before the next call."""
     pool = prefix + 4 * tail
@@ -33,7 +37,9 @@ def alternating(policy: str, groups: int = 2, per_group: int = 32, prefix: int =
     prefixes = [seq(g * 1_000_000, prefix) for g in range(groups)]
     for i in range(per_group):
         for g in range(groups):
-            sched.add(np.concatenate([prefixes[g], seq(10_000_000 + (i * groups + g) * tail, tail)]))
+            sched.add(
+                np.concatenate([prefixes[g], seq(10_000_000 + (i * groups + g) * tail, tail)])
+            )
     while len(sched):
         for _, req in sched.schedule(1 << 30, 1):
             cache.commit(req, req.num_tokens)
@@ -76,8 +82,10 @@ def naive_lpm_cost(waiting: int, prompt: int = 2048, reps: int = 5) -> float:
     cache.commit(warm, warm.num_tokens)
     cache.finish(warm)
     rng = np.random.default_rng(0)
-    prompts = [np.concatenate([system, rng.integers(1 << 20, 1 << 31, prompt - 1024, dtype=np.uint32)])
-               for _ in range(waiting)]
+    prompts = [
+        np.concatenate([system, rng.integers(1 << 20, 1 << 31, prompt - 1024, dtype=np.uint32)])
+        for _ in range(waiting)
+    ]
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -121,27 +129,39 @@ def main() -> None:
     print(f"{'policy':<11} {'hit rate':>9} {'of best':>8} {'vs fcfs':>8}")
     for pol in ("fcfs", "lpm", "dfs-weight"):
         h, _ = alternating(pol)
-        print(f"{pol:<11} {h:>9.2%} {h / best:>8.2%} {h / fcfs if fcfs else float('inf'):>7.1f}x"
-              ("   (baseline)" if pol == "fcfs" else
-               f"   {'PASS' if h >= 0.95 * best else 'FAIL'} (target >= 95% of best)"))
+        print(
+            f"{pol:<11} {h:>9.2%} {h / best:>8.2%} {h / fcfs if fcfs else float('inf'):>7.1f}x"(
+                "   (baseline)"
+                if pol == "fcfs"
+                else f"   {'PASS' if h >= 0.95 * best else 'FAIL'} (target >= 95% of best)"
+            )
+        )
     print(f"best possible: {best:.2%}")
 
     print("\n== one schedule call (admit 1), waiting requests of 2,048 tokens ==")
     sizes = (128, 1024) if args.quick else (128, 1024, 8192)
-    print(f"{'waiting':>8} {'fcfs':>9} {'lpm':>9} {'dfs-weight':>10} {'naive lpm':>10} {'lpm speedup':>11}")
+    print(
+        f"{'waiting':>8} {'fcfs':>9} {'lpm':>9} {'dfs-weight':>10} {'naive lpm':>10}"
+        f" {'lpm speedup':>11}"
+    )
     for n in sizes:
         f, lp, d = (schedule_cost(p, n) for p in ("fcfs", "lpm", "dfs-weight"))
         nv = naive_lpm_cost(n)
         verdict = f"  {'PASS' if lp <= 2e-3 else 'FAIL'} (target <= 2 ms)" if n == 8192 else ""
-        print(f"{n:>8} {f * 1e3:>7.3f}ms {lp * 1e3:>7.3f}ms {d * 1e3:>8.3f}ms {nv * 1e3:>8.3f}ms "
-              f"{nv / lp:>10.1f}x{verdict}")
+        print(
+            f"{n:>8} {f * 1e3:>7.3f}ms {lp * 1e3:>7.3f}ms {d * 1e3:>8.3f}ms {nv * 1e3:>8.3f}ms "
+            f"{nv / lp:>10.1f}x{verdict}"
+        )
 
     print("\n== queue wait under a warm stream (in schedule calls) ==")
     calls = 500 if args.quick else 2000
     p99_off, max_off = starvation(0, calls)
     p99_on, max_on = starvation(64, calls)
     print(f"no bound:        p99 {p99_off:>7.0f}  max {max_off:>6}")
-    print(f"max_wait=64:     p99 {p99_on:>7.0f}  max {max_on:>6}   ({p99_off / max(p99_on, 1):.1f}x lower p99)")
+    print(
+        f"max_wait=64:     p99 {p99_on:>7.0f}  max {max_on:>6}"
+        f"   ({p99_off / max(p99_on, 1):.1f}x lower p99)"
+    )
 
     if not TRACE.exists():
         print(f"\n(no Mooncake trace at {TRACE.name}: skipped)")
@@ -151,10 +171,15 @@ def main() -> None:
     bound = infinite_bound(reqs, 16)
     print(f"\n== Mooncake conversation trace, first {len(reqs)} requests, radix cache, page 16 ==")
     print(f"unbounded-cache bound: {bound:.2%}")
-    print(f"{'pool tokens':>11} {'fcfs':>8} {'lpm':>8} {'dfs-weight':>10}   (hit rate; share of bound)")
+    print(
+        f"{'pool tokens':>11} {'fcfs':>8} {'lpm':>8} {'dfs-weight':>10}"
+        "   (hit rate; share of bound)"
+    )
     for pages in (65_536, 262_144, 1_048_576):
-        hs = [replay(reqs, ReplayConfig(num_pages=pages, policy=p)).hit_rate
-              for p in ("fcfs", "lpm", "dfs-weight")]
+        hs = [
+            replay(reqs, ReplayConfig(num_pages=pages, policy=p)).hit_rate
+            for p in ("fcfs", "lpm", "dfs-weight")
+        ]
         cells = " ".join(f"{h:>7.2%}" for h in hs)
         print(f"{pages * 16 / 1e6:>10.1f}M {cells}   ({', '.join(f'{h / bound:.0%}' for h in hs)})")
 

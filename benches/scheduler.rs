@@ -5,6 +5,9 @@
 //! and replaced, so the queue length stays put. Baselines in the same run: `fcfs` (no ranking) and
 //! the plain way to rank by cached prefix, `match_prefix` on every waiting prompt and a sort.
 
+// criterion_group! expands to undocumented public functions.
+#![allow(missing_docs)]
+
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use radixkv::{Policy, PrefixCache, RadixCache, Scheduler};
 use std::time::{Duration, Instant};
@@ -12,7 +15,9 @@ use std::time::{Duration, Instant};
 const PROMPT: u32 = 2048;
 
 fn tail(i: u32) -> Vec<u32> {
-    (0..PROMPT - 1024).map(|j| 1_000_000 + i * PROMPT + j).collect()
+    (0..PROMPT - 1024)
+        .map(|j| 1_000_000 + i * PROMPT + j)
+        .collect()
 }
 
 fn prompt(i: u32) -> Vec<u32> {
@@ -33,9 +38,15 @@ fn setup(waiting: u32, policy: Policy) -> (RadixCache, Scheduler) {
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("schedule_one_call");
-    g.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
     for waiting in [128u32, 1024, 8192] {
-        for (name, policy) in [("fcfs", Policy::Fcfs), ("lpm", Policy::Lpm), ("dfs-weight", Policy::DfsWeight)] {
+        for (name, policy) in [
+            ("fcfs", Policy::Fcfs),
+            ("lpm", Policy::Lpm),
+            ("dfs-weight", Policy::DfsWeight),
+        ] {
             let (mut cache, mut s) = setup(waiting, policy);
             let mut next = waiting;
             g.bench_function(format!("{name}/{waiting}"), |b| {

@@ -79,7 +79,9 @@ fn memo_key(prev: &BlockHash, page: &[u32]) -> u64 {
     let mut h = u64::from_le_bytes(prev[..8].try_into().expect("8 bytes"));
     let mut pairs = page.chunks_exact(2);
     for pair in &mut pairs {
-        h = (h ^ ((pair[0] as u64) << 32 | pair[1] as u64)).wrapping_mul(K).rotate_left(23);
+        h = (h ^ ((pair[0] as u64) << 32 | pair[1] as u64))
+            .wrapping_mul(K)
+            .rotate_left(23);
     }
     if let [t] = pairs.remainder() {
         h = (h ^ *t as u64).wrapping_mul(K);
@@ -286,7 +288,11 @@ impl BlockCache {
                     r.ext.stored.push((i as u32, copy));
                 }
                 None => {
-                    let prev = if i == 0 { root_hash(p, &r.namespace) } else { r.ext.hashes[i - 1] };
+                    let prev = if i == 0 {
+                        root_hash(p, &r.namespace)
+                    } else {
+                        r.ext.hashes[i - 1]
+                    };
                     pool.hash_page(r.pages[i], &prev, &r.tokens[i * p..(i + 1) * p], h);
                 }
             }
@@ -338,7 +344,10 @@ impl PrefixCache for BlockCache {
             num_cached: matched,
             num_computed: matched,
             published: matched,
-            ext: BlockExt { hashes, stored: Vec::new() },
+            ext: BlockExt {
+                hashes,
+                stored: Vec::new(),
+            },
         }))
     }
 
@@ -481,7 +490,9 @@ impl PrefixCache for BlockCache {
             }
             if let Some(h) = pool.hash_of[page] {
                 if next_hash(&pool.parent_of[page], pool.page_tokens(page as u32)) != h {
-                    return corrupt(format!("page {page}: its parent hash and tokens do not hash to its key"));
+                    return corrupt(format!(
+                        "page {page}: its parent hash and tokens do not hash to its key"
+                    ));
                 }
                 if pool.map.get(&h) != Some(&(page as u32)) {
                     return corrupt(format!(

@@ -23,8 +23,8 @@ use crate::freeset::FreeSet;
 use crate::links::{Links, ListId};
 use crate::request::{new_cache_id, Request, RequestId, Requests};
 use crate::stats::{CacheStats, Counters};
-use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
 const NIL: u32 = u32::MAX;

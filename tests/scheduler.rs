@@ -60,14 +60,19 @@ fn lpm_serves_longest_cached_prefix_first_ties_by_arrival() {
         warm(&mut *cache, &x, None);
         let mut s = Scheduler::new(cache.page_size(), Policy::Lpm, 0);
         let miss = s.add(&seq(10_000, 100), None, 0, 0).unwrap();
-        let half = s.add(&cat(&x[..256], &seq(20_000, 40)), None, 0, 0).unwrap();
+        let half = s
+            .add(&cat(&x[..256], &seq(20_000, 40)), None, 0, 0)
+            .unwrap();
         let full = s.add(&cat(&x, &seq(30_000, 40)), None, 0, 0).unwrap();
         let miss2 = s.add(&seq(40_000, 100), None, 0, 0).unwrap();
         let full2 = s.add(&cat(&x, &seq(50_000, 40)), None, 0, 0).unwrap();
         let out = s.schedule(&mut *cache, 100_000, 10);
         assert_eq!(ids(&out), vec![full, full2, half, miss, miss2]);
         // Every admission got exactly the prefix the ranking saw.
-        let cached: Vec<usize> = out.iter().map(|a| cache.request(a.request).unwrap().num_cached).collect();
+        let cached: Vec<usize> = out
+            .iter()
+            .map(|a| cache.request(a.request).unwrap().num_cached)
+            .collect();
         assert_eq!(cached, vec![512, 512, 256, 0, 0]);
         cache.check().unwrap();
     }
@@ -143,7 +148,10 @@ fn budgets_are_never_exceeded() {
             r.num_tokens() - r.num_cached
         })
         .sum();
-    assert!(used <= 700, "admitted {used} uncached tokens on a budget of 700");
+    assert!(
+        used <= 700,
+        "admitted {used} uncached tokens on a budget of 700"
+    );
     assert_eq!(s.len(), 20 - out.len());
     cache.check().unwrap();
 }
@@ -177,7 +185,8 @@ fn starvation_bound_lets_a_cold_request_through() {
         for call in 1..=40u64 {
             // A stream of warm requests: two arrive per call, one is served per call.
             for j in 0..2u32 {
-                s.add(&cat(&hot, &[(call as u32) * 10 + j]), None, 0, 0).unwrap();
+                s.add(&cat(&hot, &[(call as u32) * 10 + j]), None, 0, 0)
+                    .unwrap();
             }
             let out = s.schedule(&mut cache, 10_000, 1);
             finish_all(&mut cache, &out);
@@ -187,9 +196,16 @@ fn starvation_bound_lets_a_cold_request_through() {
         }
         None
     };
-    assert_eq!(run(0), None, "without the bound the warm stream starves the cold request");
+    assert_eq!(
+        run(0),
+        None,
+        "without the bound the warm stream starves the cold request"
+    );
     let served = run(5).expect("the bound must let the cold request through");
-    assert_eq!(served, 6, "served on the first call after waiting more than 5 calls");
+    assert_eq!(
+        served, 6,
+        "served on the first call after waiting more than 5 calls"
+    );
 }
 
 #[test]

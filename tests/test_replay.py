@@ -9,7 +9,9 @@ import pytest
 from radixkv.replay import ReplayConfig, infinite_bound, replay
 from radixkv.trace import mooncake_tokens, read_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
 
 
 def test_mooncake_blocks_expand_deterministically():
@@ -53,7 +55,9 @@ def synthetic(sessions=6, turns=5, system=300, step=80):
         prompt = np.arange(system, dtype=np.uint32)
         for t in range(turns):
             prompt = np.concatenate([prompt, rng.integers(10_000, 1 << 30, step).astype(np.uint32)])
-            reqs.append(TraceRequest(arrival=t * 2.0 + s * 0.01, tokens=prompt.copy(), output_length=8))
+            reqs.append(
+                TraceRequest(arrival=t * 2.0 + s * 0.01, tokens=prompt.copy(), output_length=8)
+            )
     return reqs
 
 
@@ -64,7 +68,11 @@ def test_replay_accounts_for_every_token(policy, cache):
     bound = infinite_bound(reqs, 16)
     big = replay(reqs, ReplayConfig(cache=cache, policy=policy, num_pages=4096, prefill_tps=1e5))
     assert big.requests == len(reqs) and big.dropped == 0
-    assert big.cached_tokens + big.computed_tokens == big.prompt_tokens == sum(len(r.tokens) for r in reqs)
+    assert (
+        big.cached_tokens + big.computed_tokens
+        == big.prompt_tokens
+        == sum(len(r.tokens) for r in reqs)
+    )
     # A pool that holds everything reaches the unbounded bound (block: full pages only).
     assert big.hit_rate == pytest.approx(bound, abs=0.02) and big.hit_rate > 0.5
     small = replay(reqs, ReplayConfig(cache=cache, policy=policy, num_pages=120, prefill_tps=1e5))
@@ -82,8 +90,20 @@ def test_prompts_larger_than_the_pool_are_dropped_not_hung():
 def test_cli_replays_the_real_trace(tmp_path, capsys):
     from radixkv import cli
 
-    rc = cli.main(["replay", str(TRACE), "--limit", "150", "--num-pages", "65536",
-                   "--policy", "fcfs,lpm", "--out", str(tmp_path)])
+    rc = cli.main(
+        [
+            "replay",
+            str(TRACE),
+            "--limit",
+            "150",
+            "--num-pages",
+            "65536",
+            "--policy",
+            "fcfs,lpm",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "lpm" in out and "unbounded-cache bound" in out

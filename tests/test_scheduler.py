@@ -13,7 +13,9 @@ def warm(cache, tokens, namespace=None):
     cache.finish(req)
 
 
-@pytest.mark.parametrize("make", [lambda: radixkv.RadixCache(4096), lambda: radixkv.BlockCache(512)])
+@pytest.mark.parametrize(
+    "make", [lambda: radixkv.RadixCache(4096), lambda: radixkv.BlockCache(512)]
+)
 def test_lpm_order_and_returned_requests(make):
     cache = make()
     prefix = np.arange(0, 512, dtype=np.uint32)
@@ -51,7 +53,7 @@ def test_budget_counts_only_uncached_tokens():
     prefix = list(range(2000))
     warm(cache, prefix)
     sched = radixkv.Scheduler(cache, "lpm")
-    ids = [sched.add(prefix + [50_000 + i]) for i in range(5)]
+    ids = [sched.add([*prefix, 50_000 + i]) for i in range(5)]
     # Each has 2,000 cached tokens and 1 to compute: a budget of 3 admits three of them.
     got = sched.schedule(token_budget=3)
     assert [i for i, _ in got] == ids[:3]
@@ -60,16 +62,16 @@ def test_budget_counts_only_uncached_tokens():
 
 def test_cancel_and_bad_arguments():
     cache = radixkv.RadixCache(64)
-    with pytest.raises(ValueError, match="policy.*lru"):
+    with pytest.raises(ValueError, match=r"policy.*lru"):
         radixkv.Scheduler(cache, "lru")
-    with pytest.raises(ValueError, match="max_wait.*-1"):
+    with pytest.raises(ValueError, match=r"max_wait.*-1"):
         radixkv.Scheduler(cache, "lpm", max_wait=-1)
     sched = radixkv.Scheduler(cache, "dfs-weight")
     with pytest.raises(ValueError, match="empty"):
         sched.add([])
     with pytest.raises(ValueError, match=r"tokens\[1\] = -5"):
         sched.add([1, -5])
-    with pytest.raises(ValueError, match="token_budget.*-3"):
+    with pytest.raises(ValueError, match=r"token_budget.*-3"):
         sched.schedule(-3)
     i = sched.add([1, 2])
     assert sched.cancel(i) and not sched.cancel(i)

@@ -1,7 +1,7 @@
 """Type stubs of the native core (``radixkv._radixkv``)."""
 
 from collections.abc import Sequence
-from typing import Any, Union, final
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
@@ -22,10 +22,10 @@ __all__ = [
     "plan_step",
 ]
 
-_Tokens = Union[Sequence[int], npt.NDArray[np.integer[Any]], Any]
+_Tokens = Sequence[int] | npt.NDArray[np.integer[Any]] | Any
 """A sequence of ints, a 1-D integer numpy array, a 1-D CPU torch integer tensor, or any integer
 buffer; every id in ``0 <= t < 2**32``."""
-_Namespace = Union[str, bytes, None]
+_Namespace = str | bytes | None
 
 class Error(Exception):
     """Base class of every radixkv error that is not a plain ValueError or TypeError."""
@@ -129,15 +129,23 @@ class Scheduler:
 
     def __new__(cls, cache: _Cache, policy: str = "lpm", max_wait: int = 256) -> Scheduler: ...
     def add(
-        self, tokens: _Tokens, namespace: _Namespace = None, priority: int = 0, max_new_tokens: int = 0
+        self,
+        tokens: _Tokens,
+        namespace: _Namespace = None,
+        priority: int = 0,
+        max_new_tokens: int = 0,
     ) -> int: ...
     def cancel(self, id: int) -> bool: ...
-    def schedule(self, token_budget: int, max_requests: int | None = None) -> list[tuple[int, Request]]: ...
+    def schedule(
+        self, token_budget: int, max_requests: int | None = None
+    ) -> list[tuple[int, Request]]: ...
     @property
     def waiting(self) -> list[int]: ...
     @property
     def policy(self) -> str: ...
     def __len__(self) -> int: ...
 
-def block_hashes(tokens: _Tokens, page_size: int = 16, namespace: _Namespace = None) -> list[bytes]: ...
+def block_hashes(
+    tokens: _Tokens, page_size: int = 16, namespace: _Namespace = None
+) -> list[bytes]: ...
 def plan_step(requests: Sequence[Request]) -> dict[str, Any]: ...

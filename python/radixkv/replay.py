@@ -7,7 +7,9 @@ which the prompts' KV is committed (published for later requests). Each request 
 its ``output_length`` tokens at ``decode_tps`` tokens per second (concurrently with others),
 holding pages for them (reserved at admission when the pool has room), and finishes: its pages
 are released. Output tokens are not published: a trace's later prompts name their content by
-token ids or block hashes, which synthetic outputs would never match. Out: hit rate, evictions, tokens computed, queue waits, time to first token.
+token ids or block hashes, which synthetic outputs would never match.
+
+Out: hit rate, evictions, tokens computed, queue waits, time to first token.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class ReplayResult:
         return float(np.percentile(xs, q)) if xs else 0.0
 
 
-def make_cache(kind: str, num_pages: int, page_size: int) -> radixkv.RadixCache | radixkv.BlockCache:
+def make_cache(
+    kind: str, num_pages: int, page_size: int
+) -> radixkv.RadixCache | radixkv.BlockCache:
     """A cache by name: ``radix`` or ``block``."""
     if kind == "radix":
         return radixkv.RadixCache(num_pages, page_size)
@@ -126,7 +130,11 @@ def replay(
             res.hit_curve.append((now, res.hit_rate))
             bar.update(len(batch))
             continue
-        upcoming = [t for t in (_next_arrival(requests, arrivals, nxt), _next_finish(running)) if t is not None]
+        upcoming = [
+            t
+            for t in (_next_arrival(requests, arrivals, nxt), _next_finish(running))
+            if t is not None
+        ]
         if upcoming:
             now = max(now, min(upcoming))
             continue

@@ -1,4 +1,4 @@
-"""``radixkv replay TRACE``: replay a trace through a cache per policy; print a table, draw a chart."""
+"""``radixkv replay TRACE``: a trace through a cache, once per policy: a table and a chart."""
 
 from __future__ import annotations
 
@@ -40,15 +40,23 @@ def run(args: argparse.Namespace) -> int:
     if not requests:
         raise SystemExit(f"radixkv replay: no requests in {args.trace}")
     prompt = sum(len(r.tokens) for r in requests)
-    print(f"{len(requests)} requests, {prompt / 1e6:.1f}M prompt tokens, pool "
-          f"{args.num_pages * args.page_size / 1e6:.2f}M tokens ({args.cache}, page {args.page_size})")
+    print(
+        f"{len(requests)} requests, {prompt / 1e6:.1f}M prompt tokens, pool "
+        f"{args.num_pages * args.page_size / 1e6:.2f}M tokens ({args.cache}, page {args.page_size})"
+    )
     bound = infinite_bound(requests, args.page_size)
     results = []
     for pol in policies:
         cfg = ReplayConfig(
-            cache=args.cache, page_size=args.page_size, num_pages=args.num_pages, policy=pol,
-            max_wait=args.max_wait, prefill_tps=args.prefill_tps, decode_tps=args.decode_tps,
-            token_budget=args.token_budget, max_running=args.max_running,
+            cache=args.cache,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            policy=pol,
+            max_wait=args.max_wait,
+            prefill_tps=args.prefill_tps,
+            decode_tps=args.decode_tps,
+            token_budget=args.token_budget,
+            max_running=args.max_running,
         )
         results.append(replay(requests, cfg, progress=True))
     print(format_table(results, bound))
@@ -60,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(results: list[ReplayResult], bound: float) -> str:
     """One row per policy: hit rate against the unbounded-cache bound, work and waits."""
-    head = (f"{'policy':<11} {'hit rate':>8} {'of bound':>8} {'computed':>10} {'evicted':>9} "
-            f"{'wait p50':>8} {'wait p99':>8} {'ttft p50':>8} {'ttft p99':>8} {'dropped':>7}")
+    head = (
+        f"{'policy':<11} {'hit rate':>8} {'of bound':>8} {'computed':>10} {'evicted':>9} "
+        f"{'wait p50':>8} {'wait p99':>8} {'ttft p50':>8} {'ttft p99':>8} {'dropped':>7}"
+    )
     rows = [head, "-" * len(head)]
     for r in results:
         rows.append(

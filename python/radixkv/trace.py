@@ -44,7 +44,9 @@ def mooncake_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
     """Expands Mooncake block hash ids into ``input_length`` deterministic uint32 token ids."""
     ids = np.asarray(hash_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= 2**32 // MOONCAKE_BLOCK):
-        raise ValueError(f"hash_ids must be in [0, {2**32 // MOONCAKE_BLOCK}), got {ids.min()}..{ids.max()}")
+        raise ValueError(
+            f"hash_ids must be in [0, {2**32 // MOONCAKE_BLOCK}), got {ids.min()}..{ids.max()}"
+        )
     if input_length > ids.size * MOONCAKE_BLOCK:
         raise ValueError(
             f"input_length {input_length} exceeds {ids.size} blocks of {MOONCAKE_BLOCK} tokens"

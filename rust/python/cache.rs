@@ -215,8 +215,11 @@ impl PyCache {
     }
 }
 
-
-fn pool_args(num_pages: &Bound<'_, PyAny>, page_size: Option<&Bound<'_, PyAny>>, default: usize) -> PyResult<(usize, usize)> {
+fn pool_args(
+    num_pages: &Bound<'_, PyAny>,
+    page_size: Option<&Bound<'_, PyAny>>,
+    default: usize,
+) -> PyResult<(usize, usize)> {
     let n = convert::count("num_pages", num_pages)?;
     let p = match page_size {
         Some(p) => convert::count("page_size", p)?,
@@ -235,7 +238,10 @@ pub struct PyRadixCache;
 impl PyRadixCache {
     #[new]
     #[pyo3(signature = (num_pages, page_size=None), text_signature = "(num_pages, page_size=1)")]
-    fn new(num_pages: &Bound<'_, PyAny>, page_size: Option<&Bound<'_, PyAny>>) -> PyResult<PyClassInitializer<Self>> {
+    fn new(
+        num_pages: &Bound<'_, PyAny>,
+        page_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
         let (n, p) = pool_args(num_pages, page_size, 1)?;
         let core = RadixCache::new(n, p)?;
         Ok(PyClassInitializer::from(PyCache {
@@ -255,7 +261,10 @@ pub struct PyBlockCache;
 impl PyBlockCache {
     #[new]
     #[pyo3(signature = (num_pages, page_size=None), text_signature = "(num_pages, page_size=16)")]
-    fn new(num_pages: &Bound<'_, PyAny>, page_size: Option<&Bound<'_, PyAny>>) -> PyResult<PyClassInitializer<Self>> {
+    fn new(
+        num_pages: &Bound<'_, PyAny>,
+        page_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
         let (n, p) = pool_args(num_pages, page_size, 16)?;
         let core = BlockCache::new(n, p)?;
         Ok(PyClassInitializer::from(PyCache {

@@ -163,8 +163,15 @@ pub fn count(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     }
     if obj.is_instance_of::<pyo3::types::PyInt>() {
         let negative = obj.lt(0)?;
-        let bound = if negative { "must be >= 0" } else { "must be below 2**64" };
+        let bound = if negative {
+            "must be >= 0"
+        } else {
+            "must be below 2**64"
+        };
         return Err(PyValueError::new_err(format!("{what} {bound}, got {obj}")));
     }
-    Err(PyTypeError::new_err(format!("{what} must be an int, got {}", obj.get_type().name()?)))
+    Err(PyTypeError::new_err(format!(
+        "{what} must be an int, got {}",
+        obj.get_type().name()?
+    )))
 }

@@ -65,7 +65,9 @@ impl PyScheduler {
         let priority: i32 = match priority {
             None => 0,
             Some(p) => p.extract().map_err(|_| {
-                PyValueError::new_err(format!("priority must be an int in [-2**31, 2**31), got {p}"))
+                PyValueError::new_err(format!(
+                    "priority must be an int in [-2**31, 2**31), got {p}"
+                ))
             })?,
         };
         let max_new_tokens = match max_new_tokens {
@@ -73,7 +75,9 @@ impl PyScheduler {
             Some(m) => convert::count("max_new_tokens", m)?,
         };
         let Ok(max_new_tokens) = u32::try_from(max_new_tokens) else {
-            return Err(PyValueError::new_err(format!("max_new_tokens must be below 2**32, got {max_new_tokens}")));
+            return Err(PyValueError::new_err(format!(
+                "max_new_tokens must be below 2**32, got {max_new_tokens}"
+            )));
         };
         let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let id = s.add(&toks, ns, priority, max_new_tokens)?;
@@ -156,7 +160,6 @@ impl PyScheduler {
         )
     }
 }
-
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()
