@@ -179,11 +179,16 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--only", default="abc", help="which of a, b, c to run")
+    p.add_argument("--hidden", type=int, default=256, help="model width (the built-in: 256)")
+    p.add_argument("--layers", type=int, default=4, help="model depth (the built-in: 4)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     args.dtype = torch.float32
-    model = CausalLM.random(ModelConfig(), seed=0)
+    # SwiGLU width in Llama's ratio (688 / 256), rounded to a multiple of 8.
+    inter = (args.hidden * 688 // 256 + 7) // 8 * 8
+    config = ModelConfig(hidden_size=args.hidden, intermediate_size=inter, num_layers=args.layers)
+    model = CausalLM.random(config, seed=0)
     cfg = model.config
     print(
         f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}/"
