@@ -50,6 +50,15 @@ def test_demo_block_cache_in_process(tmp_path, capsys):
     assert (tmp_path / "demo_ttft.png").read_bytes()[:8] == PNG
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_demo_through_the_scheduler(tmp_path, capsys, policy):
+    assert cli.main(["demo", "--quick", "--policy", policy, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"admission: {policy}" in out and "identical with and without caching: yes" in out
+    rows = table_rows(out)
+    assert int(rows["turn 3"][1]) > 0  # the scheduler's admissions hit the cache
+
+
 def test_demo_on_a_checkpoint_directory(tmp_path, capsys):
     model = tiny_model(seed=4, family="qwen2", qkv_bias=True)
     save_checkpoint(model, tmp_path / "ckpt")

@@ -44,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="local Hugging Face Llama/Qwen2 checkpoint instead of random weights",
     )
     p.add_argument("--token-budget", type=int, default=2048, help="tokens per forward pass")
+    p.add_argument(
+        "--policy",
+        choices=("engine", "fcfs", "lpm", "dfs-weight"),
+        default="engine",
+        help="admission: the engine's own first-come-first-served with chunked prefill "
+        "(default), or the Rust Scheduler with this policy",
+    )
     p.add_argument("--out", default="out", help="folder for the PNG chart (default: ./out)")
     p.add_argument("--quick", action="store_true", help="a small model and session (tests)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic session")
@@ -109,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"cache: {args.cache}, page size {page_size}, {num_pages} pages "
         f"({num_pages * page_size} tokens); session: {len(script.system)}-token system prompt, "
-        f"{sc.turns} turns, {sc.branches} sub-agents at turn {sc.branch_turn + 1}"
+        f"{sc.turns} turns, {sc.branches} sub-agents at turn {sc.branch_turn + 1}; "
+        f"admission: {args.policy}"
     )
 
     runs = {}
@@ -118,11 +126,17 @@ def run(args: argparse.Namespace) -> int:
         for caching in (True, False):
             bar.set_postfix_str("cache on" if caching else "cache off")
             cache = make_cache(args.cache, num_pages, page_size)
+            admission = None
+            if args.policy != "engine":
+                from radixkv.admission import SchedulerAdmission
+
+                admission = SchedulerAdmission(cache, policy=args.policy)
             engine = Engine(
                 model,
                 model.make_kv_cache(cache),
                 token_budget=args.token_budget,
                 prefix_caching=caching,
+                admission=admission,
             )
             runs[caching] = run_script(engine, script, sc, progress=bar)
     on, off = runs[True], runs[False]
