@@ -72,7 +72,14 @@ pub trait PrefixCache: Send {
     /// Marks `tokens[..num_computed]` as written and publishes the full pages this completes.
     fn commit(&mut self, id: RequestId, num_computed: usize) -> Result<()>;
     /// A new request with the same tokens and namespace sharing the computed full pages of `id`.
-    fn fork(&mut self, id: RequestId) -> Result<RequestId>;
+    ///
+    /// Commits publish computed full pages at once, so admitting `id`'s tokens again finds them
+    /// (or an equal copy published earlier) and shares them without copying KV.
+    fn fork(&mut self, id: RequestId) -> Result<RequestId> {
+        let r = self.request(id)?;
+        let (tokens, namespace) = (r.tokens.to_vec(), r.namespace.clone());
+        self.admit(&tokens, namespace)
+    }
     /// Publishes what is computed, unpins, frees what is not published, and closes the request.
     fn finish(&mut self, id: RequestId) -> Result<()>;
     /// Unpins and frees what is not published, publishing nothing more; closes the request.

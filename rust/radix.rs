@@ -536,14 +536,6 @@ impl PrefixCache for RadixCache {
         Ok(())
     }
 
-    fn fork(&mut self, id: RequestId) -> Result<RequestId> {
-        // The computed full pages of `id` are published, so admitting its tokens again finds
-        // them (or an equal copy published earlier) and shares them without copying KV.
-        let r = self.requests.get(id)?;
-        let (tokens, namespace) = (r.tokens.clone(), r.namespace.clone());
-        self.admit(&tokens, namespace)
-    }
-
     fn finish(&mut self, id: RequestId) -> Result<()> {
         self.release(id, true)
     }
@@ -585,17 +577,8 @@ impl PrefixCache for RadixCache {
 
     fn stats(&self) -> CacheStats {
         let (free, evictable) = (self.tree.free.len(), self.tree.evictable);
-        CacheStats {
-            num_pages: self.num_pages,
-            page_size: self.p(),
-            free_pages: free,
-            evictable_pages: evictable,
-            used_pages: self.num_pages - free - evictable,
-            queries: self.counters.queries,
-            query_tokens: self.counters.query_tokens,
-            hit_tokens: self.counters.hit_tokens,
-            evicted_pages: self.counters.evicted_pages,
-        }
+        self.counters
+            .snapshot(self.num_pages, self.p(), free, evictable)
     }
 
     fn check(&self) -> Result<()> {
@@ -603,15 +586,7 @@ impl PrefixCache for RadixCache {
     }
 
     fn request(&self, id: RequestId) -> Result<RequestView<'_>> {
-        let r = self.requests.get(id)?;
-        Ok(RequestView {
-            tokens: &r.tokens,
-            namespace: &r.namespace,
-            pages: &r.pages,
-            num_cached: r.num_cached,
-            num_computed: r.num_computed,
-            page_size: self.p(),
-        })
+        Ok(self.requests.get(id)?.view(self.p()))
     }
 
     fn page_size(&self) -> usize {

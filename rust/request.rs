@@ -3,7 +3,7 @@
 //! A [`RequestId`] names its cache and a slot's generation, so a closed request or a request of
 //! another cache is detected and refused, never silently aliased to whatever reuses the slot.
 
-use crate::cache::Namespace;
+use crate::cache::{Namespace, RequestView};
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -39,6 +39,20 @@ pub struct Request<X> {
     pub published: usize,
     /// The index's own state of this request.
     pub ext: X,
+}
+
+impl<X> Request<X> {
+    /// A read-only view for callers outside the cache.
+    pub fn view(&self, page_size: usize) -> RequestView<'_> {
+        RequestView {
+            tokens: &self.tokens,
+            namespace: &self.namespace,
+            pages: &self.pages,
+            num_cached: self.num_cached,
+            num_computed: self.num_computed,
+            page_size,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -48,6 +48,27 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
+    /// A snapshot with the pool's current page counts.
+    pub fn snapshot(
+        &self,
+        num_pages: usize,
+        page_size: usize,
+        free: usize,
+        evictable: usize,
+    ) -> CacheStats {
+        CacheStats {
+            num_pages,
+            page_size,
+            free_pages: free,
+            evictable_pages: evictable,
+            used_pages: num_pages - free - evictable,
+            queries: self.queries,
+            query_tokens: self.query_tokens,
+            hit_tokens: self.hit_tokens,
+            evicted_pages: self.evicted_pages,
+        }
+    }
+
     pub fn record_query(&mut self, tokens: usize, hits: usize) {
         self.queries += 1;
         self.query_tokens += tokens as u64;

@@ -6,103 +6,10 @@
 //! with tokens built from "units" (one unit = one page of tokens), so page ids are the same at
 //! both sizes. `check()` runs after every operation.
 
-use radixkv::{BlockCache, CacheStats, Error, Namespace, PrefixCache, RequestId};
+use radixkv::{BlockCache, Error, PrefixCache};
 
-/// A cache that runs `check()` after every operation and unwraps what must succeed.
-struct Ck<C: PrefixCache> {
-    c: C,
-}
-
-impl<C: PrefixCache> Ck<C> {
-    fn check(&self) {
-        if let Err(e) = self.c.check() {
-            panic!("check() failed: {e}");
-        }
-    }
-    fn try_admit_in(&mut self, t: &[u32], ns: &Namespace) -> Result<RequestId, Error> {
-        let r = self.c.admit(t, ns.clone());
-        self.check();
-        r
-    }
-    fn try_admit(&mut self, t: &[u32]) -> Result<RequestId, Error> {
-        self.try_admit_in(t, &None)
-    }
-    fn admit_in(&mut self, t: &[u32], ns: &Namespace) -> RequestId {
-        self.try_admit_in(t, ns)
-            .unwrap_or_else(|e| panic!("admit of {} tokens: {e}", t.len()))
-    }
-    fn admit(&mut self, t: &[u32]) -> RequestId {
-        self.admit_in(t, &None)
-    }
-    fn try_extend(&mut self, id: RequestId, t: &[u32]) -> Result<(), Error> {
-        let r = self.c.extend(id, t);
-        self.check();
-        r
-    }
-    fn extend(&mut self, id: RequestId, t: &[u32]) {
-        self.try_extend(id, t).unwrap();
-    }
-    fn try_commit(&mut self, id: RequestId, n: usize) -> Result<(), Error> {
-        let r = self.c.commit(id, n);
-        self.check();
-        r
-    }
-    fn commit(&mut self, id: RequestId, n: usize) {
-        self.try_commit(id, n).unwrap();
-    }
-    fn try_fork(&mut self, id: RequestId) -> Result<RequestId, Error> {
-        let r = self.c.fork(id);
-        self.check();
-        r
-    }
-    fn fork(&mut self, id: RequestId) -> RequestId {
-        self.try_fork(id).unwrap()
-    }
-    fn finish(&mut self, id: RequestId) {
-        self.c.finish(id).unwrap();
-        self.check();
-    }
-    fn abort(&mut self, id: RequestId) {
-        self.c.abort(id).unwrap();
-        self.check();
-    }
-    /// `match_prefix`, asserting that it changes nothing visible.
-    fn matched_in(&self, t: &[u32], ns: &Namespace) -> usize {
-        let before = self.c.stats();
-        let m = self.c.match_prefix(t, ns).unwrap();
-        assert_eq!(self.c.stats(), before, "match_prefix changed the stats");
-        self.check();
-        m
-    }
-    fn matched(&self, t: &[u32]) -> usize {
-        self.matched_in(t, &None)
-    }
-    fn evict(&mut self, k: usize) -> usize {
-        let n = self.c.evict(k);
-        self.check();
-        n
-    }
-    fn reset(&mut self) -> usize {
-        let n = self.c.reset();
-        self.check();
-        n
-    }
-    fn pages(&self, id: RequestId) -> Vec<u32> {
-        self.c.request(id).unwrap().pages.to_vec()
-    }
-    fn cached(&self, id: RequestId) -> usize {
-        self.c.request(id).unwrap().num_cached
-    }
-    fn stats(&self) -> CacheStats {
-        self.c.stats()
-    }
-    /// `(free, evictable, used)` pages.
-    fn counts(&self) -> (usize, usize, usize) {
-        let s = self.c.stats();
-        assert_eq!(s.free_pages + s.evictable_pages + s.used_pages, s.num_pages);
-        (s.free_pages, s.evictable_pages, s.used_pages)
-    }
-}
+mod common;
+use common::*;
 
 fn block(num_pages: usize, p: usize) -> Ck<BlockCache> {
     let c = Ck {
@@ -110,26 +17,6 @@ fn block(num_pages: usize, p: usize) -> Ck<BlockCache> {
     };
     c.check();
     c
-}
-
-/// Tokens of whole pages: unit `s` is the page `[100 s, 100 s + 1, ..., 100 s + p - 1]`.
-fn u(p: usize, syms: &[u32]) -> Vec<u32> {
-    assert!(p <= 100);
-    syms.iter()
-        .flat_map(|&s| (0..p as u32).map(move |i| s * 100 + i))
-        .collect()
-}
-
-fn cat(a: &[u32], b: &[u32]) -> Vec<u32> {
-    [a, b].concat()
-}
-
-fn ns(s: &str) -> Namespace {
-    Some(s.as_bytes().into())
-}
-
-fn range(a: u32, b: u32) -> Vec<u32> {
-    (a..b).collect()
 }
 
 /// Admits, computes and finishes `t`: its full pages end up in EVICTABLE, last page first.
