@@ -119,15 +119,6 @@ def build_model(checkpoint: str | None, device: str, quick: bool) -> CausalLM:
     return CausalLM.random(cfg, seed=0, dtype=dtype, device=device)
 
 
-def make_cache(kind: str, num_pages: int, page_size: int):
-    """A ``RadixCache`` or ``BlockCache`` by name."""
-    if kind == "radix":
-        return radixkv.RadixCache(num_pages, page_size=page_size)
-    if kind == "block":
-        return radixkv.BlockCache(num_pages, page_size=page_size)
-    raise ValueError(f"cache must be 'radix' or 'block', got {kind!r}")
-
-
 def run_script(engine: Engine, script: Script, sc: Scenario, progress=None) -> Run:
     """Plays the agent session on ``engine``; one progress tick per request."""
     run = Run()

@@ -76,13 +76,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from radixkv.caches import make_cache
     from radixkv.demo import (
         Scenario,
         Script,
         build_model,
         draw_chart,
         format_table,
-        make_cache,
         run_script,
     )
     from radixkv.engine import Engine

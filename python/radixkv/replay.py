@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import radixkv
+from radixkv.caches import make_cache
 from radixkv.trace import TraceRequest
 
 OUTPUT_BASE = 2**31  # output token ids live above every Mooncake prompt id
@@ -66,17 +67,6 @@ class ReplayResult:
         """A percentile (0-100) of ``queue_waits`` or ``ttfts``."""
         xs = getattr(self, which)
         return float(np.percentile(xs, q)) if xs else 0.0
-
-
-def make_cache(
-    kind: str, num_pages: int, page_size: int
-) -> radixkv.RadixCache | radixkv.BlockCache:
-    """A cache by name: ``radix`` or ``block``."""
-    if kind == "radix":
-        return radixkv.RadixCache(num_pages, page_size)
-    if kind == "block":
-        return radixkv.BlockCache(num_pages, page_size)
-    raise ValueError(f"cache must be 'radix' or 'block', got {kind!r}")
 
 
 def replay(
