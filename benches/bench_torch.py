@@ -23,6 +23,16 @@ import radixkv
 from radixkv.models import CausalLM, ModelConfig
 
 
+def prefill_flops(cfg, start: int, end: int) -> float:
+    """Forward FLOPs of computing positions ``start..end`` over a cached ``0..start``: the
+    projections and MLP per token, plus attention of each new token over every key up to it."""
+    d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    linear = 2 * (2 * d * d + 2 * d * kv + 3 * d * cfg.intermediate_size)
+    n = end - start
+    keys = n * (start + end + 1) / 2  # sum of (p + 1) for p in start..end-1
+    return cfg.num_layers * (n * linear + 4 * cfg.num_heads * cfg.head_dim * keys)
+
+
 def agent_session(model, args) -> None:
     """(a) a multi-turn session with growing prompts, once cached and once with caching off."""
     rng = np.random.default_rng(0)
@@ -48,13 +58,20 @@ def agent_session(model, args) -> None:
     print(f"(a) agent session, {args.turns} turns (TTFT cached / uncached vs compute bound)")
     print(
         f"    {'turn':>4} {'prompt':>7} {'computed':>8} {'ttft on':>9} {'ttft off':>9} "
-        f"{'ratio':>6} {'bound':>6}"
+        f"{'ratio':>6} {'bound':>6} {'flops':>6}"
     )
+    cfg = model.config
+
+    def flop_bound(r) -> float:
+        cached = r.prompt_tokens - r.computed_tokens
+        return prefill_flops(cfg, cached, r.prompt_tokens) / prefill_flops(cfg, 0, r.prompt_tokens)
+
     for i, (a, b) in enumerate(zip(runs[True], runs[False])):
         print(
             f"    {i + 1:>4} {a.prompt_tokens:>7} {a.computed_tokens:>8} "
             f"{a.ttft_s * 1e3:>7.1f}ms {b.ttft_s * 1e3:>7.1f}ms "
-            f"{a.ttft_s / b.ttft_s:>6.3f} {a.computed_tokens / a.prompt_tokens:>6.3f}"
+            f"{a.ttft_s / b.ttft_s:>6.3f} {a.computed_tokens / a.prompt_tokens:>6.3f} "
+            f"{flop_bound(a):>6.3f}"
         )
     later = slice(1, None)
     on = sum(r.ttft_s for r in runs[True][later])
@@ -62,10 +79,16 @@ def agent_session(model, args) -> None:
     bound = sum(r.computed_tokens for r in runs[True][later]) / sum(
         r.prompt_tokens for r in runs[True][later]
     )
+    cached_flops = sum(
+        prefill_flops(cfg, r.prompt_tokens - r.computed_tokens, r.prompt_tokens)
+        for r in runs[True][later]
+    )
+    all_flops = sum(prefill_flops(cfg, 0, r.prompt_tokens) for r in runs[True][later])
     same = [r.output for r in runs[True]] == [r.output for r in runs[False]]
     print(
-        f"    turns 2..{args.turns}: TTFT ratio {on / off:.3f}, compute bound {bound:.3f}; "
-        f"outputs identical: {same}"
+        f"    turns 2..{args.turns}: TTFT ratio {on / off:.3f}, compute bound {bound:.3f} "
+        f"(tokens computed / prompt tokens), {cached_flops / all_flops:.3f} (FLOPs, attention "
+        f"included); outputs identical: {same}"
     )
 
 
