@@ -64,12 +64,6 @@ impl PyCache {
     }
 }
 
-fn request_of<'py>(slf: &Bound<'py, PyCache>, req: &Bound<'py, PyRequest>) -> RequestId {
-    // Requests of another cache carry another cache id: the core refuses them.
-    let _ = slf;
-    req.get().id
-}
-
 fn new_request(slf: &Bound<'_, PyCache>, id: RequestId, namespace: PyObject) -> PyRequest {
     PyRequest {
         cache: slf.clone().unbind(),
@@ -104,7 +98,7 @@ impl PyCache {
         req: &Bound<'_, PyRequest>,
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let id = request_of(slf, req);
+        let id = req.get().id; // another cache's id is refused by the core
         let toks = convert::tokens("tokens", tokens)?;
         slf.get()
             .with(slf.py(), toks.len() >= LONG, |c| c.extend(id, &toks))
@@ -117,7 +111,7 @@ impl PyCache {
         req: &Bound<'_, PyRequest>,
         num_computed: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let id = request_of(slf, req);
+        let id = req.get().id; // another cache's id is refused by the core
         let n = convert::count("num_computed", num_computed)?;
         slf.get().with(slf.py(), false, |c| c.commit(id, n))
     }
@@ -125,7 +119,7 @@ impl PyCache {
     /// A new request with ``req``'s tokens and namespace sharing every full page of its
     /// computed prefix, without copying KV.
     fn fork(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<PyRequest> {
-        let id = request_of(slf, req);
+        let id = req.get().id; // another cache's id is refused by the core
         let new = slf.get().with(slf.py(), false, |c| c.fork(id))?;
         Ok(new_request(
             slf,
@@ -136,13 +130,13 @@ impl PyCache {
 
     /// Publishes what is computed, unpins, frees what is not published, and closes ``req``.
     fn finish(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<()> {
-        let id = request_of(slf, req);
+        let id = req.get().id; // another cache's id is refused by the core
         slf.get().with(slf.py(), false, |c| c.finish(id))
     }
 
     /// Unpins and frees what is not published, publishing nothing more; closes ``req``.
     fn abort(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<()> {
-        let id = request_of(slf, req);
+        let id = req.get().id; // another cache's id is refused by the core
         slf.get().with(slf.py(), false, |c| c.abort(id))
     }
 
