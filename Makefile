@@ -40,8 +40,7 @@ bench-rust:
 bench-python: $(EXT)
 	$(PY) benches/bench_cache.py
 	$(PY) benches/bench_scheduler.py
-	$(PY) benches/bench_torch.py
-	$(PY) benches/bench_torch.py
+	$(PY) benches/bench_torch.py --threads 1
 
 demo: $(EXT)
 	$(PY) -m radixkv demo
