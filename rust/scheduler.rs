@@ -311,3 +311,63 @@ impl Scheduler {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RadixCache;
+
+    fn seq(start: u32, len: u32) -> Vec<u32> {
+        (start..start + len).collect()
+    }
+
+    /// Every chunk under one key: each path stops at its first chunk, and ranking, estimates and
+    /// budgets must come out exactly as with distinct keys.
+    #[test]
+    fn colliding_chunk_keys_keep_estimates_exact() {
+        let run = |collide: bool| {
+            let mut cache = RadixCache::new(1 << 14, 1).unwrap();
+            for warm in [seq(0, 700), seq(10_000, 300)] {
+                let r = cache.admit(&warm, None).unwrap();
+                cache.commit(r, warm.len()).unwrap();
+                cache.finish(r).unwrap();
+            }
+            let mut s = Scheduler::new(1, Policy::Lpm, 0);
+            if collide {
+                s.trie.key = |_| 7;
+            }
+            for (i, base) in [seq(10_000, 300), seq(0, 700), seq(50_000, 400), seq(0, 350)]
+                .into_iter()
+                .enumerate()
+            {
+                s.add(
+                    &[base, seq(90_000 + 100 * i as u32, 40)].concat(),
+                    None,
+                    0,
+                    0,
+                )
+                .unwrap();
+            }
+            // Uncached parts: 40, 40, 440 and 40 tokens; a budget of 500 fits the three cached
+            // ones in lpm order (700, 350, 300) only if every estimate is exact.
+            let out = s.schedule(&mut cache, 500, 10);
+            let got: Vec<(u64, usize)> = out
+                .iter()
+                .map(|a| (a.id, cache.request(a.request).unwrap().num_cached))
+                .collect();
+            let used: usize = out
+                .iter()
+                .map(|a| {
+                    let r = cache.request(a.request).unwrap();
+                    r.num_tokens() - r.num_cached
+                })
+                .sum();
+            cache.check().unwrap();
+            (got, used)
+        };
+        let (plain, used) = run(false);
+        assert_eq!(plain, vec![(1, 700), (3, 350), (0, 300)]);
+        assert!(used <= 500);
+        assert_eq!(run(true), (plain, used));
+    }
+}

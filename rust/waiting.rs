@@ -8,8 +8,9 @@
 //! A chunk is `C` tokens, a whole number of pages. Requests sharing a prefix share trie nodes, so
 //! ranking work is done once per shared chunk instead of once per request: matching the queue
 //! against the cache probes each trie node at most once, and only where its parent matched in
-//! full. Children are keyed by a 64-bit hash of the chunk (a collision can only mis-rank; the
-//! admission itself always matches exactly).
+//! full. Children are keyed by a 64-bit hash of the chunk and compared on the way down: a chunk
+//! whose key another chunk holds ends its request's path there, and the rest of that prompt is
+//! matched token by token, so a collision costs speed, never a wrong estimate.
 
 use crate::cache::{Cursor, Namespace, PrefixCache};
 use std::collections::{BTreeSet, HashMap};
@@ -55,7 +56,7 @@ fn chunk_key(chunk: &[u32]) -> u64 {
 }
 
 /// The trie of waiting prompts.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct WaitingTrie {
     pub chunk: usize,
     pub nodes: Vec<TrieNode>,
@@ -64,13 +65,19 @@ pub(crate) struct WaitingTrie {
     /// Cached prefix of requests whose match `match_all` settled on its own (the only request
     /// below a partially matched chunk), by id; the rest are looked up along their paths.
     pub settled: HashMap<u64, usize>,
+    /// Child key of a chunk (`chunk_key`; tests swap in a colliding one).
+    pub key: fn(&[u32]) -> u64,
 }
 
 impl WaitingTrie {
     pub fn new(chunk: usize) -> Self {
         WaitingTrie {
             chunk,
-            ..Default::default()
+            nodes: Vec::new(),
+            vacant: Vec::new(),
+            roots: HashMap::new(),
+            settled: HashMap::new(),
+            key: chunk_key,
         }
     }
 
@@ -114,9 +121,13 @@ impl WaitingTrie {
         self.nodes[root as usize].id_sum += id;
         path.push(root);
         for i in 0..full_chunks {
-            let key = chunk_key(&tokens[i * c..(i + 1) * c]);
+            let chunk = &tokens[i * c..(i + 1) * c];
+            let key = (self.key)(chunk);
             node = match self.nodes[node as usize].children.get(&key) {
-                Some(&child) => child,
+                Some(&child) if self.nodes[child as usize].chunk(c) == chunk => child,
+                // Another chunk holds this key: the path stops here, and the scheduler matches
+                // the rest of the prompt token by token from this node, so estimates stay exact.
+                Some(_) => break,
                 None => {
                     let child = self.alloc(TrieNode {
                         parent: node,
@@ -148,7 +159,7 @@ impl WaitingTrie {
             node.weight -= 1;
             node.id_sum -= id;
             if node.weight == 0 && node.parent != NIL {
-                let key = chunk_key(node.chunk(c));
+                let key = (self.key)(node.chunk(c));
                 let parent = node.parent;
                 self.nodes[parent as usize].children.remove(&key);
                 self.nodes[n as usize] = TrieNode::default();
