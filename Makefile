@@ -30,7 +30,7 @@ test-rust:
 	cargo test --quiet
 
 test-python: $(EXT)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests/python
 
 bench: bench-rust bench-python
 

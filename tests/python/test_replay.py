@@ -10,7 +10,7 @@ from radixkv.replay import ReplayConfig, infinite_bound, replay
 from radixkv.trace import mooncake_tokens, read_trace
 
 TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+    Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 )
 
 
