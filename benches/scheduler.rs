@@ -29,7 +29,7 @@ fn setup(waiting: u32, policy: Policy) -> (RadixCache, Scheduler) {
     let warm = cache.admit(&prompt(u32::MAX / PROMPT - 1), None).unwrap();
     cache.commit(warm, 1024).unwrap();
     cache.finish(warm).unwrap();
-    let mut s = Scheduler::new(16, policy, 0);
+    let mut s = Scheduler::new(&cache, policy, 0);
     for i in 0..waiting {
         s.add(&prompt(i), None, 0, 0).unwrap();
     }

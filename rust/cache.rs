@@ -1,6 +1,6 @@
 //! The interface both indexes implement, and the argument checks they share.
 
-use crate::error::{invalid, Result};
+use crate::error::{invalid, Error, Result};
 use crate::request::RequestId;
 use crate::stats::CacheStats;
 
@@ -80,6 +80,35 @@ pub trait PrefixCache: Send {
         let (tokens, namespace) = (r.tokens.to_vec(), r.namespace.clone());
         self.admit(&tokens, namespace)
     }
+    /// Extends each `(request, tokens)` in order and stops before the first one the pool cannot
+    /// supply; returns how many were extended (that one and the rest are unchanged). Every
+    /// request is checked first: a closed, foreign or repeated one changes nothing.
+    fn extend_many(&mut self, batch: &[(RequestId, &[u32])]) -> Result<usize> {
+        check_distinct(batch.iter().map(|b| b.0))?;
+        for &(id, _) in batch {
+            self.request(id)?;
+        }
+        for (done, &(id, tokens)) in batch.iter().enumerate() {
+            match self.extend(id, tokens) {
+                Ok(()) => {}
+                Err(Error::OutOfPages { .. }) => return Ok(done),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(batch.len())
+    }
+    /// Commits each `(request, num_computed)`; every pair is checked first, all or nothing.
+    fn commit_many(&mut self, batch: &[(RequestId, usize)]) -> Result<()> {
+        check_distinct(batch.iter().map(|b| b.0))?;
+        for &(id, n) in batch {
+            let r = self.request(id)?;
+            check_commit(n, r.num_computed, r.num_tokens())?;
+        }
+        for &(id, n) in batch {
+            self.commit(id, n)?;
+        }
+        Ok(())
+    }
     /// Publishes what is computed, unpins, frees what is not published, and closes the request.
     fn finish(&mut self, id: RequestId) -> Result<()>;
     /// Unpins and frees what is not published, publishing nothing more; closes the request.
@@ -134,6 +163,19 @@ pub(crate) fn check_prompt(tokens: &[u32]) -> Result<()> {
         return Err(invalid(
             "tokens must hold at least one token, got an empty sequence",
         ));
+    }
+    Ok(())
+}
+
+/// Checks that a batch names each request once.
+fn check_distinct(ids: impl Iterator<Item = RequestId>) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, id) in ids.enumerate() {
+        if !seen.insert(id) {
+            return Err(invalid(format!(
+                "requests must be distinct, but entry {i} repeats an earlier request"
+            )));
+        }
     }
     Ok(())
 }

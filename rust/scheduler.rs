@@ -13,12 +13,17 @@
 //!    prompts, cached subtrees first, then the heaviest, so requests sharing a prefix run back
 //!    to back.
 //!
-//! Admission counts only uncached tokens against the token budget and lets the cache count
-//! evictable pages as available. Under the cache-aware policies, a request whose uncached prefix
-//! (a whole chunk or more) is shared with a request admitted in the same call waits one call, so
-//! the shared part is computed once and hit afterwards. `Fcfs` stops at the first request that
-//! does not fit; the others skip it, except that a starved request that does not fit stops the
-//! call (nothing behind it takes its budget), which bounds its wait.
+//! Admission counts against the token budget only the tokens the caller computes in this step,
+//! and lets the cache count evictable pages as available. A request is opened on its cached
+//! prefix plus what is left of the budget: when its uncached part does not fit, it is admitted
+//! in part (chunked prefill), which ends the call, and the caller appends the rest with
+//! `extend` over later steps. So the request next in order is always admitted while the pool
+//! has pages for its chunk, and no request can block the queue. Under the cache-aware policies, a
+//! request whose uncached prefix (a whole chunk or more) is shared with a request admitted in the
+//! same call waits one call, so the shared part is computed once and hit afterwards. When the
+//! pool cannot hold a request's chunk, `Fcfs` stops; the others skip it, except that a starved
+//! request stops the call (nothing behind it takes its pages), which bounds its wait. `add`
+//! refuses a request that could never fit the pool.
 
 use crate::cache::{match_limit, Namespace, PrefixCache};
 use crate::error::{invalid, Error, Result};
@@ -79,6 +84,8 @@ pub struct Admitted {
     pub request: RequestId,
     /// As given to `add`.
     pub max_new_tokens: u32,
+    /// Tokens of the prompt given to `add`; the request holds fewer when admitted in part.
+    pub num_tokens: usize,
 }
 
 /// A waiting queue that admits requests into a cache in a cache-aware order.
@@ -87,6 +94,7 @@ pub struct Scheduler {
     policy: Policy,
     max_wait: u64,
     page_size: usize,
+    num_pages: usize,
     trie: WaitingTrie,
     waiting: BTreeMap<u64, Waiting>,
     next_id: u64,
@@ -94,14 +102,18 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler for a cache of `page_size`. `max_wait`: schedule calls after which a waiting
-    /// request goes ahead of cache order (0 turns the bound off).
-    pub fn new(page_size: usize, policy: Policy, max_wait: u64) -> Self {
+    /// A scheduler for `cache` (it reads the page size and pool size; `schedule` takes the cache
+    /// again). `max_wait`: schedule calls after which a waiting request goes ahead of cache
+    /// order (0 turns the bound off).
+    pub fn new(cache: &dyn PrefixCache, policy: Policy, max_wait: u64) -> Self {
+        let stats = cache.stats();
+        let page_size = stats.page_size;
         let chunk = page_size * 64usize.div_ceil(page_size);
         Scheduler {
             policy,
             max_wait,
             page_size,
+            num_pages: stats.num_pages,
             trie: WaitingTrie::new(chunk),
             waiting: BTreeMap::new(),
             next_id: 0,
@@ -109,7 +121,9 @@ impl Scheduler {
         }
     }
 
-    /// Queues a prompt; returns its id (ids grow with arrival).
+    /// Queues a prompt; returns its id (ids grow with arrival). Refuses a request that could
+    /// never fit the pool: its prompt and every generated token but the last need
+    /// `ceil((len + max(max_new_tokens, 1) - 1) / page_size)` pages.
     pub fn add(
         &mut self,
         tokens: &[u32],
@@ -121,6 +135,17 @@ impl Scheduler {
             return Err(invalid(
                 "tokens must hold at least one token, got an empty sequence",
             ));
+        }
+        let written = tokens.len() + (max_new_tokens.max(1) as usize) - 1;
+        let pages = written.div_ceil(self.page_size);
+        if pages > self.num_pages {
+            return Err(invalid(format!(
+                "a request of {} tokens with max_new_tokens={max_new_tokens} needs {pages} pages \
+                 of {} tokens, but the pool has only {} pages: it could never run",
+                tokens.len(),
+                self.page_size,
+                self.num_pages
+            )));
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -233,9 +258,11 @@ impl Scheduler {
             .collect()
     }
 
-    /// Admits waiting requests, in service order, while they fit `token_budget` (uncached tokens)
-    /// and `max_requests`, and the cache has pages for them. A call that admits nothing leaves
-    /// the cache unchanged.
+    /// Admits waiting requests in service order while `token_budget` (tokens to compute in this
+    /// step), `max_requests` and the cache's pages last. Each is opened on its cached prefix plus
+    /// at most what is left of the budget; one whose uncached part does not fit is admitted in
+    /// part (`num_tokens` short of its prompt), and the caller extends it over later steps. A call
+    /// that admits nothing leaves the cache unchanged.
     pub fn schedule(
         &mut self,
         cache: &mut dyn PrefixCache,
@@ -258,16 +285,9 @@ impl Scheduler {
                 break;
             }
             let w = &self.waiting[&id];
-            let starved = self.starved(w);
-            let n = w.tokens.len();
-            // Admissions never add cached pages, so `est` bounds the cached prefix from above.
-            if n - est > budget {
-                if starved || self.policy == Policy::Fcfs {
-                    break;
-                }
-                continue;
-            }
-            let exact =
+            let stops = self.starved(w) || self.policy == Policy::Fcfs;
+            // Admissions never add cached pages, so `est` stays exact unless pages were evicted.
+            let cached =
                 if self.policy == Policy::Fcfs || cache.stats().evicted_pages != evicted_at_rank {
                     match cache.match_prefix(&w.tokens, &w.namespace) {
                         Ok(m) => m,
@@ -276,27 +296,22 @@ impl Scheduler {
                 } else {
                     est
                 };
-            let uncached_chunks = (exact / chunk + 1).min(w.path.len())..w.path.len();
-            let shared_with_batch = self.policy != Policy::Fcfs
-                && !starved
+            let uncached_chunks = (cached / chunk + 1).min(w.path.len())..w.path.len();
+            let shared_with_batch = !stops
                 && w.path[uncached_chunks.clone()]
                     .iter()
                     .any(|&nd| self.trie.nodes[nd as usize].claimed == stamp);
             if shared_with_batch {
                 continue;
             }
-            if n - exact > budget {
-                if starved || self.policy == Policy::Fcfs {
-                    break;
-                }
-                continue;
-            }
-            let request = match cache.admit(&w.tokens, w.namespace.clone()) {
+            // `cached` is whole pages, so the match limit of the shortened prompt keeps it whole.
+            let take = (w.tokens.len() - cached).min(budget);
+            let request = match cache.admit(&w.tokens[..cached + take], w.namespace.clone()) {
                 Ok(r) => r,
-                Err(_) if starved || self.policy == Policy::Fcfs => break,
+                Err(_) if stops => break,
                 Err(_) => continue,
             };
-            budget -= n - exact;
+            budget -= take;
             for &nd in &w.path[uncached_chunks] {
                 self.trie.nodes[nd as usize].claimed = stamp;
             }
@@ -306,6 +321,7 @@ impl Scheduler {
                 id,
                 request,
                 max_new_tokens: w.max_new_tokens,
+                num_tokens: w.tokens.len(),
             });
         }
         out
@@ -332,7 +348,7 @@ mod tests {
                 cache.commit(r, warm.len()).unwrap();
                 cache.finish(r).unwrap();
             }
-            let mut s = Scheduler::new(1, Policy::Lpm, 0);
+            let mut s = Scheduler::new(&cache, Policy::Lpm, 0);
             if collide {
                 s.trie.key = |_| 7;
             }
@@ -348,12 +364,16 @@ mod tests {
                 )
                 .unwrap();
             }
-            // Uncached parts: 40, 40, 440 and 40 tokens; a budget of 500 fits the three cached
-            // ones in lpm order (700, 350, 300) only if every estimate is exact.
+            // Uncached parts: 40, 40, 440 and 40 tokens; a budget of 500 takes the three cached
+            // ones in lpm order (700, 350, 300) and leaves 380 tokens for a chunk of the fourth,
+            // only if every estimate is exact.
             let out = s.schedule(&mut cache, 500, 10);
-            let got: Vec<(u64, usize)> = out
+            let got: Vec<(u64, usize, usize)> = out
                 .iter()
-                .map(|a| (a.id, cache.request(a.request).unwrap().num_cached))
+                .map(|a| {
+                    let r = cache.request(a.request).unwrap();
+                    (a.id, r.num_cached, r.num_tokens())
+                })
                 .collect();
             let used: usize = out
                 .iter()
@@ -366,8 +386,11 @@ mod tests {
             (got, used)
         };
         let (plain, used) = run(false);
-        assert_eq!(plain, vec![(1, 700), (3, 350), (0, 300)]);
-        assert!(used <= 500);
+        assert_eq!(
+            plain,
+            vec![(1, 700, 740), (3, 350, 390), (0, 300, 340), (2, 0, 380)]
+        );
+        assert_eq!(used, 500);
         assert_eq!(run(true), (plain, used));
     }
 }

@@ -9,6 +9,7 @@ use crate::request::RequestId;
 use crate::stats::CacheStats;
 use crate::{BlockCache, RadixCache};
 use numpy::PyArray1;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -116,6 +117,49 @@ impl PyCache {
         slf.get().with(slf.py(), false, |c| c.commit(id, n))
     }
 
+    /// Extends ``requests[i]`` by ``tokens[i]`` in order, in one call, and stops before the first
+    /// request the pool cannot supply; returns how many were extended (that one and the rest are
+    /// unchanged). A closed, foreign or repeated request, bad tokens or lengths that differ raise
+    /// and change nothing.
+    fn extend_many(
+        slf: &Bound<'_, Self>,
+        requests: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let ids = request_ids(requests)?;
+        let toks: Vec<Vec<u32>> = tokens
+            .try_iter()?
+            .enumerate()
+            .map(|(i, t)| convert::tokens(&format!("tokens[{i}]"), &t?))
+            .collect::<PyResult<_>>()?;
+        same_len("tokens", ids.len(), toks.len())?;
+        let long = toks.iter().map(Vec::len).sum::<usize>() >= LONG;
+        slf.get().with(slf.py(), long, |c| {
+            let batch: Vec<(RequestId, &[u32])> =
+                ids.iter().zip(&toks).map(|(&id, t)| (id, &t[..])).collect();
+            c.extend_many(&batch)
+        })
+    }
+
+    /// Commits ``requests[i]`` to ``num_computed[i]`` in one call; every pair is checked first,
+    /// all or nothing.
+    fn commit_many(
+        slf: &Bound<'_, Self>,
+        requests: &Bound<'_, PyAny>,
+        num_computed: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids = request_ids(requests)?;
+        let counts: Vec<usize> = num_computed
+            .try_iter()?
+            .enumerate()
+            .map(|(i, n)| convert::count(&format!("num_computed[{i}]"), &n?))
+            .collect::<PyResult<_>>()?;
+        same_len("num_computed", ids.len(), counts.len())?;
+        let batch: Vec<(RequestId, usize)> = ids.into_iter().zip(counts).collect();
+        slf.get()
+            .with(slf.py(), batch.len() >= LONG, |c| c.commit_many(&batch))
+    }
+
     /// A new request with ``req``'s tokens and namespace sharing every full page of its
     /// computed prefix, without copying KV.
     fn fork(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<PyRequest> {
@@ -207,6 +251,36 @@ impl PyCache {
             s.used_pages
         ))
     }
+}
+
+/// The ids of a sequence of ``Request`` objects (another cache's are refused by the core).
+fn request_ids(requests: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
+    requests
+        .try_iter()?
+        .enumerate()
+        .map(|(i, r)| {
+            let r = r?;
+            r.downcast::<PyRequest>()
+                .map(|r| r.get().id)
+                .map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "requests[{i}] must be a Request, got {}",
+                        r.get_type()
+                            .name()
+                            .map_or_else(|_| "?".to_string(), |n| n.to_string())
+                    ))
+                })
+        })
+        .collect()
+}
+
+fn same_len(what: &str, requests: usize, other: usize) -> PyResult<()> {
+    if requests != other {
+        return Err(PyValueError::new_err(format!(
+            "{what} must hold one entry per request ({requests}), got {other}"
+        )));
+    }
+    Ok(())
 }
 
 fn pool_args(

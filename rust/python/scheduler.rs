@@ -39,16 +39,20 @@ impl PyScheduler {
                 "max_wait must be >= 0, got {max_wait}"
             )));
         }
-        let page_size = cache.get().with(py, false, |c| Ok(c.page_size()))?;
+        let inner = cache
+            .get()
+            .with(py, false, |c| Ok(Scheduler::new(c, p, max_wait as u64)))?;
         Ok(PyScheduler {
             cache: cache.clone().unbind(),
-            inner: Mutex::new(Scheduler::new(page_size, p, max_wait as u64)),
+            inner: Mutex::new(inner),
             policy: policy.to_string(),
             namespaces: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Queues a prompt; returns its id (ids grow with arrival).
+    /// Queues a prompt; returns its id (ids grow with arrival). Raises ``ValueError`` for a
+    /// request that could never fit the pool (its prompt and every generated token but the last
+    /// need more pages than the pool has).
     #[pyo3(
         signature = (tokens, namespace=None, priority=None, max_new_tokens=None),
         text_signature = "($self, tokens, namespace=None, priority=0, max_new_tokens=0)"
@@ -101,10 +105,13 @@ impl PyScheduler {
             .cancel(id)
     }
 
-    /// Admits waiting requests in service order while they fit ``token_budget`` (counting only
-    /// their uncached tokens), ``max_requests`` and the cache's pages (evictable ones count as
-    /// available). Returns ``(id, Request)`` pairs in admission order. A call that admits nothing
-    /// leaves the cache unchanged.
+    /// Admits waiting requests in service order while ``token_budget`` (tokens to compute in this
+    /// step), ``max_requests`` and the cache's pages (evictable ones count as available) last.
+    /// Each request is opened on its cached prefix plus at most what is left of the budget: one
+    /// whose uncached part does not fit is admitted in part (``num_tokens`` short of its prompt),
+    /// and the caller appends the rest with ``extend`` over later steps (chunked prefill).
+    /// Returns ``(id, Request)`` pairs in admission order. A call that admits nothing leaves the
+    /// cache unchanged.
     #[pyo3(signature = (token_budget, max_requests=None))]
     fn schedule(
         &self,

@@ -42,7 +42,7 @@ fn fcfs_serves_in_arrival_order() {
     for mut cache in caches() {
         let x = seq(0, 512);
         warm(&mut *cache, &x, None);
-        let mut s = Scheduler::new(cache.page_size(), Policy::Fcfs, 0);
+        let mut s = Scheduler::new(&*cache, Policy::Fcfs, 0);
         let a = s.add(&seq(10_000, 100), None, 0, 8).unwrap();
         let b = s.add(&cat(&x, &seq(20_000, 40)), None, 0, 8).unwrap();
         let c = s.add(&seq(30_000, 100), None, 0, 8).unwrap();
@@ -58,7 +58,7 @@ fn lpm_serves_longest_cached_prefix_first_ties_by_arrival() {
     for mut cache in caches() {
         let x = seq(0, 512);
         warm(&mut *cache, &x, None);
-        let mut s = Scheduler::new(cache.page_size(), Policy::Lpm, 0);
+        let mut s = Scheduler::new(&*cache, Policy::Lpm, 0);
         let miss = s.add(&seq(10_000, 100), None, 0, 0).unwrap();
         let half = s
             .add(&cat(&x[..256], &seq(20_000, 40)), None, 0, 0)
@@ -83,7 +83,7 @@ fn priority_goes_before_cache_order() {
     let mut cache = RadixCache::new(4096, 1).unwrap();
     let x = seq(0, 512);
     warm(&mut cache, &x, None);
-    let mut s = Scheduler::new(1, Policy::Lpm, 0);
+    let mut s = Scheduler::new(&cache, Policy::Lpm, 0);
     let warm_req = s.add(&cat(&x, &[1]), None, 0, 0).unwrap();
     let urgent = s.add(&seq(9_000, 50), None, 5, 0).unwrap();
     let out = s.schedule(&mut cache, 100_000, 10);
@@ -95,7 +95,7 @@ fn dfs_weight_runs_groups_back_to_back_heaviest_first() {
     let mut cache = RadixCache::new(8192, 1).unwrap();
     let p1 = seq(0, 256);
     let p2 = seq(100_000, 256);
-    let mut s = Scheduler::new(1, Policy::DfsWeight, 0);
+    let mut s = Scheduler::new(&cache, Policy::DfsWeight, 0);
     let a = s.add(&cat(&p2, &[1]), None, 0, 0).unwrap();
     let b = s.add(&cat(&p1, &[2]), None, 0, 0).unwrap();
     let c = s.add(&cat(&p2, &[3]), None, 0, 0).unwrap();
@@ -112,7 +112,7 @@ fn dfs_weight_runs_groups_back_to_back_heaviest_first() {
 fn in_batch_sharing_computes_a_shared_prefix_once() {
     for mut cache in caches() {
         let shared = seq(0, 512);
-        let mut s = Scheduler::new(cache.page_size(), Policy::Lpm, 0);
+        let mut s = Scheduler::new(&*cache, Policy::Lpm, 0);
         let a = s.add(&cat(&shared, &seq(70_000, 30)), None, 0, 0).unwrap();
         let b = s.add(&cat(&shared, &seq(80_000, 30)), None, 0, 0).unwrap();
         let other = s.add(&seq(90_000, 64), None, 0, 0).unwrap();
@@ -131,7 +131,7 @@ fn budgets_are_never_exceeded() {
     let mut cache = RadixCache::new(4096, 1).unwrap();
     let x = seq(0, 1000);
     warm(&mut cache, &x, None);
-    let mut s = Scheduler::new(1, Policy::Lpm, 0);
+    let mut s = Scheduler::new(&cache, Policy::Lpm, 0);
     let mut expect_uncached = Vec::new();
     for i in 0..20u32 {
         let tail = seq(200_000 + i * 1000, 50 + i * 10);
@@ -160,16 +160,94 @@ fn budgets_are_never_exceeded() {
 fn a_call_that_admits_nothing_changes_nothing() {
     for mut cache in caches() {
         warm(&mut *cache, &seq(0, 300), None);
-        let before = cache.stats();
-        let mut s = Scheduler::new(cache.page_size(), Policy::Lpm, 0);
+        let mut s = Scheduler::new(&*cache, Policy::Lpm, 0);
         s.add(&seq(0, 2_000), None, 0, 0).unwrap();
-        // Budget too small for any uncached suffix.
-        assert!(s.schedule(&mut *cache, 10, 10).is_empty());
-        // Too few pages for the prompt.
-        let mut small = Scheduler::new(cache.page_size(), Policy::Lpm, 0);
-        small.add(&seq(50_000, 100_000), None, 0, 0).unwrap();
-        assert!(small.schedule(&mut *cache, 1_000_000, 10).is_empty());
+        let before = cache.stats();
+        // No budget.
+        assert!(s.schedule(&mut *cache, 0, 10).is_empty());
         assert_eq!(cache.stats(), before);
+        // Every page pinned by a live request: not even a one-token chunk fits.
+        let pages = before.num_pages * before.page_size;
+        let hog = cache.admit(&seq(1_000_000, pages as u32), None).unwrap();
+        let pinned = cache.stats();
+        assert!(s.schedule(&mut *cache, 1_000_000, 10).is_empty());
+        assert_eq!(cache.stats(), pinned);
+        assert_eq!(s.len(), 1);
+        cache.abort(hog).unwrap();
+        cache.check().unwrap();
+    }
+}
+
+#[test]
+fn add_refuses_what_could_never_fit_the_pool() {
+    for cache in caches() {
+        let st = cache.stats();
+        let capacity = st.num_pages * st.page_size;
+        let mut s = Scheduler::new(&*cache, Policy::Fcfs, 0);
+        // The prompt plus every generated token but the last must fit.
+        assert!(s.add(&seq(0, capacity as u32), None, 0, 1).is_ok());
+        let err = s.add(&seq(0, capacity as u32), None, 0, 2).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("{capacity} tokens")), "{msg}");
+        assert!(msg.contains(&format!("only {} pages", st.num_pages)), "{msg}");
+        assert!(s.add(&seq(0, capacity as u32 + 1), None, 0, 0).is_err());
+        assert_eq!(s.len(), 1);
+    }
+}
+
+/// A prompt longer than the budget is admitted in part and finished by `extend`; no policy lets
+/// it block the requests behind it.
+#[test]
+fn chunked_admission_lets_a_long_prompt_through() {
+    for policy in [Policy::Fcfs, Policy::Lpm, Policy::DfsWeight] {
+        for mut cache in caches() {
+            let long = seq(0, 3_000);
+            let mut s = Scheduler::new(&*cache, policy, 0);
+            let big = s.add(&long, None, 0, 0).unwrap();
+            let small = s.add(&seq(900_000, 100), None, 0, 0).unwrap();
+            let first = s.schedule(&mut *cache, 512, 10);
+            // The long prompt is next in order under every policy (nothing is cached): it takes
+            // the whole budget and ends the call.
+            assert_eq!(ids(&first), vec![big], "{policy:?}");
+            let a = first[0];
+            assert_eq!(a.num_tokens, 3_000);
+            let r = cache.request(a.request).unwrap();
+            assert_eq!((r.num_cached, r.num_tokens()), (0, 512));
+            // The caller computes it over later steps, 512 tokens at a time.
+            let mut done = 512;
+            cache.commit(a.request, done).unwrap();
+            while done < long.len() {
+                let next = (done + 512).min(long.len());
+                cache.extend(a.request, &long[done..next]).unwrap();
+                cache.commit(a.request, next).unwrap();
+                done = next;
+            }
+            cache.finish(a.request).unwrap();
+            let second = s.schedule(&mut *cache, 512, 10);
+            assert_eq!(ids(&second), vec![small], "{policy:?}");
+            finish_all(&mut *cache, &second);
+            // Every full page of the long prompt is cached.
+            let p = cache.page_size();
+            let full = 3_000 / p * p;
+            assert_eq!(cache.match_prefix(&cat(&long, &[7]), &None).unwrap(), full);
+            cache.check().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_chunk_starts_after_the_cached_prefix() {
+    for mut cache in caches() {
+        let x = seq(0, 1024);
+        warm(&mut *cache, &x, None);
+        let mut s = Scheduler::new(&*cache, Policy::Fcfs, 0);
+        let short = s.add(&seq(500_000, 100), None, 0, 0).unwrap();
+        let long = s.add(&cat(&x, &seq(600_000, 900)), None, 0, 0).unwrap();
+        let out = s.schedule(&mut *cache, 300, 10);
+        assert_eq!(ids(&out), vec![short, long]);
+        let r = cache.request(out[1].request).unwrap();
+        // 100 tokens went to the short prompt; the long one gets its cached 1,024 and 200 more.
+        assert_eq!((r.num_cached, r.num_tokens()), (1024, 1224));
         cache.check().unwrap();
     }
 }
@@ -180,7 +258,7 @@ fn starvation_bound_lets_a_cold_request_through() {
     let run = |max_wait: u64| -> Option<u64> {
         let mut cache = RadixCache::new(4096, 1).unwrap();
         warm(&mut cache, &hot, None);
-        let mut s = Scheduler::new(1, Policy::Lpm, max_wait);
+        let mut s = Scheduler::new(&cache, Policy::Lpm, max_wait);
         let cold = s.add(&seq(500_000, 100), None, 0, 0).unwrap();
         for call in 1..=40u64 {
             // A stream of warm requests: two arrive per call, one is served per call.
@@ -221,7 +299,7 @@ fn ranking_ignores_other_namespaces() {
         if other_tenant_warm {
             warm(&mut cache, &p, theirs.clone());
         }
-        let mut s = Scheduler::new(1, Policy::Lpm, 0);
+        let mut s = Scheduler::new(&cache, Policy::Lpm, 0);
         s.add(&cat(&p, &[1]), mine.clone(), 0, 0).unwrap();
         s.add(&cat(&q, &[2]), mine.clone(), 0, 0).unwrap();
         s.add(&cat(&p, &[3]), mine, 0, 0).unwrap();
@@ -236,7 +314,7 @@ fn ranking_ignores_other_namespaces() {
 #[test]
 fn cancel_removes_a_waiting_request() {
     let mut cache = RadixCache::new(1024, 1).unwrap();
-    let mut s = Scheduler::new(1, Policy::DfsWeight, 0);
+    let mut s = Scheduler::new(&cache, Policy::DfsWeight, 0);
     let a = s.add(&seq(0, 100), None, 0, 0).unwrap();
     let b = s.add(&seq(0, 120), None, 0, 0).unwrap();
     assert!(s.cancel(a));
