@@ -448,7 +448,7 @@ fn block_hashes_2k(c: &mut Criterion) {
     let mut s = Samples::new(SAMPLES);
     let mut t = tokens;
     steady(&mut g, &mut s, "chained_p16", &mut t, |t| {
-        black_box(radixkv::hash::block_hashes(black_box(t), 16, &None));
+        black_box(radixkv::block_hashes(black_box(t), 16, &None));
     });
     let mut b = bytes;
     steady(&mut g, &mut s, "blake3_once", &mut b, |b| {

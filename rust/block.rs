@@ -1,4 +1,4 @@
-//! `BlockCache`: a map from chained block hash to page, in the style of vLLM's Automatic Prefix
+//! `BlockIndex`: a map from chained block hash to page, in the style of vLLM's Automatic Prefix
 //! Caching.
 //!
 //! Every full page of a request has a key, `h_i = H(h_{i-1}, tokens of page i)` (see
@@ -15,14 +15,17 @@
 //! first, so a chain's tail is evicted before its head. Eviction is lazy: a cached page loses its
 //! hash only when allocation reuses it (or on `evict`/`reset`).
 
-use crate::cache::{check_commit, check_pool_args, check_prompt, match_limit, Namespace};
-use crate::cache::{Cursor, PrefixCache, RequestView};
-use crate::error::{corrupt, Error, Result};
+use crate::cache::Cache;
+use crate::error::{corrupt, Result};
 use crate::hash::{next_hash, root_hash, BlockHash};
+use crate::ids::{ArenaId, PageId};
+use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
-use crate::request::{new_cache_id, Request, RequestId, Requests};
-use crate::stats::{CacheStats, Counters};
+use crate::request::{Namespace, Request, Requests};
 use std::collections::HashMap;
+
+/// A prefix cache indexed by chained block hashes.
+pub type BlockCache = Cache<BlockIndex>;
 use std::hash::{BuildHasherDefault, Hasher};
 
 const FREE: ListId = ListId(0);
@@ -43,34 +46,34 @@ impl Hasher for PrefixHasher {
     }
 }
 
-type HashMapToPage = HashMap<BlockHash, u32, BuildHasherDefault<PrefixHasher>>;
+type HashMapToPage = HashMap<BlockHash, PageId, BuildHasherDefault<PrefixHasher>>;
 
 /// The block cache's own part of a request.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct BlockExt {
     /// Hashes of its full pages computed so far.
     hashes: Vec<BlockHash>,
     /// `(position, stored page)` where this request computed a page that another request had
     /// published first: its own copy stays private, and it pins the stored one instead, so that
     /// the chain through its published pages stays whole (and reachable by `fork`) while it lives.
-    stored: Vec<(u32, u32)>,
+    stored: Vec<(u32, PageId)>,
 }
 
-/// Page records and the hash map: everything besides the requests.
+/// Page records, the hash map and the two lists.
 #[derive(Debug)]
-struct Pool {
+pub struct BlockIndex {
     page_size: usize,
     refcount: Vec<u32>,
     hash_of: Vec<Option<BlockHash>>,
     map: HashMapToPage,
-    lists: Links,
+    lists: Links<PageId>,
     /// Of each hashed page: the hash of its prefix (`h_{i-1}`) and its tokens, `page_size` per
     /// page. With them a cached page answers "what is `H(prev, tokens)`" without blake3.
     parent_of: Vec<BlockHash>,
     tokens_of: Vec<u32>,
     /// `memo_key(prev, tokens)` -> a hashed page with that parent and those tokens (verified on
     /// use, so a collision of this 64-bit key only costs a blake3 call).
-    memo: HashMap<u64, u32, BuildHasherDefault<PrefixHasher>>,
+    memo: HashMap<u64, PageId, BuildHasherDefault<PrefixHasher>>,
 }
 
 /// A fast 64-bit key of `(prev, tokens)` for the memo: two tokens a multiply.
@@ -89,64 +92,41 @@ fn memo_key(prev: &BlockHash, page: &[u32]) -> u64 {
     (h ^ (h >> 29)).wrapping_mul(K)
 }
 
-impl Pool {
-    fn available(&self) -> usize {
-        self.lists.len(FREE) + self.lists.len(EVICTABLE)
-    }
-
-    /// Takes `count` pages, never-hashed ones first, then the least recently released cached
-    /// ones (dropping their hashes). Returns how many cached pages were evicted.
-    fn allocate(&mut self, count: usize, out: &mut Vec<u32>) -> usize {
-        let mut evicted = 0;
-        for _ in 0..count {
-            let page = match self.lists.pop_front(FREE) {
-                Some(p) => p,
-                None => {
-                    let p = self.lists.pop_front(EVICTABLE).expect("capacity checked");
-                    self.unhash(p);
-                    evicted += 1;
-                    p
-                }
-            };
-            self.refcount[page as usize] = 1;
-            out.push(page);
-        }
-        evicted
-    }
-
-    fn unhash(&mut self, page: u32) {
-        let h = self.hash_of[page as usize]
+impl BlockIndex {
+    /// Unhashes a page that allocation or eviction takes back.
+    fn unhash(&mut self, page: PageId) {
+        let h = self.hash_of[page.index()]
             .take()
             .expect("evictable pages are hashed");
         self.map.remove(&h);
-        let key = memo_key(&self.parent_of[page as usize], self.page_tokens(page));
+        let key = memo_key(&self.parent_of[page.index()], self.page_tokens(page));
         if self.memo.get(&key) == Some(&page) {
             self.memo.remove(&key);
         }
     }
 
-    fn page_tokens(&self, page: u32) -> &[u32] {
+    fn page_tokens(&self, page: PageId) -> &[u32] {
         let p = self.page_size;
-        &self.tokens_of[page as usize * p..(page as usize + 1) * p]
+        &self.tokens_of[page.index() * p..(page.index() + 1) * p]
     }
 
     /// Enters `page` into the index under `h = H(prev, tokens)`.
-    fn hash_page(&mut self, page: u32, prev: &BlockHash, tokens: &[u32], h: BlockHash) {
+    fn hash_page(&mut self, page: PageId, prev: &BlockHash, tokens: &[u32], h: BlockHash) {
         let p = self.page_size;
         self.map.insert(h, page);
-        self.hash_of[page as usize] = Some(h);
-        self.parent_of[page as usize] = *prev;
-        self.tokens_of[page as usize * p..(page as usize + 1) * p].copy_from_slice(tokens);
+        self.hash_of[page.index()] = Some(h);
+        self.parent_of[page.index()] = *prev;
+        self.tokens_of[page.index() * p..(page.index() + 1) * p].copy_from_slice(tokens);
         self.memo.insert(memo_key(prev, tokens), page);
     }
 
     /// `H(prev, tokens)`, and the cached page holding that prefix if there is one. A cached page
     /// with the same parent hash and tokens already carries the value, so blake3 runs only for
     /// content the cache does not hold.
-    fn chain(&self, prev: &BlockHash, tokens: &[u32]) -> (BlockHash, Option<u32>) {
+    fn chain(&self, prev: &BlockHash, tokens: &[u32]) -> (BlockHash, Option<PageId>) {
         if let Some(&page) = self.memo.get(&memo_key(prev, tokens)) {
-            if self.parent_of[page as usize] == *prev && self.page_tokens(page) == tokens {
-                let h = self.hash_of[page as usize].expect("memo pages are hashed");
+            if self.parent_of[page.index()] == *prev && self.page_tokens(page) == tokens {
+                let h = self.hash_of[page.index()].expect("memo pages are hashed");
                 return (h, Some(page));
             }
         }
@@ -154,9 +134,9 @@ impl Pool {
         (h, self.map.get(&h).copied())
     }
 
-    /// Pins a cached page (a hit).
-    fn pin(&mut self, page: u32) {
-        let rc = &mut self.refcount[page as usize];
+    /// Takes one pin of a cached page (a hit).
+    fn pin_page(&mut self, page: PageId) {
+        let rc = &mut self.refcount[page.index()];
         if *rc == 0 {
             self.lists.remove(EVICTABLE, page);
         }
@@ -165,27 +145,15 @@ impl Pool {
 
     /// Drops one pin of a page: at refcount 0 a hashed page becomes the most recently used
     /// evictable page, an unhashed one the next free page.
-    fn unpin(&mut self, page: u32) {
-        let rc = &mut self.refcount[page as usize];
+    fn unpin(&mut self, page: PageId) {
+        let rc = &mut self.refcount[page.index()];
         *rc -= 1;
         if *rc == 0 {
-            if self.hash_of[page as usize].is_some() {
+            if self.hash_of[page.index()].is_some() {
                 self.lists.push_back(EVICTABLE, page);
             } else {
                 self.lists.push_front(FREE, page);
             }
-        }
-    }
-
-    /// Drops a request's pins, its chain's tail first. At a position where the request holds a
-    /// private duplicate, the stored copy it pinned is released right there in the chain.
-    fn release(&mut self, pages: &[u32], stored: &[(u32, u32)]) {
-        let mut stored = stored.iter().rev().peekable();
-        for (i, &page) in pages.iter().enumerate().rev() {
-            if let Some(&(_, copy)) = stored.next_if(|(at, _)| *at as usize == i) {
-                self.unpin(copy);
-            }
-            self.unpin(page);
         }
     }
 
@@ -207,84 +175,125 @@ impl Pool {
             hashes.push(self.chain(&prev, &tokens[i * p..(i + 1) * p]).0);
         }
     }
-
-    /// Cached pages for the longest prefix of `tokens[..limit]`, hashing as it goes.
-    fn lookup(
-        &self,
-        tokens: &[u32],
-        namespace: &Namespace,
-        limit: usize,
-        hashes: &mut Vec<BlockHash>,
-    ) -> Vec<u32> {
-        let p = self.page_size;
-        let mut hits = Vec::new();
-        let mut prev = root_hash(p, namespace);
-        for page in tokens[..limit].chunks_exact(p) {
-            let (h, cached) = self.chain(&prev, page);
-            hashes.push(h);
-            match cached {
-                Some(pg) => hits.push(pg),
-                None => break,
-            }
-            prev = h;
-        }
-        hits
-    }
 }
 
-/// A prefix cache indexed by chained block hashes.
+/// The cached pages of a lookup and their hashes.
 #[derive(Debug)]
-pub struct BlockCache {
-    pool: Pool,
-    num_pages: usize,
-    requests: Requests<BlockExt>,
-    counters: Counters,
+pub struct Hits {
+    pages: Vec<PageId>,
+    hashes: Vec<BlockHash>,
 }
 
-impl BlockCache {
-    /// A cache over `num_pages` pages of `page_size` tokens (16 is the usual choice).
-    pub fn new(num_pages: usize, page_size: usize) -> Result<Self> {
-        check_pool_args(num_pages, page_size)?;
+impl Index for BlockIndex {
+    type Ext = BlockExt;
+    type At = Hits;
+
+    fn new(num_pages: usize, page_size: usize) -> Self {
         let mut lists = Links::new(2, num_pages);
         for page in 0..num_pages as u32 {
-            lists.push_back(FREE, page);
+            lists.push_back(FREE, PageId(page));
         }
-        Ok(BlockCache {
-            pool: Pool {
-                page_size,
-                refcount: vec![0; num_pages],
-                hash_of: vec![None; num_pages],
-                map: HashMapToPage::default(),
-                lists,
-                parent_of: vec![[0; 32]; num_pages],
-                tokens_of: vec![0; num_pages * page_size],
-                memo: HashMap::default(),
-            },
-            num_pages,
-            requests: Requests::new(new_cache_id()),
-            counters: Counters::default(),
-        })
+        BlockIndex {
+            page_size,
+            refcount: vec![0; num_pages],
+            hash_of: vec![None; num_pages],
+            map: HashMapToPage::default(),
+            lists,
+            parent_of: vec![[0; 32]; num_pages],
+            tokens_of: vec![0; num_pages * page_size],
+            memo: HashMap::default(),
+        }
     }
 
-    fn p(&self) -> usize {
-        self.pool.page_size
+    fn page_size(&self) -> usize {
+        self.page_size
     }
 
-    /// Publishes the full pages of `r` below `upto` tokens. A page whose hash another page holds
-    /// already stays private to `r` (its table does not change) and is freed when `r` ends;
-    /// `r` pins the stored copy in its place.
-    fn publish(pool: &mut Pool, r: &mut Request<BlockExt>, upto: usize) {
-        let p = pool.page_size;
+    fn free_pages(&self) -> usize {
+        self.lists.len(FREE)
+    }
+
+    fn evictable_pages(&self) -> usize {
+        self.lists.len(EVICTABLE)
+    }
+
+    /// Hashes page by page until the first page the map does not hold.
+    fn lookup(&self, tokens: &[u32], namespace: &Namespace) -> Found<Hits> {
+        let p = self.page_size;
+        let mut hits = Hits {
+            pages: Vec::new(),
+            hashes: Vec::new(),
+        };
+        let mut prev = root_hash(p, namespace);
+        for page in tokens.chunks_exact(p) {
+            let (h, cached) = self.chain(&prev, page);
+            let Some(pg) = cached else { break };
+            hits.pages.push(pg);
+            hits.hashes.push(h);
+            prev = h;
+        }
+        let evictable = hits
+            .pages
+            .iter()
+            .filter(|pg| self.refcount[pg.index()] == 0)
+            .count();
+        Found {
+            matched: hits.pages.len() * p,
+            evictable,
+            at: hits,
+        }
+    }
+
+    fn pin(
+        &mut self,
+        found: Found<Hits>,
+        _namespace: &Namespace,
+        pages: &mut Vec<PageId>,
+    ) -> BlockExt {
+        for &page in &found.at.pages {
+            self.pin_page(page);
+        }
+        pages.extend_from_slice(&found.at.pages);
+        BlockExt {
+            hashes: found.at.hashes,
+            stored: Vec::new(),
+        }
+    }
+
+    /// Takes never-hashed pages first, then the least recently released cached ones (dropping
+    /// their hashes).
+    fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize {
+        let mut evicted = 0;
+        for _ in 0..count {
+            let page = match self.lists.pop_front(FREE) {
+                Some(p) => p,
+                None => {
+                    let p = self.lists.pop_front(EVICTABLE).expect("capacity checked");
+                    self.unhash(p);
+                    evicted += 1;
+                    p
+                }
+            };
+            self.refcount[page.index()] = 1;
+            out.push(page);
+        }
+        evicted
+    }
+
+    /// A page whose hash another page holds already stays private to `r` (its table does not
+    /// change) and is freed when `r` ends; `r` pins the stored copy in its place.
+    fn publish(&mut self, r: &mut Request<BlockExt>, upto: usize) {
+        let p = self.page_size;
         let (first, last) = (r.published / p, upto / p);
         if last <= first {
             return;
         }
-        pool.ensure_hashes(&r.tokens, &r.namespace, &mut r.ext.hashes, last);
+        self.ensure_hashes(&r.tokens, &r.namespace, &mut r.ext.hashes, last);
         for i in first..last {
             let h = r.ext.hashes[i];
-            match pool.map.get(&h) {
+            match self.map.get(&h) {
                 Some(&copy) => {
-                    pool.pin(copy);
+                    self.pin_page(copy);
                     r.ext.stored.push((i as u32, copy));
                 }
                 None => {
@@ -293,262 +302,163 @@ impl BlockCache {
                     } else {
                         r.ext.hashes[i - 1]
                     };
-                    pool.hash_page(r.pages[i], &prev, &r.tokens[i * p..(i + 1) * p], h);
+                    self.hash_page(r.pages[i], &prev, &r.tokens[i * p..(i + 1) * p], h);
                 }
             }
         }
         r.published = last * p;
     }
 
-    fn release(&mut self, id: RequestId, publish: bool) -> Result<()> {
-        let mut r = self.requests.remove(id)?;
-        if publish {
-            let upto = r.num_computed / self.p() * self.p();
-            Self::publish(&mut self.pool, &mut r, upto);
+    /// Drops the request's pins, its chain's tail first. At a position where it holds a private
+    /// duplicate, the stored copy it pinned is released right there in the chain.
+    fn release(&mut self, r: &Request<BlockExt>) {
+        let mut stored = r.ext.stored.iter().rev().peekable();
+        for (i, &page) in r.pages.iter().enumerate().rev() {
+            if let Some(&(_, copy)) = stored.next_if(|(at, _)| *at as usize == i) {
+                self.unpin(copy);
+            }
+            self.unpin(page);
         }
-        self.pool.release(&r.pages, &r.ext.stored);
-        Ok(())
-    }
-}
-
-impl PrefixCache for BlockCache {
-    fn admit(&mut self, tokens: &[u32], namespace: Namespace) -> Result<RequestId> {
-        check_prompt(tokens)?;
-        let (p, n) = (self.p(), tokens.len());
-        let mut hashes = Vec::with_capacity(n / p);
-        let hits = self
-            .pool
-            .lookup(tokens, &namespace, match_limit(n, p), &mut hashes);
-        hashes.truncate(hits.len());
-        let needed = n.div_ceil(p) - hits.len();
-        let pinned = hits
-            .iter()
-            .filter(|&&pg| self.pool.refcount[pg as usize] == 0)
-            .count();
-        let available = self.pool.available() - pinned;
-        if needed > available {
-            return Err(Error::OutOfPages { needed, available });
-        }
-        for &page in &hits {
-            self.pool.pin(page);
-        }
-        let matched = hits.len() * p;
-        let mut pages = hits;
-        pages.reserve_exact(needed);
-        self.counters.evicted_pages += self.pool.allocate(needed, &mut pages) as u64;
-        self.counters.record_query(n, matched);
-        Ok(self.requests.insert(Request {
-            tokens: tokens.to_vec(),
-            namespace,
-            pages,
-            num_cached: matched,
-            num_computed: matched,
-            published: matched,
-            ext: BlockExt {
-                hashes,
-                stored: Vec::new(),
-            },
-        }))
-    }
-
-    fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<()> {
-        let p = self.p();
-        let r = self.requests.get(id)?;
-        let needed = (r.tokens.len() + tokens.len()).div_ceil(p) - r.pages.len();
-        let available = self.pool.available();
-        if needed > available {
-            return Err(Error::OutOfPages { needed, available });
-        }
-        let r = self.requests.get_mut(id)?;
-        self.counters.evicted_pages += self.pool.allocate(needed, &mut r.pages) as u64;
-        r.tokens.extend_from_slice(tokens);
-        Ok(())
-    }
-
-    fn commit(&mut self, id: RequestId, num_computed: usize) -> Result<()> {
-        let p = self.p();
-        let r = self.requests.get_mut(id)?;
-        check_commit(num_computed, r.num_computed, r.tokens.len())?;
-        r.num_computed = num_computed;
-        Self::publish(&mut self.pool, r, num_computed / p * p);
-        Ok(())
-    }
-
-    fn finish(&mut self, id: RequestId) -> Result<()> {
-        self.release(id, true)
-    }
-
-    fn abort(&mut self, id: RequestId) -> Result<()> {
-        self.release(id, false)
-    }
-
-    fn match_prefix(&self, tokens: &[u32], namespace: &Namespace) -> Result<usize> {
-        check_prompt(tokens)?;
-        let mut scratch = Vec::new();
-        let limit = match_limit(tokens.len(), self.p());
-        Ok(self
-            .pool
-            .lookup(tokens, namespace, limit, &mut scratch)
-            .len()
-            * self.p())
     }
 
     fn evict(&mut self, num_pages: usize) -> usize {
         let mut done = 0;
         while done < num_pages {
-            let Some(page) = self.pool.lists.pop_front(EVICTABLE) else {
+            let Some(page) = self.lists.pop_front(EVICTABLE) else {
                 break;
             };
-            self.pool.unhash(page);
-            self.pool.lists.push_front(FREE, page);
+            self.unhash(page);
+            self.lists.push_front(FREE, page);
             done += 1;
         }
-        self.counters.evicted_pages += done as u64;
         done
     }
 
-    fn reset(&mut self) -> usize {
-        self.evict(usize::MAX)
+    fn cursor(&self, namespace: &Namespace) -> Cursor {
+        Cursor {
+            matched: 0,
+            at: CursorAt::Hash(root_hash(self.page_size, namespace)),
+        }
     }
 
-    fn stats(&self) -> CacheStats {
-        let (free, evictable) = (self.pool.lists.len(FREE), self.pool.lists.len(EVICTABLE));
-        self.counters
-            .snapshot(self.num_pages, self.p(), free, evictable)
-    }
-
-    fn check(&self) -> Result<()> {
-        let pool = &self.pool;
-        let p = pool.page_size;
-        let mut refs = vec![0u32; self.num_pages];
-        for r in self.requests.iter() {
-            if r.pages.len() != r.tokens.len().div_ceil(p)
-                || r.published % p != 0
-                || r.published > r.num_computed
-            {
-                return corrupt("a request's page table or published count is malformed");
+    fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
+        let CursorAt::Hash(mut h) = cursor.at else {
+            return false;
+        };
+        let mut all = true;
+        for page in tokens.chunks_exact(self.page_size) {
+            let next = next_hash(&h, page);
+            if !self.map.contains_key(&next) {
+                all = false;
+                break;
             }
+            h = next;
+            cursor.matched += page.len();
+        }
+        cursor.at = CursorAt::Hash(h);
+        all
+    }
+
+    fn check(&self, requests: &Requests<BlockExt>, num_pages: usize) -> Result<()> {
+        let p = self.page_size;
+        let mut refs = vec![0u32; num_pages];
+        for r in requests.iter() {
             // Straight from the spec (no memo), so a wrong memo entry cannot vouch for itself.
             let full = &r.tokens[..r.ext.hashes.len() * p];
             if crate::hash::block_hashes(full, p, &r.namespace) != r.ext.hashes {
                 return corrupt("a request's stored block hashes differ from its tokens'");
             }
             for (i, &page) in r.pages.iter().enumerate() {
-                let Some(rc) = refs.get_mut(page as usize) else {
-                    return corrupt(format!("a request holds page {page}, outside the pool"));
+                let Some(rc) = refs.get_mut(page.index()) else {
+                    return corrupt(format!("a request holds page {}, outside the pool", page.0));
                 };
                 *rc += 1;
-                if i < r.num_cached / p && pool.hash_of[page as usize] != Some(r.ext.hashes[i]) {
+                if i < r.num_cached / p && self.hash_of[page.index()] != Some(r.ext.hashes[i]) {
                     return corrupt(format!(
-                        "page {page}, a cache hit, no longer holds its prefix"
+                        "page {}, a cache hit, no longer holds its prefix",
+                        page.0
                     ));
                 }
             }
             for &(at, copy) in &r.ext.stored {
-                let (at, copy) = (at as usize, copy as usize);
+                let at = at as usize;
                 let stands_for = at < r.published / p
-                    && pool.hash_of[copy] == Some(r.ext.hashes[at])
-                    && pool.hash_of[r.pages[at] as usize].is_none();
+                    && self.hash_of[copy.index()] == Some(r.ext.hashes[at])
+                    && self.hash_of[r.pages[at].index()].is_none();
                 if !stands_for {
                     return corrupt(format!(
-                        "request position {at}: stored copy {copy} does not stand for its private page"
+                        "request position {at}: stored copy {} does not stand for its private page",
+                        copy.0
                     ));
                 }
-                refs[copy] += 1;
+                refs[copy.index()] += 1;
             }
         }
-        for page in 0..self.num_pages {
-            let rc = pool.refcount[page];
-            if rc != refs[page] {
+        for page in (0..num_pages as u32).map(PageId) {
+            let (rc, held) = (self.refcount[page.index()], refs[page.index()]);
+            if rc != held {
                 return corrupt(format!(
-                    "page {page} has refcount {rc}, live requests hold it {} times",
-                    refs[page]
+                    "page {} has refcount {rc}, live requests hold it {held} times",
+                    page.0
                 ));
             }
-            let linked = pool.lists.is_linked(page as u32);
+            let linked = self.lists.is_linked(page);
             if linked != (rc == 0) {
                 return corrupt(format!(
-                    "page {page} with refcount {rc} is linked: {linked}"
+                    "page {} with refcount {rc} is linked: {linked}",
+                    page.0
                 ));
             }
-            if let Some(h) = pool.hash_of[page] {
-                if next_hash(&pool.parent_of[page], pool.page_tokens(page as u32)) != h {
+            if let Some(h) = self.hash_of[page.index()] {
+                if next_hash(&self.parent_of[page.index()], self.page_tokens(page)) != h {
                     return corrupt(format!(
-                        "page {page}: its parent hash and tokens do not hash to its key"
+                        "page {}: its parent hash and tokens do not hash to its key",
+                        page.0
                     ));
                 }
-                if pool.map.get(&h) != Some(&(page as u32)) {
+                if self.map.get(&h) != Some(&page) {
                     return corrupt(format!(
-                        "page {page} is hashed but the map does not point to it"
+                        "page {} is hashed but the map does not point to it",
+                        page.0
                     ));
                 }
             }
         }
         for (list, hashed, name) in [(FREE, false, "free"), (EVICTABLE, true, "evictable")] {
-            for page in pool.lists.iter(list) {
-                if pool.hash_of[page as usize].is_some() != hashed
-                    || pool.refcount[page as usize] != 0
+            for page in self.lists.iter(list) {
+                if self.hash_of[page.index()].is_some() != hashed
+                    || self.refcount[page.index()] != 0
                 {
-                    return corrupt(format!("page {page} does not belong on the {name} list"));
+                    return corrupt(format!(
+                        "page {} does not belong on the {name} list",
+                        page.0
+                    ));
                 }
             }
         }
-        for (&key, &page) in &pool.memo {
-            let hashed = pool.hash_of[page as usize].is_some();
-            if !hashed || memo_key(&pool.parent_of[page as usize], pool.page_tokens(page)) != key {
-                return corrupt(format!("memo entry for page {page} is stale"));
+        for (&key, &page) in &self.memo {
+            let hashed = self.hash_of[page.index()].is_some();
+            if !hashed || memo_key(&self.parent_of[page.index()], self.page_tokens(page)) != key {
+                return corrupt(format!("memo entry for page {} is stale", page.0));
             }
         }
-        let hashed = pool.hash_of.iter().filter(|h| h.is_some()).count();
-        if hashed != pool.map.len() {
+        let hashed = self.hash_of.iter().filter(|h| h.is_some()).count();
+        if hashed != self.map.len() {
             return corrupt(format!(
                 "{hashed} pages are hashed, the map holds {}",
-                pool.map.len()
+                self.map.len()
             ));
-        }
-        if self.counters.hit_tokens > self.counters.query_tokens {
-            return corrupt("more hit tokens than query tokens");
         }
         Ok(())
     }
 
-    fn request(&self, id: RequestId) -> Result<RequestView<'_>> {
-        Ok(self.requests.get(id)?.view(self.p()))
-    }
-
-    fn page_size(&self) -> usize {
-        self.p()
-    }
-
-    fn cursor(&self, namespace: &Namespace) -> Cursor {
-        Cursor {
-            matched: 0,
-            node: 0,
-            offset: 0,
-            hash: root_hash(self.p(), namespace),
-        }
-    }
-
-    fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
-        for page in tokens.chunks_exact(self.p()) {
-            let h = next_hash(&cursor.hash, page);
-            if !self.pool.map.contains_key(&h) {
-                return false;
-            }
-            cursor.hash = h;
-            cursor.matched += page.len();
-        }
-        true
-    }
-
     fn metadata_bytes(&self) -> usize {
-        let pool = &self.pool;
-        pool.refcount.capacity() * 4
-            + pool.hash_of.capacity() * std::mem::size_of::<Option<BlockHash>>()
-            + pool.map.capacity() * (std::mem::size_of::<(BlockHash, u32)>() + 1)
-            + pool.lists.heap_bytes()
-            + pool.parent_of.capacity() * 32
-            + pool.tokens_of.capacity() * 4
-            + pool.memo.capacity() * (std::mem::size_of::<(u64, u32)>() + 1)
+        self.refcount.capacity() * 4
+            + self.hash_of.capacity() * std::mem::size_of::<Option<BlockHash>>()
+            + self.map.capacity() * (std::mem::size_of::<(BlockHash, PageId)>() + 1)
+            + self.lists.heap_bytes()
+            + self.parent_of.capacity() * 32
+            + self.tokens_of.capacity() * 4
+            + self.memo.capacity() * (std::mem::size_of::<(u64, PageId)>() + 1)
     }
 }

@@ -1,64 +1,10 @@
-//! The interface both indexes implement, and the argument checks they share.
+//! The request life cycle, written once: [`Cache`] over any [`Index`], and [`PrefixCache`], the
+//! object-safe interface the scheduler and the Python boundary use.
 
 use crate::error::{invalid, Error, Result};
-use crate::request::RequestId;
-use crate::stats::CacheStats;
-
-/// A namespace: `None`, or the bytes of a str (utf-8) or bytes value. Requests in different
-/// namespaces never share pages.
-pub type Namespace = Option<Box<[u8]>>;
-
-/// Where a step-by-step match stands: how many tokens matched so far, and the index position to
-/// continue from. Valid only while the cache is unchanged (the scheduler holds the cache's lock
-/// for a whole ranking pass).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cursor {
-    /// Tokens matched so far.
-    pub matched: usize,
-    pub(crate) node: u32,
-    pub(crate) offset: usize,
-    pub(crate) hash: [u8; 32],
-}
-
-/// A read-only view of one live request.
-#[derive(Debug, Clone, Copy)]
-pub struct RequestView<'a> {
-    /// Token ids so far.
-    pub tokens: &'a [u32],
-    /// Namespace the request was admitted in.
-    pub namespace: &'a Namespace,
-    /// Page table, `ceil(num_tokens / page_size)` entries.
-    pub pages: &'a [u32],
-    /// Tokens served from the cache at admission.
-    pub num_cached: usize,
-    /// Tokens whose KV has been written.
-    pub num_computed: usize,
-    /// Tokens per page.
-    pub page_size: usize,
-}
-
-impl RequestView<'_> {
-    /// Tokens in the request so far.
-    pub fn num_tokens(&self) -> usize {
-        self.tokens.len()
-    }
-
-    /// Slot of token `i`: `pages[i / P] * P + i % P`.
-    pub fn slot(&self, i: usize) -> i64 {
-        let p = self.page_size;
-        self.pages[i / p] as i64 * p as i64 + (i % p) as i64
-    }
-
-    /// Slots of tokens `start..end`, appended to `out`.
-    pub fn extend_slots(&self, start: usize, end: usize, out: &mut Vec<i64>) {
-        let p = self.page_size;
-        if p == 1 {
-            out.extend(self.pages[start..end].iter().map(|&x| x as i64));
-        } else {
-            out.extend((start..end).map(|i| self.slot(i)));
-        }
-    }
-}
+use crate::index::{Cursor, Index};
+use crate::request::{new_cache_id, Namespace, Request, RequestId, RequestView, Requests};
+use crate::stats::{CacheStats, Counters};
 
 /// A prefix cache over a fixed pool of pages: the operations of the design, for either index.
 ///
@@ -136,6 +82,167 @@ pub trait PrefixCache: Send {
     fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool;
 }
 
+/// A prefix cache: the life cycle of requests over the index `I`, a pool of `num_pages` pages,
+/// and the counters. [`crate::RadixCache`] and [`crate::BlockCache`] are its two instances.
+#[derive(Debug)]
+pub struct Cache<I: Index> {
+    index: I,
+    num_pages: usize,
+    requests: Requests<I::Ext>,
+    counters: Counters,
+}
+
+impl<I: Index> Cache<I> {
+    /// A cache over `num_pages` pages of `page_size` tokens.
+    pub fn new(num_pages: usize, page_size: usize) -> Result<Self> {
+        check_pool_args(num_pages, page_size)?;
+        Ok(Cache {
+            index: I::new(num_pages, page_size),
+            num_pages,
+            requests: Requests::new(new_cache_id()),
+            counters: Counters::default(),
+        })
+    }
+
+    /// Closes `id`, publishing what it computed first when `publish`.
+    fn release(&mut self, id: RequestId, publish: bool) -> Result<()> {
+        let mut r = self.requests.remove(id)?;
+        if publish {
+            let upto = r.num_computed / self.index.page_size() * self.index.page_size();
+            self.index.publish(&mut r, upto);
+        }
+        self.index.release(&r);
+        Ok(())
+    }
+
+    /// Fails with `OutOfPages` unless `needed` pages are free or evictable, not counting
+    /// `pinned` evictable pages the call itself is about to pin.
+    fn reserve(&self, needed: usize, pinned: usize) -> Result<()> {
+        let available = self.index.free_pages() + self.index.evictable_pages() - pinned;
+        if needed > available {
+            return Err(Error::OutOfPages { needed, available });
+        }
+        Ok(())
+    }
+}
+
+impl<I: Index> PrefixCache for Cache<I> {
+    fn admit(&mut self, tokens: &[u32], namespace: Namespace) -> Result<RequestId> {
+        check_prompt(tokens)?;
+        let (p, n) = (self.index.page_size(), tokens.len());
+        let found = self.index.lookup(&tokens[..match_limit(n, p)], &namespace);
+        let matched = found.matched;
+        let needed = n.div_ceil(p) - matched / p;
+        self.reserve(needed, found.evictable)?;
+        // Nothing below can fail.
+        let mut pages = Vec::with_capacity(n.div_ceil(p));
+        let ext = self.index.pin(found, &namespace, &mut pages);
+        self.counters.evicted_pages += self.index.allocate(needed, &mut pages) as u64;
+        self.counters.record_query(n, matched);
+        Ok(self.requests.insert(Request {
+            tokens: tokens.to_vec(),
+            namespace,
+            pages,
+            num_cached: matched,
+            num_computed: matched,
+            published: matched,
+            ext,
+        }))
+    }
+
+    fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<()> {
+        let p = self.index.page_size();
+        let r = self.requests.get(id)?;
+        let needed = (r.tokens.len() + tokens.len()).div_ceil(p) - r.pages.len();
+        self.reserve(needed, 0)?;
+        let r = self.requests.get_mut(id)?;
+        self.counters.evicted_pages += self.index.allocate(needed, &mut r.pages) as u64;
+        r.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    fn commit(&mut self, id: RequestId, num_computed: usize) -> Result<()> {
+        let p = self.index.page_size();
+        let r = self.requests.get_mut(id)?;
+        check_commit(num_computed, r.num_computed, r.tokens.len())?;
+        r.num_computed = num_computed;
+        self.index.publish(r, num_computed / p * p);
+        Ok(())
+    }
+
+    fn finish(&mut self, id: RequestId) -> Result<()> {
+        self.release(id, true)
+    }
+
+    fn abort(&mut self, id: RequestId) -> Result<()> {
+        self.release(id, false)
+    }
+
+    fn match_prefix(&self, tokens: &[u32], namespace: &Namespace) -> Result<usize> {
+        check_prompt(tokens)?;
+        let limit = match_limit(tokens.len(), self.index.page_size());
+        Ok(self.index.lookup(&tokens[..limit], namespace).matched)
+    }
+
+    fn evict(&mut self, num_pages: usize) -> usize {
+        let done = self.index.evict(num_pages);
+        self.counters.evicted_pages += done as u64;
+        done
+    }
+
+    fn reset(&mut self) -> usize {
+        let done = self.index.reset();
+        self.counters.evicted_pages += done as u64;
+        done
+    }
+
+    fn stats(&self) -> CacheStats {
+        let (free, evictable) = (self.index.free_pages(), self.index.evictable_pages());
+        self.counters
+            .snapshot(self.num_pages, self.index.page_size(), free, evictable)
+    }
+
+    fn check(&self) -> Result<()> {
+        let p = self.index.page_size();
+        for r in self.requests.iter() {
+            if r.pages.len() != r.tokens.len().div_ceil(p)
+                || r.published % p != 0
+                || r.published > r.num_computed
+                || r.num_computed > r.tokens.len()
+            {
+                return crate::error::corrupt(
+                    "a request's page table or published count is malformed",
+                );
+            }
+        }
+        self.index.check(&self.requests, self.num_pages)?;
+        if self.counters.hit_tokens > self.counters.query_tokens {
+            return crate::error::corrupt("more hit tokens than query tokens");
+        }
+        Ok(())
+    }
+
+    fn request(&self, id: RequestId) -> Result<RequestView<'_>> {
+        Ok(self.requests.get(id)?.view(self.index.page_size()))
+    }
+
+    fn metadata_bytes(&self) -> usize {
+        self.index.metadata_bytes()
+    }
+
+    fn page_size(&self) -> usize {
+        self.index.page_size()
+    }
+
+    fn cursor(&self, namespace: &Namespace) -> Cursor {
+        self.index.cursor(namespace)
+    }
+
+    fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
+        self.index.advance(cursor, tokens)
+    }
+}
+
 /// Checks the pool arguments shared by both caches.
 pub(crate) fn check_pool_args(num_pages: usize, page_size: usize) -> Result<()> {
     if num_pages == 0 {
@@ -158,7 +265,7 @@ pub(crate) fn check_pool_args(num_pages: usize, page_size: usize) -> Result<()> 
 }
 
 /// Checks a prompt.
-pub(crate) fn check_prompt(tokens: &[u32]) -> Result<()> {
+fn check_prompt(tokens: &[u32]) -> Result<()> {
     if tokens.is_empty() {
         return Err(invalid(
             "tokens must hold at least one token, got an empty sequence",
@@ -181,7 +288,7 @@ fn check_distinct(ids: impl Iterator<Item = RequestId>) -> Result<()> {
 }
 
 /// Checks a `commit` target against a request.
-pub(crate) fn check_commit(num_computed: usize, current: usize, num_tokens: usize) -> Result<()> {
+fn check_commit(num_computed: usize, current: usize, num_tokens: usize) -> Result<()> {
     if num_computed > num_tokens {
         return Err(invalid(format!(
             "num_computed must be at most num_tokens ({num_tokens}), got {num_computed}"

@@ -4,6 +4,8 @@
 //! almost nothing next to the 8 bytes a cached token takes in the tree. `pop` hands out the
 //! lowest free id, which keeps page ids deterministic and dense.
 
+use crate::ids::PageId;
+
 /// A set of page ids `0..capacity` with O(1) insert and an amortized O(1) `pop` of the smallest
 /// member.
 #[derive(Debug, Clone)]
@@ -46,21 +48,16 @@ impl FreeSet {
         self.len
     }
 
-    /// Whether the set is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Whether `id` is a member.
-    pub fn contains(&self, id: u32) -> bool {
-        let id = id as usize;
+    pub fn contains(&self, page: PageId) -> bool {
+        let id = page.0 as usize;
         id < self.capacity && self.words[id / 64] & (1 << (id % 64)) != 0
     }
 
     /// Adds `id`, which must not be a member.
-    pub fn insert(&mut self, id: u32) {
-        let id = id as usize;
-        debug_assert!(id < self.capacity && !self.contains(id as u32));
+    pub fn insert(&mut self, page: PageId) {
+        debug_assert!(page.0 < self.capacity as u32 && !self.contains(page));
+        let id = page.0 as usize;
         let w = id / 64;
         self.words[w] |= 1 << (id % 64);
         self.summary[w / 64] |= 1 << (w % 64);
@@ -69,7 +66,7 @@ impl FreeSet {
     }
 
     /// Removes and returns the smallest member.
-    pub fn pop(&mut self) -> Option<u32> {
+    pub fn pop(&mut self) -> Option<PageId> {
         let s = self.low + self.summary[self.low..].iter().position(|&s| s != 0)?;
         self.low = s;
         let w = s * 64 + self.summary[s].trailing_zeros() as usize;
@@ -79,7 +76,7 @@ impl FreeSet {
             self.summary[s] &= !(1 << (w % 64));
         }
         self.len -= 1;
-        Some((w * 64 + bit) as u32)
+        Some(PageId((w * 64 + bit) as u32))
     }
 
     /// Heap bytes held.
@@ -96,17 +93,17 @@ mod tests {
     fn pops_smallest_first_and_reuses() {
         let mut f = FreeSet::full(130);
         assert_eq!(f.len(), 130);
-        let got: Vec<u32> = (0..130).map(|_| f.pop().unwrap()).collect();
+        let got: Vec<u32> = (0..130).map(|_| f.pop().unwrap().0).collect();
         assert_eq!(got, (0..130).collect::<Vec<_>>());
         assert_eq!(f.pop(), None);
-        f.insert(129);
-        f.insert(5);
-        f.insert(64);
-        assert!(f.contains(64) && !f.contains(63));
-        assert_eq!(f.pop(), Some(5));
-        assert_eq!(f.pop(), Some(64));
-        assert_eq!(f.pop(), Some(129));
-        assert!(f.is_empty());
+        f.insert(PageId(129));
+        f.insert(PageId(5));
+        f.insert(PageId(64));
+        assert!(f.contains(PageId(64)) && !f.contains(PageId(63)));
+        assert_eq!(f.pop(), Some(PageId(5)));
+        assert_eq!(f.pop(), Some(PageId(64)));
+        assert_eq!(f.pop(), Some(PageId(129)));
+        assert_eq!(f.len(), 0);
     }
 
     #[test]
@@ -115,8 +112,8 @@ mod tests {
         for _ in 0..9_000 {
             f.pop();
         }
-        assert_eq!(f.pop(), Some(9_000));
-        f.insert(4097);
-        assert_eq!(f.pop(), Some(4097));
+        assert_eq!(f.pop(), Some(PageId(9_000)));
+        f.insert(PageId(4097));
+        assert_eq!(f.pop(), Some(PageId(4097)));
     }
 }

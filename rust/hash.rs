@@ -8,7 +8,7 @@
 //! ```
 //! Only full pages have a hash.
 
-use crate::cache::Namespace;
+use crate::request::Namespace;
 
 /// A 32-byte block hash.
 pub type BlockHash = [u8; 32];

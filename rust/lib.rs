@@ -2,36 +2,54 @@
 //!
 //! The core is pure Rust and knows nothing of tensors or Python. It manages a fixed pool of
 //! `num_pages` physical pages of `page_size` tokens and decides, for every request, which pages
-//! already hold the KV of its prefix and which pages its new tokens are written to. Two indexes
-//! sit behind one trait, [`PrefixCache`]:
+//! already hold the KV of its prefix and which pages its new tokens are written to.
+//!
+//! The request life cycle is written once, in [`Cache`], over an index that answers only how
+//! prefixes are found, pinned, published and evicted (the `Index` trait in `index.rs`). Two
+//! indexes implement it:
 //!
 //! - [`RadixCache`]: a compressed radix tree over token ids (SGLang's RadixAttention style),
 //!   evicting the least recently used leaf first.
 //! - [`BlockCache`]: a map from chained block hash to page (vLLM's Automatic Prefix Caching
 //!   style), evicting the least recently used page first.
 //!
-//! The PyO3 glue lives in [`python`] behind the `python` cargo feature.
+//! [`Scheduler`] admits waiting requests into either in a cache-aware order. The PyO3 glue lives
+//! in `python/` behind the `python` cargo feature.
+//!
+//! ```text
+//!   error  ids  stats  hash  links  freeset        (leaves)
+//!   request ── index ── cache ──┬── radix
+//!                               ├── block
+//!                               └── scheduler ── waiting
+//!   plan (step plans)           python (the boundary)
+//! ```
 
-pub mod block;
-pub mod cache;
-pub mod error;
-pub mod freeset;
-pub mod hash;
-pub mod links;
-pub mod plan;
-pub mod radix;
-pub mod request;
-pub mod scheduler;
-pub mod stats;
-pub mod waiting;
+mod block;
+mod cache;
+mod error;
+mod freeset;
+mod hash;
+mod ids;
+mod index;
+mod links;
+mod plan;
+mod radix;
+mod request;
+mod scheduler;
+mod stats;
+mod waiting;
 
 #[cfg(feature = "python")]
-pub mod python;
+mod python;
 
 pub use block::BlockCache;
-pub use cache::{Cursor, Namespace, PrefixCache, RequestView};
+pub use cache::{Cache, PrefixCache};
 pub use error::{Error, Result};
+pub use hash::{block_hashes, BlockHash};
+pub use ids::PageId;
+pub use index::{Cursor, Index};
+pub use plan::{plan_step, StepPlan};
 pub use radix::RadixCache;
-pub use request::RequestId;
+pub use request::{Namespace, RequestId, RequestView};
 pub use scheduler::{Admitted, Policy, Scheduler};
 pub use stats::CacheStats;

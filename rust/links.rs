@@ -1,4 +1,4 @@
-//! Intrusive doubly linked lists over `u32` ids.
+//! Intrusive doubly linked lists over the ids of one arena.
 //!
 //! One [`Links`] holds the `prev`/`next` pair of every element and a fixed number of lists, each
 //! with its own sentinel. An element is in at most one list at a time. Push, pop and removal from
@@ -10,6 +10,9 @@
 //!   sentinel.next = front (least recently pushed to the back), sentinel.prev = back
 //! ```
 
+use crate::ids::ArenaId;
+use std::marker::PhantomData;
+
 const UNLINKED: u32 = u32::MAX;
 
 /// Which of a [`Links`]'s lists.
@@ -18,13 +21,14 @@ pub struct ListId(pub u32);
 
 /// Storage for a few intrusive lists over the ids `0..capacity`.
 #[derive(Debug, Clone)]
-pub struct Links {
+pub struct Links<T> {
     prev: Vec<u32>,
     next: Vec<u32>,
     lens: Vec<usize>,
+    id: PhantomData<T>,
 }
 
-impl Links {
+impl<T: ArenaId> Links<T> {
     /// `num_lists` empty lists over ids `0..capacity`.
     pub fn new(num_lists: u32, capacity: usize) -> Self {
         let n = num_lists as usize;
@@ -38,6 +42,7 @@ impl Links {
             prev,
             next,
             lens: vec![0; n],
+            id: PhantomData,
         }
     }
 
@@ -59,19 +64,14 @@ impl Links {
         self.lens[list.0 as usize]
     }
 
-    /// Whether `list` is empty.
-    pub fn is_empty(&self, list: ListId) -> bool {
-        self.len(list) == 0
-    }
-
     /// Whether `id` is in some list.
-    pub fn is_linked(&self, id: u32) -> bool {
-        self.next[(self.base() + id) as usize] != UNLINKED
+    pub fn is_linked(&self, id: T) -> bool {
+        self.next[(self.base() + id.raw()) as usize] != UNLINKED
     }
 
-    fn link_after(&mut self, list: ListId, at: u32, id: u32) {
-        let i = self.base() + id;
-        debug_assert_eq!(self.next[i as usize], UNLINKED, "id {id} is linked already");
+    fn link_after(&mut self, list: ListId, at: u32, id: T) {
+        let i = self.base() + id.raw();
+        debug_assert_eq!(self.next[i as usize], UNLINKED, "{id:?} is linked already");
         let after = self.next[at as usize];
         self.prev[i as usize] = at;
         self.next[i as usize] = after;
@@ -81,27 +81,27 @@ impl Links {
     }
 
     /// Appends `id` at the back of `list`.
-    pub fn push_back(&mut self, list: ListId, id: u32) {
+    pub fn push_back(&mut self, list: ListId, id: T) {
         let back = self.prev[list.0 as usize];
         self.link_after(list, back, id);
     }
 
     /// Puts `id` at the front of `list`.
-    pub fn push_front(&mut self, list: ListId, id: u32) {
+    pub fn push_front(&mut self, list: ListId, id: T) {
         self.link_after(list, list.0, id);
     }
 
     /// Inserts `id` right before the element `before` (which must be in `list`).
-    pub fn insert_before(&mut self, list: ListId, before: u32, id: u32) {
-        let at = self.prev[(self.base() + before) as usize];
+    pub fn insert_before(&mut self, list: ListId, before: T, id: T) {
+        let at = self.prev[(self.base() + before.raw()) as usize];
         self.link_after(list, at, id);
     }
 
     /// Unlinks `id` from `list`, which must hold it.
-    pub fn remove(&mut self, list: ListId, id: u32) {
-        let i = (self.base() + id) as usize;
+    pub fn remove(&mut self, list: ListId, id: T) {
+        let i = (self.base() + id.raw()) as usize;
         let (p, n) = (self.prev[i], self.next[i]);
-        debug_assert_ne!(n, UNLINKED, "id {id} is not linked");
+        debug_assert_ne!(n, UNLINKED, "{id:?} is not linked");
         self.next[p as usize] = n;
         self.prev[n as usize] = p;
         self.prev[i] = UNLINKED;
@@ -109,29 +109,29 @@ impl Links {
         self.lens[list.0 as usize] -= 1;
     }
 
-    fn element(&self, index: u32) -> Option<u32> {
-        (index >= self.base()).then(|| index - self.base())
+    fn element(&self, index: u32) -> Option<T> {
+        (index >= self.base()).then(|| T::from_raw(index - self.base()))
     }
 
     /// The front element of `list`.
-    pub fn front(&self, list: ListId) -> Option<u32> {
+    pub fn front(&self, list: ListId) -> Option<T> {
         self.element(self.next[list.0 as usize])
     }
 
     /// The element after `id` in its list.
-    pub fn next_of(&self, id: u32) -> Option<u32> {
-        self.element(self.next[(self.base() + id) as usize])
+    pub fn next_of(&self, id: T) -> Option<T> {
+        self.element(self.next[(self.base() + id.raw()) as usize])
     }
 
     /// Removes and returns the front element of `list`.
-    pub fn pop_front(&mut self, list: ListId) -> Option<u32> {
+    pub fn pop_front(&mut self, list: ListId) -> Option<T> {
         let id = self.front(list)?;
         self.remove(list, id);
         Some(id)
     }
 
     /// The elements of `list`, front to back.
-    pub fn iter(&self, list: ListId) -> impl Iterator<Item = u32> + '_ {
+    pub fn iter(&self, list: ListId) -> impl Iterator<Item = T> + '_ {
         std::iter::successors(self.front(list), move |&id| self.next_of(id))
     }
 
@@ -144,32 +144,39 @@ impl Links {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::PageId;
 
     const A: ListId = ListId(0);
     const B: ListId = ListId(1);
 
     #[test]
     fn push_pop_remove_keep_order() {
-        let mut l = Links::new(2, 8);
+        let mut l = Links::<PageId>::new(2, 8);
         for id in [3, 1, 4] {
-            l.push_back(A, id);
+            l.push_back(A, PageId(id));
         }
-        l.push_front(A, 5);
-        l.push_back(B, 0);
-        assert_eq!(l.iter(A).collect::<Vec<_>>(), vec![5, 3, 1, 4]);
-        l.remove(A, 1);
-        assert!(!l.is_linked(1));
-        l.insert_before(A, 4, 7);
-        assert_eq!(l.iter(A).collect::<Vec<_>>(), vec![5, 3, 7, 4]);
-        assert_eq!(l.pop_front(A), Some(5));
+        l.push_front(A, PageId(5));
+        l.push_back(B, PageId(0));
+        assert_eq!(
+            l.iter(A).collect::<Vec<_>>(),
+            vec![PageId(5), PageId(3), PageId(1), PageId(4)]
+        );
+        l.remove(A, PageId(1));
+        assert!(!l.is_linked(PageId(1)));
+        l.insert_before(A, PageId(4), PageId(7));
+        assert_eq!(
+            l.iter(A).collect::<Vec<_>>(),
+            vec![PageId(5), PageId(3), PageId(7), PageId(4)]
+        );
+        assert_eq!(l.pop_front(A), Some(PageId(5)));
         assert_eq!(l.len(A), 3);
-        assert_eq!(l.iter(B).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(l.iter(B).collect::<Vec<_>>(), vec![PageId(0)]);
         l.ensure(20);
-        l.push_back(B, 19);
-        assert_eq!(l.iter(B).collect::<Vec<_>>(), vec![0, 19]);
-        assert_eq!(l.pop_front(B), Some(0));
-        assert_eq!(l.pop_front(B), Some(19));
+        l.push_back(B, PageId(19));
+        assert_eq!(l.iter(B).collect::<Vec<_>>(), vec![PageId(0), PageId(19)]);
+        assert_eq!(l.pop_front(B), Some(PageId(0)));
+        assert_eq!(l.pop_front(B), Some(PageId(19)));
         assert_eq!(l.pop_front(B), None);
-        assert!(l.is_empty(B));
+        assert_eq!(l.len(B), 0);
     }
 }

@@ -11,7 +11,7 @@
 //! A query at absolute position `pos` attends to keys `0..=pos` of its own request, which is the
 //! bottom-right aligned causal mask when a request has a cached prefix.
 
-use crate::cache::RequestView;
+use crate::request::RequestView;
 
 /// Everything a step's layers share, as flat arrays (lengths in the field docs).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -70,6 +70,7 @@ pub fn plan_step(requests: &[RequestView<'_>]) -> std::result::Result<StepPlan, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::PageId;
 
     #[test]
     fn packs_suffixes_and_pads_slots() {
@@ -77,7 +78,7 @@ mod tests {
         let a = RequestView {
             tokens: &[5, 6, 7, 8, 9],
             namespace: &ns,
-            pages: &[3, 1, 4],
+            pages: &[PageId(3), PageId(1), PageId(4)],
             num_cached: 2,
             num_computed: 2,
             page_size: 2,
@@ -85,7 +86,7 @@ mod tests {
         let b = RequestView {
             tokens: &[1, 2],
             namespace: &ns,
-            pages: &[0],
+            pages: &[PageId(0)],
             num_cached: 0,
             num_computed: 1,
             page_size: 2,

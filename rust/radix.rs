@@ -1,4 +1,4 @@
-//! `RadixCache`: a compressed radix tree over token ids, in the style of SGLang's RadixAttention.
+//! `RadixIndex`: a compressed radix tree over token ids, in the style of SGLang's RadixAttention.
 //!
 //! ```text
 //!   roots[namespace] ── "You are a helpful ...|tools" ──┬── "turn 1 ...|turn 2" ── ...
@@ -16,18 +16,39 @@
 //! in an intrusive list ordered by last use; eviction pops its front, trimming the leaf's tail
 //! page by page so that exactly the pages asked for are freed.
 
-use crate::cache::{check_commit, check_pool_args, check_prompt, match_limit, Namespace};
-use crate::cache::{Cursor, PrefixCache, RequestView};
-use crate::error::{corrupt, Error, Result};
+use crate::cache::Cache;
+use crate::error::{corrupt, Result};
 use crate::freeset::FreeSet;
+use crate::ids::{ArenaId, PageId};
+use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
-use crate::request::{new_cache_id, Request, RequestId, Requests};
-use crate::stats::{CacheStats, Counters};
+use crate::request::{Namespace, Request, Requests};
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
-const NIL: u32 = u32::MAX;
+/// A prefix cache indexed by a compressed radix tree over token ids.
+pub type RadixCache = Cache<RadixIndex>;
+
+/// A node of the tree: an index into its node arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NodeId(u32);
+
+impl NodeId {
+    /// No node: the parent of a namespace root.
+    const NIL: NodeId = NodeId(u32::MAX);
+}
+
+impl ArenaId for NodeId {
+    fn from_raw(raw: u32) -> Self {
+        NodeId(raw)
+    }
+    fn raw(self) -> u32 {
+        self.0
+    }
+}
+
+const NIL: NodeId = NodeId::NIL;
 const LRU: ListId = ListId(0);
 
 /// Hashes the `u64` child keys: one multiply, enough to spread them over a hashbrown table.
@@ -50,16 +71,16 @@ impl Hasher for MixHasher {
     }
 }
 
-type ChildMap = HashMap<u64, u32, BuildHasherDefault<MixHasher>>;
+type ChildMap = HashMap<u64, NodeId, BuildHasherDefault<MixHasher>>;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Node {
     /// `NIL` for a namespace root.
-    parent: u32,
+    parent: NodeId,
     /// Tokens of the edge into this node; a whole number of pages (empty only for roots).
     key: Vec<u32>,
     /// `key.len() / page_size` page ids.
-    pages: Vec<u32>,
+    pages: Vec<PageId>,
     children: ChildMap,
     /// Live requests whose pinned path runs through this node.
     lock: u32,
@@ -68,24 +89,37 @@ struct Node {
     alive: bool,
 }
 
-/// The radix cache's own part of a request.
-#[derive(Debug, Clone, Default)]
-pub struct RadixExt {
-    /// Deepest node whose path spells `tokens[..published]`; pinned by this request.
-    last: u32,
-    /// Pages this request computed that another request had published first: private to it,
-    /// freed when it ends. (The rest of its private pages are `pages[published / P..]`.)
-    dups: Vec<u32>,
+impl Default for Node {
+    fn default() -> Self {
+        Node {
+            parent: NIL,
+            key: Vec::new(),
+            pages: Vec::new(),
+            children: ChildMap::default(),
+            lock: 0,
+            time: 0,
+            alive: false,
+        }
+    }
 }
 
-/// Result of walking the tree along a token sequence.
-struct Walk {
+/// The radix index's own part of a request.
+#[derive(Debug, Clone)]
+pub struct RadixExt {
+    /// Deepest node whose path spells `tokens[..published]`; pinned by this request.
+    last: NodeId,
+    /// Pages this request computed that another request had published first: private to it,
+    /// freed when it ends. (The rest of its private pages are `pages[published / P..]`.)
+    dups: Vec<PageId>,
+}
+
+/// Where a lookup ended.
+#[derive(Debug)]
+pub struct Walk {
     /// Nodes matched in full, root excluded, top down.
-    path: Vec<u32>,
+    path: Vec<NodeId>,
     /// A node matched only up to this many tokens (a page multiple, short of its key).
-    partial: Option<(u32, usize)>,
-    /// Tokens matched.
-    matched: usize,
+    partial: Option<(NodeId, usize)>,
 }
 
 /// First `n` such that `a[n] != b[n]`, compared in chunks (memcmp) before single tokens.
@@ -102,16 +136,15 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     i
 }
 
-/// The tree, its pool and its LRU list: everything a request's operations mutate besides the
-/// request itself (kept apart so that a request can be borrowed while the tree changes).
+/// The tree, its pool and its LRU list.
 #[derive(Debug)]
-struct Tree {
+pub struct RadixIndex {
     page_size: usize,
     nodes: Vec<Node>,
-    vacant: Vec<u32>,
-    roots: HashMap<Namespace, u32>,
+    vacant: Vec<NodeId>,
+    roots: HashMap<Namespace, NodeId>,
     /// Unpinned non-root leaves, least recently used at the front.
-    lru: Links,
+    lru: Links<NodeId>,
     free: FreeSet,
     /// Pages held by unpinned nodes.
     evictable: usize,
@@ -120,7 +153,15 @@ struct Tree {
     hasher: RandomState,
 }
 
-impl Tree {
+impl RadixIndex {
+    fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.index()]
+    }
+
+    fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.nodes[id.index()]
+    }
+
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
@@ -143,73 +184,63 @@ impl Tree {
         }
     }
 
-    fn child(&self, node: u32, page: &[u32]) -> Option<u32> {
-        let &c = self.nodes[node as usize]
-            .children
-            .get(&self.page_key(page))?;
-        (self.nodes[c as usize].key[..self.page_size] == *page).then_some(c)
+    fn child(&self, node: NodeId, page: &[u32]) -> Option<NodeId> {
+        let &c = self.node(node).children.get(&self.page_key(page))?;
+        (self.node(c).key[..self.page_size] == *page).then_some(c)
     }
 
-    fn alloc_node(&mut self, node: Node) -> u32 {
+    fn alloc_node(&mut self, node: Node) -> NodeId {
         match self.vacant.pop() {
             Some(id) => {
-                self.nodes[id as usize] = node;
+                *self.node_mut(id) = node;
                 id
             }
             None => {
                 self.nodes.push(node);
                 self.lru.ensure(self.nodes.len());
-                (self.nodes.len() - 1) as u32
+                NodeId((self.nodes.len() - 1) as u32)
             }
         }
     }
 
-    fn free_node(&mut self, id: u32) {
-        self.nodes[id as usize] = Node {
-            parent: NIL,
-            ..Node::default()
-        };
+    fn free_node(&mut self, id: NodeId) {
+        *self.node_mut(id) = Node::default();
         self.vacant.push(id);
     }
 
-    /// Follows `tokens` (a page multiple) down from `root`, changing nothing.
-    fn walk(&self, root: u32, tokens: &[u32]) -> Walk {
+    /// Follows `tokens` (a page multiple) down from `root`, changing nothing; returns the walk
+    /// and the tokens matched.
+    fn walk(&self, root: NodeId, tokens: &[u32]) -> (Walk, usize) {
         let p = self.page_size;
         let (mut node, mut pos, mut path) = (root, 0, Vec::new());
         while pos < tokens.len() {
             let Some(c) = self.child(node, &tokens[pos..pos + p]) else {
                 break;
             };
-            let key = &self.nodes[c as usize].key;
+            let key = &self.node(c).key;
             let common = common_prefix(key, &tokens[pos..]) / p * p;
             pos += common;
             if common < key.len() {
-                return Walk {
-                    path,
-                    partial: Some((c, common)),
-                    matched: pos,
-                };
+                let partial = Some((c, common));
+                return (Walk { path, partial }, pos);
             }
             path.push(c);
             node = c;
         }
-        Walk {
-            path,
-            partial: None,
-            matched: pos,
-        }
+        let partial = None;
+        (Walk { path, partial }, pos)
     }
 
     /// Splits `id`'s edge after `at` tokens; returns the new node, which takes the head.
-    fn split(&mut self, id: u32, at: usize) -> u32 {
+    fn split(&mut self, id: NodeId, at: usize) -> NodeId {
         let p = self.page_size;
-        let n = &mut self.nodes[id as usize];
+        let n = self.node_mut(id);
         let head_key = n.key[..at].to_vec();
         let head_pages = n.pages[..at / p].to_vec();
         n.key = n.key[at..].to_vec();
         n.pages = n.pages[at / p..].to_vec();
         let (parent, lock, time) = (n.parent, n.lock, n.time);
-        let tail_key = self.page_key(&self.nodes[id as usize].key[..p]);
+        let tail_key = self.page_key(&self.node(id).key[..p]);
         let head_first = self.page_key(&head_key[..p]);
         let mut children = ChildMap::default();
         children.insert(tail_key, id);
@@ -222,16 +253,16 @@ impl Tree {
             time,
             alive: true,
         });
-        self.nodes[id as usize].parent = mid;
-        self.nodes[parent as usize].children.insert(head_first, mid);
+        self.node_mut(id).parent = mid;
+        self.node_mut(parent).children.insert(head_first, mid);
         mid
     }
 
     /// Pins the path from `id` to its root.
-    fn lock(&mut self, mut id: u32) {
+    fn lock(&mut self, mut id: NodeId) {
         let now = self.tick();
         while id != NIL {
-            let n = &mut self.nodes[id as usize];
+            let n = &mut self.nodes[id.index()];
             if n.lock == 0 {
                 self.evictable -= n.pages.len();
                 if self.lru.is_linked(id) {
@@ -245,10 +276,10 @@ impl Tree {
     }
 
     /// Unpins the path from `id` to its root; leaves left unpinned become the most recently used.
-    fn unlock(&mut self, mut id: u32) {
+    fn unlock(&mut self, mut id: NodeId) {
         let now = self.tick();
         while id != NIL {
-            let n = &mut self.nodes[id as usize];
+            let n = &mut self.nodes[id.index()];
             n.lock -= 1;
             n.time = now;
             let parent = n.parent;
@@ -264,11 +295,11 @@ impl Tree {
 
     /// Links an unpinned node that just became a leaf at its place by last use. Its time is at
     /// least that of the leaf just evicted below it (the front), so the walk is short.
-    fn link_by_time(&mut self, id: u32) {
-        let t = self.nodes[id as usize].time;
+    fn link_by_time(&mut self, id: NodeId) {
+        let t = self.node(id).time;
         let mut at = self.lru.front(LRU);
         while let Some(e) = at {
-            if self.nodes[e as usize].time > t {
+            if self.node(e).time > t {
                 break;
             }
             at = self.lru.next_of(e);
@@ -279,43 +310,117 @@ impl Tree {
         }
     }
 
-    /// Frees up to `want` pages from the least recently used leaves; returns how many.
-    fn evict(&mut self, want: usize) -> usize {
-        let p = self.page_size;
-        let mut done = 0;
-        while done < want {
-            let Some(leaf) = self.lru.front(LRU) else {
-                break;
-            };
-            let first = self.page_key(&self.nodes[leaf as usize].key[..p]);
-            let n = &mut self.nodes[leaf as usize];
-            let take = (want - done).min(n.pages.len());
-            let keep = n.pages.len() - take;
-            for &page in &n.pages[keep..] {
-                self.free.insert(page);
-            }
-            n.pages.truncate(keep);
-            n.key.truncate(keep * p);
-            self.evictable -= take;
-            done += take;
-            if keep > 0 {
-                continue;
-            }
-            let parent = n.parent;
-            self.lru.remove(LRU, leaf);
-            self.free_node(leaf);
-            let par = &mut self.nodes[parent as usize];
-            par.children.remove(&first);
-            if par.parent != NIL && par.children.is_empty() && par.lock == 0 {
-                self.link_by_time(parent);
-            }
+    /// The root of `namespace`, created if missing.
+    fn root(&mut self, namespace: &Namespace) -> NodeId {
+        if let Some(&r) = self.roots.get(namespace) {
+            return r;
         }
-        done
+        let r = self.alloc_node(Node {
+            alive: true,
+            ..Node::default()
+        });
+        self.roots.insert(namespace.clone(), r);
+        r
     }
 
-    /// Takes `count` free pages (evicting first if needed), appending them to `out`.
-    /// The caller has checked that `free + evictable >= count`.
-    fn allocate(&mut self, count: usize, out: &mut Vec<u32>) -> usize {
+    /// Nodes on the way from the namespace root (excluded) to `node`, top down.
+    fn path_to(&self, mut node: NodeId) -> Vec<NodeId> {
+        let mut path = Vec::new();
+        while self.node(node).parent != NIL {
+            path.push(node);
+            node = self.node(node).parent;
+        }
+        path.reverse();
+        path
+    }
+}
+
+impl Index for RadixIndex {
+    type Ext = RadixExt;
+    type At = Walk;
+
+    fn new(num_pages: usize, page_size: usize) -> Self {
+        RadixIndex {
+            page_size,
+            nodes: Vec::new(),
+            vacant: Vec::new(),
+            roots: HashMap::new(),
+            lru: Links::new(1, 0),
+            free: FreeSet::full(num_pages),
+            evictable: 0,
+            clock: 0,
+            hasher: RandomState::new(),
+        }
+    }
+
+    fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    fn evictable_pages(&self) -> usize {
+        self.evictable
+    }
+
+    fn lookup(&self, tokens: &[u32], namespace: &Namespace) -> Found<Walk> {
+        let Some(&root) = self.roots.get(namespace) else {
+            let at = Walk {
+                path: Vec::new(),
+                partial: None,
+            };
+            return Found {
+                matched: 0,
+                evictable: 0,
+                at,
+            };
+        };
+        let (walk, matched) = self.walk(root, tokens);
+        // Pinning the match takes its unpinned pages out of what eviction may reclaim.
+        let mut evictable: usize = walk
+            .path
+            .iter()
+            .map(|&id| self.node(id))
+            .filter(|n| n.lock == 0)
+            .map(|n| n.pages.len())
+            .sum();
+        if let Some((c, at)) = walk.partial {
+            if self.node(c).lock == 0 {
+                evictable += at / self.page_size;
+            }
+        }
+        Found {
+            matched,
+            evictable,
+            at: walk,
+        }
+    }
+
+    fn pin(
+        &mut self,
+        found: Found<Walk>,
+        namespace: &Namespace,
+        pages: &mut Vec<PageId>,
+    ) -> RadixExt {
+        let walk = found.at;
+        let root = self.root(namespace);
+        let mut last = walk.path.last().copied().unwrap_or(root);
+        if let Some((c, at)) = walk.partial {
+            last = self.split(c, at);
+        }
+        self.lock(last);
+        for &id in walk.path.iter().chain(walk.partial.map(|_| &last)) {
+            pages.extend_from_slice(&self.node(id).pages);
+        }
+        RadixExt {
+            last,
+            dups: Vec::new(),
+        }
+    }
+
+    fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize {
         let short = count.saturating_sub(self.free.len());
         let evicted = if short > 0 { self.evict(short) } else { 0 };
         out.extend((0..count).map(|_| self.free.pop().expect("capacity checked")));
@@ -330,7 +435,7 @@ impl Tree {
         while pos < upto {
             let page = &r.tokens[pos..pos + p];
             let k = self.page_key(page);
-            match self.nodes[node as usize].children.get(&k).copied() {
+            match self.node(node).children.get(&k).copied() {
                 None => {
                     let pages = r.pages[pos / p..upto / p].to_vec();
                     self.evictable += pages.len();
@@ -344,14 +449,14 @@ impl Tree {
                         time: now,
                         alive: true,
                     });
-                    self.nodes[node as usize].children.insert(k, leaf);
+                    self.node_mut(node).children.insert(k, leaf);
                     node = leaf;
                     pos = upto;
                 }
                 // A 64-bit child-key collision: the rest stays private to the request.
-                Some(c) if self.nodes[c as usize].key[..p] != *page => break,
+                Some(c) if self.node(c).key[..p] != *page => break,
                 Some(c) => {
-                    let key = &self.nodes[c as usize].key;
+                    let key = &self.node(c).key;
                     let common = common_prefix(key, &r.tokens[pos..upto]) / p * p;
                     let c = if common < key.len() {
                         self.split(c, common)
@@ -374,272 +479,123 @@ impl Tree {
         }
     }
 
-    /// The root of `namespace`, created if missing.
-    fn root(&mut self, namespace: &Namespace) -> u32 {
-        if let Some(&r) = self.roots.get(namespace) {
-            return r;
-        }
-        let r = self.alloc_node(Node {
-            parent: NIL,
-            alive: true,
-            ..Node::default()
-        });
-        self.roots.insert(namespace.clone(), r);
-        r
-    }
-}
-
-/// A prefix cache indexed by a compressed radix tree over token ids.
-#[derive(Debug)]
-pub struct RadixCache {
-    tree: Tree,
-    num_pages: usize,
-    requests: Requests<RadixExt>,
-    counters: Counters,
-}
-
-impl RadixCache {
-    /// A cache over `num_pages` pages of `page_size` tokens (1 for token-exact reuse).
-    pub fn new(num_pages: usize, page_size: usize) -> Result<Self> {
-        check_pool_args(num_pages, page_size)?;
-        Ok(RadixCache {
-            tree: Tree {
-                page_size,
-                nodes: Vec::new(),
-                vacant: Vec::new(),
-                roots: HashMap::new(),
-                lru: Links::new(1, 0),
-                free: FreeSet::full(num_pages),
-                evictable: 0,
-                clock: 0,
-                hasher: RandomState::new(),
-            },
-            num_pages,
-            requests: Requests::new(new_cache_id()),
-            counters: Counters::default(),
-        })
-    }
-
-    fn p(&self) -> usize {
-        self.tree.page_size
-    }
-
-    fn release(&mut self, id: RequestId, publish: bool) -> Result<()> {
-        let mut r = self.requests.remove(id)?;
-        if publish {
-            let upto = r.num_computed / self.p() * self.p();
-            self.tree.publish(&mut r, upto);
-        }
-        self.tree.unlock(r.ext.last);
+    fn release(&mut self, r: &Request<RadixExt>) {
+        self.unlock(r.ext.last);
         let private = r
             .ext
             .dups
             .iter()
-            .chain(&r.pages[r.published / self.tree.page_size..]);
+            .chain(&r.pages[r.published / self.page_size..]);
         for &page in private {
-            self.tree.free.insert(page);
+            self.free.insert(page);
         }
-        Ok(())
     }
 
-    /// Pages of each node on the way from the namespace root to `node`, top down.
-    fn path_to(&self, mut node: u32) -> Vec<u32> {
-        let mut path = Vec::new();
-        while self.tree.nodes[node as usize].parent != NIL {
-            path.push(node);
-            node = self.tree.nodes[node as usize].parent;
-        }
-        path.reverse();
-        path
-    }
-}
-
-impl PrefixCache for RadixCache {
-    fn admit(&mut self, tokens: &[u32], namespace: Namespace) -> Result<RequestId> {
-        check_prompt(tokens)?;
-        let (p, n) = (self.p(), tokens.len());
-        let limit = match_limit(n, p);
-        let t = &self.tree;
-        let walk = match t.roots.get(&namespace) {
-            Some(&root) => t.walk(root, &tokens[..limit]),
-            None => Walk {
-                path: Vec::new(),
-                partial: None,
-                matched: 0,
-            },
-        };
-        let needed = n.div_ceil(p) - walk.matched / p;
-        // Pinning the match takes its unpinned pages out of what eviction may reclaim.
-        let mut pinned: usize = walk
-            .path
-            .iter()
-            .map(|&id| &t.nodes[id as usize])
-            .filter(|n| n.lock == 0)
-            .map(|n| n.pages.len())
-            .sum();
-        if let Some((c, at)) = walk.partial {
-            if t.nodes[c as usize].lock == 0 {
-                pinned += at / p;
+    /// Frees up to `want` pages from the least recently used leaves; returns how many.
+    fn evict(&mut self, want: usize) -> usize {
+        let p = self.page_size;
+        let mut done = 0;
+        while done < want {
+            let Some(leaf) = self.lru.front(LRU) else {
+                break;
+            };
+            let first = self.page_key(&self.node(leaf).key[..p]);
+            let n = &mut self.nodes[leaf.index()];
+            let take = (want - done).min(n.pages.len());
+            let keep = n.pages.len() - take;
+            for &page in &n.pages[keep..] {
+                self.free.insert(page);
+            }
+            n.pages.truncate(keep);
+            n.key.truncate(keep * p);
+            self.evictable -= take;
+            done += take;
+            if keep > 0 {
+                continue;
+            }
+            let parent = n.parent;
+            self.lru.remove(LRU, leaf);
+            self.free_node(leaf);
+            let par = self.node_mut(parent);
+            par.children.remove(&first);
+            if par.parent != NIL && par.children.is_empty() && par.lock == 0 {
+                self.link_by_time(parent);
             }
         }
-        let available = t.free.len() + t.evictable - pinned;
-        if needed > available {
-            return Err(Error::OutOfPages { needed, available });
-        }
-        // Nothing below can fail.
-        let root = self.tree.root(&namespace);
-        let mut last = walk.path.last().copied().unwrap_or(root);
-        if let Some((c, at)) = walk.partial {
-            last = self.tree.split(c, at);
-        }
-        self.tree.lock(last);
-        let mut pages = Vec::with_capacity(n.div_ceil(p));
-        for &id in walk.path.iter().chain(walk.partial.map(|_| &last)) {
-            pages.extend_from_slice(&self.tree.nodes[id as usize].pages);
-        }
-        self.counters.evicted_pages += self.tree.allocate(needed, &mut pages) as u64;
-        self.counters.record_query(n, walk.matched);
-        Ok(self.requests.insert(Request {
-            tokens: tokens.to_vec(),
-            namespace,
-            pages,
-            num_cached: walk.matched,
-            num_computed: walk.matched,
-            published: walk.matched,
-            ext: RadixExt {
-                last,
-                dups: Vec::new(),
-            },
-        }))
-    }
-
-    fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<()> {
-        let p = self.p();
-        let r = self.requests.get(id)?;
-        let needed = (r.tokens.len() + tokens.len()).div_ceil(p) - r.pages.len();
-        let available = self.tree.free.len() + self.tree.evictable;
-        if needed > available {
-            return Err(Error::OutOfPages { needed, available });
-        }
-        let r = self.requests.get_mut(id)?;
-        self.counters.evicted_pages += self.tree.allocate(needed, &mut r.pages) as u64;
-        r.tokens.extend_from_slice(tokens);
-        Ok(())
-    }
-
-    fn commit(&mut self, id: RequestId, num_computed: usize) -> Result<()> {
-        let p = self.p();
-        let r = self.requests.get_mut(id)?;
-        check_commit(num_computed, r.num_computed, r.tokens.len())?;
-        r.num_computed = num_computed;
-        self.tree.publish(r, num_computed / p * p);
-        Ok(())
-    }
-
-    fn finish(&mut self, id: RequestId) -> Result<()> {
-        self.release(id, true)
-    }
-
-    fn abort(&mut self, id: RequestId) -> Result<()> {
-        self.release(id, false)
-    }
-
-    fn match_prefix(&self, tokens: &[u32], namespace: &Namespace) -> Result<usize> {
-        check_prompt(tokens)?;
-        let limit = match_limit(tokens.len(), self.p());
-        Ok(match self.tree.roots.get(namespace) {
-            Some(&root) => self.tree.walk(root, &tokens[..limit]).matched,
-            None => 0,
-        })
-    }
-
-    fn evict(&mut self, num_pages: usize) -> usize {
-        let done = self.tree.evict(num_pages);
-        self.counters.evicted_pages += done as u64;
         done
     }
 
+    /// Evicts everything evictable, then drops the namespace roots left empty.
     fn reset(&mut self) -> usize {
         let done = self.evict(usize::MAX);
-        let t = &mut self.tree;
-        let empty: Vec<u32> = t
+        let empty: Vec<NodeId> = self
             .roots
             .values()
             .copied()
-            .filter(|&r| t.nodes[r as usize].lock == 0 && t.nodes[r as usize].children.is_empty())
+            .filter(|&r| self.node(r).lock == 0 && self.node(r).children.is_empty())
             .collect();
-        t.roots.retain(|_, r| !empty.contains(r));
+        self.roots.retain(|_, r| !empty.contains(r));
         for r in empty {
-            t.free_node(r);
+            self.free_node(r);
         }
         done
     }
 
-    fn stats(&self) -> CacheStats {
-        let (free, evictable) = (self.tree.free.len(), self.tree.evictable);
-        self.counters
-            .snapshot(self.num_pages, self.p(), free, evictable)
-    }
-
-    fn check(&self) -> Result<()> {
-        check_tree(self)
-    }
-
-    fn request(&self, id: RequestId) -> Result<RequestView<'_>> {
-        Ok(self.requests.get(id)?.view(self.p()))
-    }
-
-    fn page_size(&self) -> usize {
-        self.p()
-    }
-
     fn cursor(&self, namespace: &Namespace) -> Cursor {
-        let node = self.tree.roots.get(namespace).copied().unwrap_or(NIL);
+        let node = self.roots.get(namespace).map(|r| r.0);
         Cursor {
             matched: 0,
-            node,
-            offset: 0,
-            hash: [0; 32],
+            at: CursorAt::Node { node, offset: 0 },
         }
     }
 
     fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
-        let (t, p) = (&self.tree, self.p());
+        let p = self.page_size;
+        let CursorAt::Node {
+            node: Some(mut node),
+            mut offset,
+        } = cursor.at
+        else {
+            return tokens.is_empty();
+        };
         let mut pos = 0;
+        let mut all = true;
         while pos < tokens.len() {
-            if cursor.node == NIL {
-                return false;
-            }
-            let node = &t.nodes[cursor.node as usize];
-            if cursor.offset == node.key.len() {
-                match t.child(cursor.node, &tokens[pos..pos + p]) {
-                    Some(c) => {
-                        *cursor = Cursor {
-                            node: c,
-                            offset: 0,
-                            ..*cursor
-                        }
+            let key = &self.nodes[node as usize].key;
+            if offset == key.len() {
+                match self.child(NodeId(node), &tokens[pos..pos + p]) {
+                    Some(c) => (node, offset) = (c.0, 0),
+                    None => {
+                        all = false;
+                        break;
                     }
-                    None => return false,
                 }
                 continue;
             }
-            let rest = &node.key[cursor.offset..];
+            let rest = &key[offset..];
             let common = common_prefix(rest, &tokens[pos..]) / p * p;
-            cursor.offset += common;
+            offset += common;
             cursor.matched += common;
             pos += common;
             if common < rest.len().min(tokens.len() - pos + common) {
-                return false;
+                all = false;
+                break;
             }
         }
-        true
+        cursor.at = CursorAt::Node {
+            node: Some(node),
+            offset,
+        };
+        all
+    }
+
+    fn check(&self, requests: &Requests<RadixExt>, num_pages: usize) -> Result<()> {
+        check_tree(self, requests, num_pages)
     }
 
     fn metadata_bytes(&self) -> usize {
-        let t = &self.tree;
-        let per_child = std::mem::size_of::<(u64, u32)>() + 1;
-        let nodes: usize = t
+        let per_child = std::mem::size_of::<(u64, NodeId)>() + 1;
+        let nodes: usize = self
             .nodes
             .iter()
             .map(|n| {
@@ -647,23 +603,22 @@ impl PrefixCache for RadixCache {
             })
             .sum();
         nodes
-            + t.nodes.capacity() * std::mem::size_of::<Node>()
-            + t.vacant.capacity() * 4
-            + t.lru.heap_bytes()
-            + t.free.heap_bytes()
+            + self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.vacant.capacity() * 4
+            + self.lru.heap_bytes()
+            + self.free.heap_bytes()
     }
 }
 
 /// Recomputes the tree's invariants from scratch (see `PrefixCache::check`).
-fn check_tree(c: &RadixCache) -> Result<()> {
-    let t = &c.tree;
+fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -> Result<()> {
     let p = t.page_size;
-    let mut owner = vec![0u8; c.num_pages];
-    let mut own = |page: u32, what: &str| -> Result<()> {
+    let mut owner = vec![0u8; num_pages];
+    let mut own = |page: PageId, what: &str| -> Result<()> {
         let slot = owner
-            .get_mut(page as usize)
+            .get_mut(page.index())
             .ok_or(())
-            .or_else(|_| corrupt(format!("{what} holds page {page}, outside the pool")))?;
+            .or_else(|_| corrupt(format!("{what} holds page {}, outside the pool", page.0)))?;
         *slot += 1;
         Ok(())
     };
@@ -671,9 +626,9 @@ fn check_tree(c: &RadixCache) -> Result<()> {
     let mut evictable = 0;
     let mut locks = vec![0u32; t.nodes.len()];
     for (ns, &root) in &t.roots {
-        let r = &t.nodes[root as usize];
+        let r = t.node(root);
         if !r.alive || r.parent != NIL || !r.key.is_empty() {
-            return corrupt(format!("root {root} of namespace {ns:?} is malformed"));
+            return corrupt(format!("root {} of namespace {ns:?} is malformed", root.0));
         }
     }
     let mut leaves = 0;
@@ -681,28 +636,35 @@ fn check_tree(c: &RadixCache) -> Result<()> {
         if !n.alive {
             continue;
         }
-        let id = id as u32;
+        let id = NodeId(id as u32);
         if n.parent == NIL {
             if !t.roots.values().any(|&r| r == id) {
-                return corrupt(format!("node {id} has no parent and is no namespace root"));
+                return corrupt(format!(
+                    "node {} has no parent and is no namespace root",
+                    id.0
+                ));
             }
         } else {
-            let par = &t.nodes[n.parent as usize];
+            let par = t.node(n.parent);
             if n.key.is_empty() || n.key.len() % p != 0 || n.pages.len() * p != n.key.len() {
                 return corrupt(format!(
-                    "node {id} has {} tokens and {} pages",
+                    "node {} has {} tokens and {} pages",
+                    id.0,
                     n.key.len(),
                     n.pages.len()
                 ));
             }
             if !par.alive || par.children.get(&t.page_key(&n.key[..p])) != Some(&id) {
-                return corrupt(format!("node {id} is not its parent's child"));
+                return corrupt(format!("node {} is not its parent's child", id.0));
             }
         }
         for (&k, &ch) in &n.children {
-            let child = &t.nodes[ch as usize];
+            let child = t.node(ch);
             if !child.alive || child.parent != id || t.page_key(&child.key[..p]) != k {
-                return corrupt(format!("child {ch} of node {id} has a wrong key or parent"));
+                return corrupt(format!(
+                    "child {} of node {} has a wrong key or parent",
+                    ch.0, id.0
+                ));
             }
         }
         for &page in &n.pages {
@@ -714,13 +676,13 @@ fn check_tree(c: &RadixCache) -> Result<()> {
         let is_leaf = n.parent != NIL && n.children.is_empty() && n.lock == 0;
         if is_leaf != t.lru.is_linked(id) {
             return corrupt(format!(
-                "node {id}: evictable leaf {is_leaf}, in the LRU list {}",
-                !is_leaf
+                "node {}: evictable leaf {is_leaf}, in the LRU list {}",
+                id.0, !is_leaf
             ));
         }
         leaves += is_leaf as usize;
-        if n.lock > 0 && n.parent != NIL && t.nodes[n.parent as usize].lock < n.lock {
-            return corrupt(format!("node {id} is pinned more than its parent"));
+        if n.lock > 0 && n.parent != NIL && t.node(n.parent).lock < n.lock {
+            return corrupt(format!("node {} is pinned more than its parent", id.0));
         }
     }
     if leaves != t.lru.len(LRU) {
@@ -731,9 +693,9 @@ fn check_tree(c: &RadixCache) -> Result<()> {
     }
     let mut prev_time = 0;
     for id in t.lru.iter(LRU) {
-        let time = t.nodes[id as usize].time;
+        let time = t.node(id).time;
         if time < prev_time {
-            return corrupt(format!("LRU list out of order at node {id}"));
+            return corrupt(format!("LRU list out of order at node {}", id.0));
         }
         prev_time = time;
     }
@@ -744,37 +706,32 @@ fn check_tree(c: &RadixCache) -> Result<()> {
         ));
     }
     // Requests: pins, private pages, and paths that spell their published tokens.
-    for r in c.requests.iter() {
+    for r in requests.iter() {
         let mut id = r.ext.last;
-        if !t.nodes[id as usize].alive {
-            return corrupt(format!("a request pins dead node {id}"));
+        if !t.node(id).alive {
+            return corrupt(format!("a request pins dead node {}", id.0));
         }
         while id != NIL {
-            locks[id as usize] += 1;
-            id = t.nodes[id as usize].parent;
+            locks[id.index()] += 1;
+            id = t.node(id).parent;
         }
-        let path = c.path_to(r.ext.last);
+        let path = t.path_to(r.ext.last);
         let spelled: Vec<u32> = path
             .iter()
-            .flat_map(|&n| t.nodes[n as usize].key.iter().copied())
+            .flat_map(|&n| t.node(n).key.iter().copied())
             .collect();
         if spelled[..] != r.tokens[..r.published] {
             return corrupt("a request's pinned path does not spell its published tokens");
         }
-        if r.pages.len() != r.tokens.len().div_ceil(p)
-            || r.published % p != 0
-            || r.published > r.num_computed
-        {
-            return corrupt("a request's page table or published count is malformed");
-        }
-        let tree_pages: Vec<u32> = path
+        let tree_pages: Vec<PageId> = path
             .iter()
-            .flat_map(|&n| t.nodes[n as usize].pages.iter().copied())
+            .flat_map(|&n| t.node(n).pages.iter().copied())
             .collect();
         for (i, (&mine, &tree)) in r.pages.iter().zip(&tree_pages).enumerate() {
             if mine != tree && !r.ext.dups.contains(&mine) {
                 return corrupt(format!(
-                    "request page {i} is {mine}, the tree holds {tree} there"
+                    "request page {i} is {}, the tree holds {} there",
+                    mine.0, tree.0
                 ));
             }
         }
@@ -790,17 +747,14 @@ fn check_tree(c: &RadixCache) -> Result<()> {
             ));
         }
     }
-    for page in 0..c.num_pages as u32 {
-        let held = owner[page as usize] + t.free.contains(page) as u8;
+    for page in (0..num_pages as u32).map(PageId) {
+        let held = owner[page.index()] + t.free.contains(page) as u8;
         if held != 1 {
             return corrupt(format!(
-                "page {page} is held {held} times (free, tree, requests)"
+                "page {} is held {held} times (free, tree, requests)",
+                page.0
             ));
         }
-    }
-    let s = c.counters;
-    if s.hit_tokens > s.query_tokens {
-        return corrupt("more hit tokens than query tokens");
     }
     Ok(())
 }

@@ -1,11 +1,55 @@
-//! Live requests: a slab of records addressed by generation-checked ids.
+//! Live requests: a slab of records addressed by generation-checked ids, and the read-only view
+//! callers get of one.
 //!
 //! A [`RequestId`] names its cache and a slot's generation, so a closed request or a request of
 //! another cache is detected and refused, never silently aliased to whatever reuses the slot.
 
-use crate::cache::{Namespace, RequestView};
 use crate::error::{Error, Result};
+pub use crate::ids::PageId;
 use std::sync::atomic::{AtomicU32, Ordering};
+
+/// A namespace: `None`, or the bytes of a str (utf-8) or bytes value. Requests in different
+/// namespaces never share pages.
+pub type Namespace = Option<Box<[u8]>>;
+
+/// A read-only view of one live request.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a> {
+    /// Token ids so far.
+    pub tokens: &'a [u32],
+    /// Namespace the request was admitted in.
+    pub namespace: &'a Namespace,
+    /// Page table, `ceil(num_tokens / page_size)` entries.
+    pub pages: &'a [PageId],
+    /// Tokens served from the cache at admission.
+    pub num_cached: usize,
+    /// Tokens whose KV has been written.
+    pub num_computed: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+}
+
+impl RequestView<'_> {
+    /// Tokens in the request so far.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Slot of token `i`: `pages[i / P] * P + i % P`.
+    pub fn slot(&self, i: usize) -> i64 {
+        let p = self.page_size;
+        self.pages[i / p].0 as i64 * p as i64 + (i % p) as i64
+    }
+
+    /// Slots of tokens `start..end`, appended to `out`.
+    pub fn extend_slots(&self, start: usize, end: usize, out: &mut Vec<i64>) {
+        if self.page_size == 1 {
+            out.extend(self.pages[start..end].iter().map(|x| x.0 as i64));
+        } else {
+            out.extend((start..end).map(|i| self.slot(i)));
+        }
+    }
+}
 
 static NEXT_CACHE_ID: AtomicU32 = AtomicU32::new(1);
 
@@ -30,7 +74,7 @@ pub struct Request<X> {
     /// Namespace the request was admitted in.
     pub namespace: Namespace,
     /// Page table: `ceil(tokens / page_size)` page ids. Entries never change once set.
-    pub pages: Vec<u32>,
+    pub pages: Vec<PageId>,
     /// Tokens served from the cache at admission.
     pub num_cached: usize,
     /// Tokens whose KV has been written.
@@ -155,7 +199,7 @@ mod tests {
         Request {
             tokens: vec![1],
             namespace: None,
-            pages: vec![0],
+            pages: vec![PageId(0)],
             num_cached: 0,
             num_computed: 0,
             published: 0,

@@ -25,8 +25,9 @@
 //! request stops the call (nothing behind it takes its pages), which bounds its wait. `add`
 //! refuses a request that could never fit the pool.
 
-use crate::cache::{match_limit, Namespace, PrefixCache};
+use crate::cache::{match_limit, PrefixCache};
 use crate::error::{invalid, Error, Result};
+use crate::request::Namespace;
 use crate::request::RequestId;
 use crate::waiting::WaitingTrie;
 use std::cmp::Reverse;

@@ -2,10 +2,11 @@
 
 use super::convert;
 use super::CorruptionError;
-use crate::cache::{PrefixCache, RequestView};
+use crate::cache::PrefixCache;
 use crate::error::Result as CoreResult;
 use crate::hash;
 use crate::request::RequestId;
+use crate::request::RequestView;
 use crate::stats::CacheStats;
 use crate::{BlockCache, RadixCache};
 use numpy::PyArray1;
@@ -260,16 +261,14 @@ fn request_ids(requests: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
         .enumerate()
         .map(|(i, r)| {
             let r = r?;
-            r.downcast::<PyRequest>()
-                .map(|r| r.get().id)
-                .map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "requests[{i}] must be a Request, got {}",
-                        r.get_type()
-                            .name()
-                            .map_or_else(|_| "?".to_string(), |n| n.to_string())
-                    ))
-                })
+            r.downcast::<PyRequest>().map(|r| r.get().id).map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "requests[{i}] must be a Request, got {}",
+                    r.get_type()
+                        .name()
+                        .map_or_else(|_| "?".to_string(), |n| n.to_string())
+                ))
+            })
         })
         .collect()
 }
@@ -390,7 +389,7 @@ impl PyRequest {
     /// Page table: numpy int32, ``ceil(num_tokens / page_size)`` entries.
     #[getter]
     fn pages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let v = self.view(|r| r.pages.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
+        let v = self.view(|r| r.pages.iter().map(|p| p.0 as i32).collect::<Vec<_>>())?;
         Ok(PyArray1::from_vec(py, v))
     }
 

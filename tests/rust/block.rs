@@ -447,7 +447,7 @@ fn out_of_pages(p: usize) {
     assert_eq!(c.stats(), s1);
     let v = c.c.request(r).unwrap();
     assert_eq!(v.num_tokens(), 5 * p);
-    assert_eq!(v.pages, &[0, 1, 4, 5, 3]);
+    assert_eq!(c.pages(r), vec![0, 1, 4, 5, 3]);
     assert_eq!(c.matched(&a9), 3 * p);
     // One token more needs a sixth page: the last evictable one. Filling that page up needs
     // nothing more, although nothing is left.

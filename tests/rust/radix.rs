@@ -646,7 +646,7 @@ fn out_of_pages(p: usize) {
     assert_eq!(c.stats(), s1);
     let v = c.c.request(rb).unwrap();
     assert_eq!(v.num_tokens(), 7 * p);
-    assert_eq!(v.pages, &[0, 1, 2, 4, 5, 6, 7]);
+    assert_eq!(c.pages(rb), vec![0, 1, 2, 4, 5, 6, 7]);
     assert_eq!(c.matched(&a99), 4 * p);
     c.extend(rb, &u(p, &[11]));
     assert_eq!(c.pages(rb), vec![0, 1, 2, 4, 5, 6, 7, 3]);

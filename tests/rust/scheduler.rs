@@ -189,7 +189,10 @@ fn add_refuses_what_could_never_fit_the_pool() {
         let err = s.add(&seq(0, capacity as u32), None, 0, 2).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains(&format!("{capacity} tokens")), "{msg}");
-        assert!(msg.contains(&format!("only {} pages", st.num_pages)), "{msg}");
+        assert!(
+            msg.contains(&format!("only {} pages", st.num_pages)),
+            "{msg}"
+        );
         assert!(s.add(&seq(0, capacity as u32 + 1), None, 0, 0).is_err());
         assert_eq!(s.len(), 1);
     }

@@ -82,7 +82,13 @@ impl<C: PrefixCache> Ck<C> {
         n
     }
     pub fn pages(&self, id: RequestId) -> Vec<u32> {
-        self.c.request(id).unwrap().pages.to_vec()
+        self.c
+            .request(id)
+            .unwrap()
+            .pages
+            .iter()
+            .map(|p| p.0)
+            .collect()
     }
     pub fn cached(&self, id: RequestId) -> usize {
         self.c.request(id).unwrap().num_cached

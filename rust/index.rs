@@ -1,0 +1,96 @@
+//! What the two indexes really differ in: one short trait, [`Index`].
+//!
+//! The request life cycle (admit, extend, commit, finish, abort, stats, the argument checks) is
+//! written once in [`crate::cache::Cache`], generic over an `Index`. An index only answers how a
+//! prefix is found, pinned, published, released and evicted:
+//!
+//! | operation  | `RadixIndex` (radix tree)                  | `BlockIndex` (chained block hashes)     |
+//! |------------|--------------------------------------------|-----------------------------------------|
+//! | `lookup`   | walk the tree, one child probe per edge    | hash page by page until the first miss  |
+//! | `pin`      | split a partly matched edge, lock the path | refcount each hit page                  |
+//! | `publish`  | insert the request's pages below its node  | enter each page under its block hash    |
+//! | `release`  | unlock the path, free private pages        | unpin the chain tail first              |
+//! | `evict`    | least recently used leaf, page by page     | least recently released page            |
+
+use crate::error::Result;
+use crate::hash::BlockHash;
+use crate::request::{Namespace, PageId, Request, Requests};
+
+/// The longest cached prefix a lookup found, before anything is pinned.
+#[derive(Debug)]
+pub struct Found<F> {
+    /// Tokens matched (whole pages).
+    pub matched: usize,
+    /// Of the matched pages, how many are evictable now (pinning them makes them unavailable).
+    pub evictable: usize,
+    /// The index's own record of where the match ended.
+    pub at: F,
+}
+
+/// Where a step-by-step match stands: how many tokens matched so far, and the index position to
+/// continue from. Valid only while the cache is unchanged (the scheduler holds the cache's lock
+/// for a whole ranking pass).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    /// Tokens matched so far.
+    pub matched: usize,
+    pub(crate) at: CursorAt,
+}
+
+/// An index's position inside a match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CursorAt {
+    /// Radix: `offset` tokens into the edge of `node` (`None`: the namespace has no root).
+    Node { node: Option<u32>, offset: usize },
+    /// Block: the hash of the prefix matched so far.
+    Hash(BlockHash),
+}
+
+/// The part of a prefix cache that differs between a radix tree and a block-hash map. Every
+/// method is called with arguments the life cycle has checked already, and none can fail.
+pub trait Index: Send + std::fmt::Debug {
+    /// The index's own state of a live request.
+    type Ext: std::fmt::Debug + Send;
+    /// Where a lookup ended, handed back to [`Index::pin`].
+    type At;
+
+    /// An empty index over `num_pages` pages of `page_size` tokens (arguments checked).
+    fn new(num_pages: usize, page_size: usize) -> Self;
+    /// Tokens per page.
+    fn page_size(&self) -> usize;
+    /// Pages holding nothing.
+    fn free_pages(&self) -> usize;
+    /// Pages holding published KV that no live request pins.
+    fn evictable_pages(&self) -> usize;
+    /// The longest cached prefix of `tokens` (a whole number of pages) in `namespace`.
+    fn lookup(&self, tokens: &[u32], namespace: &Namespace) -> Found<Self::At>;
+    /// Pins what `lookup` found, appends its pages to `pages`, and returns the request's state.
+    fn pin(
+        &mut self,
+        found: Found<Self::At>,
+        namespace: &Namespace,
+        pages: &mut Vec<PageId>,
+    ) -> Self::Ext;
+    /// Takes `count` pages (the caller checked they are free or evictable), evicting as needed;
+    /// appends them to `out` and returns how many cached pages were evicted.
+    fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize;
+    /// Publishes the full pages of `r` from `r.published` up to `upto` tokens, then sets
+    /// `r.published = upto`.
+    fn publish(&mut self, r: &mut Request<Self::Ext>, upto: usize);
+    /// Drops a closed request's pins and frees its pages that the index does not hold.
+    fn release(&mut self, r: &Request<Self::Ext>);
+    /// Evicts up to `num_pages` evictable pages in eviction order; returns how many.
+    fn evict(&mut self, num_pages: usize) -> usize;
+    /// Drops every evictable page; returns how many.
+    fn reset(&mut self) -> usize {
+        self.evict(usize::MAX)
+    }
+    /// A cursor at the start of `namespace`.
+    fn cursor(&self, namespace: &Namespace) -> Cursor;
+    /// Continues a match over `tokens` (whole pages); see [`crate::PrefixCache::advance`].
+    fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool;
+    /// Recomputes the index's own invariants, and its view of the live requests, from scratch.
+    fn check(&self, requests: &Requests<Self::Ext>, num_pages: usize) -> Result<()>;
+    /// Heap bytes of the index and its pool bookkeeping.
+    fn metadata_bytes(&self) -> usize;
+}
