@@ -22,29 +22,15 @@ use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
 use crate::request::{Namespace, Request, Requests};
+use crate::table_hash::PrefixHasher;
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 
 /// A prefix cache indexed by chained block hashes.
 pub type BlockCache = Cache<BlockIndex>;
-use std::hash::{BuildHasherDefault, Hasher};
 
 const FREE: ListId = ListId(0);
 const EVICTABLE: ListId = ListId(1);
-
-/// Block hashes are uniformly random already: their first eight bytes are the table hash.
-#[derive(Default)]
-struct PrefixHasher(u64);
-
-impl Hasher for PrefixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        if bytes.len() >= 8 {
-            self.0 = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-        }
-    }
-}
 
 type HashMapToPage = HashMap<BlockHash, PageId, BuildHasherDefault<PrefixHasher>>;
 

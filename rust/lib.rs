@@ -37,6 +37,7 @@ mod radix;
 mod request;
 mod scheduler;
 mod stats;
+mod table_hash;
 mod waiting;
 
 #[cfg(feature = "python")]

@@ -23,6 +23,7 @@ use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
 use crate::request::{Namespace, Request, Requests};
+use crate::table_hash::MixHasher;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
@@ -50,26 +51,6 @@ impl ArenaId for NodeId {
 
 const NIL: NodeId = NodeId::NIL;
 const LRU: ListId = ListId(0);
-
-/// Hashes the `u64` child keys: one multiply, enough to spread them over a hashbrown table.
-#[derive(Default)]
-struct MixHasher(u64);
-
-impl Hasher for MixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(b as u64);
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0 ^ x)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .rotate_left(29);
-    }
-}
 
 type ChildMap = HashMap<u64, NodeId, BuildHasherDefault<MixHasher>>;
 

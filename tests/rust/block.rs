@@ -8,6 +8,7 @@
 
 use radixkv::{BlockCache, Error, PrefixCache};
 
+#[macro_use]
 mod common;
 use common::*;
 
@@ -29,45 +30,6 @@ fn cache_prompt(c: &mut Ck<BlockCache>, t: &[u32]) -> Vec<u32> {
 }
 
 // ------------------------------------------------------------------------------------------------
-
-fn fresh_admit(p: usize) {
-    let mut c = block(8, p);
-    let a = u(p, &[1, 2, 3]);
-    let r = c.admit(&a);
-    assert_eq!(c.pages(r), vec![0, 1, 2]);
-    let v = c.c.request(r).unwrap();
-    assert_eq!(
-        (v.num_cached, v.num_computed, v.num_tokens()),
-        (0, 0, 3 * p)
-    );
-    assert_eq!(v.page_size, p);
-    assert_eq!(v.slot(p + 1), p as i64 + 1);
-    assert_eq!(c.counts(), (5, 0, 3));
-    let s = c.stats();
-    assert_eq!((s.num_pages, s.page_size), (8, p));
-    assert_eq!(
-        (s.queries, s.query_tokens, s.hit_tokens, s.evicted_pages),
-        (1, 3 * p as u64, 0, 0)
-    );
-    assert_eq!(c.matched(&cat(&a, &u(p, &[9]))), 0);
-    let rb = c.admit(&u(p, &[4, 5]));
-    assert_eq!(c.pages(rb), vec![3, 4]);
-    // A partial last page takes a whole page.
-    let ro = c.admit(&range(5000, 5000 + p as u32 + 1));
-    assert_eq!(c.pages(ro), vec![5, 6]);
-    assert_eq!(c.c.request(ro).unwrap().slot(p), 6 * p as i64);
-    assert_eq!(c.counts(), (1, 0, 7));
-}
-
-#[test]
-fn fresh_admit_takes_free_pages_in_order_p4() {
-    fresh_admit(4);
-}
-
-#[test]
-fn fresh_admit_takes_free_pages_in_order_p16() {
-    fresh_admit(16);
-}
 
 fn commit_and_readmit(p: usize) {
     let mut c = block(8, p);
@@ -101,15 +63,11 @@ fn commit_and_readmit(p: usize) {
     assert_eq!(c.pages(rx), vec![4]);
 }
 
-#[test]
-fn commit_publishes_and_readmit_hits_p4() {
-    commit_and_readmit(4);
-}
-
-#[test]
-fn commit_publishes_and_readmit_hits_p16() {
-    commit_and_readmit(16);
-}
+at_page_sizes!(
+    commit_publishes_and_readmit_hits,
+    commit_and_readmit,
+    [4, 16]
+);
 
 fn free_list_order(p: usize) {
     let mut c = block(8, p);
@@ -129,15 +87,7 @@ fn free_list_order(p: usize) {
     assert_eq!(c.counts(), (3, 0, 5));
 }
 
-#[test]
-fn free_list_order_p4() {
-    free_list_order(4);
-}
-
-#[test]
-fn free_list_order_p16() {
-    free_list_order(16);
-}
+at_page_sizes!(free_list_order, free_list_order, [4, 16]);
 
 fn lazy_tail_first(p: usize) {
     let mut c = block(6, p);
@@ -166,15 +116,11 @@ fn lazy_tail_first(p: usize) {
     assert_eq!(c.stats().evicted_pages, 2);
 }
 
-#[test]
-fn never_hashed_pages_first_then_chain_tail_before_head_p4() {
-    lazy_tail_first(4);
-}
-
-#[test]
-fn never_hashed_pages_first_then_chain_tail_before_head_p16() {
-    lazy_tail_first(16);
-}
+at_page_sizes!(
+    never_hashed_pages_first_then_chain_tail_before_head,
+    lazy_tail_first,
+    [4, 16]
+);
 
 fn lru_across_requests(p: usize) {
     let mut c = block(8, p);
@@ -211,15 +157,11 @@ fn lru_across_requests(p: usize) {
     assert_eq!(c.stats().evicted_pages, 3);
 }
 
-#[test]
-fn lru_order_across_requests_and_hits_leave_the_evictable_list_p4() {
-    lru_across_requests(4);
-}
-
-#[test]
-fn lru_order_across_requests_and_hits_leave_the_evictable_list_p16() {
-    lru_across_requests(16);
-}
+at_page_sizes!(
+    lru_order_across_requests_and_hits_leave_the_evictable_list,
+    lru_across_requests,
+    [4, 16]
+);
 
 fn pinned_never_evicted(p: usize) {
     let mut c = block(8, p);
@@ -251,15 +193,11 @@ fn pinned_never_evicted(p: usize) {
     assert_eq!(c.matched(&u(p, &[1, 2, 7, 9])), 2 * p);
 }
 
-#[test]
-fn pinned_pages_are_never_evicted_p4() {
-    pinned_never_evicted(4);
-}
-
-#[test]
-fn pinned_pages_are_never_evicted_p16() {
-    pinned_never_evicted(16);
-}
+at_page_sizes!(
+    pinned_pages_are_never_evicted,
+    pinned_never_evicted,
+    [4, 16]
+);
 
 fn computed_twice(p: usize) {
     let mut c = block(8, p);
@@ -306,57 +244,11 @@ fn computed_twice(p: usize) {
     assert_eq!(c.pages(rx), vec![5, 0, 1]);
 }
 
-#[test]
-fn a_page_computed_twice_is_stored_once_p4() {
-    computed_twice(4);
-}
-
-#[test]
-fn a_page_computed_twice_is_stored_once_p16() {
-    computed_twice(16);
-}
-
-fn namespaces(p: usize) {
-    let mut c = block(32, p);
-    let a = u(p, &[1, 2, 3, 4]);
-    let a9 = cat(&a, &u(p, &[9]));
-    let a98 = cat(&a9, &u(p, &[8]));
-    cache_prompt(&mut c, &a);
-    assert_eq!(c.matched_in(&a9, &None), 4 * p);
-    assert_eq!(c.matched_in(&a9, &ns("a")), 0);
-    assert_eq!(c.matched_in(&a9, &ns("")), 0);
-    let r2 = c.admit_in(&a9, &ns("a"));
-    assert_eq!(c.cached(r2), 0);
-    assert_eq!(c.pages(r2), vec![4, 5, 6, 7, 8]);
-    c.commit(r2, 5 * p);
-    c.finish(r2);
-    assert_eq!(c.counts(), (23, 9, 0));
-    assert_eq!(c.matched_in(&a98, &ns("a")), 5 * p);
-    assert_eq!(c.matched_in(&a98, &None), 4 * p);
-    assert_eq!(c.matched_in(&a98, &ns("b")), 0);
-    let r3 = c.admit_in(&a9, &ns("b"));
-    let r4 = c.admit_in(&a9, &ns(""));
-    assert_eq!(c.pages(r3), vec![9, 10, 11, 12, 13]);
-    assert_eq!(c.pages(r4), vec![14, 15, 16, 17, 18]);
-    c.commit(r3, 5 * p);
-    c.commit(r4, 5 * p);
-    c.finish(r3);
-    c.finish(r4);
-    assert_eq!(c.matched_in(&a98, &ns("b")), 5 * p);
-    assert_eq!(c.matched_in(&a98, &ns("")), 5 * p);
-    assert_eq!(c.matched_in(&a98, &None), 4 * p);
-    assert_eq!(c.counts(), (13, 19, 0));
-}
-
-#[test]
-fn namespaces_never_share_p4() {
-    namespaces(4);
-}
-
-#[test]
-fn namespaces_never_share_p16() {
-    namespaces(16);
-}
+at_page_sizes!(
+    a_page_computed_twice_is_stored_once,
+    computed_twice,
+    [4, 16]
+);
 
 fn fork(p: usize) {
     let mut c = block(16, p);
@@ -395,15 +287,7 @@ fn fork(p: usize) {
     assert_eq!(c.counts(), (8, 8, 0));
 }
 
-#[test]
-fn fork_shares_pages_p4() {
-    fork(4);
-}
-
-#[test]
-fn fork_shares_pages_p16() {
-    fork(16);
-}
+at_page_sizes!(fork_shares_pages, fork, [4, 16]);
 
 fn out_of_pages(p: usize) {
     let mut c = block(6, p);
@@ -436,18 +320,7 @@ fn out_of_pages(p: usize) {
     assert_eq!(c.stats().evicted_pages, 1);
     assert_eq!(c.matched(&a9), 3 * p);
     assert_eq!(c.counts(), (0, 1, 5));
-    let s1 = c.stats();
-    assert_eq!(
-        c.try_extend(r, &u(p, &[11, 12])),
-        Err(Error::OutOfPages {
-            needed: 2,
-            available: 1
-        })
-    );
-    assert_eq!(c.stats(), s1);
-    let v = c.c.request(r).unwrap();
-    assert_eq!(v.num_tokens(), 5 * p);
-    assert_eq!(c.pages(r), vec![0, 1, 4, 5, 3]);
+    c.extend_short(r, &u(p, &[11, 12]), 2, 1);
     assert_eq!(c.matched(&a9), 3 * p);
     // One token more needs a sixth page: the last evictable one. Filling that page up needs
     // nothing more, although nothing is left.
@@ -476,15 +349,7 @@ fn out_of_pages(p: usize) {
     assert_eq!(c.counts(), (4, 2, 0));
 }
 
-#[test]
-fn out_of_pages_changes_nothing_p4() {
-    out_of_pages(4);
-}
-
-#[test]
-fn out_of_pages_changes_nothing_p16() {
-    out_of_pages(16);
-}
+at_page_sizes!(out_of_pages_changes_nothing, out_of_pages, [4, 16]);
 
 fn evict_and_reset_counts(p: usize) {
     let mut c = block(16, p);
@@ -509,63 +374,7 @@ fn evict_and_reset_counts(p: usize) {
     assert_eq!(c.pages(r), vec![5, 6, 7, 0, 1, 2, 3, 4, 8]);
 }
 
-#[test]
-fn evict_and_reset_counts_p4() {
-    evict_and_reset_counts(4);
-}
-
-#[test]
-fn evict_and_reset_counts_p16() {
-    evict_and_reset_counts(16);
-}
-
-#[test]
-fn errors_change_nothing() {
-    assert!(matches!(
-        BlockCache::new(0, 16),
-        Err(Error::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        BlockCache::new(4, 0),
-        Err(Error::InvalidArgument(_))
-    ));
-    let mut c = block(8, 2);
-    assert!(matches!(c.try_admit(&[]), Err(Error::InvalidArgument(_))));
-    assert!(matches!(
-        c.c.match_prefix(&[], &None),
-        Err(Error::InvalidArgument(_))
-    ));
-    let r = c.admit(&[1, 2, 3]);
-    c.commit(r, 2);
-    let s = c.stats();
-    assert!(matches!(c.try_commit(r, 4), Err(Error::InvalidArgument(_))));
-    assert!(matches!(c.try_commit(r, 1), Err(Error::InvalidArgument(_))));
-    assert_eq!(c.stats(), s);
-    assert_eq!(c.c.request(r).unwrap().num_computed, 2);
-    c.finish(r);
-    let s = c.stats();
-    assert_eq!(c.try_commit(r, 3), Err(Error::ClosedRequest));
-    assert_eq!(c.try_extend(r, &[4]), Err(Error::ClosedRequest));
-    assert_eq!(c.try_fork(r), Err(Error::ClosedRequest));
-    assert_eq!(c.c.finish(r), Err(Error::ClosedRequest));
-    assert_eq!(c.c.abort(r), Err(Error::ClosedRequest));
-    c.check();
-    assert_eq!(c.stats(), s);
-    let r2 = c.admit(&[1, 2, 5]);
-    assert_eq!(c.cached(r2), 2);
-    assert_eq!(c.c.abort(r), Err(Error::ClosedRequest));
-    let mut other = block(8, 2);
-    let o = other.admit(&[1, 2, 3]);
-    let s = c.stats();
-    assert_eq!(c.try_commit(o, 1), Err(Error::ForeignRequest));
-    assert_eq!(c.try_extend(o, &[1]), Err(Error::ForeignRequest));
-    assert_eq!(c.try_fork(o), Err(Error::ForeignRequest));
-    assert_eq!(c.c.finish(o), Err(Error::ForeignRequest));
-    assert!(matches!(c.c.request(o), Err(Error::ForeignRequest)));
-    c.check();
-    assert_eq!(c.stats(), s);
-    other.finish(o);
-}
+at_page_sizes!(evict_and_reset_counts, evict_and_reset_counts, [4, 16]);
 
 /// The agent loop: a 128-token system prompt, a 144-token first turn (272 tokens, whole pages at
 /// both sizes), a 32-token tool result (304), a 25-token decoded tail (329), two forked
@@ -635,15 +444,7 @@ fn agent_scenario(p: usize) {
     );
 }
 
-#[test]
-fn agent_scenario_p4() {
-    agent_scenario(4);
-}
-
-#[test]
-fn agent_scenario_p16() {
-    agent_scenario(16);
-}
+at_page_sizes!(agent_scenario, agent_scenario, [4, 16]);
 
 /// Sub-agents in a pool that holds the shared context and three 16-token branches. Every
 /// sub-agent re-pins and re-releases the trunk, so the oldest branch is always at EVICTABLE's
@@ -681,15 +482,11 @@ fn agent_small_pool(p: usize) {
     assert_eq!(c.counts(), (0, tp + 3 * bp, 0));
 }
 
-#[test]
-fn agent_small_pool_evicts_branches_not_the_trunk_p4() {
-    agent_small_pool(4);
-}
-
-#[test]
-fn agent_small_pool_evicts_branches_not_the_trunk_p16() {
-    agent_small_pool(16);
-}
+at_page_sizes!(
+    agent_small_pool_evicts_branches_not_the_trunk,
+    agent_small_pool,
+    [4, 16]
+);
 
 /// DESIGN.md: `fork(req)` shares every full page of `req`'s computed prefix; SEMANTICS.md: "the
 /// fork finds at least every full page of req's computed prefix". Here `r` computed three full
@@ -714,12 +511,8 @@ fn fork_after_duplicates(p: usize) {
     );
 }
 
-#[test]
-fn fork_shares_every_computed_page_even_after_duplicates_p4() {
-    fork_after_duplicates(4);
-}
-
-#[test]
-fn fork_shares_every_computed_page_even_after_duplicates_p16() {
-    fork_after_duplicates(16);
-}
+at_page_sizes!(
+    fork_shares_every_computed_page_even_after_duplicates,
+    fork_after_duplicates,
+    [4, 16]
+);

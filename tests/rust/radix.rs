@@ -6,6 +6,7 @@
 
 use radixkv::{Error, PrefixCache, RadixCache};
 
+#[macro_use]
 mod common;
 use common::*;
 
@@ -19,64 +20,20 @@ fn radix(num_pages: usize, p: usize) -> Ck<RadixCache> {
 
 // ------------------------------------------------------------------------------------------------
 
-fn fresh_admit(p: usize) {
-    let mut c = radix(16, p);
-    let a = u(p, &[1, 2, 3, 4, 5]);
-    let r = c.admit(&a);
-    assert_eq!(c.pages(r), vec![0, 1, 2, 3, 4]);
-    let v = c.c.request(r).unwrap();
-    assert_eq!(
-        (v.num_cached, v.num_computed, v.num_tokens()),
-        (0, 0, 5 * p)
-    );
-    assert_eq!(v.tokens, &a[..]);
-    assert_eq!(v.namespace, &None);
-    assert_eq!(v.page_size, p);
-    // Slot of token i: pages[i / P] * P + i % P; pages are 0..5 here, so slot i == i.
-    for i in 0..5 * p {
-        assert_eq!(v.slot(i), i as i64);
+/// Freed pages go back to the set and the smallest free ids are handed out first again.
+#[test]
+fn smallest_free_ids_come_first_again() {
+    for p in [1, 4] {
+        let mut c = radix(16, p);
+        let ids: Vec<_> = [u(p, &[1, 2, 3]), u(p, &[4, 5]), u(p, &[6])]
+            .iter()
+            .map(|t| c.admit(t))
+            .collect();
+        c.abort(ids[0]);
+        c.abort(ids[2]);
+        let r = c.admit(&u(p, &[7, 8, 9, 10]));
+        assert_eq!(c.pages(r), vec![0, 1, 2, 5]);
     }
-    assert_eq!(c.counts(), (11, 0, 5));
-    let s = c.stats();
-    assert_eq!((s.num_pages, s.page_size), (16, p));
-    assert_eq!(
-        (s.queries, s.query_tokens, s.hit_tokens, s.evicted_pages),
-        (1, 5 * p as u64, 0, 0)
-    );
-    assert_eq!(s.hit_rate(), 0.0);
-    // Nothing is published before a commit.
-    assert_eq!(c.matched(&cat(&a, &u(p, &[9]))), 0);
-
-    let b = u(p, &[6, 7, 8]);
-    let rb = c.admit(&b);
-    assert_eq!(c.pages(rb), vec![5, 6, 7]);
-    // A prompt that does not fill its last page still takes a whole page for it.
-    let odd = range(5000, 5000 + 2 * p as u32 + 1);
-    let ro = c.admit(&odd);
-    assert_eq!(c.pages(ro), vec![8, 9, 10]);
-    let v = c.c.request(ro).unwrap();
-    assert_eq!(v.slot(2 * p), 10 * p as i64);
-    assert_eq!(v.slot(p), 9 * p as i64);
-    assert_eq!(c.counts(), (5, 0, 11));
-    // Aborting publishes nothing: everything goes back to the free pool.
-    c.abort(r);
-    c.abort(rb);
-    c.abort(ro);
-    assert_eq!(c.counts(), (16, 0, 0));
-    assert_eq!(c.matched(&cat(&a, &u(p, &[9]))), 0);
-    // The smallest free ids come first again.
-    let r = c.admit(&u(p, &[3, 3]));
-    assert_eq!(c.pages(r), vec![0, 1]);
-}
-
-#[test]
-fn fresh_admit_takes_pages_in_order_p1() {
-    fresh_admit(1);
-}
-
-#[test]
-fn fresh_admit_takes_pages_in_order_p4() {
-    fresh_admit(4);
 }
 
 fn commit_and_readmit(p: usize) {
@@ -117,15 +74,11 @@ fn commit_and_readmit(p: usize) {
     assert_eq!(c.counts(), (10, 0, 6));
 }
 
-#[test]
-fn commit_publishes_and_readmit_hits_p1() {
-    commit_and_readmit(1);
-}
-
-#[test]
-fn commit_publishes_and_readmit_hits_p4() {
-    commit_and_readmit(4);
-}
+at_page_sizes!(
+    commit_publishes_and_readmit_hits,
+    commit_and_readmit,
+    [1, 4]
+);
 
 #[test]
 fn partial_pages_are_never_published_p4() {
@@ -214,15 +167,7 @@ fn split(p: usize) {
     assert_eq!(c.matched(&cat(&b, &u(p, &[9]))), 5 * p);
 }
 
-#[test]
-fn split_on_divergence_keeps_both_branches_p1() {
-    split(1);
-}
-
-#[test]
-fn split_on_divergence_keeps_both_branches_p4() {
-    split(4);
-}
+at_page_sizes!(split_on_divergence_keeps_both_branches, split, [1, 4]);
 
 #[test]
 fn split_inside_a_page_branches_at_the_page_start_p4() {
@@ -305,15 +250,7 @@ fn lru_order(p: usize) {
     assert_eq!(c.pages(r), vec![3, 4]);
 }
 
-#[test]
-fn lru_leaf_eviction_order_p1() {
-    lru_order(1);
-}
-
-#[test]
-fn lru_leaf_eviction_order_p4() {
-    lru_order(4);
-}
+at_page_sizes!(lru_leaf_eviction_order, lru_order, [1, 4]);
 
 fn trunk_outlives_branches(p: usize) {
     let mut c = radix(16, p);
@@ -346,15 +283,11 @@ fn trunk_outlives_branches(p: usize) {
     assert_eq!(c.pages(r), vec![2]);
 }
 
-#[test]
-fn shared_trunk_outlives_its_branches_p1() {
-    trunk_outlives_branches(1);
-}
-
-#[test]
-fn shared_trunk_outlives_its_branches_p4() {
-    trunk_outlives_branches(4);
-}
+at_page_sizes!(
+    shared_trunk_outlives_its_branches,
+    trunk_outlives_branches,
+    [1, 4]
+);
 
 fn pinned_never_evicted(p: usize) {
     let mut c = radix(12, p);
@@ -394,15 +327,7 @@ fn pinned_never_evicted(p: usize) {
     assert_eq!(c.matched(&cat(&b, &u(p, &[99]))), 0);
 }
 
-#[test]
-fn pinned_pages_are_never_evicted_p1() {
-    pinned_never_evicted(1);
-}
-
-#[test]
-fn pinned_pages_are_never_evicted_p4() {
-    pinned_never_evicted(4);
-}
+at_page_sizes!(pinned_pages_are_never_evicted, pinned_never_evicted, [1, 4]);
 
 fn computed_twice(p: usize) {
     let a = u(p, &[1, 2, 3, 4, 5, 6]);
@@ -475,63 +400,7 @@ fn computed_twice(p: usize) {
     assert_eq!(c.counts(), (8, 8, 0));
 }
 
-#[test]
-fn a_page_computed_twice_is_stored_once_p1() {
-    computed_twice(1);
-}
-
-#[test]
-fn a_page_computed_twice_is_stored_once_p4() {
-    computed_twice(4);
-}
-
-fn namespaces(p: usize) {
-    let mut c = radix(32, p);
-    let a = u(p, &[1, 2, 3, 4]);
-    let a9 = cat(&a, &u(p, &[9]));
-    let a98 = cat(&a9, &u(p, &[8]));
-    let r = c.admit_in(&a, &None);
-    c.commit(r, 4 * p);
-    c.finish(r);
-    assert_eq!(c.matched_in(&a9, &None), 4 * p);
-    assert_eq!(c.matched_in(&a9, &ns("a")), 0);
-    // The empty namespace is not the None namespace.
-    assert_eq!(c.matched_in(&a9, &ns("")), 0);
-    let r2 = c.admit_in(&a9, &ns("a"));
-    assert_eq!(c.cached(r2), 0);
-    assert_eq!(c.pages(r2), vec![4, 5, 6, 7, 8]);
-    assert_eq!(c.c.request(r2).unwrap().namespace, &ns("a"));
-    c.commit(r2, 5 * p);
-    c.finish(r2);
-    assert_eq!(c.counts(), (23, 9, 0));
-    assert_eq!(c.matched_in(&a98, &ns("a")), 5 * p);
-    assert_eq!(c.matched_in(&a98, &None), 4 * p);
-    assert_eq!(c.matched_in(&a98, &ns("b")), 0);
-    // Two namespaces computing the same tokens at once: no duplicates, two copies.
-    let r3 = c.admit_in(&a9, &ns("b"));
-    let r4 = c.admit_in(&a9, &ns(""));
-    assert_eq!(c.pages(r3), vec![9, 10, 11, 12, 13]);
-    assert_eq!(c.pages(r4), vec![14, 15, 16, 17, 18]);
-    assert_eq!(c.cached(r4), 0);
-    c.commit(r3, 5 * p);
-    c.commit(r4, 5 * p);
-    c.finish(r3);
-    c.finish(r4);
-    assert_eq!(c.matched_in(&a98, &ns("b")), 5 * p);
-    assert_eq!(c.matched_in(&a98, &ns("")), 5 * p);
-    assert_eq!(c.matched_in(&a98, &None), 4 * p);
-    assert_eq!(c.counts(), (13, 19, 0));
-}
-
-#[test]
-fn namespaces_never_share_p1() {
-    namespaces(1);
-}
-
-#[test]
-fn namespaces_never_share_p4() {
-    namespaces(4);
-}
+at_page_sizes!(a_page_computed_twice_is_stored_once, computed_twice, [1, 4]);
 
 fn fork(p: usize) {
     let mut c = radix(32, p);
@@ -576,15 +445,7 @@ fn fork(p: usize) {
     assert_eq!(c.counts(), (19, 13, 0));
 }
 
-#[test]
-fn fork_shares_pages_p1() {
-    fork(1);
-}
-
-#[test]
-fn fork_shares_pages_p4() {
-    fork(4);
-}
+at_page_sizes!(fork_shares_pages, fork, [1, 4]);
 
 #[test]
 fn fork_shares_only_full_computed_pages_p4() {
@@ -635,18 +496,7 @@ fn out_of_pages(p: usize) {
     assert_eq!(c.stats().evicted_pages, 2);
     assert_eq!(c.matched(&a99), 4 * p);
     assert_eq!(c.counts(), (0, 1, 7));
-    let s1 = c.stats();
-    assert_eq!(
-        c.try_extend(rb, &u(p, &[11, 12])),
-        Err(Error::OutOfPages {
-            needed: 2,
-            available: 1
-        })
-    );
-    assert_eq!(c.stats(), s1);
-    let v = c.c.request(rb).unwrap();
-    assert_eq!(v.num_tokens(), 7 * p);
-    assert_eq!(c.pages(rb), vec![0, 1, 2, 4, 5, 6, 7]);
+    c.extend_short(rb, &u(p, &[11, 12]), 2, 1);
     assert_eq!(c.matched(&a99), 4 * p);
     c.extend(rb, &u(p, &[11]));
     assert_eq!(c.pages(rb), vec![0, 1, 2, 4, 5, 6, 7, 3]);
@@ -674,15 +524,7 @@ fn out_of_pages(p: usize) {
     assert_eq!(c.counts(), (5, 3, 0));
 }
 
-#[test]
-fn out_of_pages_changes_nothing_p1() {
-    out_of_pages(1);
-}
-
-#[test]
-fn out_of_pages_changes_nothing_p4() {
-    out_of_pages(4);
-}
+at_page_sizes!(out_of_pages_changes_nothing, out_of_pages, [1, 4]);
 
 fn evict_and_reset_counts(p: usize) {
     let mut c = radix(16, p);
@@ -714,70 +556,7 @@ fn evict_and_reset_counts(p: usize) {
     assert_eq!(c.stats().evicted_pages, 11);
 }
 
-#[test]
-fn evict_and_reset_counts_p1() {
-    evict_and_reset_counts(1);
-}
-
-#[test]
-fn evict_and_reset_counts_p4() {
-    evict_and_reset_counts(4);
-}
-
-#[test]
-fn errors_change_nothing() {
-    assert!(matches!(
-        RadixCache::new(0, 1),
-        Err(Error::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        RadixCache::new(1, 0),
-        Err(Error::InvalidArgument(_))
-    ));
-    let mut c = radix(8, 2);
-    assert!(matches!(c.try_admit(&[]), Err(Error::InvalidArgument(_))));
-    assert!(matches!(
-        c.c.match_prefix(&[], &None),
-        Err(Error::InvalidArgument(_))
-    ));
-    let r = c.admit(&[1, 2, 3]);
-    c.commit(r, 2);
-    let s = c.stats();
-    assert!(matches!(c.try_commit(r, 4), Err(Error::InvalidArgument(_))));
-    assert!(matches!(c.try_commit(r, 1), Err(Error::InvalidArgument(_))));
-    assert_eq!(c.stats(), s);
-    assert_eq!(c.c.request(r).unwrap().num_computed, 2);
-    c.commit(r, 2); // the same value again is fine
-    c.finish(r);
-    let s = c.stats();
-    assert_eq!(c.try_commit(r, 3), Err(Error::ClosedRequest));
-    assert_eq!(c.try_extend(r, &[4]), Err(Error::ClosedRequest));
-    assert_eq!(c.try_fork(r), Err(Error::ClosedRequest));
-    assert_eq!(c.c.finish(r), Err(Error::ClosedRequest));
-    assert_eq!(c.c.abort(r), Err(Error::ClosedRequest));
-    assert!(matches!(c.c.request(r), Err(Error::ClosedRequest)));
-    c.check();
-    assert_eq!(c.stats(), s);
-    // A new request may reuse the slot; the old handle stays dead.
-    let r2 = c.admit(&[1, 2, 5]);
-    assert_eq!(c.cached(r2), 2);
-    assert_eq!(c.c.finish(r), Err(Error::ClosedRequest));
-    assert_eq!(c.cached(r2), 2);
-    // A request of another cache.
-    let mut other = radix(8, 2);
-    let o = other.admit(&[1, 2, 3]);
-    let s = c.stats();
-    assert_eq!(c.try_commit(o, 1), Err(Error::ForeignRequest));
-    assert_eq!(c.try_extend(o, &[1]), Err(Error::ForeignRequest));
-    assert_eq!(c.try_fork(o), Err(Error::ForeignRequest));
-    assert_eq!(c.c.finish(o), Err(Error::ForeignRequest));
-    assert_eq!(c.c.abort(o), Err(Error::ForeignRequest));
-    assert!(matches!(c.c.request(o), Err(Error::ForeignRequest)));
-    c.check();
-    assert_eq!(c.stats(), s);
-    assert_eq!(other.pages(o), vec![0, 1]);
-    other.finish(o);
-}
+at_page_sizes!(evict_and_reset_counts, evict_and_reset_counts, [1, 4]);
 
 /// The agent loop of the design: a 128-token system prompt, a 144-token first turn, a 32-token
 /// tool result, a 25-token decoded tail, two forked sub-agents.
@@ -855,15 +634,7 @@ fn agent_scenario(p: usize) {
     assert_eq!(c.cached(r3), published);
 }
 
-#[test]
-fn agent_scenario_p1() {
-    agent_scenario(1);
-}
-
-#[test]
-fn agent_scenario_p4() {
-    agent_scenario(4);
-}
+at_page_sizes!(agent_scenario, agent_scenario, [1, 4]);
 
 /// Sub-agents in a pool that holds the shared context and three 16-token branches: each new
 /// sub-agent evicts the least recently used branch and reuses its page ids; the trunk stays.
@@ -898,15 +669,11 @@ fn agent_small_pool(p: usize) {
     assert_eq!(c.counts(), (0, tp + 3 * bp, 0));
 }
 
-#[test]
-fn agent_small_pool_evicts_branches_not_the_trunk_p1() {
-    agent_small_pool(1);
-}
-
-#[test]
-fn agent_small_pool_evicts_branches_not_the_trunk_p4() {
-    agent_small_pool(4);
-}
+at_page_sizes!(
+    agent_small_pool_evicts_branches_not_the_trunk,
+    agent_small_pool,
+    [1, 4]
+);
 
 /// Two different 4-token pages whose 64-bit child keys collide (built by a birthday search over
 /// the child-key fold of rust/radix.rs). SEMANTICS.md keys the index by the tokens themselves, so

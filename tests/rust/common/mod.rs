@@ -1,6 +1,20 @@
 //! The test harness shared by `tests/radix.rs` and `tests/block.rs`.
 #![allow(dead_code)] // each test file uses its own subset
 
+/// `at_page_sizes!(name, body, [1, 4])`: a test `name::at_page_sizes` that runs `body(p)` at
+/// each page size.
+#[macro_export]
+macro_rules! at_page_sizes {
+    ($name:ident, $body:ident, [$($p:expr),+]) => {
+        mod $name {
+            #[test]
+            fn at_page_sizes() {
+                $(super::$body($p);)+
+            }
+        }
+    };
+}
+
 use radixkv::{CacheStats, Error, Namespace, PrefixCache, RequestId};
 
 pub struct Ck<C: PrefixCache> {
@@ -35,6 +49,15 @@ impl<C: PrefixCache> Ck<C> {
     }
     pub fn extend(&mut self, id: RequestId, t: &[u32]) {
         self.try_extend(id, t).unwrap();
+    }
+    /// `extend` that must fail with `OutOfPages { needed, available }` and change nothing.
+    pub fn extend_short(&mut self, id: RequestId, t: &[u32], needed: usize, available: usize) {
+        let (stats, pages) = (self.stats(), self.pages(id));
+        let n = self.c.request(id).unwrap().num_tokens();
+        let err = self.try_extend(id, t);
+        assert_eq!(err, Err(Error::OutOfPages { needed, available }));
+        assert_eq!((self.stats(), self.pages(id)), (stats, pages));
+        assert_eq!(self.c.request(id).unwrap().num_tokens(), n);
     }
     pub fn try_commit(&mut self, id: RequestId, n: usize) -> Result<(), Error> {
         let r = self.c.commit(id, n);
