@@ -9,17 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 
 import radixkv
-from radixkv.replay import ReplayConfig, infinite_bound, replay
-from radixkv.trace import read_trace
-
-TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-)
+from common import MOONCAKE, mooncake_records
+from radixkv.apps.replay import ReplayConfig, infinite_bound, replay
+from radixkv.apps.trace import TraceRequest, mooncake_tokens
 
 
 def seq(start: int, n: int) -> np.ndarray:
@@ -162,11 +158,18 @@ def main() -> None:
         f"   ({p99_off / max(p99_on, 1):.1f}x lower p99)"
     )
 
-    if not TRACE.exists():
-        print(f"\n(no Mooncake trace at {TRACE.name}: skipped)")
+    if not MOONCAKE.exists():
+        print(f"\n(no Mooncake trace at {MOONCAKE.name}: skipped)")
         return
     n = 500 if args.quick else args.mooncake_requests
-    reqs = list(read_trace(TRACE, limit=n))
+    reqs = [
+        TraceRequest(
+            r["timestamp"] / 1000,
+            mooncake_tokens(r["hash_ids"], r["input_length"]),
+            r["output_length"],
+        )
+        for r in mooncake_records(n)
+    ]
     bound = infinite_bound(reqs, 16)
     print(f"\n== Mooncake conversation trace, first {len(reqs)} requests, radix cache, page 16 ==")
     print(f"unbounded-cache bound: {bound:.2%}")

@@ -12,7 +12,7 @@
 //! | `agent_trace`          | 1,000 requests, 100 sessions x 10 turns      | caching disabled (reset each time)|
 //! | `mooncake`             | the first N requests of the Mooncake trace   | caching disabled (reset each time)|
 //!
-//! Token ids come from the same generator as `benches/bench_cache.py`, so both sides run the same
+//! Token ids come from the same generator as `benches/common.py`, so both sides run the same
 //! prompts and the same agent trace. Set `RADIXKV_MOONCAKE_REQUESTS` to replay more of Mooncake.
 
 use criterion::measurement::WallTime;
@@ -20,11 +20,12 @@ use criterion::{BenchmarkGroup, Criterion, SamplingMode};
 use radixkv::{BlockCache, PrefixCache, RadixCache};
 use std::collections::HashMap;
 use std::hint::black_box;
+use std::io::Read;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 // ---------------------------------------------------------------------------------------------
-// Deterministic inputs (mirrored in benches/bench_cache.py)
+// Deterministic inputs (mirrored in benches/common.py)
 // ---------------------------------------------------------------------------------------------
 
 /// Token ids are drawn from a vocabulary of this size (a typical LLM has 32k-150k).
@@ -113,13 +114,18 @@ fn run_agent(c: &mut dyn PrefixCache, trace: &[Turn], disabled: bool) {
     }
 }
 
+/// The Mooncake conversation trace, gzipped (see `benches/data/README.md`).
+const MOONCAKE: &str = "benches/data/mooncake_conversation_trace.jsonl.gz";
+
 /// The first `limit` requests of the Mooncake conversation trace as token ids, or `None` when the
 /// trace is absent. Hash id `h` expands to the 512 ids `h * 512 .. h * 512 + 512`; the last block
 /// is cut to `input_length`. Returns the prompts and the number of distinct blocks.
 fn load_mooncake(limit: usize) -> Option<(Vec<Vec<u32>>, usize)> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces/mooncake_conversation_trace.jsonl");
-    let text = std::fs::read_to_string(&path).ok()?;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(MOONCAKE);
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(path).ok()?)
+        .read_to_string(&mut text)
+        .ok()?;
     let mut prompts = Vec::new();
     let mut blocks = std::collections::HashSet::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()).take(limit) {
@@ -511,7 +517,7 @@ fn mooncake(c: &mut Criterion) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(300);
     let Some((prompts, blocks)) = load_mooncake(limit) else {
-        println!("mooncake: ../shared/traces/mooncake_conversation_trace.jsonl not found, skipped");
+        println!("mooncake: {MOONCAKE} not found, skipped");
         return;
     };
     let tokens: usize = prompts.iter().map(Vec::len).sum();
