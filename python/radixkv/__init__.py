@@ -6,8 +6,17 @@ core; this package owns the tensors. Two indexes behind one interface:
 - :class:`RadixCache`: a radix tree over token ids (token-exact reuse at ``page_size=1``).
 - :class:`BlockCache`: chained block hashes over full pages (``page_size=16`` by default).
 
-The torch layer (:class:`KVCache`, :class:`Step`, :class:`Engine`, :mod:`radixkv.models`) is
-imported on first use, so ``import radixkv`` does not import torch.
+The package, by layer (each subpackage imports only the ones above it):
+
+- ``radixkv._radixkv``: the Rust core (caches, ``Scheduler``, ``plan_step``), re-exported here.
+- :mod:`radixkv.kv`: the torch layer: :class:`KVCache` (paged K/V tensors) and :class:`Step`
+  (one forward pass; attention over cached prefixes).
+- :mod:`radixkv.models`: a reference Llama/Qwen2 model over the torch layer, and its loader.
+- :mod:`radixkv.engine`: continuous batching: :class:`Engine`, :class:`Session`.
+- :mod:`radixkv.apps`: applications: the ``radixkv`` command line, the demo, trace replay.
+
+The torch layer and everything on it are imported on first use, so ``import radixkv`` does not
+import torch.
 """
 
 from __future__ import annotations
@@ -34,9 +43,9 @@ __version__ = "0.1.0"
 #: Names of the torch layer, and the module each lives in (imported on first use).
 _LAZY = {
     "KVCache": "radixkv.kv",
-    "Step": "radixkv.step",
+    "Step": "radixkv.kv",
     "Engine": "radixkv.engine",
-    "Session": "radixkv.session",
+    "Session": "radixkv.engine",
     "models": "radixkv.models",
 }
 

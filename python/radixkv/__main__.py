@@ -1,7 +1,7 @@
-"""``python -m radixkv``: the command line of :mod:`radixkv.cli`."""
+"""``python -m radixkv``: the command line of :mod:`radixkv.apps.cli`."""
 
 import sys
 
-from radixkv.cli import main
+from radixkv.apps.cli import main
 
 sys.exit(main())

@@ -95,6 +95,16 @@ class _Cache:
     def admit(self, tokens: _Tokens, namespace: _Namespace = None) -> Request: ...
     def extend(self, req: Request, tokens: _Tokens) -> None: ...
     def commit(self, req: Request, num_computed: int) -> None: ...
+    def extend_many(self, requests: Sequence[Request], tokens: Sequence[_Tokens]) -> int:
+        """Extends ``requests[i]`` by ``tokens[i]`` in order, in one call, and stops before the
+        first request the pool cannot supply; returns how many were extended (that one and the
+        rest are unchanged). A closed, foreign or repeated request, bad tokens or lengths that
+        differ raise and change nothing."""
+
+    def commit_many(self, requests: Sequence[Request], num_computed: Sequence[int]) -> None:
+        """Commits ``requests[i]`` to ``num_computed[i]`` in one call; every pair is checked
+        first (as ``commit`` checks it, requests distinct), all or nothing."""
+
     def fork(self, req: Request) -> Request: ...
     def finish(self, req: Request) -> None: ...
     def abort(self, req: Request) -> None: ...
@@ -125,7 +135,13 @@ class BlockCache(_Cache):
 
 @final
 class Scheduler:
-    """A waiting queue that admits requests into a cache in a cache-aware order."""
+    """A waiting queue that admits requests into a cache in a cache-aware order.
+
+    ``policy``: ``"fcfs"`` (arrival order), ``"lpm"`` (longest cached prefix first) or
+    ``"dfs-weight"`` (requests sharing a prefix back to back, heaviest group first).
+    ``max_wait``: a request that has waited more than this many ``schedule`` calls goes ahead of
+    cache order (``0`` turns the bound off). Higher ``priority`` goes first within every policy.
+    """
 
     def __new__(cls, cache: _Cache, policy: str = "lpm", max_wait: int = 256) -> Scheduler: ...
     def add(
@@ -134,11 +150,24 @@ class Scheduler:
         namespace: _Namespace = None,
         priority: int = 0,
         max_new_tokens: int = 0,
-    ) -> int: ...
+    ) -> int:
+        """Queues a prompt; returns its id (ids grow with arrival). Raises ``ValueError``
+        (naming the token count, the pages needed and the pool size) for a request that could
+        never fit the pool: ``ceil((len(tokens) + max(max_new_tokens, 1) - 1) / page_size) >
+        num_pages``."""
+
     def cancel(self, id: int) -> bool: ...
     def schedule(
         self, token_budget: int, max_requests: int | None = None
-    ) -> list[tuple[int, Request]]: ...
+    ) -> list[tuple[int, Request]]:
+        """Admits waiting requests in service order while ``token_budget`` (tokens to compute
+        in this step), ``max_requests`` and the cache's pages last; returns ``(id, Request)``
+        pairs in admission order. Each request is opened on its cached prefix plus at most what
+        is left of the budget: one whose uncached part does not fit is admitted in part
+        (``num_tokens < len(tokens)``), and the caller appends the rest with ``extend`` over
+        later steps (chunked prefill). The sum of ``num_tokens - num_computed`` over one call
+        is at most ``token_budget``. A call that admits nothing leaves the cache unchanged."""
+
     @property
     def waiting(self) -> list[int]: ...
     @property

@@ -125,9 +125,9 @@ def test_matches_reference(make_cache, hq, hkv):
 
 def test_gqa_without_sdpa_enable_gqa(monkeypatch):
     """The repeat_interleave path taken on torch < 2.5."""
-    import radixkv.step
+    import radixkv.kv.step
 
-    monkeypatch.setattr(radixkv.step, "_SDPA_GQA", False)
+    monkeypatch.setattr(radixkv.kv.step, "_SDPA_GQA", False)
     scenario(CACHES[1].values[0], 8, 2)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv import cli
+from radixkv.apps import cli
 from radixkv.models import save_checkpoint
 from tiny_model import tiny_model
 

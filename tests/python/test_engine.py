@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import radixkv
-from radixkv.admission import SchedulerAdmission
 from tiny_model import CACHES, dense_greedy, ids, tiny_model
 
 MODEL = tiny_model(seed=11)
+POLICIES = ["fcfs", "lpm", "dfs-weight"]
 
 
 def engine(make_cache, tokens=4096, caching=True, **kw) -> radixkv.Engine:
@@ -77,17 +77,20 @@ def test_token_budget_and_batch_limit_hold_every_step():
     assert [r.output for r in got] == [dense_greedy(MODEL, p, 5) for p in workload(2)]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("make_cache", CACHES)
-def test_branches_fork_one_context(make_cache):
+def test_branches_share_one_context(make_cache, policy):
     rng = np.random.default_rng(3)
     context = ids(rng, 70)
     suffixes = [ids(rng, n) for n in (6, 0, 11)]
-    eng = engine(make_cache)
+    eng = engine(make_cache, policy=policy)
     got = eng.run(eng.branch(context, suffixes, max_new_tokens=6))
     want = [dense_greedy(MODEL, np.concatenate([context, s]), 6) for s in suffixes]
     assert [r.output for r in got] == want
     p = eng.cache.page_size
-    assert all(r.cached_tokens == 69 // p * p for r in got)  # every full page of the context
+    # Every full page of the held context, within each branch's match limit.
+    for r, s in zip(got, suffixes):
+        assert r.cached_tokens == min(70 // p * p, (69 + len(s)) // p * p)
     parent = [s for s in eng.sequences.values() if s.children]
     assert len(parent) == 1 and parent[0].finish_reason == "context"
     off = engine(make_cache, caching=False)
@@ -144,13 +147,22 @@ def test_stop_tokens_end_generation():
     assert r.output == greedy[: greedy.index(greedy[2]) + 1] and r.finish_reason == "stop"
 
 
-def test_request_larger_than_the_pool_fails_alone():
+def test_request_larger_than_the_pool_is_refused_at_submit():
     eng = engine(CACHES[0].values[0], tokens=64)
     rng = np.random.default_rng(6)
-    big, small = eng.submit(ids(rng, 80), max_new_tokens=4), eng.submit(ids(rng, 20), 4)
-    big_r, small_r = eng.run([big, small])
-    assert big_r.finish_reason == "out_of_pages" and big_r.output == []
+    with pytest.raises(ValueError, match=r"prompt of 80 tokens .* needs 83 pages .* only 64 pages"):
+        eng.submit(ids(rng, 80), max_new_tokens=4)
+    # Prompt and output together: 61 + 4 - 1 = 64 fits, 61 + 5 - 1 does not.
+    eng.submit(ids(rng, 61), max_new_tokens=4)
+    with pytest.raises(ValueError, match="needs 65 pages"):
+        eng.submit(ids(rng, 61), max_new_tokens=5)
+    with pytest.raises(ValueError, match="branch 1 of 66 tokens"):
+        eng.branch(ids(rng, 60), [ids(rng, 2), ids(rng, 6)], max_new_tokens=1)
+    assert len(eng.sequences) == 1  # nothing of a refused request or branch was queued
+    small = eng.submit(ids(rng, 20), 4)
+    (small_r,) = eng.run([small])
     assert small_r.finish_reason == "length" and len(small_r.output) == 4
+    eng.run()
     assert_drained(eng)
 
 
@@ -167,17 +179,13 @@ def test_cancel_and_prefill_only():
     assert_drained(eng)
 
 
-@pytest.mark.parametrize(("policy", "tokens"), [("lpm", 4096), ("fcfs", 4096), ("lpm", 200)])
-def test_scheduler_admission_gives_the_same_tokens(policy, tokens):
-    """Through the Rust scheduler; prompts longer than the budget; a pool that preempts."""
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("tokens", [4096, 200])
+def test_every_policy_gives_the_same_tokens(policy, tokens):
+    """Prompts longer than the budget (admitted in part); a pool that preempts."""
     prompts = workload(8)
     cache = radixkv.RadixCache(tokens)
-    eng = radixkv.Engine(
-        MODEL,
-        MODEL.make_kv_cache(cache),
-        token_budget=100,
-        admission=SchedulerAdmission(cache, policy=policy),
-    )
+    eng = radixkv.Engine(MODEL, MODEL.make_kv_cache(cache), token_budget=100, policy=policy)
     got = eng.generate(prompts, max_new_tokens=6)
     assert [r.output for r in got] == [dense_greedy(MODEL, p, 6) for p in prompts]
     assert all(r.finish_reason == "length" for r in got)
@@ -195,3 +203,5 @@ def test_bad_arguments_are_named():
         eng.submit([1], max_new_tokens=-1)
     with pytest.raises(ValueError, match="token_budget must be a positive int, got 0"):
         radixkv.Engine(MODEL, eng.kv, token_budget=0)
+    with pytest.raises(ValueError, match="policy must be 'fcfs', 'lpm' or 'dfs-weight'"):
+        radixkv.Engine(MODEL, eng.kv, policy="sjf")

@@ -9,7 +9,8 @@ tokens.
 from __future__ import annotations
 
 import array
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest

@@ -13,7 +13,8 @@ prompts, so that page ids far from 0 are allocated, evicted and reused.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest

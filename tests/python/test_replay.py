@@ -1,17 +1,17 @@
 """Trace parsing and replay: Mooncake expansion, radixkv JSONL, the simulation's bookkeeping."""
 
+import gzip
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from radixkv.replay import ReplayConfig, infinite_bound, replay
-from radixkv.trace import mooncake_tokens, read_trace
+from radixkv.apps.replay import ReplayConfig, infinite_bound, replay
+from radixkv.apps.trace import TraceRequest, mooncake_tokens, read_trace
 
-TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-)
+#: The Mooncake conversation trace as the project ships it (gzipped).
+TRACE = Path(__file__).resolve().parents[2] / "benches/data/mooncake_conversation_trace.jsonl.gz"
 
 
 def test_mooncake_blocks_expand_deterministically():
@@ -49,8 +49,6 @@ def synthetic(sessions=6, turns=5, system=300, step=80):
     """Multi-turn sessions over one system prompt, arriving interleaved."""
     reqs = []
     rng = np.random.default_rng(1)
-    from radixkv.trace import TraceRequest
-
     for s in range(sessions):
         prompt = np.arange(system, dtype=np.uint32)
         for t in range(turns):
@@ -80,15 +78,63 @@ def test_replay_accounts_for_every_token(policy, cache):
     assert all(w >= 0 for w in small.queue_waits) and len(small.ttfts) == small.requests
 
 
+def test_gzipped_traces_read_like_plain_ones(tmp_path):
+    lines = [json.dumps({"tokens": [i, i + 1], "output_length": i}) for i in range(5)]
+    plain = tmp_path / "t.jsonl"
+    plain.write_text("\n".join(lines) + "\n")
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    renamed = tmp_path / "t.trace"  # no .gz suffix: found by gzip's magic bytes
+    renamed.write_bytes(packed.read_bytes())
+    want = [(list(r.tokens), r.output_length) for r in read_trace(plain)]
+    assert len(want) == 5
+    for path in (packed, renamed):
+        assert [(list(r.tokens), r.output_length) for r in read_trace(path)] == want
+    assert len(list(read_trace(packed, limit=2))) == 2
+
+
 def test_prompts_larger_than_the_pool_are_dropped_not_hung():
-    reqs = synthetic(sessions=1, turns=2)
+    reqs = synthetic(sessions=1, turns=2)  # 380 and 460 prompt tokens, 8 output tokens
     res = replay(reqs, ReplayConfig(num_pages=20, page_size=16))
     assert res.dropped == 2 and res.requests == 0
+    # 380 + 8 - 1 tokens fit 25 pages of 16, 460 + 8 - 1 do not.
+    res = replay(reqs, ReplayConfig(num_pages=25, page_size=16))
+    assert res.dropped == 1 and res.requests == 1 and len(res.ttfts) == 1
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="Mooncake trace not present")
-def test_cli_replays_the_real_trace(tmp_path, capsys):
-    from radixkv import cli
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight"])
+def test_prompts_longer_than_the_budget_are_prefilled_in_chunks(policy):
+    """Every prompt (380-700 tokens) exceeds the 128-token budget: admitted in part, extended
+    over later batches; the accounting and the hit rate match a budget that never chunks."""
+    reqs = synthetic()
+    whole = replay(reqs, ReplayConfig(policy=policy, num_pages=4096, prefill_tps=1e5))
+    cfg = ReplayConfig(policy=policy, num_pages=4096, prefill_tps=1e5, token_budget=128)
+    chunked = replay(reqs, cfg)
+    assert chunked.requests == len(reqs) == len(chunked.ttfts) and chunked.dropped == 0
+    assert chunked.cached_tokens + chunked.computed_tokens == chunked.prompt_tokens
+    assert chunked.hit_rate == pytest.approx(whole.hit_rate, abs=0.05)
+    # Chunks interleave with other prompts: first tokens come later, never sooner.
+    assert chunked.percentile("ttfts", 99) >= whole.percentile("ttfts", 99)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_a_chunk_the_pool_cannot_supply_waits_for_decodes(policy):
+    """Prompts of 600 tokens with 300-token outputs in a pool of 960 tokens: one request decodes
+    while the next one's prompt is computed in chunks until the pool runs short."""
+    reqs = [
+        TraceRequest(0.0, np.arange(i * 1000, i * 1000 + 600, dtype=np.uint32), 300)
+        for i in range(4)
+    ]
+    cfg = ReplayConfig(num_pages=60, page_size=16, token_budget=256, policy=policy)
+    res = replay(reqs, cfg)
+    assert res.requests == 4 == len(res.ttfts) and res.dropped == 0
+    assert res.computed_tokens == res.prompt_tokens == 2400
+    # Each prompt's last chunk waits for the previous request's 6 s of decoding.
+    assert sorted(res.ttfts)[-1] > 3 * 300 / cfg.decode_tps
+
+
+def test_cli_replays_the_shipped_trace(tmp_path, capsys):
+    from radixkv.apps import cli
 
     rc = cli.main(
         [

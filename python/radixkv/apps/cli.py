@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 #: Subcommand name -> (module defining ``add_arguments`` and ``run``, help line).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("radixkv.demo_cmd", "an agent session with and without the prefix cache"),
-    "replay": ("radixkv.replay_cmd", "replay a request trace through a cache, per policy"),
+    "demo": ("radixkv.apps.demo_cmd", "an agent session with and without the prefix cache"),
+    "replay": ("radixkv.apps.replay_cmd", "replay a request trace through a cache, per policy"),
 }
 
 

@@ -13,7 +13,7 @@ The scenario (synthetic token ids, the same for both runs):
 ```
 
 "Caching off" is the same engine with ``prefix_caching=False``: every admission gets a private
-namespace (nothing is ever found cached) and branches are admitted whole instead of forked.
+namespace (nothing is ever found cached), so each branch computes the whole context again.
 Greedy decoding makes both runs produce the same tokens, which the demo checks.
 """
 
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 import radixkv
-from radixkv.engine import Engine
+from radixkv.engine.engine import Engine
+from radixkv.engine.sequence import Result
+from radixkv.engine.session import Session
 from radixkv.models import CausalLM, ModelConfig, load_checkpoint
-from radixkv.sequence import Result
-from radixkv.session import Session
 
 #: Ids below this are left alone (special tokens of a real vocabulary).
 FIRST_ID = 16

@@ -1,4 +1,5 @@
-"""``radixkv demo``: options, the two runs, the table and the chart (see :mod:`radixkv.demo`)."""
+"""``radixkv demo``: options, the two runs, the table and the chart (see
+:mod:`radixkv.apps.demo`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "An agent session (system prompt with tool schemas, turns with tool output, sub-agents "
         "branching from one context) on the built-in model, run twice: with the prefix cache, "
         "and with caching off, i.e. the same engine with prefix_caching=False (every admission "
-        "in a private namespace, branches admitted whole instead of forked). Prints prompt, "
+        "in a private namespace, so branches compute the whole context each). Prints prompt, "
         "cached and computed tokens and TTFT per request; writes OUT/demo_ttft.png."
     )
     p.add_argument(
@@ -46,10 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int, default=2048, help="tokens per forward pass")
     p.add_argument(
         "--policy",
-        choices=("engine", "fcfs", "lpm", "dfs-weight"),
-        default="engine",
-        help="admission: the engine's own first-come-first-served with chunked prefill "
-        "(default), or the Rust Scheduler with this policy",
+        choices=("fcfs", "lpm", "dfs-weight"),
+        default="fcfs",
+        help="admission order of the engine's scheduler: first come first served (default), "
+        "longest cached prefix first, or shared prefixes back to back",
     )
     p.add_argument("--out", default="out", help="folder for the PNG chart (default: ./out)")
     p.add_argument("--quick", action="store_true", help="a small model and session (tests)")
@@ -76,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from radixkv.caches import make_cache
-    from radixkv.demo import (
+    from radixkv.apps.caches import make_cache
+    from radixkv.apps.demo import (
         Scenario,
         Script,
         build_model,
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         format_table,
         run_script,
     )
-    from radixkv.engine import Engine
+    from radixkv.engine.engine import Engine
 
     if args.threads < 0:
         raise SystemExit(f"radixkv demo: --threads must be >= 0, got {args.threads}")
@@ -126,17 +127,12 @@ def run(args: argparse.Namespace) -> int:
         for caching in (True, False):
             bar.set_postfix_str("cache on" if caching else "cache off")
             cache = make_cache(args.cache, num_pages, page_size)
-            admission = None
-            if args.policy != "engine":
-                from radixkv.admission import SchedulerAdmission
-
-                admission = SchedulerAdmission(cache, policy=args.policy)
             engine = Engine(
                 model,
                 model.make_kv_cache(cache),
                 token_budget=args.token_budget,
                 prefix_caching=caching,
-                admission=admission,
+                policy=args.policy,
             )
             runs[caching] = run_script(engine, script, sc, progress=bar)
     on, off = runs[True], runs[False]

@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from radixkv.replay import ReplayConfig, ReplayResult, infinite_bound, replay
-from radixkv.trace import read_trace
+from radixkv.apps.replay import ReplayConfig, ReplayResult, infinite_bound, replay
+from radixkv.apps.trace import read_trace
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``radixkv replay``."""
-    p.add_argument("trace", help="JSONL trace: Mooncake (hash_ids) or radixkv (tokens/text)")
+    p.add_argument(
+        "trace", help="JSONL trace, plain or gzipped: Mooncake (hash_ids) or radixkv (tokens/text)"
+    )
     p.add_argument("--cache", choices=("radix", "block"), default="radix")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=262_144, help="pool size in pages")
@@ -23,7 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait", type=int, default=256, help="starvation bound in schedule calls")
     p.add_argument("--prefill-tps", type=float, default=50_000.0, help="prefill tokens per second")
     p.add_argument("--decode-tps", type=float, default=50.0, help="decode tokens/s per request")
-    p.add_argument("--token-budget", type=int, default=131_072, help="uncached tokens per batch")
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=131_072,
+        help="tokens computed per batch (a longer prompt is prefilled in chunks)",
+    )
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--out", default="out", help="folder for the PNG chart")

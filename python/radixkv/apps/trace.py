@@ -16,18 +16,24 @@ radixkv's own format, one JSON object per line::
 ``timestamp`` in seconds (optional: consecutive requests arrive together); ``tokens`` or
 ``text`` (tokenized to its utf-8 bytes when no tokenizer is given); ``output_length`` and
 ``namespace`` optional.
+
+Either format may be gzipped (``.jsonl.gz``): detected by the ``.gz`` suffix or by gzip's magic
+bytes, so a renamed file reads too.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
 MOONCAKE_BLOCK = 512
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass(frozen=True)
@@ -83,13 +89,29 @@ def _parse(line: str, lineno: int, tokenizer: Callable[[str], list[int]] | None)
     )
 
 
+def is_gzip(path: str | Path) -> bool:
+    """Whether ``path`` is gzip-compressed: a ``.gz`` suffix, or gzip's magic bytes."""
+    if Path(path).suffix == ".gz":
+        return True
+    with open(path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
+
+
+def open_text(path: str | Path) -> TextIO:
+    """``path`` opened for reading utf-8 text, decompressed on the fly when gzipped."""
+    if is_gzip(path):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def read_trace(
     path: str | Path,
     limit: int | None = None,
     tokenizer: Callable[[str], list[int]] | None = None,
 ) -> Iterator[TraceRequest]:
-    """Yields the requests of a JSONL trace (either format, detected per line)."""
-    with open(path, encoding="utf-8") as f:
+    """Yields the requests of a JSONL trace, plain or gzipped (either format, detected per
+    line)."""
+    with open_text(path) as f:
         n = 0
         for lineno, line in enumerate(f, 1):
             if not line.strip():

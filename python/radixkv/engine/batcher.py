@@ -1,20 +1,27 @@
-"""The step-packing half of :class:`radixkv.Engine`: which sequences a forward pass computes.
+"""`Batcher`: the step packer of :class:`radixkv.Engine`: which sequences a forward pass computes.
 
-Every step packs, under the engine's token budget and request limit:
+It owns the waiting queue (one Rust :class:`radixkv.Scheduler`), the running and held sequences,
+and every cache call that opens, grows or closes a sequence's request. Each
+:meth:`Batcher.next_batch` packs, under the token budget and the request limit:
 
-1. running sequences, oldest first: decodes (one token each) and the next chunks of prefills
-   that did not fit earlier steps (a request holds only the tokens it computes this step; the
-   next chunk is appended with ``cache.extend``);
-2. admission (:meth:`Batching._admit`, the one place a scheduling policy plugs in) of waiting
-   sequences, whose cached prefixes cost nothing and whose uncached suffixes are chunked to the
-   budget left; branches of a computed context are forked from it.
+1. running sequences, oldest first: decodes (one token each) and the next chunks of prefills that
+   did not fit earlier steps, all appended with one ``cache.extend_many`` call;
+2. admissions: one ``Scheduler.schedule`` call with the budget left, in the policy's order. A
+   request whose uncached part exceeds what is left is admitted in part; step 1 of later steps
+   appends the rest (chunked prefill), so no prompt blocks the queue.
 
-Out of pages: admission waits (the queue head keeps its place); a running sequence that cannot
-grow preempts the newest running sequence not yet in the batch (possibly itself): that one is
-aborted and re-queued, and resumes later from whatever of its prefix is still cached. No
-sequence's pages are ever touched by another's forward pass, so preemption never corrupts. If
-nothing at all can run, held contexts are released, and then a request that an empty pool cannot
-hold ends with ``finish_reason="out_of_pages"``.
+Branches of a context are queued as plain prompts once the context is computed and *held*: they
+hit the pages it pins. A held context is finished once every branch has been admitted.
+
+Out of pages: a running sequence that cannot grow preempts the newest running sequence not yet
+in the batch (possibly itself): that one is aborted and queued again with its whole target, its
+remaining ``max_new_tokens`` and its priority raised by one, and resumes later from whatever of
+its prefix is still cached. No sequence's pages are ever touched by another's forward pass, so
+preemption never corrupts. When nothing at all can run, :meth:`Batcher.release_held` unpins the
+held contexts so that their branches can enter.
+
+Between steps every running sequence's request is fully computed (``num_computed ==
+num_tokens``) and shorter than its target, so it grows by at least one token when scheduled.
 """
 
 from __future__ import annotations
@@ -22,181 +29,198 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from typing import TYPE_CHECKING
-
-import numpy as np
 
 import radixkv
-from radixkv.sequence import Result, Sequence, Status
+from radixkv.engine.sequence import Sequence, Status
 
-if TYPE_CHECKING:
-    from radixkv.admission import Admission, Admitted
-    from radixkv.engine import EngineStats
+#: Namespace prefix of the private namespaces used when prefix caching is off.
+NO_CACHE_NAMESPACE = "radixkv.no-cache"
 
 
-class Batching:
-    """Base of :class:`radixkv.Engine` holding its scheduling and sequence life cycle. The state
-    it works on (``cache``, ``admission``, ``running``, ``held``, ``sequences``, ``stats``,
-    ``token_budget``, ``max_batch``, ``prefix_caching``) is set up by ``Engine.__init__``."""
+class Batcher:
+    """Packs each step's batch; see the module docstring. ``policy`` (``"fcfs"``, ``"lpm"`` or
+    ``"dfs-weight"``) and ``max_wait`` configure the :class:`radixkv.Scheduler`. With
+    ``prefix_caching=False`` every queued sequence gets a private namespace of its own, so no
+    prompt ever finds a cached prefix."""
 
-    cache: radixkv.RadixCache | radixkv.BlockCache
-    admission: Admission
-    running: list[Sequence]
-    held: list[Sequence]
-    sequences: dict[int, Sequence]
-    stats: EngineStats
-    token_budget: int
-    max_batch: int
-    prefix_caching: bool
-    _private: itertools.count
-    _generators: dict
+    def __init__(
+        self,
+        cache: radixkv.RadixCache | radixkv.BlockCache,
+        token_budget: int,
+        max_batch: int,
+        prefix_caching: bool = True,
+        policy: str = "fcfs",
+        max_wait: int = 256,
+    ) -> None:
+        self.cache = cache
+        self.scheduler = radixkv.Scheduler(cache, policy=policy, max_wait=max_wait)
+        self.token_budget, self.max_batch = token_budget, max_batch
+        self.prefix_caching = prefix_caching
+        self.running: list[Sequence] = []  # by id: oldest first
+        self.held: list[Sequence] = []
+        self.preemptions = 0
+        self._waiting: dict[int, Sequence] = {}  # scheduler id -> sequence
+        self._sid: dict[int, int] = {}  # sequence id -> scheduler id
+        self._private = itertools.count()
+        self._page_size, self._num_pages = cache.page_size, cache.num_pages
 
-    def _schedule(self) -> list[Sequence]:
-        budget, batch = self.token_budget, []
-        in_batch: set[int] = set()
-        for seq in list(self.running):
-            if len(batch) >= self.max_batch or budget <= 0:
-                break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            pending = self._grow(seq, budget, in_batch)
-            if pending:
-                batch.append(seq)
-                in_batch.add(seq.id)
-                budget -= pending
-        if len(batch) < self.max_batch and budget > 0:
-            for seq, req in self._admit(budget, self.max_batch - len(batch)):
+    # ---- the queue --------------------------------------------------------------------------
+
+    def check_fits(self, name: str, num_tokens: int, max_new_tokens: int) -> None:
+        """Raises ``ValueError`` when a request of ``num_tokens`` prompt tokens could never run:
+        its prompt and every generated token but the last need more pages than the pool has
+        (the rule ``Scheduler.add`` enforces, checked before anything is queued)."""
+        pages = -(-(num_tokens + max(max_new_tokens, 1) - 1) // self._page_size)
+        if pages > self._num_pages:
+            raise ValueError(
+                f"{name} of {num_tokens} tokens with max_new_tokens={max_new_tokens} needs "
+                f"{pages} pages of {self._page_size} tokens, but the pool has only "
+                f"{self._num_pages} pages: it could never run"
+            )
+
+    def queue(self, seq: Sequence, again: bool = False) -> None:
+        """Queues ``seq``'s whole target in the scheduler (``again``: after a preemption, with
+        its priority raised by one so that it goes ahead of new arrivals of its priority)."""
+        if self.prefix_caching:
+            seq.cache_namespace = seq.namespace
+        else:
+            seq.cache_namespace = f"{NO_CACHE_NAMESPACE}.{next(self._private)}"
+        sid = self.scheduler.add(
+            seq.target,
+            namespace=seq.cache_namespace,
+            priority=seq.priority + int(again),
+            max_new_tokens=seq.remaining_new_tokens,
+        )
+        seq.status = Status.WAITING
+        self._waiting[sid] = seq
+        self._sid[seq.id] = sid
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued in the scheduler."""
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any sequence waits, runs or is held."""
+        return bool(self.running or self.held or self._waiting)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def next_batch(self) -> list[Sequence]:
+        """The sequences of the next forward pass, in order: running ones, then admissions.
+        Each one's request holds exactly the tokens it computes now past ``num_computed``."""
+        batch = self._grow_running()
+        budget = self.token_budget - sum(s.num_tokens - s.num_computed for s in batch)
+        room = self.max_batch - len(batch)
+        if room > 0 and budget > 0 and self._waiting:
+            for sid, req in self.scheduler.schedule(budget, room):
+                seq = self._waiting.pop(sid)
+                del self._sid[seq.id]
                 self._start(seq, req)
                 batch.append(seq)
-                budget -= req.num_tokens - req.num_computed
-        self._release_held()
+        for parent in list(self.held):
+            if all(c.admissions or c.done for c in parent.children):
+                self.finish(parent, "context")
         return batch
 
-    def _admit(self, token_budget: int, max_requests: int) -> Admitted:
-        """The one admission hook: asks the policy object which waiting sequences enter."""
-        return self.admission.admit(self, token_budget, max_requests)
-
-    def open_request(self, seq: Sequence, token_budget: int) -> radixkv.Request | None:
-        """Opens ``seq``'s cache request with at most ``token_budget`` tokens to compute (a fork
-        tail may exceed it), or returns None when the pool cannot supply the pages. Forks the
-        context of a held parent; else admits the target's cached prefix plus a chunk."""
-        target = seq.target
-        try:
-            parent = seq.parent
-            if parent is not None and parent.status is Status.HELD:
-                req = self.cache.fork(parent.req)
-            elif len(target) <= token_budget:
-                req = self.cache.admit(target, seq.cache_namespace)
-            else:
-                cached = self.cache.match_prefix(target, seq.cache_namespace)
-                req = self.cache.admit(target[: cached + token_budget], seq.cache_namespace)
-        except radixkv.OutOfPages:
-            return None
-        n = req.num_tokens
-        more = min(len(target) - n, token_budget - (n - req.num_computed))
-        if more > 0:
-            try:
-                self.cache.extend(req, target[n : n + more])
-            except radixkv.OutOfPages:
-                self.cache.abort(req)
-                return None
-        return req
-
-    def _grow(self, seq: Sequence, budget: int, in_batch: set[int]) -> int:
-        """Extends a running sequence's request by what the budget allows; returns its pending
-        tokens (0: not scheduled this step)."""
-        req = seq.req
-        n = req.num_tokens
-        pending = n - req.num_computed
-        if pending > budget and in_batch:
-            return 0
-        more = min(len(seq.target) - n, budget - pending)
-        if more > 0:
-            if not self._extend(seq, seq.target[n : n + more], in_batch):
-                return 0
-            pending += more
-        return pending
-
-    def _extend(self, seq: Sequence, tokens: np.ndarray, in_batch: set[int]) -> bool:
-        """``cache.extend``, preempting the newest running sequence outside the batch while the
-        pool is short (``seq`` itself when it is the newest). Returns whether ``seq`` grew."""
+    def _grow_running(self) -> list[Sequence]:
+        """Extends running sequences, oldest first, by what the budget allows: one
+        ``extend_many`` call, one more after each preemption the pool forces."""
+        batch: list[Sequence] = []
+        budget = self.token_budget
         while True:
-            try:
-                self.cache.extend(seq.req, tokens)
-                return True
-            except radixkv.OutOfPages:
-                victim = max((s for s in self.running if s.id not in in_batch), key=lambda s: s.id)
-                self._preempt(victim)
-                if victim is seq:
-                    return False
+            room = self.max_batch - len(batch)
+            plan = self._plan_growth(self.running[len(batch) :], budget, room)
+            if not plan:
+                return batch
+            chunks = [seq.target[seq.num_tokens : seq.num_tokens + n] for seq, n in plan]
+            done = self.cache.extend_many([seq.req for seq, _ in plan], chunks)
+            for seq, n in plan[:done]:
+                seq.num_tokens += n
+                budget -= n
+                batch.append(seq)
+            if done == len(plan):
+                return batch
+            # The pool is short: the newest running sequence outside the batch makes room.
+            self._preempt(self.running[-1])
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.cache.abort(seq.req)
-        seq.req = None
-        self.running.remove(seq)
-        seq.status = Status.WAITING
-        seq.preemptions += 1
-        self.stats.preemptions += 1
-        self._enqueue(seq, again=True)
+    @staticmethod
+    def _plan_growth(seqs: list[Sequence], budget: int, room: int) -> list[tuple[Sequence, int]]:
+        """``(sequence, tokens to append)`` for the first of ``seqs`` that fit."""
+        plan = []
+        for seq in seqs:
+            if len(plan) >= room or budget <= 0:
+                break
+            n = min(seq.target_len - seq.num_tokens, budget)
+            plan.append((seq, n))
+            budget -= n
+        return plan
 
     def _start(self, seq: Sequence, req: radixkv.Request) -> None:
         seq.req, seq.status = req, Status.RUNNING
+        seq.num_tokens, seq.num_computed = req.num_tokens, req.num_computed
         if seq.admissions == 0:
-            seq.cached_tokens = req.num_cached
+            seq.cached_tokens = seq.num_computed
         seq.admissions += 1
-        at = bisect.bisect([s.id for s in self.running], seq.id)
-        self.running.insert(at, seq)
+        bisect.insort(self.running, seq, key=_by_id)
 
-    def _hold(self, parent: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> None:
+        self.cache.abort(seq.req)
+        self._close(seq)
+        self.running.remove(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.queue(seq, again=True)
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    def hold(self, parent: Sequence) -> None:
         """A branch context is computed: keep it pinned and queue its branches."""
         self.running.remove(parent)
         parent.status = Status.HELD
         self.held.append(parent)
         for child in parent.children:
             if not child.done:  # a branch may have been cancelled meanwhile
-                self._enqueue(child)
+                self.queue(child)
 
-    def _release_held(self) -> None:
+    def release_held(self) -> bool:
+        """Finishes every held context (nothing could be scheduled: unpinning them lets their
+        branches enter); returns whether there was one."""
+        released = bool(self.held)
         for parent in list(self.held):
-            if all(c.admissions or c.done for c in parent.children):
-                self._finish(parent, "context")
+            self.finish(parent, "context")
+        return released
 
-    def _stalled(self) -> list[Result]:
-        """Nothing could be scheduled although work is left."""
-        if self.held:
-            for parent in list(self.held):
-                self._finish(parent, "context")  # unpin contexts so that branches can enter
-            return []
-        waiting = [s for s in self.sequences.values() if s.status is Status.WAITING]
-        if not waiting or self.running:
-            return []
-        # An empty pool cannot hold the oldest waiting request: it can never run.
-        head = min(waiting, key=lambda s: s.id)
-        self.admission.cancel(head)
-        self._finish(head, "out_of_pages")
-        return [head.result()]
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends ``seq`` wherever it is (waiting, running or held): its request is finished
+        (publishing what it computed). Branches of a context that ended before it was computed
+        are queued whole."""
+        was = seq.status
+        sid = self._sid.pop(seq.id, None)
+        if sid is not None:
+            del self._waiting[sid]
+            self.scheduler.cancel(sid)
         if seq.req is not None:
             self.cache.finish(seq.req)
-            seq.req = None
-        was = seq.status
+            self._close(seq)
         if was is Status.RUNNING:
             self.running.remove(seq)
         elif was is Status.HELD:
             self.held.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         seq.finished_at = time.perf_counter()
-        self._generators.pop(seq.id, None)
+        seq.generator = None
         if was is not Status.HELD:
-            # A context that ended before it was computed: its branches are queued whole.
             for child in seq.children:
-                if not child.done:
-                    self._enqueue(child)
+                if not child.done and child.id not in self._sid:
+                    self.queue(child)
 
-    def _enqueue(self, seq: Sequence, again: bool = False) -> None:
-        if self.prefix_caching:
-            seq.cache_namespace = seq.namespace
-        else:
-            seq.cache_namespace = f"radixkv.no-cache.{next(self._private)}"
-        (self.admission.requeue if again else self.admission.add)(seq)
+    @staticmethod
+    def _close(seq: Sequence) -> None:
+        seq.req = None
+        seq.num_tokens = seq.num_computed = 0
+
+
+def _by_id(seq: Sequence) -> int:
+    return seq.id

@@ -2,9 +2,12 @@
 
 Requests come in through :meth:`Engine.submit` (one prompt), :meth:`Engine.branch` (N branches
 of one context) or a :class:`radixkv.Session` (multi-turn). Every :meth:`Engine.step` is one
-forward pass: pack a batch under the token budget (:mod:`radixkv.batching`: decodes, prefill
-chunks, admissions, preemption), one ``kv.plan``, one model forward, one ``kv.commit``, then
-sampling for every sequence whose whole target is now computed.
+forward pass: the :class:`~radixkv.engine.batcher.Batcher` packs a batch under the token budget
+(decodes, prefill chunks, admissions through the Rust scheduler, preemption), then one
+``kv.plan``, one model forward, one ``kv.commit``, and sampling for every sequence whose whole
+target is now computed. The engine owns the model, the KV tensors, the sequences and sampling;
+the batcher owns the queue and the cache requests. A step crosses into Rust a fixed number of
+times, however many requests it holds (admissions and ends aside, once per request).
 """
 
 from __future__ import annotations
@@ -18,12 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import radixkv
-from radixkv.admission import Admission, FcfsAdmission
-from radixkv.batching import Batching
-from radixkv.kv import KVCache
-from radixkv.sampling import sample_tokens, to_token_array
-from radixkv.sequence import Result, Sequence
+from radixkv.engine.batcher import Batcher
+from radixkv.engine.sampling import sample_tokens, to_token_array
+from radixkv.engine.sequence import Result, Sequence
+from radixkv.kv.kv_cache import KVCache
 
 
 @dataclass
@@ -41,14 +42,17 @@ class EngineStats:
     sample_s: float = 0.0
 
 
-class Engine(Batching):
+class Engine:
     """Continuous batching of generation requests over ``model`` and its paged ``kv``.
 
-    ``token_budget``: tokens computed per step at most (prefill chunks and decodes together).
-    ``max_batch``: requests per step at most. ``prefix_caching=False`` turns reuse off while
-    keeping everything else identical: each admission goes to a private namespace of its own,
-    so no prompt ever finds a cached prefix, and :meth:`branch` admits each branch whole instead
-    of forking. ``admission``: the policy object (default :class:`FcfsAdmission`).
+    ``token_budget``: tokens computed per step at most (prefill chunks and decodes together); a
+    prompt longer than that is prefilled in chunks over several steps. ``max_batch``: requests
+    per step at most. ``prefix_caching=False`` turns reuse off while keeping everything else
+    identical: each admission goes to a private namespace of its own, so no prompt ever finds a
+    cached prefix. ``policy``: the admission order of the :class:`radixkv.Scheduler` every
+    waiting request is queued in: ``"fcfs"`` (arrival order, the default), ``"lpm"`` (longest
+    cached prefix first) or ``"dfs-weight"``; ``max_wait`` bounds how many steps a request
+    waits behind others (0: no bound).
     """
 
     def __init__(
@@ -58,7 +62,8 @@ class Engine(Batching):
         token_budget: int = 2048,
         max_batch: int = 64,
         prefix_caching: bool = True,
-        admission: Admission | None = None,
+        policy: str = "fcfs",
+        max_wait: int = 256,
     ) -> None:
         for name, value in (("token_budget", token_budget), ("max_batch", max_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,14 +72,10 @@ class Engine(Batching):
         self.vocab_size: int = model.config.vocab_size
         self.token_budget, self.max_batch = token_budget, max_batch
         self.prefix_caching = prefix_caching
-        self.admission: Admission = admission if admission is not None else FcfsAdmission()
+        self.batcher = Batcher(kv.cache, token_budget, max_batch, prefix_caching, policy, max_wait)
         self.sequences: dict[int, Sequence] = {}
-        self.running: list[Sequence] = []  # by id: oldest first
-        self.held: list[Sequence] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._private = itertools.count()
-        self._generators: dict[int, torch.Generator] = {}
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -89,9 +90,14 @@ class Engine(Batching):
         priority: int = 0,
     ) -> int:
         """Queues one request; returns its id. ``temperature=0`` is greedy; generation ends at a
-        token of ``stop`` (kept in the output) or after ``max_new_tokens`` (0: prefill only)."""
-        seq = self._new(prompt, max_new_tokens, temperature, stop, namespace, seed, priority)
-        self._enqueue(seq)
+        token of ``stop`` (kept in the output) or after ``max_new_tokens`` (0: prefill only).
+        Higher ``priority`` is admitted first. Raises ``ValueError`` for bad arguments and for a
+        request the pool could never hold (prompt and output together, but the last token)."""
+        arr = to_token_array(prompt, "prompt", self.vocab_size)
+        _check_params(max_new_tokens, temperature)
+        self.batcher.check_fits("prompt", len(arr), max_new_tokens)
+        seq = self._new(arr, max_new_tokens, temperature, stop, namespace, seed, priority)
+        self.batcher.queue(seq)
         return seq.id
 
     def branch(
@@ -106,32 +112,27 @@ class Engine(Batching):
     ) -> list[int]:
         """N branches (sub-agents, samples) from one context: branch ``i`` is the request
         ``context + suffixes[i]`` (an empty suffix samples from the context itself), with seed
-        ``seed + i``. The context is computed once; each branch then starts from
-        ``cache.fork`` of it, sharing its pages without copying. Returns the branch ids."""
+        ``seed + i``. The context is computed once and held; the branches are then admitted
+        and find every full page of it cached. Returns the branch ids. Checks every branch
+        (as :meth:`submit` does) before queueing anything."""
         ctx = to_token_array(context, "context", self.vocab_size)
         if len(suffixes) == 0:
             raise ValueError("suffixes must hold at least one branch, got none")
-        parts = [
-            to_token_array(s, f"suffixes[{i}]", self.vocab_size, allow_empty=True)
-            for i, s in enumerate(suffixes)
-        ]
+        _check_params(max_new_tokens, temperature)
+        prompts = []
+        for i, s in enumerate(suffixes):
+            part = to_token_array(s, f"suffixes[{i}]", self.vocab_size, allow_empty=True)
+            prompts.append(np.concatenate([ctx, part]))
+            self.batcher.check_fits(f"branch {i}", len(prompts[-1]), max_new_tokens)
         parent = None
         if self.prefix_caching:
             parent = self._new(ctx, 0, 0.0, (), namespace, seed, 0)
-            self._enqueue(parent)
+            self.batcher.queue(parent)
         ids = []
-        for i, part in enumerate(parts):
-            seq = self._new(
-                np.concatenate([ctx, part]),
-                max_new_tokens,
-                temperature,
-                stop,
-                namespace,
-                seed + i,
-                0,
-            )
+        for i, prompt in enumerate(prompts):
+            seq = self._new(prompt, max_new_tokens, temperature, stop, namespace, seed + i, 0)
             if parent is None:
-                self._enqueue(seq)
+                self.batcher.queue(seq)
             else:
                 seq.parent = parent  # queued once the context is computed
                 parent.children.append(seq)
@@ -143,8 +144,7 @@ class Engine(Batching):
         seq = self.sequences[seq_id]
         if seq.done:
             return False
-        self.admission.cancel(seq)
-        self._finish(seq, "cancelled")
+        self.batcher.finish(seq, "cancelled")
         return True
 
     def result(self, seq_id: int) -> Result:
@@ -154,7 +154,7 @@ class Engine(Batching):
     @property
     def has_work(self) -> bool:
         """Whether any request waits, runs or is held."""
-        return bool(self.running or self.held or len(self.admission))
+        return self.batcher.has_work
 
     def run(self, ids: Iterable[int] | None = None) -> list[Result]:
         """Steps until the requests ``ids`` (default: every request) have finished; returns
@@ -175,10 +175,12 @@ class Engine(Batching):
 
     def step(self) -> list[Result]:
         """One forward pass; returns the results of the requests it finished."""
+        st = self.stats
         t0 = time.perf_counter()
-        batch = self._schedule()
+        batch = self.batcher.next_batch()
         t1 = time.perf_counter()
-        self.stats.schedule_s += t1 - t0
+        st.schedule_s += t1 - t0
+        st.preemptions = self.batcher.preemptions
         if not batch:
             return self._stalled()
         step = self.kv.plan([s.req for s in batch])
@@ -186,9 +188,8 @@ class Engine(Batching):
         logits = self.model(step)
         self.kv.commit(step)
         t3 = time.perf_counter()
-        finished = self._sample(batch, step, logits)
+        finished = self._sample(batch, logits)
         t4 = time.perf_counter()
-        st = self.stats
         st.steps += 1
         st.tokens += step.num_tokens
         st.max_step_tokens = max(st.max_step_tokens, step.num_tokens)
@@ -200,49 +201,55 @@ class Engine(Batching):
         )
         return finished
 
-    def _sample(self, batch: list[Sequence], step: radixkv.Step, logits: torch.Tensor):
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[Result]:
+        """Accounts the committed tokens, samples where a target is computed, ends sequences."""
         ready = []
         for b, seq in enumerate(batch):
-            q = step.q_len_list[b]
+            q = seq.num_tokens - seq.num_computed
+            seq.num_computed = seq.num_tokens  # what kv.commit just recorded
             seq.total_computed_tokens += q
             if seq.first_token_at is None:
                 seq.computed_tokens += q
-            if step.kv_len_list[b] == len(seq.target):
+            if seq.num_tokens == seq.target_len:
                 ready.append(b)
         if not ready:
             return []
         seqs = [batch[b] for b in ready]
-        tokens = sample_tokens(logits[ready], seqs, self._generator)
+        tokens = sample_tokens(logits[ready], seqs)
         now = time.perf_counter()
         finished = []
         for seq, tok in zip(seqs, tokens):
             if seq.max_new_tokens == 0:
                 if seq.children:
-                    self._hold(seq)
-                else:
-                    self._finish(seq, "length")
-                    finished.append(seq.result())
-                continue
-            seq.record_token(tok, now)
+                    self.batcher.hold(seq)
+                    continue
+                seq.finish_reason = "length"
+            else:
+                seq.record_token(tok, now)
             if seq.finish_reason is not None:
-                self._finish(seq, seq.finish_reason)
+                self.batcher.finish(seq, seq.finish_reason)
                 finished.append(seq.result())
         return finished
+
+    def _stalled(self) -> list[Result]:
+        """Nothing could be scheduled although work may be left: held contexts pin pages that
+        their branches need, so they are released. Anything else would be a bug: every queued
+        request fits the pool alone, and the scheduler admits the first one while it does."""
+        if self.batcher.release_held():
+            return []
+        if self.batcher.num_waiting and not self.batcher.running:
+            raise RuntimeError(
+                f"{self.batcher.num_waiting} requests wait and none could be admitted into an "
+                "idle pool (engine bug)"
+            )
+        return []
 
     # ---- helpers ----------------------------------------------------------------------------
 
     def _new(self, prompt, max_new_tokens, temperature, stop, namespace, seed, priority):
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 0
-        ):
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
         seq = Sequence(
             id=next(self._ids),
-            prompt=to_token_array(prompt, "prompt", self.vocab_size),
+            prompt=prompt,
             max_new_tokens=max_new_tokens,
             temperature=float(temperature),
             stop=frozenset(int(t) for t in stop),
@@ -253,8 +260,11 @@ class Engine(Batching):
         self.sequences[seq.id] = seq
         return seq
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        gen = self._generators.get(seq.id)
-        if gen is None:
-            gen = self._generators[seq.id] = torch.Generator().manual_seed(seq.seed)
-        return gen
+
+def _check_params(max_new_tokens: int, temperature: float) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")

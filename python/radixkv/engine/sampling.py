@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -10,7 +9,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from radixkv.sequence import Sequence
+    from radixkv.engine.sequence import Sequence
 
 
 def to_token_array(
@@ -38,11 +37,14 @@ def to_token_array(
     return arr.astype(np.uint32, copy=False)
 
 
-def sample_tokens(
-    logits: torch.Tensor,
-    seqs: list[Sequence],
-    generator: Callable[[Sequence], torch.Generator],
-) -> list[int]:
+def generator_of(seq: Sequence) -> torch.Generator:
+    """``seq``'s own generator, seeded with ``seq.seed`` on first use."""
+    if seq.generator is None:
+        seq.generator = torch.Generator().manual_seed(seq.seed)
+    return seq.generator
+
+
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of ``logits [N, vocab]``: argmax where the row's sequence has
     temperature 0, else a draw from ``softmax(logits / temperature)`` with that sequence's own
     generator (so a request's samples do not depend on what it was batched with)."""
@@ -52,5 +54,5 @@ def sample_tokens(
         rows = logits[hot].float().cpu()
         for j, i in enumerate(hot):
             probs = torch.softmax(rows[j] / seqs[i].temperature, dim=-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=generator(seqs[i])))
+            tokens[i] = int(torch.multinomial(probs, 1, generator=generator_of(seqs[i])))
     return tokens

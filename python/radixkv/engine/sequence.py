@@ -10,7 +10,9 @@ token once it is known. Its cache ``Request`` holds a prefix of the target:
 ```
 
 Each step computes the pending tokens; once ``num_tokens == len(target)`` the step's logits
-belong to the target's last token and the next token is sampled.
+belong to the target's last token and the next token is sampled. The sequence keeps its own copy
+of ``num_tokens`` and ``num_computed`` (set at admission, advanced by what the engine extends and
+commits), so the per-step loops never read them back from the cache.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
     import radixkv
 
 
@@ -43,8 +47,8 @@ class Result:
     ``cached_tokens``: prompt tokens whose KV came from the cache at its first admission.
     ``computed_tokens``: tokens computed until the first token was sampled (the prefill work,
     recomputation after a preemption included); ``total_computed_tokens`` adds decode steps.
-    ``finish_reason``: ``"stop"``, ``"length"``, ``"cancelled"``, ``"out_of_pages"`` (the request
-    alone needs more pages than the pool has) or ``"context"`` (a branch context).
+    ``finish_reason``: ``"stop"``, ``"length"``, ``"cancelled"`` or ``"context"`` (a branch
+    context). A request the pool could never hold is refused when it is submitted.
     """
 
     id: int
@@ -78,6 +82,9 @@ class Sequence:
     cache_namespace: str | bytes | None = None
     status: Status = Status.WAITING
     req: radixkv.Request | None = None
+    #: ``req.num_tokens`` and ``req.num_computed``, tracked here (0 while no request is open).
+    num_tokens: int = 0
+    num_computed: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     admissions: int = 0
@@ -88,6 +95,8 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+    #: This sequence's own random generator (temperature sampling), made on first use.
+    generator: torch.Generator | None = field(default=None, repr=False)
     _target: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -97,6 +106,16 @@ class Sequence:
             out = np.asarray(self.output, dtype=np.uint32)
             self._target = np.concatenate([self.prompt, out])
         return self._target
+
+    @property
+    def target_len(self) -> int:
+        """``len(target)``, without building the target."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        """Tokens it may still generate."""
+        return max(self.max_new_tokens - len(self.output), 0)
 
     @property
     def done(self) -> bool:

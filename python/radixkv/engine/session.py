@@ -18,17 +18,17 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from radixkv.engine import Engine
-from radixkv.sampling import to_token_array
-from radixkv.sequence import Result
+from radixkv.engine.engine import Engine
+from radixkv.engine.sampling import to_token_array
+from radixkv.engine.sequence import Result
 
 
 class Session:
     """A conversation: ``history`` (uint32 token ids) grows with every message and reply.
 
     ``send`` runs one turn to completion and appends the reply; ``append`` adds tokens that need
-    no reply (tool output); ``branch`` runs N sub-agents from the current history (forked from its
-    cached KV) without changing it; ``fork`` starts a diverging copy of the conversation.
+    no reply (tool output); ``branch`` runs N sub-agents from the current history (which they all
+    find cached) without changing it; ``fork`` starts a diverging copy of the conversation.
     """
 
     def __init__(

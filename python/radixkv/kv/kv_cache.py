@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import radixkv
-from radixkv.step import Step
+from radixkv.kv.step import Step
 
 #: Element types the pool may hold.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -134,11 +134,11 @@ class KVCache:
         return Step(self, list(requests), plan)
 
     def commit(self, step: Step) -> None:
-        """Marks the KV of every token planned in ``step`` as written (publishing full pages)."""
+        """Marks the KV of every token planned in ``step`` as written (publishing full pages).
+        One call into Rust for the whole step (``commit_many``: all requests or none)."""
         if step.kv is not self:
             raise ValueError("step was planned by another KVCache")
-        for req, end in zip(step.requests, step.kv_len_list):
-            self.cache.commit(req, end)
+        self.cache.commit_many(step.requests, step.kv_len_list)
 
     def __repr__(self) -> str:
         return (

@@ -19,7 +19,7 @@ a lone fresh prefill uses SDPA's own ``is_causal``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -27,11 +27,26 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     import radixkv
-    from radixkv.kv import KVCache
 
 _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 #: SDPA broadcasts KV heads over query groups itself from torch 2.5 on.
 _SDPA_GQA = _VERSION >= (2, 5)
+
+
+class Pool(Protocol):
+    """What a step needs of its :class:`~radixkv.KVCache`: the pools and their shape."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def gather_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch tensors of ``rows`` slot rows each for the gathered K and V."""
+        ...
 
 
 class Step:
@@ -46,7 +61,7 @@ class Step:
     extended, finished or aborted; plan a new one after that.
     """
 
-    def __init__(self, kv: KVCache, requests: list[radixkv.Request], plan: dict[str, Any]) -> None:
+    def __init__(self, kv: Pool, requests: list[radixkv.Request], plan: dict[str, Any]) -> None:
         self.kv = kv
         self.requests = requests
         q_start: np.ndarray = plan["q_start"]

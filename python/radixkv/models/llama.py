@@ -21,8 +21,8 @@ from radixkv.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, dense_c
 
 if TYPE_CHECKING:
     import radixkv
-    from radixkv.kv import KVCache
-    from radixkv.step import Step
+    from radixkv.kv.kv_cache import KVCache
+    from radixkv.kv.step import Step
 
 #: ``attend(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]`` for one layer.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -130,7 +130,7 @@ class CausalLM(nn.Module):
         device: str | torch.device | None = None,
     ) -> KVCache:
         """A :class:`radixkv.KVCache` shaped for this model (its dtype and device by default)."""
-        from radixkv.kv import KVCache
+        from radixkv.kv.kv_cache import KVCache
 
         p = self.embed_tokens.weight
         cfg = self.config

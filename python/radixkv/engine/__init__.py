@@ -1,0 +1,17 @@
+"""Continuous batching over the prefix cache: requests in, tokens out.
+
+- :class:`Engine` (:mod:`radixkv.engine.engine`): owns the model, the KV tensors, the sequences
+  and sampling; one forward pass per :meth:`Engine.step`.
+- :class:`Batcher` (:mod:`radixkv.engine.batcher`): the step packer: the waiting queue (the Rust
+  ``Scheduler``), running and held sequences, chunked prefill, preemption.
+- :class:`Sequence` / :class:`Result` (:mod:`radixkv.engine.sequence`): one request's state and
+  its report; :mod:`radixkv.engine.sampling`: token validation and sampling.
+- :class:`Session` (:mod:`radixkv.engine.session`): a multi-turn conversation on an engine.
+"""
+
+from radixkv.engine.batcher import Batcher
+from radixkv.engine.engine import Engine, EngineStats
+from radixkv.engine.sequence import Result, Sequence, Status
+from radixkv.engine.session import Session
+
+__all__ = ["Batcher", "Engine", "EngineStats", "Result", "Sequence", "Session", "Status"]
