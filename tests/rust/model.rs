@@ -2,11 +2,14 @@
 //! model that follows docs/SEMANTICS.md literally, page by page. After every step the results
 //! (errors included), the stats and every live request's view must agree, and `check()` must pass.
 //!
-//! The models know nothing of trees, lists of nodes or hashes:
+//! The request life cycle ("Shared by both caches": admit, extend, commit, publishing, finish,
+//! abort, the batched calls, stats, the argument checks) is written once, in [`Model`], over a
+//! [`NaiveIndex`]. The two naive index parts hold only what differs, and know nothing of trees,
+//! lists of nodes or hashes:
 //! - radix: a map `(namespace, tokens[0 : (k+1) P]) -> (page, last use)`, pins recomputed from the
 //!   live requests' published prefixes, a logical clock, a set of free ids (smallest first);
-//! - block: a map `(namespace, prefix tokens) -> page` standing for the hash map, refcounts, and
-//!   the FREE / EVICTABLE lists as `VecDeque`s.
+//! - block: a map `(namespace, prefix tokens) -> page` standing for the hash map, refcounts, the
+//!   FREE / EVICTABLE lists as `VecDeque`s, and the stored pages duplicates pin.
 //!
 //! Independently of the models, a shadow of the KV pool checks the point of the whole thing: a
 //! commit writes (a digest of) each token's KV into its slot, only in pages no other live request
@@ -47,9 +50,9 @@ fn kind(e: &Error) -> Ek {
     }
 }
 
-/// A live request of a model.
+/// A request of a model; `ext` is what the index part keeps of it.
 #[derive(Debug, Clone)]
-struct MReq {
+struct MReq<E> {
     tokens: Vec<u32>,
     ns: Namespace,
     pages: Vec<u32>,
@@ -57,8 +60,17 @@ struct MReq {
     num_computed: usize,
     /// Page-aligned prefix this request has published (starts at `num_cached`).
     published: usize,
-    /// Block model only: `(position, stored page)` pinned in place of a private duplicate.
-    stored: Vec<(usize, u32)>,
+    ext: E,
+}
+
+/// A model's requests by model id; a closed request leaves `None`.
+type Live<E> = [Option<MReq<E>>];
+
+/// A batch entry as a model sees it: one of its requests (live or closed), or another cache's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Who {
+    Req(usize),
+    Foreign,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -69,228 +81,183 @@ struct Counters {
     evicted: u64,
 }
 
-trait Model {
-    fn admit(&mut self, tokens: &[u32], ns: &Namespace) -> Result<usize, Ek>;
-    fn extend(&mut self, r: usize, tokens: &[u32]) -> Result<(), Ek>;
-    fn commit(&mut self, r: usize, c: usize) -> Result<(), Ek>;
-    fn finish(&mut self, r: usize);
-    fn abort(&mut self, r: usize);
-    fn match_prefix(&self, tokens: &[u32], ns: &Namespace) -> Result<usize, Ek>;
-    fn evict(&mut self, k: usize) -> usize;
-    fn stats(&self) -> CacheStats;
-    fn req(&self, r: usize) -> &MReq;
-    fn fork(&mut self, r: usize) -> Result<usize, Ek> {
-        let (t, ns) = (self.req(r).tokens.clone(), self.req(r).ns.clone());
-        self.admit(&t, &ns)
-    }
-    fn reset(&mut self) -> usize {
-        self.evict(usize::MAX)
-    }
-}
-
 fn limit(n: usize, p: usize) -> usize {
     (n - 1) / p * p
-}
-
-fn commit_args(r: &MReq, c: usize) -> Result<(), Ek> {
-    if c > r.tokens.len() || c < r.num_computed {
-        Err(Ek::Invalid)
-    } else {
-        Ok(())
-    }
 }
 
 fn key(ns: &Namespace, tokens: &[u32], end: usize) -> Key {
     (ns.clone(), tokens[..end].to_vec())
 }
 
-// ---------------------------------------------------------------------------------- radix model
+// ------------------------------------------------------------------------ the life cycle, once
 
-struct RadixModel {
+/// What the two naive models differ in. [`Model`] calls these with arguments it has checked.
+trait NaiveIndex {
+    /// What the index part keeps of a live request.
+    type Ext: std::fmt::Debug + Default;
+    fn new(num_pages: usize, page_size: usize) -> Self;
+    /// Pages holding nothing.
+    fn free(&self) -> usize;
+    /// Index pages no live request pins.
+    fn evictable(&self, live: &Live<Self::Ext>) -> usize;
+    /// The page the index holds under `key`.
+    fn page(&self, key: &Key) -> Option<u32>;
+    /// Whether the index page `page`, held under `key`, is evictable now.
+    fn is_evictable(&self, key: &Key, page: u32, live: &Live<Self::Ext>) -> bool;
+    /// A request being admitted pins the index pages it matched.
+    fn pin(&mut self, matched: &[u32]);
+    /// The request used its pinned prefix: admitted, published more of it, or is closing.
+    fn touch(&mut self, r: &MReq<Self::Ext>);
+    /// `page` enters the index under `key`.
+    fn enter(&mut self, key: Key, page: u32);
+    /// The request's page `k` duplicates the index page `stored`, which it pins in its place.
+    fn pin_duplicate(&mut self, ext: &mut Self::Ext, k: usize, stored: u32);
+    /// Takes `count` pages (available, checked), evicting as needed; returns them and how many
+    /// pages it evicted.
+    fn allocate(&mut self, count: usize, live: &Live<Self::Ext>) -> (Vec<u32>, usize);
+    /// Unpins a closed request's pages and frees those the index does not hold.
+    fn release(&mut self, r: MReq<Self::Ext>);
+    /// Evicts up to `k` pages in eviction order; returns how many.
+    fn evict(&mut self, k: usize, live: &Live<Self::Ext>) -> usize;
+}
+
+/// A naive prefix cache: the life cycle of SEMANTICS.md over the index part `I`.
+struct Model<I: NaiveIndex> {
     p: usize,
     n: usize,
-    /// `(namespace, tokens[0 : (k+1) P]) -> (page, last-use time)`.
-    index: BTreeMap<Key, (u32, u64)>,
-    free: BTreeSet<u32>,
-    clock: u64,
-    reqs: Vec<Option<MReq>>,
+    index: I,
+    live: Vec<Option<MReq<I::Ext>>>,
     c: Counters,
 }
 
-impl RadixModel {
+impl<I: NaiveIndex> Model<I> {
     fn new(n: usize, p: usize) -> Self {
-        RadixModel {
+        Model {
             p,
             n,
-            index: BTreeMap::new(),
-            free: (0..n as u32).collect(),
-            clock: 0,
-            reqs: Vec::new(),
+            index: I::new(n, p),
+            live: Vec::new(),
             c: Counters::default(),
         }
     }
 
-    /// Some live request's published prefix covers `k`.
-    fn pinned(&self, k: &Key) -> bool {
-        self.reqs
-            .iter()
-            .flatten()
-            .any(|r| r.ns == k.0 && r.published >= k.1.len() && r.tokens[..k.1.len()] == k.1[..])
+    fn req(&self, r: usize) -> &MReq<I::Ext> {
+        self.live[r].as_ref().unwrap()
     }
 
-    fn num_evictable(&self) -> usize {
-        self.index.keys().filter(|k| !self.pinned(k)).count()
-    }
-
-    /// No key in the index extends `k` by exactly one page.
-    fn is_leaf(&self, k: &Key) -> bool {
-        let len = k.1.len();
-        !self
-            .index
-            .keys()
-            .any(|o| o.0 == k.0 && o.1.len() == len + self.p && o.1[..len] == k.1[..])
-    }
-
-    /// Evicts the unpinned leaf page with the smallest last-use time.
-    fn evict_one(&mut self) -> bool {
-        let mut cands: Vec<(u64, Key)> = self
-            .index
-            .iter()
-            .filter(|(k, _)| !self.pinned(k) && self.is_leaf(k))
-            .map(|(k, &(_, t))| (t, k.clone()))
-            .collect();
-        if cands.is_empty() {
-            return false;
+    fn get(&self, who: Who) -> Result<&MReq<I::Ext>, Ek> {
+        match who {
+            Who::Foreign => Err(Ek::Foreign),
+            Who::Req(r) => self.live[r].as_ref().ok_or(Ek::Closed),
         }
-        cands.sort();
-        if cands.len() > 1 {
-            // SEMANTICS.md: two different leaf pages never share a time.
-            assert_ne!(cands[0].0, cands[1].0, "model: two leaf pages share a time");
-        }
-        let (page, _) = self.index.remove(&cands[0].1).unwrap();
-        self.free.insert(page);
-        self.c.evicted += 1;
-        true
     }
 
-    fn matched(&self, tokens: &[u32], ns: &Namespace) -> usize {
+    /// The index pages of the longest prefix of `tokens` within the match limit, page by page.
+    fn found(&self, tokens: &[u32], ns: &Namespace) -> Vec<u32> {
         let (p, lim) = (self.p, limit(tokens.len(), self.p));
-        let mut m = 0;
-        while m + p <= lim && self.index.contains_key(&key(ns, tokens, m + p)) {
-            m += p;
-        }
-        m
-    }
-
-    /// A new tick for every page of request `r`'s pinned (published) prefix.
-    fn stamp(&mut self, r: usize) {
-        self.clock += 1;
-        let req = self.reqs[r].as_ref().unwrap();
-        let keys: Vec<Key> = (1..=req.published / self.p)
-            .map(|k| key(&req.ns, &req.tokens, k * self.p))
-            .collect();
-        for k in keys {
-            self.index
-                .get_mut(&k)
-                .expect("model: pinned page missing")
-                .1 = self.clock;
-        }
-    }
-
-    /// Evicts what is missing, then takes the smallest free ids one by one.
-    fn allocate(&mut self, count: usize) -> Vec<u32> {
-        for _ in 0..count.saturating_sub(self.free.len()) {
-            assert!(self.evict_one(), "model: capacity was checked");
-        }
-        (0..count).map(|_| self.free.pop_first().unwrap()).collect()
-    }
-
-    fn publish(&mut self, r: usize, upto: usize) {
-        let p = self.p;
-        let req = self.reqs[r].as_ref().unwrap();
-        let (first, last) = (req.published / p, upto / p);
-        if last <= first {
-            return;
-        }
-        let new: Vec<(Key, u32)> = (first..last)
-            .map(|k| (key(&req.ns, &req.tokens, (k + 1) * p), req.pages[k]))
-            .collect();
-        for (k, page) in new {
-            // A page the index holds already stays private to the request (a duplicate).
-            self.index.entry(k).or_insert((page, 0));
-        }
-        self.reqs[r].as_mut().unwrap().published = last * p;
-        self.stamp(r);
-    }
-
-    fn release(&mut self, r: usize) {
-        self.stamp(r);
-        let req = self.reqs[r].take().unwrap();
-        let held: BTreeSet<u32> = self.index.values().map(|v| v.0).collect();
-        for page in req.pages {
-            if !held.contains(&page) {
-                assert!(self.free.insert(page), "model: page {page} freed twice");
+        let mut pages = Vec::new();
+        while (pages.len() + 1) * p <= lim {
+            match self.index.page(&key(ns, tokens, (pages.len() + 1) * p)) {
+                Some(page) => pages.push(page),
+                None => break,
             }
         }
+        pages
     }
-}
 
-impl Model for RadixModel {
+    fn out_of_pages(&self, needed: usize, pinned: usize) -> Result<(), Ek> {
+        let available = self.index.free() + self.index.evictable(&self.live) - pinned;
+        if needed > available {
+            return Err(Ek::OutOfPages { needed, available });
+        }
+        Ok(())
+    }
+
     fn admit(&mut self, tokens: &[u32], ns: &Namespace) -> Result<usize, Ek> {
         if tokens.is_empty() {
             return Err(Ek::Invalid);
         }
         let p = self.p;
-        let m = self.matched(tokens, ns);
+        let matched = self.found(tokens, ns);
+        let m = matched.len() * p;
         let needed = tokens.len().div_ceil(p) - m / p;
-        let pinned_by_match = (1..=m / p)
-            .filter(|&k| !self.pinned(&key(ns, tokens, k * p)))
+        let e = (0..matched.len())
+            .filter(|&k| {
+                let at = key(ns, tokens, (k + 1) * p);
+                self.index.is_evictable(&at, matched[k], &self.live)
+            })
             .count();
-        let available = self.free.len() + self.num_evictable() - pinned_by_match;
-        if needed > available {
-            return Err(Ek::OutOfPages { needed, available });
-        }
-        let mut pages: Vec<u32> = (1..=m / p)
-            .map(|k| self.index[&key(ns, tokens, k * p)].0)
-            .collect();
-        self.reqs.push(Some(MReq {
+        self.out_of_pages(needed, e)?;
+        self.index.pin(&matched);
+        self.live.push(Some(MReq {
             tokens: tokens.to_vec(),
             ns: ns.clone(),
-            pages: Vec::new(),
+            pages: matched,
             num_cached: m,
             num_computed: m,
             published: m,
-            stored: Vec::new(),
+            ext: I::Ext::default(),
         }));
-        let r = self.reqs.len() - 1;
-        self.stamp(r);
-        pages.extend(self.allocate(needed));
-        self.reqs[r].as_mut().unwrap().pages = pages;
+        let r = self.live.len() - 1;
+        self.index.touch(self.live[r].as_ref().unwrap());
+        let (new, evicted) = self.index.allocate(needed, &self.live);
+        self.live[r].as_mut().unwrap().pages.extend(new);
+        self.c.evicted += evicted as u64;
         self.c.queries += 1;
         self.c.query_tokens += tokens.len() as u64;
         self.c.hit_tokens += m as u64;
         Ok(r)
     }
 
+    fn fork(&mut self, r: usize) -> Result<usize, Ek> {
+        let (t, ns) = (self.req(r).tokens.clone(), self.req(r).ns.clone());
+        self.admit(&t, &ns)
+    }
+
     fn extend(&mut self, r: usize, tokens: &[u32]) -> Result<(), Ek> {
-        let req = self.reqs[r].as_ref().unwrap();
+        let req = self.req(r);
         let needed = (req.tokens.len() + tokens.len()).div_ceil(self.p) - req.pages.len();
-        let available = self.free.len() + self.num_evictable();
-        if needed > available {
-            return Err(Ek::OutOfPages { needed, available });
-        }
-        let new = self.allocate(needed);
-        let req = self.reqs[r].as_mut().unwrap();
+        self.out_of_pages(needed, 0)?;
+        let (new, evicted) = self.index.allocate(needed, &self.live);
+        self.c.evicted += evicted as u64;
+        let req = self.live[r].as_mut().unwrap();
         req.pages.extend(new);
         req.tokens.extend_from_slice(tokens);
         Ok(())
     }
 
+    fn commit_args(r: &MReq<I::Ext>, c: usize) -> Result<(), Ek> {
+        if c > r.tokens.len() || c < r.num_computed {
+            return Err(Ek::Invalid);
+        }
+        Ok(())
+    }
+
     fn commit(&mut self, r: usize, c: usize) -> Result<(), Ek> {
-        commit_args(self.req(r), c)?;
-        self.reqs[r].as_mut().unwrap().num_computed = c;
+        Self::commit_args(self.req(r), c)?;
+        self.live[r].as_mut().unwrap().num_computed = c;
         self.publish(r, c / self.p * self.p);
         Ok(())
+    }
+
+    /// Publishes the full pages of `r` below `upto` not published yet, in order.
+    fn publish(&mut self, r: usize, upto: usize) {
+        let p = self.p;
+        let req = self.live[r].as_mut().unwrap();
+        let (first, last) = (req.published / p, upto / p);
+        if last <= first {
+            return;
+        }
+        for k in first..last {
+            let at = key(&req.ns, &req.tokens, (k + 1) * p);
+            match self.index.page(&at) {
+                // The index keeps its page; the request's stays private (a duplicate).
+                Some(stored) => self.index.pin_duplicate(&mut req.ext, k, stored),
+                None => self.index.enter(at, req.pages[k]),
+            }
+        }
+        req.published = last * p;
+        self.index.touch(req);
     }
 
     fn finish(&mut self, r: usize) {
@@ -303,23 +270,71 @@ impl Model for RadixModel {
         self.release(r);
     }
 
+    fn release(&mut self, r: usize) {
+        let req = self.live[r].take().unwrap();
+        self.index.touch(&req);
+        self.index.release(req);
+    }
+
     fn match_prefix(&self, tokens: &[u32], ns: &Namespace) -> Result<usize, Ek> {
         if tokens.is_empty() {
             return Err(Ek::Invalid);
         }
-        Ok(self.matched(tokens, ns))
+        Ok(self.found(tokens, ns).len() * self.p)
     }
 
     fn evict(&mut self, k: usize) -> usize {
-        let mut done = 0;
-        while done < k && self.evict_one() {
-            done += 1;
-        }
+        let done = self.index.evict(k, &self.live);
+        self.c.evicted += done as u64;
         done
     }
 
+    fn reset(&mut self) -> usize {
+        self.evict(usize::MAX)
+    }
+
+    /// Every request of a batch is live, of this cache, and named once.
+    fn check_batch(&self, batch: impl Iterator<Item = Who>) -> Result<(), Ek> {
+        let mut seen = Vec::new();
+        for who in batch {
+            self.get(who)?;
+            if seen.contains(&who) {
+                return Err(Ek::Invalid);
+            }
+            seen.push(who);
+        }
+        Ok(())
+    }
+
+    /// Checks every request first, then extends in order up to the first `OutOfPages`.
+    fn extend_many(&mut self, batch: &[(Who, Vec<u32>)]) -> Result<usize, Ek> {
+        self.check_batch(batch.iter().map(|b| b.0))?;
+        for (done, (who, t)) in batch.iter().enumerate() {
+            let Who::Req(r) = *who else { unreachable!() };
+            match self.extend(r, t) {
+                Ok(()) => {}
+                Err(Ek::OutOfPages { .. }) => return Ok(done),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(batch.len())
+    }
+
+    /// Checks every pair as `commit` does, and distinct requests, first; then commits in order.
+    fn commit_many(&mut self, batch: &[(Who, usize)]) -> Result<(), Ek> {
+        self.check_batch(batch.iter().map(|b| b.0))?;
+        for &(who, c) in batch {
+            Self::commit_args(self.get(who)?, c)?;
+        }
+        for &(who, c) in batch {
+            let Who::Req(r) = who else { unreachable!() };
+            self.commit(r, c)?;
+        }
+        Ok(())
+    }
+
     fn stats(&self) -> CacheStats {
-        let (free, evictable) = (self.free.len(), self.num_evictable());
+        let (free, evictable) = (self.index.free(), self.index.evictable(&self.live));
         CacheStats {
             num_pages: self.n,
             page_size: self.p,
@@ -332,106 +347,158 @@ impl Model for RadixModel {
             evicted_pages: self.c.evicted,
         }
     }
+}
 
-    fn req(&self, r: usize) -> &MReq {
-        self.reqs[r].as_ref().unwrap()
+// ---------------------------------------------------------------------------------- radix part
+
+struct RadixPart {
+    p: usize,
+    /// `(namespace, tokens[0 : (k+1) P]) -> (page, last-use time)`.
+    map: BTreeMap<Key, (u32, u64)>,
+    free: BTreeSet<u32>,
+    clock: u64,
+}
+
+impl RadixPart {
+    /// Some live request's published prefix covers `k`.
+    fn pinned(k: &Key, live: &Live<()>) -> bool {
+        live.iter()
+            .flatten()
+            .any(|r| r.ns == k.0 && r.published >= k.1.len() && r.tokens[..k.1.len()] == k.1[..])
+    }
+
+    /// No key in the index extends `k` by exactly one page.
+    fn is_leaf(&self, k: &Key) -> bool {
+        let len = k.1.len();
+        !self
+            .map
+            .keys()
+            .any(|o| o.0 == k.0 && o.1.len() == len + self.p && o.1[..len] == k.1[..])
+    }
+
+    /// Evicts the unpinned leaf page with the smallest last-use time.
+    fn evict_one(&mut self, live: &Live<()>) -> bool {
+        let mut cands: Vec<(u64, Key)> = self
+            .map
+            .iter()
+            .filter(|(k, _)| !Self::pinned(k, live) && self.is_leaf(k))
+            .map(|(k, &(_, t))| (t, k.clone()))
+            .collect();
+        if cands.is_empty() {
+            return false;
+        }
+        cands.sort();
+        if cands.len() > 1 {
+            // SEMANTICS.md: two different leaf pages never share a time.
+            assert_ne!(cands[0].0, cands[1].0, "model: two leaf pages share a time");
+        }
+        let (page, _) = self.map.remove(&cands[0].1).unwrap();
+        self.free.insert(page);
+        true
     }
 }
 
-// ---------------------------------------------------------------------------------- block model
+impl NaiveIndex for RadixPart {
+    type Ext = ();
 
-struct BlockModel {
-    p: usize,
-    n: usize,
+    fn new(n: usize, p: usize) -> Self {
+        RadixPart {
+            p,
+            map: BTreeMap::new(),
+            free: (0..n as u32).collect(),
+            clock: 0,
+        }
+    }
+
+    fn free(&self) -> usize {
+        self.free.len()
+    }
+
+    fn evictable(&self, live: &Live<()>) -> usize {
+        self.map.keys().filter(|k| !Self::pinned(k, live)).count()
+    }
+
+    fn page(&self, key: &Key) -> Option<u32> {
+        self.map.get(key).map(|v| v.0)
+    }
+
+    fn is_evictable(&self, key: &Key, _page: u32, live: &Live<()>) -> bool {
+        !Self::pinned(key, live)
+    }
+
+    /// Nothing to record: pins are recomputed from the live requests.
+    fn pin(&mut self, _matched: &[u32]) {}
+
+    /// A new tick for every page of the request's pinned (published) prefix.
+    fn touch(&mut self, r: &MReq<()>) {
+        self.clock += 1;
+        for k in 1..=r.published / self.p {
+            let at = key(&r.ns, &r.tokens, k * self.p);
+            self.map.get_mut(&at).expect("model: pinned page missing").1 = self.clock;
+        }
+    }
+
+    fn enter(&mut self, key: Key, page: u32) {
+        self.map.insert(key, (page, 0));
+    }
+
+    /// Nothing to record: the request's published prefix pins the stored page.
+    fn pin_duplicate(&mut self, _ext: &mut (), _k: usize, _stored: u32) {}
+
+    /// Evicts what is missing, then takes the smallest free ids one by one.
+    fn allocate(&mut self, count: usize, live: &Live<()>) -> (Vec<u32>, usize) {
+        let missing = count.saturating_sub(self.free.len());
+        for _ in 0..missing {
+            assert!(self.evict_one(live), "model: capacity was checked");
+        }
+        let pages = (0..count).map(|_| self.free.pop_first().unwrap()).collect();
+        (pages, missing)
+    }
+
+    fn release(&mut self, r: MReq<()>) {
+        let held: BTreeSet<u32> = self.map.values().map(|v| v.0).collect();
+        for page in r.pages {
+            if !held.contains(&page) {
+                assert!(self.free.insert(page), "model: page {page} freed twice");
+            }
+        }
+    }
+
+    fn evict(&mut self, k: usize, live: &Live<()>) -> usize {
+        let mut done = 0;
+        while done < k && self.evict_one(live) {
+            done += 1;
+        }
+        done
+    }
+}
+
+// ---------------------------------------------------------------------------------- block part
+
+struct BlockPart {
     refcount: Vec<u32>,
     /// The "hash" of a page: the key of its whole prefix.
     key_of: Vec<Option<Key>>,
     map: HashMap<Key, u32>,
     free: VecDeque<u32>,
     evictable: VecDeque<u32>,
-    reqs: Vec<Option<MReq>>,
-    c: Counters,
 }
 
-impl BlockModel {
-    fn new(n: usize, p: usize) -> Self {
-        BlockModel {
-            p,
-            n,
-            refcount: vec![0; n],
-            key_of: vec![None; n],
-            map: HashMap::new(),
-            free: (0..n as u32).collect(),
-            evictable: VecDeque::new(),
-            reqs: Vec::new(),
-            c: Counters::default(),
-        }
-    }
+/// Of a live request: `(position, stored page)` pinned in place of a private duplicate.
+type Stored = Vec<(usize, u32)>;
 
-    fn hits(&self, tokens: &[u32], ns: &Namespace) -> Vec<u32> {
-        let (p, lim) = (self.p, limit(tokens.len(), self.p));
-        let mut hits = Vec::new();
-        while (hits.len() + 1) * p <= lim {
-            match self.map.get(&key(ns, tokens, (hits.len() + 1) * p)) {
-                Some(&page) => hits.push(page),
-                None => break,
-            }
-        }
-        hits
-    }
-
+impl BlockPart {
     fn unhash(&mut self, page: u32) {
         let k = self.key_of[page as usize].take().expect("model: hashed");
         assert_eq!(self.map.remove(&k), Some(page));
     }
 
-    fn allocate(&mut self, count: usize) -> Vec<u32> {
-        (0..count)
-            .map(|_| {
-                let page = match self.free.pop_front() {
-                    Some(page) => page,
-                    None => {
-                        let page = self.evictable.pop_front().expect("model: capacity checked");
-                        self.unhash(page);
-                        self.c.evicted += 1;
-                        page
-                    }
-                };
-                self.refcount[page as usize] = 1;
-                page
-            })
-            .collect()
-    }
-
-    fn publish(&mut self, r: usize, upto: usize) {
-        let p = self.p;
-        let req = self.reqs[r].as_ref().unwrap();
-        let (first, last) = (req.published / p, upto / p);
-        if last <= first {
-            return;
+    fn pin_page(&mut self, page: u32) {
+        if self.refcount[page as usize] == 0 {
+            let at = self.evictable.iter().position(|&x| x == page).unwrap();
+            self.evictable.remove(at);
         }
-        let new: Vec<(Key, u32)> = (first..last)
-            .map(|k| (key(&req.ns, &req.tokens, (k + 1) * p), req.pages[k]))
-            .collect();
-        for (i, (k, page)) in (first..last).zip(new) {
-            match self.map.get(&k) {
-                // A page the index holds already: the request's copy stays private and it pins
-                // the stored one in its place.
-                Some(&copy) => {
-                    if self.refcount[copy as usize] == 0 {
-                        let at = self.evictable.iter().position(|&x| x == copy).unwrap();
-                        self.evictable.remove(at);
-                    }
-                    self.refcount[copy as usize] += 1;
-                    self.reqs[r].as_mut().unwrap().stored.push((i, copy));
-                }
-                None => {
-                    self.map.insert(k.clone(), page);
-                    self.key_of[page as usize] = Some(k);
-                }
-            }
-        }
-        self.reqs[r].as_mut().unwrap().published = last * p;
+        self.refcount[page as usize] += 1;
     }
 
     fn unpin(&mut self, page: u32) {
@@ -445,99 +512,89 @@ impl BlockModel {
             }
         }
     }
+}
+
+impl NaiveIndex for BlockPart {
+    type Ext = Stored;
+
+    fn new(n: usize, _p: usize) -> Self {
+        BlockPart {
+            refcount: vec![0; n],
+            key_of: vec![None; n],
+            map: HashMap::new(),
+            free: (0..n as u32).collect(),
+            evictable: VecDeque::new(),
+        }
+    }
+
+    fn free(&self) -> usize {
+        self.free.len()
+    }
+
+    fn evictable(&self, _live: &Live<Stored>) -> usize {
+        self.evictable.len()
+    }
+
+    fn page(&self, key: &Key) -> Option<u32> {
+        self.map.get(key).copied()
+    }
+
+    fn is_evictable(&self, _key: &Key, page: u32, _live: &Live<Stored>) -> bool {
+        self.refcount[page as usize] == 0
+    }
+
+    fn pin(&mut self, matched: &[u32]) {
+        for &page in matched {
+            self.pin_page(page);
+        }
+    }
+
+    /// No last-use times: eviction follows the EVICTABLE list.
+    fn touch(&mut self, _r: &MReq<Stored>) {}
+
+    fn enter(&mut self, key: Key, page: u32) {
+        self.map.insert(key.clone(), page);
+        self.key_of[page as usize] = Some(key);
+    }
+
+    fn pin_duplicate(&mut self, stored: &mut Stored, k: usize, page: u32) {
+        self.pin_page(page);
+        stored.push((k, page));
+    }
+
+    /// FREE's front page; when FREE is empty, EVICTABLE's front page (an eviction).
+    fn allocate(&mut self, count: usize, _live: &Live<Stored>) -> (Vec<u32>, usize) {
+        let mut evicted = 0;
+        let pages = (0..count)
+            .map(|_| {
+                let page = match self.free.pop_front() {
+                    Some(page) => page,
+                    None => {
+                        let page = self.evictable.pop_front().expect("model: capacity checked");
+                        self.unhash(page);
+                        evicted += 1;
+                        page
+                    }
+                };
+                self.refcount[page as usize] = 1;
+                page
+            })
+            .collect();
+        (pages, evicted)
+    }
 
     /// Last position to first; at a duplicate position the stored copy first, then the
     /// request's private page.
-    fn release(&mut self, r: usize) {
-        let req = self.reqs[r].take().unwrap();
-        for (i, &page) in req.pages.iter().enumerate().rev() {
-            if let Some(&(_, copy)) = req.stored.iter().find(|(at, _)| *at == i) {
+    fn release(&mut self, r: MReq<Stored>) {
+        for (i, &page) in r.pages.iter().enumerate().rev() {
+            if let Some(&(_, copy)) = r.ext.iter().find(|(at, _)| *at == i) {
                 self.unpin(copy);
             }
             self.unpin(page);
         }
     }
-}
 
-impl Model for BlockModel {
-    fn admit(&mut self, tokens: &[u32], ns: &Namespace) -> Result<usize, Ek> {
-        if tokens.is_empty() {
-            return Err(Ek::Invalid);
-        }
-        let hits = self.hits(tokens, ns);
-        let needed = tokens.len().div_ceil(self.p) - hits.len();
-        let pinned_by_match = hits
-            .iter()
-            .filter(|&&pg| self.refcount[pg as usize] == 0)
-            .count();
-        let available = self.free.len() + self.evictable.len() - pinned_by_match;
-        if needed > available {
-            return Err(Ek::OutOfPages { needed, available });
-        }
-        for &page in &hits {
-            if self.refcount[page as usize] == 0 {
-                let at = self.evictable.iter().position(|&x| x == page).unwrap();
-                self.evictable.remove(at);
-            }
-            self.refcount[page as usize] += 1;
-        }
-        let m = hits.len() * self.p;
-        let mut pages = hits;
-        pages.extend(self.allocate(needed));
-        self.c.queries += 1;
-        self.c.query_tokens += tokens.len() as u64;
-        self.c.hit_tokens += m as u64;
-        self.reqs.push(Some(MReq {
-            tokens: tokens.to_vec(),
-            ns: ns.clone(),
-            pages,
-            num_cached: m,
-            num_computed: m,
-            published: m,
-            stored: Vec::new(),
-        }));
-        Ok(self.reqs.len() - 1)
-    }
-
-    fn extend(&mut self, r: usize, tokens: &[u32]) -> Result<(), Ek> {
-        let req = self.req(r);
-        let needed = (req.tokens.len() + tokens.len()).div_ceil(self.p) - req.pages.len();
-        let available = self.free.len() + self.evictable.len();
-        if needed > available {
-            return Err(Ek::OutOfPages { needed, available });
-        }
-        let new = self.allocate(needed);
-        let req = self.reqs[r].as_mut().unwrap();
-        req.pages.extend(new);
-        req.tokens.extend_from_slice(tokens);
-        Ok(())
-    }
-
-    fn commit(&mut self, r: usize, c: usize) -> Result<(), Ek> {
-        commit_args(self.req(r), c)?;
-        self.reqs[r].as_mut().unwrap().num_computed = c;
-        self.publish(r, c / self.p * self.p);
-        Ok(())
-    }
-
-    fn finish(&mut self, r: usize) {
-        let c = self.req(r).num_computed;
-        self.publish(r, c / self.p * self.p);
-        self.release(r);
-    }
-
-    fn abort(&mut self, r: usize) {
-        self.release(r);
-    }
-
-    fn match_prefix(&self, tokens: &[u32], ns: &Namespace) -> Result<usize, Ek> {
-        if tokens.is_empty() {
-            return Err(Ek::Invalid);
-        }
-        Ok(self.hits(tokens, ns).len() * self.p)
-    }
-
-    fn evict(&mut self, k: usize) -> usize {
+    fn evict(&mut self, k: usize, _live: &Live<Stored>) -> usize {
         let mut done = 0;
         while done < k {
             let Some(page) = self.evictable.pop_front() else {
@@ -545,29 +602,9 @@ impl Model for BlockModel {
             };
             self.unhash(page);
             self.free.push_front(page);
-            self.c.evicted += 1;
             done += 1;
         }
         done
-    }
-
-    fn stats(&self) -> CacheStats {
-        let (free, evictable) = (self.free.len(), self.evictable.len());
-        CacheStats {
-            num_pages: self.n,
-            page_size: self.p,
-            free_pages: free,
-            evictable_pages: evictable,
-            used_pages: self.n - free - evictable,
-            queries: self.c.queries,
-            query_tokens: self.c.query_tokens,
-            hit_tokens: self.c.hit_tokens,
-            evicted_pages: self.c.evicted,
-        }
-    }
-
-    fn req(&self, r: usize) -> &MReq {
-        self.reqs[r].as_ref().unwrap()
     }
 }
 
@@ -599,6 +636,23 @@ enum Op {
     Stale(usize, u8),
     Evict(usize),
     Reset,
+    /// `extend_many` over the distinct live requests the picks name.
+    ExtendMany(Vec<(usize, Vec<u32>)>, Defect),
+    /// `commit_many` over the distinct live requests the picks name (targets as in `Commit`).
+    CommitMany(Vec<(usize, u8)>, Defect),
+}
+
+/// What spoils a batch. SEMANTICS.md does not order the batch checks, so a batch has one at most.
+#[derive(Debug, Clone)]
+enum Defect {
+    None,
+    /// Entry `j % len` named again, at position `j % (len + 1)`.
+    Repeat(usize),
+    /// A closed request (another cache's when `foreign`) at position `j % (len + 1)`.
+    Stale(usize, bool),
+    /// `commit_many` only: entry `j % len` commits above `num_tokens` (`above`) or below
+    /// `num_computed`.
+    BadTarget(usize, bool),
 }
 
 fn namespace(i: usize) -> Namespace {
@@ -620,6 +674,15 @@ fn prompt() -> impl Strategy<Value = Prompt> {
     })
 }
 
+fn defect() -> impl Strategy<Value = Defect> {
+    prop_oneof![
+        6 => Just(Defect::None),
+        1 => (0..64usize).prop_map(Defect::Repeat),
+        1 => (0..64usize, any::<bool>()).prop_map(|(j, f)| Defect::Stale(j, f)),
+        1 => (0..64usize, any::<bool>()).prop_map(|(j, a)| Defect::BadTarget(j, a)),
+    ]
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => prompt().prop_map(Op::Admit),
@@ -633,6 +696,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..64usize, 0..12u8).prop_map(|(r, w)| Op::Stale(r, w)),
         1 => (0..6usize).prop_map(Op::Evict),
         1 => Just(Op::Reset),
+        2 => (vec((0..64usize, vec(0..3u32, 1..10)), 1..5), defect())
+            .prop_map(|(b, d)| Op::ExtendMany(b, d)),
+        2 => (vec((0..64usize, any::<u8>()), 1..5), defect())
+            .prop_map(|(b, d)| Op::CommitMany(b, d)),
     ]
 }
 
@@ -690,10 +757,94 @@ fn res<T>(r: Result<T, Error>) -> Result<T, Ek> {
     r.map_err(|e| kind(&e))
 }
 
+/// The commit target of `Op::Commit`: `num_computed + frac % (left + 1)`, or all for `frac >= 192`.
+fn target<E>(r: &MReq<E>, frac: u8) -> usize {
+    let (n, done) = (r.tokens.len(), r.num_computed);
+    if frac >= 192 {
+        n
+    } else {
+        done + frac as usize % (n - done + 1)
+    }
+}
+
+/// A commit target above `num_tokens` (`above`, or when nothing is computed) or below
+/// `num_computed`.
+fn bad_target<E>(r: &MReq<E>, above: bool) -> usize {
+    if above || r.num_computed == 0 {
+        r.tokens.len() + 1
+    } else {
+        r.num_computed - 1
+    }
+}
+
+/// A batch entry: the cache's id, the model's, and the payload (tokens or a commit target).
+type Entry<T> = (RequestId, Who, T);
+
+/// The distinct live requests the picks name (the first pick of each), with their payloads.
+fn distinct<T: Clone>(picks: &[(usize, T)], live: &[(RequestId, usize)]) -> Vec<Entry<T>> {
+    let mut batch: Vec<Entry<T>> = Vec::new();
+    if live.is_empty() {
+        return batch;
+    }
+    for (i, t) in picks {
+        let (id, m) = live[i % live.len()];
+        if batch.iter().all(|e| e.0 != id) {
+            batch.push((id, Who::Req(m), t.clone()));
+        }
+    }
+    batch
+}
+
+/// Repeats an entry of `batch`, or inserts a stale one carrying `filler`, as `defect` says.
+fn spoil<T: Clone>(
+    batch: &mut Vec<Entry<T>>,
+    defect: &Defect,
+    closed: &[(RequestId, usize)],
+    foreign: RequestId,
+    filler: T,
+) {
+    let len = batch.len();
+    match *defect {
+        Defect::Repeat(j) if len > 0 => {
+            let again = batch[j % len].clone();
+            batch.insert(j % (len + 1), again);
+        }
+        Defect::Stale(j, true) => batch.insert(j % (len + 1), (foreign, Who::Foreign, filler)),
+        Defect::Stale(j, false) if !closed.is_empty() => {
+            let (id, m) = closed[j % closed.len()];
+            batch.insert(j % (len + 1), (id, Who::Req(m), filler));
+        }
+        _ => {}
+    }
+}
+
+/// Writes the KV of tokens `done..c` of `id` into their slots, which must lie in pages that no
+/// other live request holds.
+fn write_kv<C: PrefixCache>(
+    cache: &C,
+    live: &[(RequestId, usize)],
+    kv: &mut HashMap<i64, u64>,
+    (id, done, c): (RequestId, usize, usize),
+    at: &str,
+) -> Result<(), TestCaseError> {
+    let p = cache.page_size();
+    let v = cache.request(id).unwrap();
+    let digests = kv_digests(v.namespace, v.tokens);
+    for i in done..c {
+        let page = v.pages[i / p];
+        for &(o, _) in live {
+            let held = o != id && cache.request(o).unwrap().pages.contains(&page);
+            prop_assert!(!held, "{}: writes page {} another request holds", at, page);
+        }
+        kv.insert(v.slot(i), digests[i]);
+    }
+    Ok(())
+}
+
 /// Applies `ops` to the cache and the model, comparing everything after every step.
-fn run<C: PrefixCache, M: Model>(
+fn run<C: PrefixCache, I: NaiveIndex>(
     cache: &mut C,
-    model: &mut M,
+    model: &mut Model<I>,
     abc: &[u32; 3],
     bases: &[Vec<u32>],
     ops: &[Op],
@@ -701,7 +852,7 @@ fn run<C: PrefixCache, M: Model>(
     let p = cache.page_size();
     let bases: Vec<Vec<u32>> = bases.iter().map(|b| map(abc, b)).collect();
     let mut live: Vec<(RequestId, usize)> = Vec::new();
-    let mut closed: Vec<RequestId> = Vec::new();
+    let mut closed: Vec<(RequestId, usize)> = Vec::new();
     // Slot -> digest of the KV written there (a shadow of the KV pool).
     let mut kv: HashMap<i64, u64> = HashMap::new();
     let mut other = RadixCache::new(4, 1).unwrap();
@@ -754,46 +905,18 @@ fn run<C: PrefixCache, M: Model>(
             Op::Commit(i, frac) => {
                 if let Some(i) = pick(*i, &live) {
                     let (id, m) = live[i];
-                    let r = model.req(m);
-                    let (n, done) = (r.tokens.len(), r.num_computed);
-                    let c = if *frac >= 192 {
-                        n
-                    } else {
-                        done + *frac as usize % (n - done + 1)
-                    };
+                    let (done, c) = (model.req(m).num_computed, target(model.req(m), *frac));
                     let got = res(cache.commit(id, c));
                     prop_assert_eq!(&got, &model.commit(m, c), "{} to {}", at, c);
                     if got.is_ok() {
-                        // Write the KV of tokens done..c into their slots: pages that no other
-                        // live request may hold.
-                        let v = cache.request(id).unwrap();
-                        let digests = kv_digests(v.namespace, v.tokens);
-                        for i in done..c {
-                            let page = v.pages[i / p];
-                            for &(o, _) in &live {
-                                let held =
-                                    o != id && cache.request(o).unwrap().pages.contains(&page);
-                                prop_assert!(
-                                    !held,
-                                    "{}: writes page {} another request holds",
-                                    at,
-                                    page
-                                );
-                            }
-                            kv.insert(v.slot(i), digests[i]);
-                        }
+                        write_kv(cache, &live, &mut kv, (id, done, c), &at)?;
                     }
                 }
             }
             Op::BadCommit(i, above) => {
                 if let Some(i) = pick(*i, &live) {
                     let (id, m) = live[i];
-                    let r = model.req(m);
-                    let c = if *above || r.num_computed == 0 {
-                        r.tokens.len() + 1
-                    } else {
-                        r.num_computed - 1
-                    };
+                    let c = bad_target(model.req(m), *above);
                     let got = res(cache.commit(id, c));
                     prop_assert_eq!(&got, &Err(Ek::Invalid), "{}", at);
                     prop_assert_eq!(got, model.commit(m, c), "{}", at);
@@ -820,7 +943,7 @@ fn run<C: PrefixCache, M: Model>(
                         prop_assert_eq!(res(cache.abort(id)), Ok(()), "{}", at);
                         model.abort(m);
                     }
-                    closed.push(id);
+                    closed.push((id, m));
                 }
             }
             Op::Stale(i, what) => {
@@ -829,7 +952,7 @@ fn run<C: PrefixCache, M: Model>(
                 } else if closed.is_empty() {
                     continue;
                 } else {
-                    (closed[i % closed.len()], Ek::Closed)
+                    (closed[i % closed.len()].0, Ek::Closed)
                 };
                 let got = match what % 6 {
                     0 => res(cache.commit(id, 0)),
@@ -846,6 +969,45 @@ fn run<C: PrefixCache, M: Model>(
             }
             Op::Reset => {
                 prop_assert_eq!(cache.reset(), model.reset(), "{}", at);
+            }
+            Op::ExtendMany(picks, defect) => {
+                let picks: Vec<(usize, Vec<u32>)> =
+                    picks.iter().map(|(i, t)| (*i, map(abc, t))).collect();
+                let mut batch = distinct(&picks, &live);
+                spoil(&mut batch, defect, &closed, foreign, vec![abc[0]]);
+                let ids: Vec<(RequestId, &[u32])> = batch.iter().map(|e| (e.0, &e.2[..])).collect();
+                let got = res(cache.extend_many(&ids));
+                let whos: Vec<(Who, Vec<u32>)> = batch.iter().map(|e| (e.1, e.2.clone())).collect();
+                prop_assert_eq!(got, model.extend_many(&whos), "{}", at);
+            }
+            Op::CommitMany(picks, defect) => {
+                let mut batch: Vec<Entry<usize>> = distinct(picks, &live)
+                    .into_iter()
+                    .map(|(id, who, frac)| {
+                        let Who::Req(m) = who else { unreachable!() };
+                        (id, who, target(model.req(m), frac))
+                    })
+                    .collect();
+                if let (Defect::BadTarget(j, above), false) = (defect, batch.is_empty()) {
+                    let len = batch.len();
+                    let e = &mut batch[j % len];
+                    let Who::Req(m) = e.1 else { unreachable!() };
+                    e.2 = bad_target(model.req(m), *above);
+                }
+                spoil(&mut batch, defect, &closed, foreign, 0);
+                let done: Vec<usize> = batch
+                    .iter()
+                    .map(|e| model.get(e.1).map_or(0, |r| r.num_computed))
+                    .collect();
+                let ids: Vec<(RequestId, usize)> = batch.iter().map(|e| (e.0, e.2)).collect();
+                let got = res(cache.commit_many(&ids));
+                let whos: Vec<(Who, usize)> = batch.iter().map(|e| (e.1, e.2)).collect();
+                prop_assert_eq!(&got, &model.commit_many(&whos), "{}", at);
+                if got.is_ok() {
+                    for (e, done) in batch.iter().zip(done) {
+                        write_kv(cache, &live, &mut kv, (e.0, done, e.2), &at)?;
+                    }
+                }
             }
         }
         if let Err(e) = cache.check() {
@@ -909,32 +1071,24 @@ fn config() -> ProptestConfig {
     }
 }
 
+/// One case: page size, pool size, alphabet, prompts and operations.
+fn case() -> impl Strategy<Value = (usize, usize, [u32; 3], Vec<Vec<u32>>, Vec<Op>)> {
+    let p = prop_oneof![Just(1usize), Just(2), Just(4)];
+    (p, 8..=40usize, alphabet(), bases(), vec(op(), 40..=60))
+}
+
 proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn radix_cache_follows_the_model(
-        p in prop_oneof![Just(1usize), Just(2), Just(4)],
-        pool in 8..=40usize,
-        abc in alphabet(),
-        bases in bases(),
-        ops in vec(op(), 40..=60),
-    ) {
+    fn radix_cache_follows_the_model((p, pool, abc, bases, ops) in case()) {
         let mut cache = RadixCache::new(pool, p).unwrap();
-        let mut model = RadixModel::new(pool, p);
-        run(&mut cache, &mut model, &abc, &bases, &ops)?;
+        run(&mut cache, &mut Model::<RadixPart>::new(pool, p), &abc, &bases, &ops)?;
     }
 
     #[test]
-    fn block_cache_follows_the_model(
-        p in prop_oneof![Just(1usize), Just(2), Just(4)],
-        pool in 8..=40usize,
-        abc in alphabet(),
-        bases in bases(),
-        ops in vec(op(), 40..=60),
-    ) {
+    fn block_cache_follows_the_model((p, pool, abc, bases, ops) in case()) {
         let mut cache = BlockCache::new(pool, p).unwrap();
-        let mut model = BlockModel::new(pool, p);
-        run(&mut cache, &mut model, &abc, &bases, &ops)?;
+        run(&mut cache, &mut Model::<BlockPart>::new(pool, p), &abc, &bases, &ops)?;
     }
 }
