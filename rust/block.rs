@@ -24,7 +24,7 @@ use crate::links::{Links, ListId};
 use crate::request::{Namespace, Request, Requests};
 use crate::table_hash::PrefixHasher;
 use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
 /// A prefix cache indexed by chained block hashes.
 pub type BlockCache = Cache<BlockIndex>;
@@ -60,12 +60,21 @@ pub struct BlockIndex {
     /// `memo_key(prev, tokens)` -> a hashed page with that parent and those tokens (verified on
     /// use, so a collision of this 64-bit key only costs a blake3 call).
     memo: HashMap<u64, PageId, BuildHasherDefault<PrefixHasher>>,
+    /// Random per cache: keys the memo.
+    memo_seed: u64,
 }
 
+/// The odd multiplier of [`memo_key`].
+const MEMO_MUL: u64 = 0x517c_c1b7_2722_0a95;
+
 /// A fast 64-bit key of `(prev, tokens)` for the memo: two tokens a multiply.
-fn memo_key(prev: &BlockHash, page: &[u32]) -> u64 {
-    const K: u64 = 0x517c_c1b7_2722_0a95;
-    let mut h = u64::from_le_bytes(prev[..8].try_into().expect("8 bytes"));
+///
+/// `seed` is random per cache, so nobody can build prompts whose pages pile into one bucket of
+/// the memo (hash flooding). The key only finds a candidate, which is compared exactly, so no
+/// decision depends on the seed.
+fn memo_key(seed: u64, prev: &BlockHash, page: &[u32]) -> u64 {
+    const K: u64 = MEMO_MUL;
+    let mut h = seed ^ u64::from_le_bytes(prev[..8].try_into().expect("8 bytes"));
     let mut pairs = page.chunks_exact(2);
     for pair in &mut pairs {
         h = (h ^ ((pair[0] as u64) << 32 | pair[1] as u64))
@@ -85,7 +94,11 @@ impl BlockIndex {
             .take()
             .expect("evictable pages are hashed");
         self.map.remove(&h);
-        let key = memo_key(&self.parent_of[page.index()], self.page_tokens(page));
+        let key = memo_key(
+            self.memo_seed,
+            &self.parent_of[page.index()],
+            self.page_tokens(page),
+        );
         if self.memo.get(&key) == Some(&page) {
             self.memo.remove(&key);
         }
@@ -103,14 +116,15 @@ impl BlockIndex {
         self.hash_of[page.index()] = Some(h);
         self.parent_of[page.index()] = *prev;
         self.tokens_of[page.index() * p..(page.index() + 1) * p].copy_from_slice(tokens);
-        self.memo.insert(memo_key(prev, tokens), page);
+        self.memo
+            .insert(memo_key(self.memo_seed, prev, tokens), page);
     }
 
     /// `H(prev, tokens)`, and the cached page holding that prefix if there is one. A cached page
     /// with the same parent hash and tokens already carries the value, so blake3 runs only for
     /// content the cache does not hold.
     fn chain(&self, prev: &BlockHash, tokens: &[u32]) -> (BlockHash, Option<PageId>) {
-        if let Some(&page) = self.memo.get(&memo_key(prev, tokens)) {
+        if let Some(&page) = self.memo.get(&memo_key(self.memo_seed, prev, tokens)) {
             if self.parent_of[page.index()] == *prev && self.page_tokens(page) == tokens {
                 let h = self.hash_of[page.index()].expect("memo pages are hashed");
                 return (h, Some(page));
@@ -188,6 +202,9 @@ impl Index for BlockIndex {
             parent_of: vec![[0; 32]; num_pages],
             tokens_of: vec![0; num_pages * page_size],
             memo: HashMap::default(),
+            memo_seed: std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish(),
         }
     }
 
@@ -424,7 +441,12 @@ impl Index for BlockIndex {
         }
         for (&key, &page) in &self.memo {
             let hashed = self.hash_of[page.index()].is_some();
-            if !hashed || memo_key(&self.parent_of[page.index()], self.page_tokens(page)) != key {
+            let want = memo_key(
+                self.memo_seed,
+                &self.parent_of[page.index()],
+                self.page_tokens(page),
+            );
+            if !hashed || want != key {
                 return corrupt(format!("memo entry for page {} is stale", page.0));
             }
         }
@@ -446,5 +468,75 @@ impl Index for BlockIndex {
             + self.parent_of.capacity() * 32
             + self.tokens_of.capacity() * 4
             + self.memo.capacity() * (std::mem::size_of::<(u64, PageId)>() + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::PrefixCache;
+    use crate::hash::root_hash;
+
+    /// The inverse of an odd `k` modulo 2^64 (Newton's iteration).
+    fn inverse(k: u64) -> u64 {
+        let mut x = k;
+        for _ in 0..6 {
+            x = x.wrapping_mul(2u64.wrapping_sub(k.wrapping_mul(x)));
+        }
+        x
+    }
+
+    /// A page of two tokens whose memo key after `prev` is `key`: `memo_key` is a bijection of
+    /// its state, so it can be run backwards by anyone who knows the seed.
+    fn solve(seed: u64, prev: &BlockHash, key: u64) -> [u32; 2] {
+        let kinv = inverse(MEMO_MUL);
+        let y = key.wrapping_mul(kinv); // = h ^ (h >> 29)
+        let h = y ^ (y >> 29) ^ (y >> 58);
+        let h0 = seed ^ u64::from_le_bytes(prev[..8].try_into().unwrap());
+        let pair = h.rotate_right(23).wrapping_mul(kinv) ^ h0;
+        [(pair >> 32) as u32, pair as u32]
+    }
+
+    /// Another tenant's prompt built so that its first page hits the memo entry of a cached
+    /// page: the exact compare turns it away, so it is never served that page's KV.
+    #[test]
+    fn a_crafted_memo_collision_is_not_served() {
+        let mut c = BlockCache::new(16, 2).unwrap();
+        let victim = [1, 2, 3, 4, 5];
+        let r = c.admit(&victim, None).unwrap();
+        c.commit(r, 5).unwrap();
+        c.finish(r).unwrap();
+        let evil: Namespace = Some(b"evil".to_vec().into());
+        let seed = c.index().memo_seed;
+        let target = memo_key(seed, &root_hash(2, &None), &[1, 2]);
+        let forged = solve(seed, &root_hash(2, &evil), target);
+        assert_eq!(memo_key(seed, &root_hash(2, &evil), &forged), target);
+        assert_ne!(forged, [1, 2]);
+        let prompt = [forged[0], forged[1], 9];
+        assert_eq!(c.match_prefix(&prompt, &evil).unwrap(), 0);
+        let r = c.admit(&prompt, evil).unwrap();
+        let v = c.request(r).unwrap();
+        assert_eq!(v.num_cached, 0);
+        assert!(!v.pages.contains(&PageId(0)), "served the victim's page");
+        c.check().unwrap();
+    }
+
+    /// Two caches draw different seeds, and still make the same decisions.
+    #[test]
+    fn memo_seeds_differ_and_decisions_do_not() {
+        let run = || {
+            let mut c = BlockCache::new(8, 2).unwrap();
+            let mut pages = Vec::new();
+            for t in [&[1, 2, 3, 4, 5][..], &[1, 2, 7, 8, 9], &[3, 4, 1, 2, 0]] {
+                let r = c.admit(t, None).unwrap();
+                pages.push(c.request(r).unwrap().pages.to_vec());
+                c.commit(r, t.len()).unwrap();
+                c.finish(r).unwrap();
+            }
+            (c.index().memo_seed, pages)
+        };
+        let (a, b) = (run(), run());
+        assert_ne!(a.0, b.0);
+        assert_eq!(a.1, b.1);
     }
 }

@@ -104,6 +104,18 @@ impl<I: Index> Cache<I> {
         })
     }
 
+    /// The index, for the indexes' own unit tests.
+    #[cfg(test)]
+    pub(crate) fn index(&self) -> &I {
+        &self.index
+    }
+
+    /// The index, mutably, for the indexes' own unit tests.
+    #[cfg(test)]
+    pub(crate) fn index_mut(&mut self) -> &mut I {
+        &mut self.index
+    }
+
     /// Closes `id`, publishing what it computed first when `publish`.
     fn release(&mut self, id: RequestId, publish: bool) -> Result<()> {
         let mut r = self.requests.remove(id)?;

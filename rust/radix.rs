@@ -132,6 +132,10 @@ pub struct RadixIndex {
     clock: u64,
     /// Keys the hash of pages longer than two tokens.
     hasher: RandomState,
+    /// Unit tests set this to give every page the same child key, so that the collision paths
+    /// (a lookup that must compare the page, a publish that must keep its page private) run.
+    #[cfg(test)]
+    collide: bool,
 }
 
 impl RadixIndex {
@@ -152,6 +156,10 @@ impl RadixIndex {
     /// with this cache's random key, so nobody can construct two pages that collide. Lookups
     /// compare the page itself: a chance collision (2^-64 per pair) can only cost a cache hit.
     fn page_key(&self, page: &[u32]) -> u64 {
+        #[cfg(test)]
+        if self.collide {
+            return 7;
+        }
         match page {
             [t] => *t as u64,
             [a, b] => (*a as u64) << 32 | *b as u64,
@@ -331,6 +339,8 @@ impl Index for RadixIndex {
             evictable: 0,
             clock: 0,
             hasher: RandomState::new(),
+            #[cfg(test)]
+            collide: false,
         }
     }
 
@@ -738,4 +748,75 @@ fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::PrefixCache;
+
+    /// A cache whose child keys all collide.
+    fn colliding(num_pages: usize, page_size: usize) -> RadixCache {
+        let mut c = RadixCache::new(num_pages, page_size).unwrap();
+        c.index_mut().collide = true;
+        c
+    }
+
+    fn compute(c: &mut RadixCache, tokens: &[u32]) {
+        let r = c.admit(tokens, None).unwrap();
+        c.commit(r, tokens.len()).unwrap();
+        c.finish(r).unwrap();
+        c.check().unwrap();
+    }
+
+    /// SEMANTICS.md: a child-key collision costs a cache hit and never shares wrong KV. Lookups
+    /// compare the page under the key; a publish that meets another page under its key keeps
+    /// its own pages private.
+    #[test]
+    fn colliding_child_keys_cost_a_hit_never_wrong_kv() {
+        for p in [1, 2, 4] {
+            let mut c = colliding(64, p);
+            let a: Vec<u32> = (0..2 * p as u32).collect();
+            let b: Vec<u32> = (100..100 + 2 * p as u32).collect();
+            compute(&mut c, &[&a[..], &[7]].concat());
+            // Lookup side: b's first page sits under a's key, and is not a's page.
+            let tb = [&b[..], &[7]].concat();
+            assert_eq!(c.match_prefix(&tb, &None).unwrap(), 0, "P={p}");
+            let mut cur = c.cursor(&None);
+            assert!(!c.advance(&mut cur, &b[..p]));
+            assert_eq!(cur.matched, 0);
+            // Publish side: b computes its pages; they stay private to it and are freed after.
+            let rb = c.admit(&tb, None).unwrap();
+            let pages = c.request(rb).unwrap().pages.to_vec();
+            // a's two full pages are pages 0 and 1.
+            assert!(
+                pages.iter().all(|pg| pg.0 >= 2),
+                "P={p}: b got a's pages {pages:?}"
+            );
+            c.commit(rb, tb.len()).unwrap();
+            c.check().unwrap();
+            let before = c.stats();
+            c.finish(rb).unwrap();
+            c.check().unwrap();
+            let after = c.stats();
+            assert_eq!(after.free_pages, before.free_pages + pages.len(), "P={p}");
+            assert_eq!(c.match_prefix(&tb, &None).unwrap(), 0, "P={p}");
+            // a is untouched: still cached in full.
+            assert_eq!(
+                c.match_prefix(&[&a[..], &[9]].concat(), &None).unwrap(),
+                2 * p
+            );
+            // Below a shared first page, a colliding second page is not shared either.
+            let ta2 = [&a[..p], &b[p..], &[7]].concat();
+            let r = c.admit(&ta2, None).unwrap();
+            assert_eq!(c.request(r).unwrap().num_cached, p, "P={p}");
+            c.commit(r, ta2.len()).unwrap();
+            c.finish(r).unwrap();
+            c.check().unwrap();
+            assert_eq!(
+                c.match_prefix(&[&a[..], &[9]].concat(), &None).unwrap(),
+                2 * p
+            );
+        }
+    }
 }

@@ -674,36 +674,3 @@ at_page_sizes!(
     agent_small_pool,
     [1, 4]
 );
-
-/// Two different 4-token pages whose 64-bit child keys collide (built by a birthday search over
-/// the child-key fold of rust/radix.rs). SEMANTICS.md keys the index by the tokens themselves, so
-/// both pages must be stored and found; DESIGN.md's fork shares every full computed page.
-#[test]
-fn pages_with_colliding_child_keys_are_both_cached_p4() {
-    let a: Vec<u32> = vec![1_649_902_869, 1_795_523_654, 2_785_341_928, 12_345];
-    let b: Vec<u32> = vec![1_246_149_050, 1_223_144_231, 4_071_259_989, 200_105_477];
-    let mut c = radix(16, 4);
-    let ta = cat(&a, &[1, 2, 3, 4]);
-    let tb = cat(&b, &[1, 2, 3, 4]);
-    let ra = c.admit(&ta);
-    c.commit(ra, 8);
-    c.finish(ra);
-    // Never share KV across different tokens: b finds nothing.
-    assert_eq!(c.matched(&cat(&tb, &[9])), 0);
-    let rb = c.admit(&tb);
-    assert_eq!(c.cached(rb), 0);
-    assert_eq!(c.pages(rb), vec![2, 3]);
-    c.commit(rb, 8);
-    // rb computed two full pages: a fork shares them (its match limit is 4 of its 8 tokens).
-    let f = c.fork(rb);
-    assert_eq!(
-        c.cached(f),
-        4,
-        "fork of a request whose first page collides"
-    );
-    c.abort(f);
-    c.finish(rb);
-    assert_eq!(c.matched(&cat(&ta, &[9])), 8);
-    assert_eq!(c.matched(&cat(&tb, &[9])), 8, "b's pages were published");
-    assert_eq!(c.counts(), (12, 4, 0));
-}
