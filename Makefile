@@ -4,8 +4,9 @@ PY     := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
 EXT    := $(VENV)/.ext-built
 RUST   := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
+comma  := ,
 
-.PHONY: all develop test test-rust test-python bench bench-rust bench-python bench-cache demo replay lint fmt wheel clean
+.PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke demo replay lint fmt wheel clean
 
 all: test
 
@@ -35,10 +36,36 @@ test-rust:
 test-python: $(EXT)
 	$(PY) -m pytest -q tests/python
 
+# The oldest Python pyproject.toml claims (requires-python), without torch: the abi3 wheel built
+# once, installed into a throwaway venv of that Python with requirements-dev.txt less torch and
+# the lint tools, then every Python test; a test module or test that imports torch is skipped
+# ("needs torch", tests/python/no_torch.py), any other failure fails. Skipped, with a line
+# saying so, where that Python is missing (python3.10 on PATH, or a pyenv 3.10).
+OLDEST       := 3.10
+OLDEST_DIR   := target/oldest
+OLDEST_WHEEL := $(OLDEST_DIR)/wheels/.built
+
+$(OLDEST_WHEEL): $(DEPS) $(RUST)
+	rm -rf $(OLDEST_DIR)/wheels
+	$(PY) -m maturin build --release --quiet -o $(OLDEST_DIR)/wheels
+	touch $@
+
+test-oldest:
+	@py=$$(for p in python$(OLDEST) $$(pyenv root 2>/dev/null)/versions/$(OLDEST).*/bin/python$(OLDEST); do \
+	    $$p -c 'import sys; assert sys.version_info[:2] == ($(subst .,$(comma),$(OLDEST))); print(sys.executable)' \
+	    2>/dev/null && break; done); \
+	if [ -z "$$py" ]; then echo "test-oldest: skipped: no Python $(OLDEST) (python$(OLDEST) not on PATH, no pyenv $(OLDEST))"; exit 0; fi; \
+	set -ex; $(MAKE) --no-print-directory $(OLDEST_WHEEL); rm -rf $(OLDEST_DIR)/venv; "$$py" -m venv $(OLDEST_DIR)/venv; \
+	$(OLDEST_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check \
+	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|ruff\b|mypy\b)' requirements-dev.txt); \
+	cd $(OLDEST_DIR) && venv/bin/python -c 'import sys, radixkv; assert "torch" not in sys.modules; print(sys.version, radixkv.__file__)'; \
+	cd $(CURDIR) && PYTHONPATH=tests/python $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
+
 bench: bench-rust bench-python
 
 # The cache benchmarks, one file per concept; `make bench-cache BENCH_ARGS=--clock=thread` gives
-# the figures in the README (any option common to them: --quick, --no-ref, --clock).
+# the figures in the README (any option common to them: --quick, --no-ref, --clock,
+# --core-from-criterion).
 bench-cache: $(EXT)
 	$(PY) benches/bench_admit.py $(BENCH_ARGS)
 	$(PY) benches/bench_evict.py $(BENCH_ARGS)
@@ -53,6 +80,18 @@ bench-rust:
 bench-python: bench-cache
 	$(PY) benches/bench_scheduler.py
 	$(PY) benches/bench_torch.py --threads 1
+
+# Every benchmark still builds and runs to the end (CI runs this): the Rust benches are built, not
+# run; each benches/bench_*.py runs in its --quick mode (a few seconds), its output kept in
+# target/bench-smoke/ and shown when it fails. No figure is checked.
+bench-smoke: $(EXT)
+	cargo bench --no-run --quiet
+	@mkdir -p target/bench-smoke; status=0; \
+	for b in $(sort $(wildcard benches/bench_*.py)) "benches/bench_admit.py --only hash --core-from-criterion"; do \
+	    log=target/bench-smoke/$$(echo $$b | tr -c 'a-z0-9_\n' _).log; t0=$$(date +%s%N); \
+	    if $(PY) $$b --quick >$$log 2>&1; then r=ok; else r=FAILED; status=1; tail -n 40 $$log; fi; \
+	    echo "bench-smoke: $$r  $$b --quick  ($$(( ($$(date +%s%N) - t0) / 1000000 )) ms)"; \
+	done; exit $$status
 
 demo: $(EXT)
 	$(PY) -m radixkv demo

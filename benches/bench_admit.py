@@ -3,8 +3,9 @@ request's admission, from a full hit to a miss, as a Python caller pays it.
 
     .venv/bin/python benches/bench_admit.py [--quick] [--clock thread] [--only admit,match,hash]
 
-Baselines in the same run: a miss (the no-cache case), the pure-Python reference model, the core
-alone (``cargo bench --bench cache``). Method and options: ``benches/common.py``,
+Baselines in the same run: a miss (the no-cache case), the pure-Python reference model. With
+``--core-from-criterion``, also the core alone as an earlier ``cargo bench --bench cache``
+measured it (not this run; labelled so). Method and options: ``benches/common.py``,
 ``benches/README.md``.
 """
 
@@ -24,7 +25,6 @@ from common import (
     RADIX1,
     Bench,
     Targets,
-    criterion_ns,
     div,
     fmt_ns,
     fmt_x,
@@ -63,7 +63,7 @@ class AdmitBench(Bench):
                             ),
                         )
                 for case in ps:
-                    core = criterion_ns(f"admit_finish_{n // 1024}k", f"{k.crit}/{case}")
+                    core = self.core(f"admit_finish_{n // 1024}k", f"{k.crit}/{case}")
                     self.results[f"admit_finish/{n}/{k.crit}/{case}"] = {
                         "ns": t[case],
                         "best_ns": best[case],
@@ -83,6 +83,7 @@ class AdmitBench(Bench):
             table(
                 ["prompt", "radixkv", "core", "vs no cache", "ref (Python)", "speed-up vs ref"],
                 rows,
+                self.hide,
             )
 
     def match_prefix(self) -> None:
@@ -109,7 +110,7 @@ class AdmitBench(Bench):
                         if ref is not None
                         else None
                     )
-                    core = criterion_ns(f"match_prefix_{n // 1024}k", f"{k.crit}/{case}")
+                    core = self.core(f"match_prefix_{n // 1024}k", f"{k.crit}/{case}")
                     self.results[f"match_prefix/{n}/{k.crit}/{case}"] = {
                         "ns": t[case],
                         "ref_ns": tr,
@@ -124,7 +125,7 @@ class AdmitBench(Bench):
                             fmt_x(div(tr, t[case])),
                         ]
                     )
-        table(["prompt", "radixkv", "core", "ref (Python)", "speed-up vs ref"], rows)
+        table(["prompt", "radixkv", "core", "ref (Python)", "speed-up vs ref"], rows, self.hide)
 
     def block_hashes(self) -> None:
         print("== block_hashes of 2,048 tokens, page_size=16 (128 chained blake3 digests)")
@@ -134,7 +135,7 @@ class AdmitBench(Bench):
             [
                 "radixkv.block_hashes",
                 fmt_ns(t),
-                fmt_ns(criterion_ns("block_hashes_2k", "chained_p16")),
+                fmt_ns(self.core("block_hashes_2k", "chained_p16")),
                 "1x",
             ]
         ]
@@ -154,14 +155,14 @@ class AdmitBench(Bench):
                 [
                     "blake3 over the 8 KiB once (Python)",
                     fmt_ns(tb),
-                    fmt_ns(criterion_ns("block_hashes_2k", "blake3_once")),
+                    fmt_ns(self.core("block_hashes_2k", "blake3_once")),
                     fmt_x(div(tb, t)),
                 ]
             )
         except ImportError:
             tb = None
         self.results["block_hashes_2k"] = {"ns": t, "ref_ns": tr, "blake3_once_ns": tb}
-        table(["", "time", "core", "vs radixkv"], rows)
+        table(["", "time", "core", "vs radixkv"], rows, self.hide)
 
     def summary(self) -> None:
         targets = Targets()

@@ -4,8 +4,9 @@ prompt, each request admit, commit, extend, commit, finish.
     .venv/bin/python benches/bench_agent.py [--quick] [--clock thread] [--no-ref]
 
 Baselines in the same run: caching off (the cache reset before every admission), the pure-Python
-reference model (skipped with ``--quick``), the core alone (``cargo bench --bench cache``).
-Method and options: ``benches/common.py``, ``benches/README.md``.
+reference model (skipped with ``--quick``). With ``--core-from-criterion``, also the core alone as
+an earlier ``cargo bench --bench cache`` measured it (not this run; labelled so). Method and
+options: ``benches/common.py``, ``benches/README.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from common import (
     RADIX1,
     Bench,
     Targets,
-    criterion_ns,
     div,
     fmt_ns,
     fmt_x,
@@ -63,7 +63,7 @@ class AgentBench(Bench):
                         lambda: k.ref(self.ref, pages), lambda c: run_agent(c, self.trace), number=1
                     ),
                 )
-            core = criterion_ns("agent_trace", f"{k.crit}/cached")
+            core = self.core("agent_trace", f"{k.crit}/cached")
             self.results[f"agent_trace/{k.crit}"] = {
                 "ns": t,
                 "best_ns": best,
@@ -98,6 +98,7 @@ class AgentBench(Bench):
                 "speed-up vs ref",
             ],
             rows,
+            self.hide,
         )
 
     def summary(self) -> None:

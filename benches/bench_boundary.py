@@ -4,8 +4,9 @@ pool fills.
 
     .venv/bin/python benches/bench_boundary.py [--quick] [--clock thread]
 
-Set against the core alone (``cargo bench --bench cache``). Method and options:
-``benches/common.py``, ``benches/README.md``.
+With ``--core-from-criterion``, set against the core alone as an earlier ``cargo bench --bench
+cache`` measured it (not this run; labelled so). Method and options: ``benches/common.py``,
+``benches/README.md``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 import numpy as np
 
 import radixkv
-from common import BLOCK16, RADIX1, Bench, criterion_ns, fmt_ns, publish, stream, table
+from common import BLOCK16, RADIX1, Bench, fmt_ns, publish, stream, table
 
 
 class BoundaryBench(Bench):
@@ -68,10 +69,11 @@ class BoundaryBench(Bench):
                 gc.enable()
                 a_ns.append(a / n)
                 f_ns.append(f / n)
-            core = criterion_ns("admit_finish_2k", f"{k.crit}/hit")
+            core = self.core("admit_finish_2k", f"{k.crit}/hit")
             rows.append([f"{k.label} 2k full hit: admit", fmt_ns(statistics.median(a_ns))])
             rows.append([f"{k.label} 2k full hit: finish", fmt_ns(statistics.median(f_ns))])
-            rows.append([f"{k.label} 2k full hit: core alone (cargo bench)", fmt_ns(core)])
+            if self.args.core_from_criterion:
+                rows.append([f"{k.label} 2k full hit: core (earlier cargo bench)", fmt_ns(core)])
         # The agent trace call by call: which calls take the time.
         for k in (RADIX1, BLOCK16):
             c = k.make(-(-self.unique // k.p) + 2048)

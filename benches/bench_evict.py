@@ -3,8 +3,9 @@
     .venv/bin/python benches/bench_evict.py [--quick] [--clock thread] [--no-ref]
 
 Baselines in the same run: allocating as many pages from a free pool (admitting a 64k-token
-miss), the pure-Python reference model, the core alone (``cargo bench --bench cache``). Method and
-options: ``benches/common.py``, ``benches/README.md``.
+miss), the pure-Python reference model. With ``--core-from-criterion``, also the core alone as an
+earlier ``cargo bench --bench cache`` measured it (not this run; labelled so). Method and options:
+``benches/common.py``, ``benches/README.md``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from common import (
     RADIX1,
     Bench,
     Targets,
-    criterion_ns,
     div,
     fmt_ns,
     fmt_x,
@@ -71,7 +71,7 @@ class EvictBench(Bench):
                     ref_full, lambda c: c.evict(pages), 5.0, number=1 if self.args.quick else 3
                 ),
             )
-            core = criterion_ns("evict_64k", f"{k.crit}/evict")
+            core = self.core("evict_64k", f"{k.crit}/evict")
             self.results[f"evict_64k/{k.crit}"] = {
                 "ns": t,
                 "best_ns": best,
@@ -101,6 +101,7 @@ class EvictBench(Bench):
                 "speed-up vs ref",
             ],
             rows,
+            self.hide,
         )
 
     def summary(self) -> None:

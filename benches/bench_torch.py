@@ -185,6 +185,27 @@ def timeit(fn, repeat: int, device: str) -> float:
     return statistics.median(times)
 
 
+#: ``--quick``: every part runs, on sizes that take a few seconds in all.
+QUICK = {
+    "turns": 3,
+    "system": 96,
+    "message": 16,
+    "tool": 16,
+    "reply": 2,
+    "unique_prompts": 4,
+    "unique_len": 32,
+    "batch": 2,
+    "kv_len": 256,
+    "q_len": 32,
+    "pool": 4096,
+    "budget": 256,
+    "repeat": 1,
+    "hidden": 64,
+    "layers": 2,
+    "threads": 1,
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--turns", type=int, default=10)
@@ -204,7 +225,16 @@ def main() -> None:
     p.add_argument("--only", default="abc", help="which of a, b, c to run")
     p.add_argument("--hidden", type=int, default=256, help="model width (the built-in: 256)")
     p.add_argument("--layers", type=int, default=4, help="model depth (the built-in: 4)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of a few seconds: a tiny model and short prompts (options given "
+        "explicitly still win); its figures say nothing",
+    )
     args = p.parse_args()
+    if args.quick:
+        p.set_defaults(**QUICK)
+        args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     args.dtype = torch.float32

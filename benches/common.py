@@ -11,8 +11,10 @@ Each figure is set against baselines measured in the same run:
   as a speed-up (``ref / radixkv``). Skipped with a note when the module is missing.
 - ``no cache``: the same loop with nothing cached (a miss: every page allocated and freed), or
   with the cache reset before every admission for the traces, as a ratio (``radixkv / no cache``).
-- ``core``: the Rust core alone, read from the last ``cargo bench --bench cache`` run
-  (``target/criterion``), when there is one; the gap is the boundary's cost.
+- ``core`` (only with ``--core-from-criterion``): the Rust core alone, read from the last
+  ``cargo bench --bench cache`` run (``target/criterion``). That run is not this one and may
+  have measured another commit: the run says how old the files are and that it cannot tell
+  which commit they measured. The gap to ``radixkv`` is the boundary's cost.
 
 The token ids and the agent trace are the ones ``benches/cache.rs`` generates.
 """
@@ -25,6 +27,7 @@ import gzip
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +45,7 @@ import radixkv
 
 ROOT = Path(__file__).resolve().parent.parent
 MOONCAKE = ROOT / "benches" / "data" / "mooncake_conversation_trace.jsonl.gz"
-MOONCAKE_BOUND = 0.374  # unbounded cache, 512-token blocks, whole trace (benches/data/README.md)
+MOONCAKE_BLOCK = 512  # tokens per hash id of the trace
 CRITERION = ROOT / "target" / "criterion"
 REFERENCE = ROOT / "tests" / "python" / "reference.py"
 
@@ -54,6 +57,27 @@ def mooncake_records(limit: int) -> Iterator[dict[str, Any]]:
     with gzip.open(MOONCAKE, "rt", encoding="utf-8") as f:
         for line in islice((line for line in f if line.strip()), limit):
             yield json.loads(line)
+
+
+def mooncake_bound(records: list[dict[str, Any]]) -> tuple[float, int, int]:
+    """The unbounded-cache bound over ``records`` in order, at 512-token blocks: the fraction
+    of prompt tokens in blocks whose prefix of hash ids (the block and every block before it) an
+    earlier request had. Returns (bound, prompt tokens, distinct blocks, i.e. distinct prefixes)."""
+    trie: dict[tuple[int, int], int] = {}  # (prefix, next hash id) -> the longer prefix
+    hit = total = 0
+    for r in records:
+        node = k = 0  # k: blocks of this request whose prefix was seen before
+        for h in r["hash_ids"]:
+            child = trie.get((node, h))
+            if child is None:  # a new prefix (and so is every longer one)
+                child = trie[(node, h)] = len(trie) + 1
+            else:
+                k += 1
+            node = child
+        n = r["input_length"]
+        hit += min(k * MOONCAKE_BLOCK, n)
+        total += n
+    return (hit / total if total else 0.0), total, len(trie)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +263,8 @@ def div(a: float | None, b: float | None) -> float | None:
 
 
 def criterion_ns(group: str, bench: str) -> float | None:
-    """Median of the last ``cargo bench --bench cache`` for a benchmark, if it ran."""
+    """Median of the last ``cargo bench --bench cache`` for a benchmark, if it ran. That run is
+    not this one: use it only through ``Bench.core`` (``--core-from-criterion``), which says so."""
     path = CRITERION / group / bench.replace("/", "_") / "new" / "estimates.json"
     try:
         return json.loads(path.read_text())["median"]["point_estimate"]
@@ -247,7 +272,43 @@ def criterion_ns(group: str, bench: str) -> float | None:
         return None
 
 
-def table(headers: list[str], rows: list[list[str]]) -> None:
+def criterion_provenance() -> str:
+    """Where the ``core`` column comes from: the age of the criterion files, and the commit
+    checked out now (which they cannot vouch for: criterion records no commit)."""
+    files = list(CRITERION.glob("*/*/new/estimates.json"))
+    if not files:
+        return "no cargo bench results under target/criterion: the 'core' column is n/a"
+    newest, oldest = (f(p.stat().st_mtime for p in files) for f in (max, min))
+    age = time.time() - newest
+
+    def ago(t: float) -> str:
+        t = time.time() - t
+        return f"{t / 3600:.1f} h" if t >= 3600 else f"{t / 60:.0f} min"
+
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        head = "unknown"
+    return (
+        f"the 'core' column is NOT measured in this run: it is read from an earlier cargo bench "
+        f"(target/criterion, {len(files)} results written {ago(oldest)} to {ago(newest)} ago"
+        f"{', older than a day' if age > 86400 else ''}); nothing records which commit they "
+        f"measured, so they may not be of the code checked out now (HEAD {head}, plus any "
+        f"uncommitted changes)"
+    )
+
+
+def table(headers: list[str], rows: list[list[str]], hide: tuple[str, ...] = ()) -> None:
+    """Prints an aligned table; columns whose header is in ``hide`` are left out."""
+    keep = [i for i, h in enumerate(headers) if h not in hide]
+    headers = [headers[i] for i in keep]
+    rows = [[r[i] for i in keep] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = "  ".join("-" * w for w in widths)
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
@@ -350,6 +411,13 @@ class Bench:
         self.args = args
         self.timer = Timer(args.quick, args.clock)
         self.results: dict[str, Any] = {}
+        #: columns that tables leave out: ``core`` unless ``--core-from-criterion``
+        self.hide: tuple[str, ...] = () if args.core_from_criterion else ("core",)
+
+    def core(self, group: str, bench: str) -> float | None:
+        """The core's figure from an earlier ``cargo bench`` (``--core-from-criterion``), or
+        None: this run did not measure it."""
+        return criterion_ns(group, bench) if self.args.core_from_criterion else None
 
     @classmethod
     def add_args(cls, ap: argparse.ArgumentParser) -> None:
@@ -399,6 +467,12 @@ class Bench:
             )
         ap.add_argument("--json", type=Path, help="also write every figure to this file")
         ap.add_argument(
+            "--core-from-criterion",
+            action="store_true",
+            help="add a 'core' column (the Rust core alone) read from an earlier cargo bench "
+            "(target/criterion): not measured in this run, and of whatever commit that run built",
+        )
+        ap.add_argument(
             "--clock",
             choices=tuple(CLOCKS),
             default="wall",
@@ -412,8 +486,8 @@ class Bench:
             f"Python {sys.version.split()[0]}, {pin_one_core()}, "
             f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs, {args.clock} clock"
         )
-        if not any(CRITERION.glob("*/*/new/estimates.json")):
-            print("note: no cargo bench results under target/criterion: the 'core' column is n/a")
+        if args.core_from_criterion:
+            print(f"note: {criterion_provenance()}")
         b = cls(args)
         chosen = [s for s in getattr(args, "only", "").split(",") if s] or list(cls.sections)
         for s in chosen:

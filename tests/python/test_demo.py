@@ -48,6 +48,7 @@ def test_demo_block_cache_in_process(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cache: block, page size 16" in out and "identical with and without caching: yes" in out
     assert (tmp_path / "demo_ttft.png").read_bytes()[:8] == PNG
+    assert int(table_rows(out)["turn 3"][1]) > 0  # the block cache hits too (cached tokens)
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])

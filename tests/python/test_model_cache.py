@@ -11,17 +11,22 @@ from tiny_model import CACHES, cuda, ids, tiny_model
 
 
 def check_step(model, kv, reqs, atol, all_logits=True):
-    """Runs one step; every planned token's logits must match the dense forward of its
-    request's whole sequence. Returns the step's last-token logits."""
+    """Runs one step and compares its logits with the dense forward of each request's whole
+    sequence: with ``all_logits``, every planned token's (``model(step, all_logits=True)``);
+    without, the one row per request the model returns by default (its last token's). Returns
+    the step's last-token logits, one row per request."""
     starts = [r.num_computed for r in reqs]
     step = kv.plan(reqs)
-    logits = model(step, all_logits=True)
+    logits = model(step, all_logits=all_logits)
+    assert logits.shape[0] == (step.num_tokens if all_logits else len(reqs))
     row = 0
-    for req, start, n in zip(reqs, starts, step.q_len_list):
+    for i, (req, start, n) in enumerate(zip(reqs, starts, step.q_len_list)):
         dense = model.forward_dense(req.tokens)[start:]
-        torch.testing.assert_close(logits[row : row + n].cpu(), dense.cpu(), atol=atol, rtol=0)
+        got = logits[row : row + n] if all_logits else logits[i : i + 1]
+        want = dense if all_logits else dense[-1:]
+        torch.testing.assert_close(got.cpu(), want.cpu(), atol=atol, rtol=0)
         row += n
-    last = logits[step.last_token_index]
+    last = logits[step.last_token_index] if all_logits else logits
     kv.commit(step)
     return last
 

@@ -82,6 +82,9 @@ def test_multi_turn_reuse(kind, p):
     after = cache.stats
     assert after.hit_tokens - before.hit_tokens == 272
     assert after.query_tokens - before.query_tokens == 304
+    # ... and the hit rate the cache counts for this turn is that 89.5%.
+    turn_hit = (after.hit_tokens - before.hit_tokens) / (after.query_tokens - before.query_tokens)
+    assert round(100 * turn_hit, 1) == 89.5
 
     # A 25-token tail leaves a partial last page: only full pages are published.
     turn3 = turn2 + TAIL
@@ -114,6 +117,7 @@ def test_sub_agents_share_the_trunk_and_eviction_takes_branches_first(kind, p):
 
     parent = cache.admit(trunk)
     cache.commit(parent, n)
+    assert cache.match_prefix([*trunk, 1]) == n  # the whole trunk is published, as said above
     a = cache.fork(parent)
     b = cache.fork(parent)
     for child in (a, b):
