@@ -17,6 +17,7 @@
 
 use crate::cache::Cache;
 use crate::error::{corrupt, Result};
+use crate::events::EventLog;
 use crate::hash::{next_hash, root_hash, BlockHash};
 use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
@@ -62,6 +63,7 @@ pub struct BlockIndex {
     memo: HashMap<u64, PageId, BuildHasherDefault<PrefixHasher>>,
     /// Random per cache: keys the memo.
     memo_seed: u64,
+    events: EventLog,
 }
 
 /// The odd multiplier of [`memo_key`].
@@ -94,6 +96,9 @@ impl BlockIndex {
             .take()
             .expect("evictable pages are hashed");
         self.map.remove(&h);
+        if self.events.on {
+            self.events.removed(vec![h]);
+        }
         let key = memo_key(
             self.memo_seed,
             &self.parent_of[page.index()],
@@ -132,6 +137,21 @@ impl BlockIndex {
         }
         let h = next_hash(prev, tokens);
         (h, self.map.get(&h).copied())
+    }
+
+    /// Records that pages `run` of `r` entered the map (nothing when recording is off).
+    fn record_stored(&mut self, r: &Request<BlockExt>, run: std::ops::Range<usize>) {
+        if !self.events.on || run.is_empty() {
+            return;
+        }
+        let p = self.page_size;
+        let parent = run.start.checked_sub(1).map(|i| r.ext.hashes[i]);
+        self.events.stored_keys(
+            &r.namespace,
+            parent,
+            r.ext.hashes[run.clone()].to_vec(),
+            r.tokens[run.start * p..run.end * p].to_vec(),
+        );
     }
 
     /// Takes one pin of a cached page (a hit).
@@ -205,6 +225,7 @@ impl Index for BlockIndex {
             memo_seed: std::collections::hash_map::RandomState::new()
                 .build_hasher()
                 .finish(),
+            events: EventLog::default(),
         }
     }
 
@@ -292,12 +313,16 @@ impl Index for BlockIndex {
             return;
         }
         self.ensure_hashes(&r.tokens, &r.namespace, &mut r.ext.hashes, last);
+        // Runs of pages entered into the map, for the event log: (first index, end).
+        let mut run = first..first;
         for i in first..last {
             let h = r.ext.hashes[i];
             match self.map.get(&h) {
                 Some(&copy) => {
                     self.pin_page(copy);
                     r.ext.stored.push((i as u32, copy));
+                    self.record_stored(r, run.clone());
+                    run = i + 1..i + 1;
                 }
                 None => {
                     let prev = if i == 0 {
@@ -306,9 +331,11 @@ impl Index for BlockIndex {
                         r.ext.hashes[i - 1]
                     };
                     self.hash_page(r.pages[i], &prev, &r.tokens[i * p..(i + 1) * p], h);
+                    run.end = i + 1;
                 }
             }
         }
+        self.record_stored(r, run);
         r.published = last * p;
     }
 
@@ -458,6 +485,10 @@ impl Index for BlockIndex {
             ));
         }
         Ok(())
+    }
+
+    fn events(&mut self) -> &mut EventLog {
+        &mut self.events
     }
 
     fn metadata_bytes(&self) -> usize {

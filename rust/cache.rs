@@ -2,6 +2,7 @@
 //! object-safe interface the scheduler and the Python boundary use.
 
 use crate::error::{invalid, Error, Result};
+use crate::events::CacheEvent;
 use crate::index::{Cursor, Index};
 use crate::request::{new_cache_id, Namespace, Request, RequestId, RequestView, Requests};
 use crate::stats::{CacheStats, Counters};
@@ -80,6 +81,11 @@ pub trait PrefixCache: Send {
     /// Continues a match over `tokens` (a whole number of pages); returns whether all of them
     /// matched. `cursor.matched` grows by the whole pages that did. Changes nothing.
     fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool;
+    /// Turns recording of KV events (blocks stored and removed, resets) on or off; off drops
+    /// what was not drained. Off by default, and then free.
+    fn record_events(&mut self, on: bool);
+    /// The KV events recorded since the last call, in order.
+    fn drain_events(&mut self) -> Vec<CacheEvent>;
 }
 
 /// A prefix cache: the life cycle of requests over the index `I`, a pool of `num_pages` pages,
@@ -203,8 +209,13 @@ impl<I: Index> PrefixCache for Cache<I> {
     }
 
     fn reset(&mut self) -> usize {
+        let mark = self.index.events().len();
         let done = self.index.reset();
         self.counters.evicted_pages += done as u64;
+        // With no live request nothing is pinned: the index is empty now.
+        if done > 0 && self.index.events().on && self.requests.is_empty() {
+            self.index.events().cleared_since(mark);
+        }
         done
     }
 
@@ -252,6 +263,14 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
         self.index.advance(cursor, tokens)
+    }
+
+    fn record_events(&mut self, on: bool) {
+        self.index.events().set(on);
+    }
+
+    fn drain_events(&mut self) -> Vec<CacheEvent> {
+        self.index.events().drain()
     }
 }
 

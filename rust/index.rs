@@ -13,6 +13,7 @@
 //! | `evict`    | least recently used leaf, page by page     | least recently released page            |
 
 use crate::error::Result;
+use crate::events::EventLog;
 use crate::hash::BlockHash;
 use crate::request::{Namespace, PageId, Request, Requests};
 
@@ -93,4 +94,6 @@ pub trait Index: Send + std::fmt::Debug {
     fn check(&self, requests: &Requests<Self::Ext>, num_pages: usize) -> Result<()>;
     /// Heap bytes of the index and its pool bookkeeping.
     fn metadata_bytes(&self) -> usize;
+    /// The index's event log (recording off unless turned on).
+    fn events(&mut self) -> &mut EventLog;
 }

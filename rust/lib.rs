@@ -18,6 +18,7 @@
 //!
 //! ```text
 //!   error  ids  stats  hash  links  freeset        (leaves)
+//!   events (what a cache records for routers, when asked to)
 //!   request ── index ── cache ──┬── radix
 //!                               ├── block
 //!                               └── scheduler ── waiting
@@ -27,6 +28,7 @@
 mod block;
 mod cache;
 mod error;
+mod events;
 mod freeset;
 mod hash;
 mod ids;
@@ -46,7 +48,8 @@ mod python;
 pub use block::BlockCache;
 pub use cache::{Cache, PrefixCache};
 pub use error::{Error, Result};
-pub use hash::{block_hashes, BlockHash};
+pub use events::CacheEvent;
+pub use hash::{block_hashes, sha256_cbor, BlockHash};
 pub use ids::PageId;
 pub use index::{Cursor, Index};
 pub use plan::{plan_step, StepPlan};

@@ -18,7 +18,9 @@
 
 use crate::cache::Cache;
 use crate::error::{corrupt, Result};
+use crate::events::{chain, EventLog};
 use crate::freeset::FreeSet;
+use crate::hash::{next_hash, root_hash, BlockHash};
 use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
@@ -92,6 +94,9 @@ pub struct RadixExt {
     /// Pages this request computed that another request had published first: private to it,
     /// freed when it ends. (The rest of its private pages are `pages[published / P..]`.)
     dups: Vec<PageId>,
+    /// With event recording on: the block key of `tokens[..at]` as `(at, key)`, so that each
+    /// publish hashes only its new pages.
+    key_at: Option<(usize, BlockHash)>,
 }
 
 /// Where a lookup ended.
@@ -132,6 +137,7 @@ pub struct RadixIndex {
     clock: u64,
     /// Keys the hash of pages longer than two tokens.
     hasher: RandomState,
+    events: EventLog,
     /// Unit tests set this to give every page the same child key, so that the collision paths
     /// (a lookup that must compare the page, a publish that must keep its page private) run.
     #[cfg(test)]
@@ -312,6 +318,26 @@ impl RadixIndex {
         r
     }
 
+    /// The block keys of the last `count` pages of `node`'s path (for the event log): the path's
+    /// tokens hashed from its namespace's root.
+    fn trailing_keys(&self, node: NodeId, count: usize) -> Vec<BlockHash> {
+        let path = self.path_to(node);
+        let root = self.node(path[0]).parent;
+        let ns = self
+            .roots
+            .iter()
+            .find(|(_, &r)| r == root)
+            .map(|(ns, _)| ns.clone())
+            .expect("every path starts at a namespace root");
+        let tokens: Vec<u32> = path
+            .iter()
+            .flat_map(|&n| self.node(n).key.iter().copied())
+            .collect();
+        let mut keys = chain(&ns, &tokens, self.page_size);
+        keys.drain(..keys.len() - count);
+        keys
+    }
+
     /// Nodes on the way from the namespace root (excluded) to `node`, top down.
     fn path_to(&self, mut node: NodeId) -> Vec<NodeId> {
         let mut path = Vec::new();
@@ -339,6 +365,7 @@ impl Index for RadixIndex {
             evictable: 0,
             clock: 0,
             hasher: RandomState::new(),
+            events: EventLog::default(),
             #[cfg(test)]
             collide: false,
         }
@@ -408,6 +435,7 @@ impl Index for RadixIndex {
         RadixExt {
             last,
             dups: Vec::new(),
+            key_at: None,
         }
     }
 
@@ -441,6 +469,9 @@ impl Index for RadixIndex {
                         alive: true,
                     });
                     self.node_mut(node).children.insert(k, leaf);
+                    if self.events.on {
+                        record_new_leaf(&mut self.events, r, pos, upto, p);
+                    }
                     node = leaf;
                     pos = upto;
                 }
@@ -491,6 +522,11 @@ impl Index for RadixIndex {
                 break;
             };
             let first = self.page_key(&self.node(leaf).key[..p]);
+            if self.events.on {
+                let take = (want - done).min(self.node(leaf).pages.len());
+                let keys = self.trailing_keys(leaf, take);
+                self.events.removed(keys);
+            }
             let n = &mut self.nodes[leaf.index()];
             let take = (want - done).min(n.pages.len());
             let keep = n.pages.len() - take;
@@ -584,6 +620,10 @@ impl Index for RadixIndex {
         check_tree(self, requests, num_pages)
     }
 
+    fn events(&mut self) -> &mut EventLog {
+        &mut self.events
+    }
+
     fn metadata_bytes(&self) -> usize {
         let per_child = std::mem::size_of::<(u64, NodeId)>() + 1;
         let nodes: usize = self
@@ -599,6 +639,36 @@ impl Index for RadixIndex {
             + self.lru.heap_bytes()
             + self.free.heap_bytes()
     }
+}
+
+/// Records that `r.tokens[from..upto]` entered the tree as a new leaf, hashing from the key the
+/// request's last publish left (`key_at`) when it is there.
+fn record_new_leaf(
+    events: &mut EventLog,
+    r: &mut Request<RadixExt>,
+    from: usize,
+    upto: usize,
+    p: usize,
+) {
+    let mut prev = match r.ext.key_at {
+        Some((at, key)) if at == from => key,
+        _ => {
+            let keys = chain(&r.namespace, &r.tokens[..from], p);
+            keys.last()
+                .copied()
+                .unwrap_or_else(|| root_hash(p, &r.namespace))
+        }
+    };
+    let parent = (from > 0).then_some(prev);
+    let hashes: Vec<BlockHash> = r.tokens[from..upto]
+        .chunks_exact(p)
+        .map(|page| {
+            prev = next_hash(&prev, page);
+            prev
+        })
+        .collect();
+    r.ext.key_at = Some((upto, prev));
+    events.stored_keys(&r.namespace, parent, hashes, r.tokens[from..upto].to_vec());
 }
 
 /// Recomputes the tree's invariants from scratch (see `PrefixCache::check`).

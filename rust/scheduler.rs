@@ -100,6 +100,28 @@ pub struct Scheduler {
     waiting: BTreeMap<u64, Waiting>,
     next_id: u64,
     calls: u64,
+    waits: WaitHistogram,
+}
+
+/// Upper bounds (inclusive) of the wait buckets, in schedule calls; a last bucket takes the rest.
+pub const WAIT_BOUNDS: [u64; 12] = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024];
+
+/// How long admitted requests waited, in `schedule` calls that passed them over.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WaitHistogram {
+    /// Admissions per bucket of [`WAIT_BOUNDS`] (not cumulative); the last entry counts waits
+    /// above the last bound.
+    pub counts: [u64; WAIT_BOUNDS.len() + 1],
+    /// Sum of the waits.
+    pub sum: u64,
+}
+
+impl WaitHistogram {
+    fn record(&mut self, wait: u64) {
+        let b = WAIT_BOUNDS.partition_point(|&ub| ub < wait);
+        self.counts[b] += 1;
+        self.sum += wait;
+    }
 }
 
 impl Scheduler {
@@ -119,6 +141,7 @@ impl Scheduler {
             waiting: BTreeMap::new(),
             next_id: 0,
             calls: 0,
+            waits: WaitHistogram::default(),
         }
     }
 
@@ -190,6 +213,11 @@ impl Scheduler {
     /// Whether nothing waits.
     pub fn is_empty(&self) -> bool {
         self.waiting.is_empty()
+    }
+
+    /// How long the requests admitted so far waited (a snapshot).
+    pub fn waits(&self) -> WaitHistogram {
+        self.waits
     }
 
     /// Ids of the waiting requests, by arrival.
@@ -318,6 +346,7 @@ impl Scheduler {
             }
             let w = self.waiting.remove(&id).expect("ranked ids are waiting");
             self.trie.remove(id, &w.path);
+            self.waits.record(stamp - w.arrived - 1);
             out.push(Admitted {
                 id,
                 request,

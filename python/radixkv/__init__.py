@@ -47,7 +47,14 @@ _LAZY = {
     "Engine": "radixkv.engine",
     "Session": "radixkv.engine",
     "models": "radixkv.models",
+    # Modules with optional dependencies: radixkv[metrics], radixkv[events]; doctor needs none.
+    "metrics": "radixkv.metrics",
+    "events": "radixkv.events",
+    "doctor": "radixkv.doctor",
 }
+
+#: Names in _LAZY that are modules, not attributes of their module.
+_MODULES = {"models", "metrics", "events", "doctor"}
 
 __all__ = [
     "BlockCache",
@@ -74,7 +81,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
     mod = importlib.import_module(module)
-    value = mod if name == "models" else getattr(mod, name)
+    value = mod if name in _MODULES else getattr(mod, name)
     globals()[name] = value
     return value
 

@@ -113,6 +113,14 @@ class _Cache:
     def reset(self) -> int: ...
     @property
     def stats(self) -> CacheStats: ...
+    def record_events(self, enabled: bool = True) -> None:
+        """Turns recording of KV events (blocks published and evicted, resets) on or off; off
+        (the default) costs nothing and drops what was not drained."""
+
+    def drain_events(self) -> list[tuple[Any, ...]]:
+        """The KV events recorded since the last call, in order: ``("stored", namespace,
+        parent, keys, tokens)``, ``("removed", keys)`` and ``("cleared",)``."""
+
     def check(self) -> None: ...
     @property
     def num_pages(self) -> int: ...
@@ -171,10 +179,24 @@ class Scheduler:
     @property
     def waiting(self) -> list[int]: ...
     @property
+    def wait_histogram(self) -> tuple[list[tuple[float, int]], int]:
+        """How long the requests admitted so far waited, in ``schedule`` calls that passed them
+        over: ``(upper_bound, count)`` pairs (counts not cumulative, the last bound ``inf``)
+        and the sum of the waits."""
+
+    @property
     def policy(self) -> str: ...
     def __len__(self) -> int: ...
 
 def block_hashes(
-    tokens: _Tokens, page_size: int = 16, namespace: _Namespace = None
-) -> list[bytes]: ...
+    tokens: _Tokens,
+    page_size: int = 16,
+    namespace: _Namespace = None,
+    algorithm: str = "blake3",
+    hash_seed: str = "0",
+) -> list[bytes]:
+    """Block hashes of every full page of ``tokens``, 32 bytes each: ``"blake3"``, the keys
+    ``BlockCache`` uses; ``"sha256_cbor"``, vLLM's default block hashes (first block chained
+    from vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=hash_seed``, salted with ``namespace``)."""
+
 def plan_step(requests: Sequence[Request]) -> dict[str, Any]: ...

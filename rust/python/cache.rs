@@ -4,6 +4,7 @@ use super::convert;
 use super::CorruptionError;
 use crate::cache::PrefixCache;
 use crate::error::Result as CoreResult;
+use crate::events::CacheEvent;
 use crate::hash;
 use crate::request::RequestId;
 use crate::request::RequestView;
@@ -12,7 +13,7 @@ use crate::{BlockCache, RadixCache};
 use numpy::PyArray1;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyTuple};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
@@ -215,6 +216,46 @@ impl PyCache {
         Ok(PyCacheStats(
             slf.get().with(slf.py(), false, |c| Ok(c.stats()))?,
         ))
+    }
+
+    /// Turns recording of KV events (blocks published and evicted, resets) on or off; off (the
+    /// default) costs nothing and drops what was not drained.
+    #[pyo3(signature = (enabled=true))]
+    fn record_events(slf: &Bound<'_, Self>, enabled: bool) -> PyResult<()> {
+        slf.get().with(slf.py(), false, |c| {
+            c.record_events(enabled);
+            Ok(())
+        })
+    }
+
+    /// The KV events recorded since the last call, in order: ``("stored", namespace, parent,
+    /// keys, tokens)`` (full pages entered the index: their radixkv block keys, the key before
+    /// the first or None, their tokens as numpy uint32, the namespace as bytes or None),
+    /// ``("removed", keys)`` and ``("cleared",)`` (a reset left the index empty).
+    fn drain_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        let py = slf.py();
+        let events = slf.get().with(py, false, |c| Ok(c.drain_events()))?;
+        let keys = |hs: &[crate::hash::BlockHash]| -> Vec<Bound<'py, PyBytes>> {
+            hs.iter().map(|h| PyBytes::new(py, h)).collect()
+        };
+        events
+            .into_iter()
+            .map(|e| match e {
+                CacheEvent::Stored {
+                    namespace,
+                    parent,
+                    hashes,
+                    tokens,
+                } => {
+                    let ns = namespace.map(|n| PyBytes::new(py, &n));
+                    let parent = parent.map(|h| PyBytes::new(py, &h));
+                    let toks = PyArray1::from_vec(py, tokens);
+                    ("stored", ns, parent, keys(&hashes), toks).into_pyobject(py)
+                }
+                CacheEvent::Removed { hashes } => ("removed", keys(&hashes)).into_pyobject(py),
+                CacheEvent::Cleared => ("cleared",).into_pyobject(py),
+            })
+            .collect()
     }
 
     /// Verifies every internal invariant; raises ``CorruptionError`` naming the first broken one.
@@ -527,24 +568,49 @@ impl PyCacheStats {
     }
 }
 
-/// The keys ``BlockCache`` uses: one 32-byte blake3 digest per full page of ``tokens``
-/// (spec ``radixkv.block.v1`` in the design).
+/// Block hashes of every full page of ``tokens``, 32 bytes each.
+///
+/// ``algorithm="blake3"``: the keys ``BlockCache`` uses (spec ``radixkv.block.v1`` in the
+/// design). ``algorithm="sha256_cbor"``: vLLM's default block hashes (sha256 over canonical CBOR
+/// of ``(parent_hash, token_ids, extra_keys)``), the first block chained from vLLM's
+/// ``NONE_HASH`` for ``PYTHONHASHSEED=hash_seed`` and salted with ``namespace`` as vLLM salts
+/// with ``cache_salt``; ``hash_seed`` is used by ``sha256_cbor`` only.
 #[pyfunction]
-#[pyo3(signature = (tokens, page_size=None, namespace=None), text_signature = "(tokens, page_size=16, namespace=None)")]
+#[pyo3(
+    signature = (tokens, page_size=None, namespace=None, algorithm="blake3", hash_seed="0"),
+    text_signature = "(tokens, page_size=16, namespace=None, algorithm='blake3', hash_seed='0')"
+)]
 fn block_hashes<'py>(
     py: Python<'py>,
     tokens: &Bound<'py, PyAny>,
     page_size: Option<&Bound<'py, PyAny>>,
     namespace: Option<&Bound<'py, PyAny>>,
+    algorithm: &str,
+    hash_seed: &str,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let page_size = match page_size {
         Some(p) => convert::count("page_size", p)?,
         None => 16,
     };
     crate::cache::check_pool_args(1, page_size)?;
+    let sha = match algorithm {
+        "blake3" => false,
+        "sha256_cbor" => true,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "algorithm must be 'blake3' or 'sha256_cbor', got '{other}'"
+            )))
+        }
+    };
     let toks = convert::tokens("tokens", tokens)?;
     let ns = convert::namespace(namespace)?;
-    let hashes = py.allow_threads(|| hash::block_hashes(&toks, page_size, &ns));
+    let hashes = py.allow_threads(|| {
+        if sha {
+            hash::sha256_cbor::block_hashes(&toks, page_size, &ns, hash_seed)
+        } else {
+            hash::block_hashes(&toks, page_size, &ns)
+        }
+    });
     Ok(hashes.iter().map(|h| PyBytes::new(py, h)).collect())
 }
 

@@ -2,7 +2,7 @@
 
 use super::cache::{PyCache, PyRequest};
 use super::convert;
-use crate::scheduler::{Policy, Scheduler};
+use crate::scheduler::{Policy, Scheduler, WAIT_BOUNDS};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::collections::HashMap;
@@ -147,6 +147,19 @@ impl PyScheduler {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .waiting_ids()
+    }
+
+    /// How long the requests admitted so far waited, in ``schedule`` calls that passed them
+    /// over: a list of ``(upper_bound, count)`` pairs, counts not cumulative, the last bound
+    /// ``inf``; and the sum of the waits. For a Prometheus histogram (``radixkv.metrics``).
+    #[getter]
+    fn wait_histogram(&self) -> (Vec<(f64, u64)>, u64) {
+        let h = self.inner.lock().unwrap_or_else(|e| e.into_inner()).waits();
+        let bounds = WAIT_BOUNDS
+            .iter()
+            .map(|&b| b as f64)
+            .chain(std::iter::once(f64::INFINITY));
+        (bounds.zip(h.counts).collect(), h.sum)
     }
 
     /// The policy name.

@@ -8,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 
+from radixkv.apps import metrics_server
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``radixkv demo``."""
@@ -53,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "longest cached prefix first, or shared prefixes back to back",
     )
     p.add_argument("--out", default="out", help="folder for the PNG chart (default: ./out)")
+    metrics_server.add_arguments(p)
     p.add_argument("--quick", action="store_true", help="a small model and session (tests)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic session")
     p.add_argument(
@@ -121,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         f"admission: {args.policy}"
     )
 
+    endpoint = metrics_server.start("demo", args)
     runs = {}
     n_requests = sc.turns + sc.branches
     with tqdm(total=2 * n_requests, desc="demo", unit="req", file=sys.stderr) as bar:
@@ -134,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
                 prefix_caching=caching,
                 policy=args.policy,
             )
+            if endpoint is not None:
+                endpoint.follow(cache, engine=engine, run="cache" if caching else "no-cache")
             runs[caching] = run_script(engine, script, sc, progress=bar)
     on, off = runs[True], runs[False]
 

@@ -22,7 +22,7 @@ Out: hit rate, evictions, tokens computed, queue waits, time to first token.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -186,10 +186,18 @@ class _Server:
 
 
 def replay(
-    requests: Sequence[TraceRequest], config: ReplayConfig, progress: bool = False
+    requests: Sequence[TraceRequest],
+    config: ReplayConfig,
+    progress: bool = False,
+    on_start: Callable[[radixkv.RadixCache | radixkv.BlockCache, radixkv.Scheduler], None]
+    | None = None,
 ) -> ReplayResult:
-    """Simulates ``config`` over ``requests`` and returns the figures."""
+    """Simulates ``config`` over ``requests`` and returns the figures. ``on_start(cache,
+    scheduler)`` is called once the simulated server's cache and scheduler exist (to watch
+    them, e.g. serve their metrics)."""
     server = _Server(requests, config, _progress(len(requests), progress, config))
+    if on_start is not None:
+        on_start(server.cache, server.sched)
     arrivals = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     now, nxt = 0.0, 0
     while nxt < len(arrivals) or server.waiting or server.prefilling or server.decoding:

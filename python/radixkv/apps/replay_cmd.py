@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from radixkv.apps import metrics_server
 from radixkv.apps.replay import ReplayConfig, ReplayResult, infinite_bound, replay
 from radixkv.apps.trace import read_trace
 
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--out", default="out", help="folder for the PNG chart")
     p.add_argument("--no-chart", action="store_true")
+    metrics_server.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.num_pages * args.page_size / 1e6:.2f}M tokens ({args.cache}, page {args.page_size})"
     )
     bound = infinite_bound(requests, args.page_size)
+    endpoint = metrics_server.start("replay", args)
     results = []
     for pol in policies:
         cfg = ReplayConfig(
@@ -65,7 +68,13 @@ def run(args: argparse.Namespace) -> int:
             token_budget=args.token_budget,
             max_running=args.max_running,
         )
-        results.append(replay(requests, cfg, progress=True))
+        follow = None
+        if endpoint is not None:
+
+            def follow(cache, scheduler, pol=pol, ep=endpoint):
+                ep.follow(cache, scheduler, policy=pol)
+
+        results.append(replay(requests, cfg, progress=True, on_start=follow))
     print(format_table(results, bound))
     if not args.no_chart:
         path = draw_chart(results, bound, Path(args.out) / "replay_hit_rate.png")

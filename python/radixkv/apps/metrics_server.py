@@ -1,0 +1,71 @@
+"""``--metrics-port``: the Prometheus endpoint of ``radixkv demo`` and ``radixkv replay``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``--metrics-port N`` and ``--metrics-addr``."""
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on http://ADDR:N/metrics while running "
+        "(needs prometheus_client: pip install 'radixkv[metrics]'; 0 picks a free port)",
+    )
+    p.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for all)",
+    )
+
+
+#: Endpoints started and not closed (they live as long as the process unless closed).
+RUNNING: list[MetricsServer] = []
+
+
+class MetricsServer:
+    """One endpoint whose collector follows the run in progress (a cache, its scheduler and
+    engine, and constant labels such as the replay policy)."""
+
+    def __init__(self, command: str, port: int, addr: str) -> None:
+        try:
+            from radixkv import metrics
+        except ImportError as e:
+            raise SystemExit(f"radixkv {command}: --metrics-port: {e}") from None
+        self._metrics = metrics
+        self._collector: Any = None
+        try:
+            self.server = metrics.serve(None, port, addr)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"radixkv {command}: --metrics-port {port}: {e}") from None
+        self._registry = self.server.registry
+        RUNNING.append(self)
+        print(f"metrics: http://{addr}:{self.server.server_port}/metrics", flush=True)
+
+    def close(self) -> None:
+        """Stops the endpoint."""
+        self.server.shutdown()
+        self.server.server_close()
+        if self in RUNNING:
+            RUNNING.remove(self)
+
+    def follow(self, cache: Any, scheduler: Any = None, engine: Any = None, **labels: str) -> None:
+        """Serves the metrics of this cache (scheduler, engine) from now on."""
+        new = self._metrics.CacheCollector(
+            cache, scheduler=scheduler, engine=engine, labels=labels or None
+        )
+        if self._collector is not None:
+            self._registry.unregister(self._collector)
+        self._registry.register(new)
+        self._collector = new
+
+
+def start(command: str, args: argparse.Namespace) -> MetricsServer | None:
+    """The endpoint if ``--metrics-port`` was given."""
+    if args.metrics_port is None:
+        return None
+    return MetricsServer(command, args.metrics_port, args.metrics_addr)

@@ -1,0 +1,379 @@
+"""KV events in vLLM's wire format, for cluster routers (extra ``radixkv[events]``: pyzmq and
+msgspec).
+
+A cache records, once asked to (``cache.record_events(True)``; off by default, and free when
+off), the blocks it publishes and evicts and its resets; ``cache.drain_events()`` hands them over
+in order. :class:`ZmqPublisher` turns them into vLLM's ``KVEventBatch`` messages on a ZeroMQ PUB
+socket, with vLLM's sequence numbers and replay socket, so a KV-aware router that consumes vLLM
+workers (llm-d's KV-cache indexer, NVIDIA Dynamo's KV router) can consume a radixkv worker.
+
+Wire format (as vLLM's ``ZmqEventPublisher``)::
+
+    PUB frames:    [topic, seq (8 bytes, big-endian), msgpack(KVEventBatch)]
+    KVEventBatch:  [ts, [event, ...], data_parallel_rank]
+    BlockStored:   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+                    lora_id, medium, lora_name(, extra_keys)]
+    BlockRemoved:  ["BlockRemoved", block_hashes, medium]
+    AllBlocksCleared: ["AllBlocksCleared"]
+    replay (ROUTER): request [b"", start_seq (8 bytes)] -> one [b"", seq, payload] per buffered
+                     batch with seq >= start_seq, then [b"", seq = -1, b""]
+
+That is msgspec's ``array_like`` layout (tagged arrays); ``layout="map"`` sends the same structs
+as maps (``{"type": "BlockStored", "block_hashes": ...}``), the layout of vLLM versions whose
+event structs are not ``array_like``. Block hashes are 32-byte ``bytes``, or with
+``int_hashes=True`` the integer of their last 8 bytes (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_
+HASHES``).
+
+``block_hash="radixkv"`` sends radixkv's own block keys (``radixkv.block_hashes``, blake3);
+``block_hash="sha256_cbor"`` sends vLLM's default block hashes, computed along each published
+chain (see ``docs/EVENTS.md``), so an indexer that hashes prompts the vLLM way finds radixkv's
+blocks. For a ``RadixCache`` a block is a ``page_size`` group of tokens along a published path.
+"""
+
+import hashlib
+import threading
+import time
+from collections import deque
+from typing import Any
+
+try:
+    import msgspec
+    import zmq
+except ImportError as e:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        "radixkv.events needs pyzmq and msgspec: pip install 'radixkv[events]' "
+        "(or pip install pyzmq msgspec)"
+    ) from e
+
+__all__ = [
+    "END_SEQ",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEventBatch",
+    "ZmqPublisher",
+    "cbor_block_hash",
+    "event_types",
+]
+
+#: The replay socket's end-of-stream sequence number.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def event_types(layout: str = "array") -> dict[str, type]:
+    """vLLM's event structs (``KVEventBatch``, ``BlockStored``, ``BlockRemoved``,
+    ``AllBlocksCleared``) for ``layout="array"`` (msgspec ``array_like``) or ``"map"``; a
+    subscriber decodes with ``msgspec.msgpack.Decoder(types["KVEventBatch"])``."""
+    if layout not in ("array", "map"):
+        raise ValueError(f"layout must be 'array' or 'map', got {layout!r}")
+    array_like = layout == "array"
+    # The annotations below are evaluated here (this module does not postpone them), so each
+    # layout's batch refers to its own event structs.
+
+    class EventBatch(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(
+        msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True
+    ):
+        """Base class of the KV cache events."""
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        parent_block_hash: bytes | int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        medium: str | None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    return {
+        "KVEventBatch": KVEventBatch,
+        "BlockStored": BlockStored,
+        "BlockRemoved": BlockRemoved,
+        "AllBlocksCleared": AllBlocksCleared,
+    }
+
+
+_ARRAY = event_types("array")
+KVEventBatch = _ARRAY["KVEventBatch"]
+BlockStored = _ARRAY["BlockStored"]
+BlockRemoved = _ARRAY["BlockRemoved"]
+AllBlocksCleared = _ARRAY["AllBlocksCleared"]
+
+
+# ---- vLLM's sha256_cbor, for the publisher's chains -------------------------------------------
+
+
+def _head(major: int, n: int) -> bytes:
+    m = major << 5
+    if n < 24:
+        return bytes([m | n])
+    for extra, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if n < 1 << (8 * size):
+            return bytes([m | extra]) + n.to_bytes(size, "big")
+    raise ValueError(f"CBOR integer too large: {n}")
+
+
+def _string(s: str | bytes) -> bytes:
+    if isinstance(s, bytes):
+        try:
+            s = s.decode("utf-8")
+        except UnicodeDecodeError:
+            return _head(2, len(s)) + s
+    b = s.encode("utf-8")
+    return _head(3, len(b)) + b
+
+
+def cbor_block_hash(parent: bytes, tokens: Any, salt: str | bytes | None = None) -> bytes:
+    """vLLM's ``hash_block_tokens`` with ``sha256_cbor``:
+    ``sha256(cbor([parent, [tokens...], [salt] or null]))`` in canonical CBOR."""
+    toks = [int(t) for t in tokens]
+    parts = [b"\x83", _head(2, len(parent)), parent, _head(4, len(toks))]
+    parts.extend(_head(0, t) for t in toks)
+    parts.append(b"\x81" + _string(salt) if salt else b"\xf6")
+    return hashlib.sha256(b"".join(parts)).digest()
+
+
+def none_hash(seed: str) -> bytes:
+    """vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed`` under ``sha256_cbor``."""
+    return hashlib.sha256(_string(seed)).digest()
+
+
+# ---- the publisher ------------------------------------------------------------------------------
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: bind a wildcard, ipc or inproc endpoint; connect to anything else."""
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
+
+
+class ZmqPublisher:
+    """Publishes a cache's KV events as vLLM's ``ZmqEventPublisher`` does.
+
+    ``endpoint``: the PUB address (``tcp://*:5557`` binds; a host address connects, as in vLLM;
+    ``bind`` overrides). ``replay_endpoint``: a ROUTER address for replay requests (always bound),
+    or None. ``topic``: the first frame of every message. ``block_hash``: ``"radixkv"`` or
+    ``"sha256_cbor"``; ``hash_seed``: vLLM's ``PYTHONHASHSEED`` for ``sha256_cbor`` (vLLM workers
+    must run with the same value for hashes to match). ``buffer_steps``: batches kept for replay.
+
+    Creating it turns event recording on in ``cache`` (blocks cached before that are not
+    announced). :meth:`publish` sends what the cache recorded since the last call as one batch;
+    :meth:`close` sends the rest and closes the sockets. A background thread answers replay
+    requests.
+    """
+
+    def __init__(
+        self,
+        cache: Any,
+        endpoint: str = "tcp://*:5557",
+        *,
+        topic: str = "",
+        block_hash: str = "radixkv",
+        replay_endpoint: str | None = None,
+        data_parallel_rank: int = 0,
+        medium: str | None = "GPU",
+        hash_seed: str = "0",
+        int_hashes: bool = False,
+        layout: str = "array",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        bind: bool | None = None,
+    ) -> None:
+        if not hasattr(cache, "drain_events"):
+            raise TypeError(
+                f"cache must be a radixkv RadixCache or BlockCache, got {type(cache).__name__}"
+            )
+        if block_hash not in ("radixkv", "sha256_cbor"):
+            raise ValueError(f"block_hash must be 'radixkv' or 'sha256_cbor', got {block_hash!r}")
+        if not isinstance(endpoint, str) or "://" not in endpoint:
+            raise ValueError(
+                f"endpoint must be a ZeroMQ address like 'tcp://*:5557', got {endpoint!r}"
+            )
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {topic!r}")
+        if isinstance(buffer_steps, bool) or not isinstance(buffer_steps, int) or buffer_steps < 1:
+            raise ValueError(f"buffer_steps must be a positive int, got {buffer_steps!r}")
+        if not isinstance(hash_seed, str):
+            raise TypeError(f"hash_seed must be a str (vLLM's PYTHONHASHSEED), got {hash_seed!r}")
+        types = event_types(layout)
+        self._stored, self._removed = types["BlockStored"], types["BlockRemoved"]
+        self._cleared, self._batch = types["AllBlocksCleared"], types["KVEventBatch"]
+        self.cache, self.block_hash, self.medium = cache, block_hash, medium
+        self.data_parallel_rank, self.int_hashes = data_parallel_rank, int_hashes
+        self.page_size = cache.page_size
+        self._topic = topic.encode()
+        self._none_hash = none_hash(hash_seed)
+        # radixkv key -> sha256_cbor hash of every block announced and not removed.
+        self._sha: dict[bytes, bytes] = {}
+        self._seq = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.setsockopt(zmq.LINGER, 1000)
+        if bind if bind is not None else _binds(endpoint):
+            self._pub.bind(endpoint)
+        else:
+            self._pub.connect(endpoint)
+        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint: str | None = None
+        self._replay = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._thread = threading.Thread(
+                target=self._serve_replay, name="radixkv-replay", daemon=True
+            )
+            self._thread.start()
+        cache.record_events(True)
+        self.closed = False
+
+    # ---- events -> vLLM structs ---------------------------------------------------------------
+
+    def _ext(self, h: bytes) -> bytes | int:
+        return int.from_bytes(h[-8:], "big") if self.int_hashes else h
+
+    def _convert(self, raw: list[tuple]) -> list[Any]:
+        out: list[Any] = []
+        sha = self.block_hash == "sha256_cbor"
+        p = self.page_size
+        for ev in raw:
+            kind = ev[0]
+            if kind == "stored":
+                _, ns, parent, keys, tokens = ev
+                tokens = [int(t) for t in tokens]
+                extra = None
+                if sha and parent is not None and parent not in self._sha:
+                    continue  # below a block cached before recording began: no vLLM hash known
+                if sha:
+                    prev = self._none_hash if parent is None else self._sha[parent]
+                    parent_out: bytes | None = None if parent is None else prev
+                    hashes = []
+                    for i, key in enumerate(keys):
+                        salt = ns if (parent is None and i == 0) else None
+                        prev = cbor_block_hash(prev, tokens[i * p : (i + 1) * p], salt)
+                        self._sha[key] = prev
+                        hashes.append(prev)
+                else:
+                    parent_out, hashes = parent, list(keys)
+                if parent is None and ns:  # the namespace salts the first block (cache_salt)
+                    try:
+                        salt_key: str | bytes = ns.decode("utf-8")
+                    except UnicodeDecodeError:
+                        salt_key = ns
+                    extra = [(salt_key,)] + [None] * (len(keys) - 1)
+                out.append(
+                    self._stored(
+                        block_hashes=[self._ext(h) for h in hashes],
+                        parent_block_hash=None if parent_out is None else self._ext(parent_out),
+                        token_ids=tokens,
+                        block_size=p,
+                        lora_id=None,
+                        medium=self.medium,
+                        lora_name=None,
+                        extra_keys=extra,
+                    )
+                )
+            elif kind == "removed":
+                keys = ev[1]
+                if sha:
+                    hashes = [self._sha.pop(k) for k in keys if k in self._sha]
+                else:
+                    hashes = list(keys)
+                if hashes:
+                    out.append(
+                        self._removed(
+                            block_hashes=[self._ext(h) for h in hashes], medium=self.medium
+                        )
+                    )
+            elif kind == "cleared":
+                self._sha.clear()
+                out.append(self._cleared())
+            else:  # pragma: no cover - the core records only these
+                raise ValueError(f"unknown cache event {kind!r}")
+        return out
+
+    # ---- sending ------------------------------------------------------------------------------
+
+    def publish(self) -> int:
+        """Sends the events the cache recorded since the last call as one ``KVEventBatch``
+        (nothing when there are none); returns how many events it sent."""
+        if self.closed:
+            raise RuntimeError("publish on a closed ZmqPublisher")
+        events = self._convert(self.cache.drain_events())
+        if not events:
+            return 0
+        batch = self._batch(
+            ts=time.time(), events=events, data_parallel_rank=self.data_parallel_rank
+        )
+        payload = self._encoder.encode(batch)
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        return len(events)
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3:
+                continue  # not a replay request: [identity, b"", start_seq]
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                batches = [(s, b) for s, b in self._buffer if s >= first]
+            for s, b in batches:
+                self._replay.send_multipart((client, b"", s.to_bytes(8, "big"), b))
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        """Sends what is left, stops the replay thread and closes the sockets; turns event
+        recording off in the cache."""
+        if self.closed:
+            return
+        self.publish()
+        self.closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._pub.close()
+        self.cache.record_events(False)
+
+    def __enter__(self) -> "ZmqPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

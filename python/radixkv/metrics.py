@@ -1,0 +1,298 @@
+"""Prometheus metrics of a cache, its scheduler and an engine (extra ``radixkv[metrics]``).
+
+:class:`CacheCollector` is a prometheus_client collector: register it in any
+``CollectorRegistry`` and it reads snapshots when scraped (``cache.stats``, the scheduler's queue
+and wait histogram, the engine's finished requests), so it costs nothing between scrapes.
+
+- ``radixkv_prefix_cache_queries_total``: admissions (``admit`` and ``fork``);
+  ``radixkv_prefix_cache_query_tokens_total``: their prompt tokens;
+  ``radixkv_prefix_cache_hit_tokens_total``: of those, tokens served from the cache.
+- ``radixkv_kv_pages{state="free"|"evictable"|"used"}``, ``radixkv_kv_page_size_tokens``,
+  ``radixkv_evicted_pages_total``.
+- With a scheduler: ``radixkv_scheduler_waiting`` (requests waiting) and the histogram
+  ``radixkv_scheduler_wait_calls`` (schedule calls each admitted request waited through).
+- With an engine: ``radixkv_engine_requests_total`` (finished requests), the histograms
+  ``radixkv_engine_time_to_first_token_seconds`` and ``radixkv_engine_request_prompt_tokens``,
+  and ``radixkv_engine_{prompt,cached,computed}_tokens_total`` (prompt tokens, those found
+  cached at admission, tokens computed until the first token).
+
+The hit rate over a window is ``rate(hit_tokens) / rate(query_tokens)``; ``docs/grafana``
+has a dashboard and an alert rule built on these names.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+try:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+    from prometheus_client.registry import Collector
+except ImportError as e:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        "radixkv.metrics needs prometheus_client: pip install 'radixkv[metrics]' "
+        "(or pip install prometheus_client)"
+    ) from e
+
+__all__ = ["TTFT_BUCKETS", "CacheCollector", "serve"]
+
+#: Histogram bounds of time to first token, seconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Histogram bounds of prompt tokens per request.
+PROMPT_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144)
+
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_RESERVED = {"state", "le", "quantile"}
+
+
+class _Histogram:
+    """Cumulative bucket counts and a sum, fed one value at a time."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, x: float) -> None:
+        i = 0
+        while i < len(self.bounds) and x > self.bounds[i]:
+            i += 1
+        self.counts[i] += 1
+        self.sum += x
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for b, c in zip([*self.bounds, float("inf")], self.counts):
+            acc += c
+            out.append((_le(b), acc))
+        return out
+
+
+def _le(b: float) -> str:
+    return "+Inf" if b == float("inf") else repr(float(b))
+
+
+class CacheCollector(Collector):
+    """Prometheus metrics of ``cache`` (a ``RadixCache`` or ``BlockCache``), and optionally of a
+    ``radixkv.Scheduler`` and a ``radixkv.Engine`` (whose own scheduler is used when
+    ``scheduler`` is not given). ``labels``: constant labels put on every sample (e.g.
+    ``{"worker": "0"}``).
+
+    Register it with ``registry.register(CacheCollector(cache))``; everything is read when
+    scraped. Safe to scrape from another thread while the cache and engine run.
+    """
+
+    def __init__(
+        self,
+        cache: Any,
+        *,
+        scheduler: Any = None,
+        engine: Any = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        if not hasattr(cache, "stats") or not hasattr(cache, "admit"):
+            raise TypeError(
+                f"cache must be a radixkv RadixCache or BlockCache, got {type(cache).__name__}"
+            )
+        if scheduler is not None and not hasattr(scheduler, "wait_histogram"):
+            raise TypeError(
+                f"scheduler must be a radixkv.Scheduler, got {type(scheduler).__name__}"
+            )
+        if engine is not None and not hasattr(engine, "sequences"):
+            raise TypeError(f"engine must be a radixkv.Engine, got {type(engine).__name__}")
+        labels = dict(labels or {})
+        for k, v in labels.items():
+            if not isinstance(k, str) or not _LABEL.match(k) or k in _RESERVED:
+                raise ValueError(
+                    f"labels: {k!r} is not a usable label name (letters, digits and '_', not "
+                    f"starting with a digit; not one of {sorted(_RESERVED)})"
+                )
+            if not isinstance(v, str):
+                raise TypeError(f"labels: the value of {k!r} must be a str, got {v!r}")
+        if scheduler is None and engine is not None:
+            scheduler = engine.batcher.scheduler
+        self.cache, self.scheduler, self.engine = cache, scheduler, engine
+        self._names = list(labels)
+        self._values = [labels[k] for k in self._names]
+        # Engine requests are folded into these as they finish (ids grow from 0).
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._pending: set[int] = set()
+        self._ttft = _Histogram(TTFT_BUCKETS)
+        self._prompt_hist = _Histogram(PROMPT_BUCKETS)
+        self._requests = self._prompt = self._cached = self._computed = 0
+
+    # ---- prometheus_client ----------------------------------------------------------------
+
+    def describe(self) -> Iterator[Any]:
+        """The metric families (names only), without reading the cache."""
+        return iter(self._families(None))
+
+    def collect(self) -> Iterator[Any]:
+        """One snapshot of every metric."""
+        return iter(self._families(self.cache.stats))
+
+    # ---- building the families --------------------------------------------------------------
+
+    def _counter(self, name: str, doc: str, value: float | None) -> CounterMetricFamily:
+        m = CounterMetricFamily(name, doc, labels=self._names)
+        if value is not None:
+            m.add_metric(self._values, value)
+        return m
+
+    def _gauge(self, name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+        m = GaugeMetricFamily(name, doc, labels=self._names)
+        if value is not None:
+            m.add_metric(self._values, value)
+        return m
+
+    def _families(self, s: Any) -> list[Any]:
+        live = s is not None
+        out: list[Any] = [
+            self._counter(
+                "radixkv_prefix_cache_queries",
+                "Admissions into the prefix cache (admit and fork).",
+                s.queries if live else None,
+            ),
+            self._counter(
+                "radixkv_prefix_cache_query_tokens",
+                "Prompt tokens of the admissions.",
+                s.query_tokens if live else None,
+            ),
+            self._counter(
+                "radixkv_prefix_cache_hit_tokens",
+                "Prompt tokens served from the cache at admission.",
+                s.hit_tokens if live else None,
+            ),
+            self._counter(
+                "radixkv_evicted_pages",
+                "Pages evicted (by allocation, evict and reset).",
+                s.evicted_pages if live else None,
+            ),
+            self._gauge(
+                "radixkv_kv_page_size_tokens", "Tokens per KV page.", s.page_size if live else None
+            ),
+        ]
+        pages = GaugeMetricFamily(
+            "radixkv_kv_pages",
+            "KV pages by state: free (hold nothing), evictable (cached, unpinned), used (pinned).",
+            labels=[*self._names, "state"],
+        )
+        if live:
+            for state, n in (
+                ("free", s.free_pages),
+                ("evictable", s.evictable_pages),
+                ("used", s.used_pages),
+            ):
+                pages.add_metric([*self._values, state], n)
+        out.append(pages)
+        if self.scheduler is not None:
+            out.append(
+                self._gauge(
+                    "radixkv_scheduler_waiting",
+                    "Requests waiting in the scheduler.",
+                    len(self.scheduler) if live else None,
+                )
+            )
+            h = HistogramMetricFamily(
+                "radixkv_scheduler_wait_calls",
+                "How many schedule calls admitted requests waited through.",
+                labels=self._names,
+            )
+            if live:
+                pairs, total = self.scheduler.wait_histogram
+                acc, buckets = 0, []
+                for bound, count in pairs:
+                    acc += count
+                    buckets.append((_le(bound), acc))
+                h.add_metric(self._values, buckets, total)
+            out.append(h)
+        if self.engine is not None:
+            out.extend(self._engine_families(live))
+        return out
+
+    def _fold_engine(self) -> None:
+        """Folds the engine's requests that finished since the last scrape into the totals."""
+        seqs = self.engine.sequences
+        while (seq := seqs.get(self._next_id)) is not None:
+            self._pending.add(self._next_id)
+            self._next_id += 1
+        for i in sorted(self._pending):
+            seq = seqs.get(i)
+            if seq is None or not seq.done:
+                continue
+            self._pending.discard(i)
+            r = seq.result()
+            if r.finish_reason == "context":  # a branch context, not a request of its own
+                continue
+            self._requests += 1
+            self._prompt += r.prompt_tokens
+            self._cached += r.cached_tokens
+            self._computed += r.computed_tokens
+            self._prompt_hist.observe(r.prompt_tokens)
+            if r.ttft_s is not None:
+                self._ttft.observe(r.ttft_s)
+
+    def _engine_families(self, live: bool) -> list[Any]:
+        if live:
+            with self._lock:
+                self._fold_engine()
+        ttft = HistogramMetricFamily(
+            "radixkv_engine_time_to_first_token_seconds",
+            "Time from submission to the first sampled token.",
+            labels=self._names,
+        )
+        prompt = HistogramMetricFamily(
+            "radixkv_engine_request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            labels=self._names,
+        )
+        if live:
+            ttft.add_metric(self._values, self._ttft.buckets(), self._ttft.sum)
+            prompt.add_metric(self._values, self._prompt_hist.buckets(), self._prompt_hist.sum)
+        return [
+            self._counter(
+                "radixkv_engine_requests",
+                "Requests the engine finished.",
+                self._requests if live else None,
+            ),
+            self._counter(
+                "radixkv_engine_prompt_tokens",
+                "Prompt tokens of finished requests.",
+                self._prompt if live else None,
+            ),
+            self._counter(
+                "radixkv_engine_cached_tokens",
+                "Prompt tokens of finished requests found cached at their first admission.",
+                self._cached if live else None,
+            ),
+            self._counter(
+                "radixkv_engine_computed_tokens",
+                "Tokens computed until each finished request's first token (prefill work).",
+                self._computed if live else None,
+            ),
+            ttft,
+            prompt,
+        ]
+
+
+def serve(collector: Collector | None, port: int, addr: str = "127.0.0.1") -> Any:
+    """Serves ``collector`` on ``http://addr:port/metrics`` from a daemon thread, in a registry of
+    its own; returns the HTTP server: ``.shutdown()`` stops it, ``.server_port`` is the port
+    (useful with ``port=0``), ``.registry`` the registry (collectors can be swapped in it)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
+    registry = CollectorRegistry()
+    if collector is not None:
+        registry.register(collector)
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    server.registry = registry  # type: ignore[attr-defined]
+    return server

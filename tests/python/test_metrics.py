@@ -1,0 +1,191 @@
+"""`radixkv.metrics`: a real cache, scheduler and engine scraped over HTTP on 127.0.0.1; the
+values are the cache's own counters at scrape time."""
+
+import json
+import re
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import radixkv
+from radixkv.apps import cli, metrics_server
+from radixkv.metrics import CacheCollector, serve
+
+
+def scrape(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + (
+                "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
+                if s.labels
+                else ""
+            )
+            samples[key] = s.value
+    return text, samples
+
+
+def workload(cache, n=6):
+    system = np.arange(100, 612, dtype=np.uint32)
+    for i in range(n):
+        req = cache.admit(np.concatenate([system, np.full(40, 1000 + i, np.uint32)]))
+        cache.commit(req, req.num_tokens)
+        cache.finish(req)
+    return cache.admit(system[:300])  # one live request pins its pages
+
+
+@pytest.mark.parametrize("kind", ["radix", "block"])
+def test_scrape_over_http_matches_the_cache(kind):
+    cache = radixkv.RadixCache(4096, 1) if kind == "radix" else radixkv.BlockCache(400, 16)
+    sched = radixkv.Scheduler(cache, "lpm")
+    server = serve(CacheCollector(cache, scheduler=sched, labels={"worker": "w0"}), 0)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        _, before = scrape(url)
+        assert before["radixkv_prefix_cache_queries_total{worker=w0}"] == 0
+        live = workload(cache)
+        cache.evict(3)
+        for i in range(5):
+            sched.add(np.arange(50 + i, dtype=np.uint32) + 7)
+        sched.schedule(60, 1)  # admits one; the rest wait through this call
+        sched.schedule(10_000)
+        sched.add(np.arange(5, dtype=np.uint32))
+        text, m = scrape(url)
+        s = cache.stats
+        assert m["radixkv_prefix_cache_queries_total{worker=w0}"] == s.queries == 7 + 5
+        assert m["radixkv_prefix_cache_query_tokens_total{worker=w0}"] == s.query_tokens
+        assert m["radixkv_prefix_cache_hit_tokens_total{worker=w0}"] == s.hit_tokens > 0
+        assert m["radixkv_evicted_pages_total{worker=w0}"] == s.evicted_pages >= 3
+        for state in ("free", "evictable", "used"):
+            assert m[f"radixkv_kv_pages{{state={state},worker=w0}}"] == getattr(s, f"{state}_pages")
+        assert s.used_pages > 0 and live.num_tokens == 300
+        assert m["radixkv_scheduler_waiting{worker=w0}"] == 1
+        # One admitted at once, four after one call passed them over.
+        assert m["radixkv_scheduler_wait_calls_count{worker=w0}"] == 5
+        assert m["radixkv_scheduler_wait_calls_bucket{le=0.0,worker=w0}"] == 1
+        assert m["radixkv_scheduler_wait_calls_bucket{le=1.0,worker=w0}"] == 5
+        assert m["radixkv_scheduler_wait_calls_sum{worker=w0}"] == 4
+        assert "# TYPE radixkv_kv_pages gauge" in text
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_collector_registers_and_checks_its_arguments():
+    cache = radixkv.RadixCache(64)
+    reg = CollectorRegistry()
+    reg.register(CacheCollector(cache))
+    assert b"radixkv_prefix_cache_hit_tokens_total 0.0" in generate_latest(reg)
+    with pytest.raises(TypeError, match="cache must be a radixkv RadixCache or BlockCache"):
+        CacheCollector(object())
+    with pytest.raises(ValueError, match="'state' is not a usable label name"):
+        CacheCollector(cache, labels={"state": "x"})
+    with pytest.raises(ValueError, match="'9a' is not a usable label name"):
+        CacheCollector(cache, labels={"9a": "x"})
+    with pytest.raises(ValueError, match="port must be an int"):
+        serve(None, 70000)
+
+
+def test_engine_ttft_and_tokens():
+    torch = pytest.importorskip("torch")
+    from tiny_model import tiny_model
+
+    model = tiny_model(seed=3)
+    cache = radixkv.RadixCache(2048)
+    engine = radixkv.Engine(model, model.make_kv_cache(cache), token_budget=256)
+    reg = CollectorRegistry()
+    reg.register(CacheCollector(cache, engine=engine))
+    prompt = list(range(1, 200))
+    results = engine.generate([prompt, [*prompt, 7, 8]], max_new_tokens=2)
+    assert torch is not None
+    text = generate_latest(reg).decode()
+    m = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.labels
+    }
+    assert m["radixkv_engine_requests_total"] == 2
+    assert m["radixkv_engine_prompt_tokens_total"] == sum(r.prompt_tokens for r in results)
+    assert m["radixkv_engine_cached_tokens_total"] == sum(r.cached_tokens for r in results)
+    assert m["radixkv_engine_computed_tokens_total"] == sum(r.computed_tokens for r in results)
+    assert m["radixkv_engine_time_to_first_token_seconds_count"] == 2
+    assert m["radixkv_engine_time_to_first_token_seconds_sum"] == pytest.approx(
+        sum(r.ttft_s for r in results)
+    )
+    assert m["radixkv_scheduler_waiting"] == 0  # the engine's own scheduler
+    # A second scrape does not count the same requests twice.
+    text2 = generate_latest(reg).decode()
+    assert "radixkv_engine_requests_total 2.0" in text2
+
+
+def test_replay_serves_metrics_per_policy(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": i * 0.1, "tokens": list(range(300)) + [1000 + i] * 20} for i in range(20)
+    ]
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    try:
+        code = cli.main(
+            ["replay", str(trace), "--policy", "fcfs,lpm", "--no-chart", "--metrics-port", "0"]
+        )
+        assert code == 0
+        out = capsys.readouterr().out
+        url = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", out).group(1)
+        _, m = scrape(url)
+        # The endpoint follows the last run: lpm, with its own counters.
+        assert m["radixkv_prefix_cache_queries_total{policy=lpm}"] == 20
+        assert m["radixkv_prefix_cache_hit_tokens_total{policy=lpm}"] > 0
+        assert not any("policy=fcfs" in k for k in m)
+    finally:
+        for ep in list(metrics_server.RUNNING):
+            ep.close()
+
+
+def test_demo_serves_engine_metrics(tmp_path, capsys):
+    pytest.importorskip("torch")
+    try:
+        code = cli.main(["demo", "--quick", "--metrics-port", "0", "--out", str(tmp_path)])
+        assert code == 0
+        out = capsys.readouterr().out
+        url = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", out).group(1)
+        _, m = scrape(url)
+        # The endpoint follows the last run (caching off): every request finished, none hit.
+        n = m["radixkv_engine_requests_total{run=no-cache}"]
+        assert n >= 4
+        assert m["radixkv_engine_time_to_first_token_seconds_count{run=no-cache}"] == n
+        assert m["radixkv_engine_cached_tokens_total{run=no-cache}"] == 0
+        assert m["radixkv_prefix_cache_hit_tokens_total{run=no-cache}"] == 0
+        assert m["radixkv_engine_prompt_tokens_total{run=no-cache}"] > 0
+    finally:
+        for ep in list(metrics_server.RUNNING):
+            ep.close()
+
+
+def test_missing_extra_is_named(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import radixkv\n"
+        "from radixkv.apps import cli\n"
+        "try:\n"
+        "    import radixkv.metrics\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+        f"cli.main(['replay', {str(tmp_path / 'none.jsonl')!r}, '--metrics-port', '0'])\n"
+    )
+    (tmp_path / "none.jsonl").write_text('{"tokens": [1, 2, 3]}\n')
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "radixkv.metrics needs prometheus_client: pip install 'radixkv[metrics]'" in out.stdout
+    assert "radixkv replay: --metrics-port: radixkv.metrics needs prometheus_client" in out.stderr
+    assert out.returncode == 1
