@@ -16,7 +16,7 @@
 //! hash only when allocation reuses it (or on `evict`/`reset`).
 
 use crate::cache::Cache;
-use crate::error::{corrupt, Result};
+use crate::error::{corrupt, try_vec, try_with_capacity, Result};
 use crate::events::EventLog;
 use crate::hash::{next_hash, root_hash, BlockHash};
 use crate::ids::{ArenaId, PageId};
@@ -57,6 +57,8 @@ pub struct BlockIndex {
     /// Of each hashed page: the hash of its prefix (`h_{i-1}`) and its tokens, `page_size` per
     /// page. With them a cached page answers "what is `H(prev, tokens)`" without blake3.
     parent_of: Vec<BlockHash>,
+    /// Grown only as pages are hashed (page ids are handed out lowest first), never reserved for
+    /// the whole pool up front: a pool sized for the KV tensors costs no token memory until used.
     tokens_of: Vec<u32>,
     /// `memo_key(prev, tokens)` -> a hashed page with that parent and those tokens (verified on
     /// use, so a collision of this 64-bit key only costs a blake3 call).
@@ -120,6 +122,14 @@ impl BlockIndex {
         self.map.insert(h, page);
         self.hash_of[page.index()] = Some(h);
         self.parent_of[page.index()] = *prev;
+        let end = (page.index() + 1) * p;
+        if self.tokens_of.len() < end {
+            // Double, up to the whole pool, so growth costs amortized O(1) per token.
+            let total = self.refcount.len() * p;
+            let len = end.max(self.tokens_of.len().saturating_mul(2).min(total));
+            self.tokens_of.reserve_exact(len - self.tokens_of.len());
+            self.tokens_of.resize(len, 0);
+        }
         self.tokens_of[page.index() * p..(page.index() + 1) * p].copy_from_slice(tokens);
         self.memo
             .insert(memo_key(self.memo_seed, prev, tokens), page);
@@ -208,25 +218,33 @@ impl Index for BlockIndex {
     type Ext = BlockExt;
     type At = Hits;
 
-    fn new(num_pages: usize, page_size: usize) -> Self {
-        let mut lists = Links::new(2, num_pages);
+    /// Per-page records are allocated here (fallibly); page tokens only as pages are hashed.
+    fn new(num_pages: usize, page_size: usize) -> Result<Self> {
+        // The largest arrays are reserved first, before anything is written, so that a pool too
+        // large for this machine fails fast and without touching memory.
+        let mut hash_of = try_with_capacity(num_pages)?;
+        let mut parent_of = try_with_capacity(num_pages)?;
+        let refcount = try_vec(num_pages, 0)?;
+        let mut lists = Links::try_new(2, num_pages)?;
+        hash_of.resize(num_pages, None);
+        parent_of.resize(num_pages, [0; 32]);
         for page in 0..num_pages as u32 {
             lists.push_back(FREE, PageId(page));
         }
-        BlockIndex {
+        Ok(BlockIndex {
             page_size,
-            refcount: vec![0; num_pages],
-            hash_of: vec![None; num_pages],
+            refcount,
+            hash_of,
             map: HashMapToPage::default(),
             lists,
-            parent_of: vec![[0; 32]; num_pages],
-            tokens_of: vec![0; num_pages * page_size],
+            parent_of,
+            tokens_of: Vec::new(),
             memo: HashMap::default(),
             memo_seed: std::collections::hash_map::RandomState::new()
                 .build_hasher()
                 .finish(),
             events: EventLog::default(),
-        }
+        })
     }
 
     fn page_size(&self) -> usize {
@@ -550,6 +568,31 @@ mod tests {
         assert_eq!(v.num_cached, 0);
         assert!(!v.pages.contains(&PageId(0)), "served the victim's page");
         c.check().unwrap();
+    }
+
+    /// A pool sized for big pages reserves no token memory up front: 2**20 pages of 65536 tokens
+    /// (2**36 token slots) cost page records only, and token memory grows with hashed pages.
+    #[test]
+    fn a_huge_pool_reserves_no_token_memory() {
+        let mut c = BlockCache::new(1 << 20, 1 << 16).unwrap();
+        let before = c.metadata_bytes();
+        assert!(before < 1 << 28, "{before} bytes of metadata up front");
+        let toks: Vec<u32> = (0..(1 << 16) + 1).collect();
+        let r = c.admit(&toks, None).unwrap();
+        c.commit(r, toks.len()).unwrap();
+        c.finish(r).unwrap();
+        c.check().unwrap();
+        let after = c.metadata_bytes();
+        assert!(after >= before + (1 << 18) && after < before + (1 << 20));
+    }
+
+    /// An allocation that cannot succeed is an error naming its size, not an abort.
+    #[test]
+    fn impossible_allocations_are_errors() {
+        let e = crate::error::try_vec(usize::MAX / 8, [0u8; 32]).unwrap_err();
+        assert!(e.to_string().contains("cannot allocate"), "{e}");
+        let e = crate::error::try_vec(usize::MAX / 2, 0u64).unwrap_err();
+        assert!(e.to_string().contains("bytes"), "{e}");
     }
 
     /// Two caches draw different seeds, and still make the same decisions.

@@ -102,8 +102,14 @@ impl<I: Index> Cache<I> {
     /// A cache over `num_pages` pages of `page_size` tokens.
     pub fn new(num_pages: usize, page_size: usize) -> Result<Self> {
         check_pool_args(num_pages, page_size)?;
+        let index = I::new(num_pages, page_size).map_err(|e| {
+            invalid(format!(
+                "num_pages={num_pages} with page_size={page_size} is too large for this \
+                 machine: {e}"
+            ))
+        })?;
         Ok(Cache {
-            index: I::new(num_pages, page_size),
+            index,
             num_pages,
             requests: Requests::new(new_cache_id()),
             counters: Counters::default(),
@@ -290,6 +296,13 @@ pub(crate) fn check_pool_args(num_pages: usize, page_size: usize) -> Result<()> 
     if page_size > 1 << 16 {
         return Err(invalid(format!(
             "page_size must be at most 65536, got {page_size}"
+        )));
+    }
+    // Slots are `page * page_size + offset`, handed out as int64.
+    let slots = num_pages.checked_mul(page_size);
+    if !matches!(slots, Some(s) if s <= i64::MAX as usize) {
+        return Err(invalid(format!(
+            "num_pages * page_size must fit in int64, got {num_pages} * {page_size}"
         )));
     }
     Ok(())

@@ -52,3 +52,24 @@ pub(crate) fn invalid(msg: impl Into<String>) -> Error {
 pub(crate) fn corrupt<T>(msg: impl Into<String>) -> Result<T> {
     Err(Error::Corruption(msg.into()))
 }
+
+/// An empty vector with room for `len` elements, or an error naming the size when the
+/// allocation fails (instead of aborting the process). Nothing is written yet.
+pub(crate) fn try_with_capacity<T>(len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    if v.try_reserve_exact(len).is_err() {
+        let bytes = (len as u128) * std::mem::size_of::<T>() as u128;
+        return Err(invalid(format!(
+            "cannot allocate {len} page records ({bytes} bytes)"
+        )));
+    }
+    Ok(v)
+}
+
+/// A vector of `len` copies of `value`, or an error naming the size when the allocation fails
+/// (instead of aborting the process, as `vec![value; len]` does).
+pub(crate) fn try_vec<T: Clone>(len: usize, value: T) -> Result<Vec<T>> {
+    let mut v = try_with_capacity(len)?;
+    v.resize(len, value);
+    Ok(v)
+}

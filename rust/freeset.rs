@@ -21,26 +21,32 @@ pub struct FreeSet {
 
 impl FreeSet {
     /// A set holding every id in `0..capacity`.
+    #[cfg(test)]
     pub fn full(capacity: usize) -> Self {
+        Self::try_full(capacity).expect("free set allocated")
+    }
+
+    /// A set holding every id in `0..capacity`, or an error when it cannot be allocated.
+    pub fn try_full(capacity: usize) -> crate::error::Result<Self> {
         let nwords = capacity.div_ceil(64);
-        let mut words = vec![u64::MAX; nwords];
+        let mut words = crate::error::try_vec(nwords, u64::MAX)?;
         if capacity % 64 != 0 {
             words[nwords - 1] = (1u64 << (capacity % 64)) - 1;
         }
         let nsum = nwords.div_ceil(64);
-        let mut summary = vec![0u64; nsum];
+        let mut summary = crate::error::try_vec(nsum, 0u64)?;
         for (w, &bits) in words.iter().enumerate() {
             if bits != 0 {
                 summary[w / 64] |= 1 << (w % 64);
             }
         }
-        FreeSet {
+        Ok(FreeSet {
             words,
             summary,
             low: 0,
             len: capacity,
             capacity,
-        }
+        })
     }
 
     /// Number of members.

@@ -55,8 +55,11 @@ pub trait Index: Send + std::fmt::Debug {
     /// Where a lookup ended, handed back to [`Index::pin`].
     type At;
 
-    /// An empty index over `num_pages` pages of `page_size` tokens (arguments checked).
-    fn new(num_pages: usize, page_size: usize) -> Self;
+    /// An empty index over `num_pages` pages of `page_size` tokens (arguments checked). Fails,
+    /// rather than aborting, when its per-page records cannot be allocated.
+    fn new(num_pages: usize, page_size: usize) -> crate::error::Result<Self>
+    where
+        Self: Sized;
     /// Tokens per page.
     fn page_size(&self) -> usize;
     /// Pages holding nothing.

@@ -31,19 +31,24 @@ pub struct Links<T> {
 impl<T: ArenaId> Links<T> {
     /// `num_lists` empty lists over ids `0..capacity`.
     pub fn new(num_lists: u32, capacity: usize) -> Self {
+        Self::try_new(num_lists, capacity).expect("links allocated")
+    }
+
+    /// `num_lists` empty lists over ids `0..capacity`, or an error when they cannot be allocated.
+    pub fn try_new(num_lists: u32, capacity: usize) -> crate::error::Result<Self> {
         let n = num_lists as usize;
-        let mut prev = vec![UNLINKED; n + capacity];
-        let mut next = vec![UNLINKED; n + capacity];
+        let mut prev = crate::error::try_vec(n.saturating_add(capacity), UNLINKED)?;
+        let mut next = crate::error::try_vec(n.saturating_add(capacity), UNLINKED)?;
         for s in 0..n {
             prev[s] = s as u32;
             next[s] = s as u32;
         }
-        Links {
+        Ok(Links {
             prev,
             next,
             lens: vec![0; n],
             id: PhantomData,
-        }
+        })
     }
 
     fn base(&self) -> u32 {

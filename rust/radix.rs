@@ -70,6 +70,9 @@ struct Node {
     /// Logical time of the last admission or release through this node.
     time: u64,
     alive: bool,
+    /// Of a namespace root: its namespace (the key of `roots`), so that the root can leave the
+    /// map when its last node goes.
+    ns: Option<Box<Namespace>>,
 }
 
 impl Default for Node {
@@ -82,6 +85,7 @@ impl Default for Node {
             lock: 0,
             time: 0,
             alive: false,
+            ns: None,
         }
     }
 }
@@ -247,6 +251,7 @@ impl RadixIndex {
             lock,
             time,
             alive: true,
+            ns: None,
         });
         self.node_mut(id).parent = mid;
         self.node_mut(parent).children.insert(head_first, mid);
@@ -312,10 +317,31 @@ impl RadixIndex {
         }
         let r = self.alloc_node(Node {
             alive: true,
+            ns: Some(Box::new(namespace.clone())),
             ..Node::default()
         });
         self.roots.insert(namespace.clone(), r);
         r
+    }
+
+    /// Releases `root` and its namespace entry if nothing pins it and it has no child left, so
+    /// that a namespace costs nothing once its last page is gone.
+    fn drop_root_if_empty(&mut self, root: NodeId) {
+        let n = self.node(root);
+        if n.parent != NIL || n.lock != 0 || !n.children.is_empty() {
+            return;
+        }
+        let ns = self
+            .node_mut(root)
+            .ns
+            .take()
+            .expect("roots hold their namespace");
+        self.roots.remove(&*ns);
+        self.free_node(root);
+        // A burst of namespaces must not keep its map capacity once the burst is over.
+        if self.roots.capacity() > 64 && self.roots.len() * 4 < self.roots.capacity() {
+            self.roots.shrink_to(self.roots.len() * 2);
+        }
     }
 
     /// The block keys of the last `count` pages of `node`'s path (for the event log): the path's
@@ -354,21 +380,21 @@ impl Index for RadixIndex {
     type Ext = RadixExt;
     type At = Walk;
 
-    fn new(num_pages: usize, page_size: usize) -> Self {
-        RadixIndex {
+    fn new(num_pages: usize, page_size: usize) -> Result<Self> {
+        Ok(RadixIndex {
             page_size,
             nodes: Vec::new(),
             vacant: Vec::new(),
             roots: HashMap::new(),
             lru: Links::new(1, 0),
-            free: FreeSet::full(num_pages),
+            free: FreeSet::try_full(num_pages)?,
             evictable: 0,
             clock: 0,
             hasher: RandomState::new(),
             events: EventLog::default(),
             #[cfg(test)]
             collide: false,
-        }
+        })
     }
 
     fn page_size(&self) -> usize {
@@ -467,6 +493,7 @@ impl Index for RadixIndex {
                         lock: 0,
                         time: now,
                         alive: true,
+                        ns: None,
                     });
                     self.node_mut(node).children.insert(k, leaf);
                     if self.events.on {
@@ -503,6 +530,10 @@ impl Index for RadixIndex {
 
     fn release(&mut self, r: &Request<RadixExt>) {
         self.unlock(r.ext.last);
+        // A request that published nothing pins only its root, which may be empty now.
+        if self.node(r.ext.last).parent == NIL {
+            self.drop_root_if_empty(r.ext.last);
+        }
         let private = r
             .ext
             .dups
@@ -545,27 +576,18 @@ impl Index for RadixIndex {
             self.free_node(leaf);
             let par = self.node_mut(parent);
             par.children.remove(&first);
-            if par.parent != NIL && par.children.is_empty() && par.lock == 0 {
+            if par.parent == NIL {
+                self.drop_root_if_empty(parent);
+            } else if par.children.is_empty() && par.lock == 0 {
                 self.link_by_time(parent);
             }
         }
         done
     }
 
-    /// Evicts everything evictable, then drops the namespace roots left empty.
+    /// Evicts everything evictable; namespace roots left empty go with their last node.
     fn reset(&mut self) -> usize {
-        let done = self.evict(usize::MAX);
-        let empty: Vec<NodeId> = self
-            .roots
-            .values()
-            .copied()
-            .filter(|&r| self.node(r).lock == 0 && self.node(r).children.is_empty())
-            .collect();
-        self.roots.retain(|_, r| !empty.contains(r));
-        for r in empty {
-            self.free_node(r);
-        }
-        done
+        self.evict(usize::MAX)
     }
 
     fn cursor(&self, namespace: &Namespace) -> Cursor {
@@ -633,7 +655,14 @@ impl Index for RadixIndex {
                 (n.key.capacity() + n.pages.capacity()) * 4 + n.children.capacity() * per_child
             })
             .sum();
+        let roots: usize = self
+            .roots
+            .keys()
+            .map(|ns| ns.as_ref().map_or(0, |b| b.len()) + std::mem::size_of::<Namespace>())
+            .sum();
         nodes
+            + roots
+            + self.roots.capacity() * (std::mem::size_of::<(Namespace, NodeId)>() + 1)
             + self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.vacant.capacity() * 4
             + self.lru.heap_bytes()
@@ -688,8 +717,14 @@ fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -
     let mut locks = vec![0u32; t.nodes.len()];
     for (ns, &root) in &t.roots {
         let r = t.node(root);
-        if !r.alive || r.parent != NIL || !r.key.is_empty() {
+        if !r.alive || r.parent != NIL || !r.key.is_empty() || r.ns.as_deref() != Some(ns) {
             return corrupt(format!("root {} of namespace {ns:?} is malformed", root.0));
+        }
+        if r.lock == 0 && r.children.is_empty() {
+            return corrupt(format!(
+                "root {} of namespace {ns:?} is empty and unpinned, yet kept",
+                root.0
+            ));
         }
     }
     let mut leaves = 0;

@@ -198,11 +198,16 @@ impl Scheduler {
     pub fn cancel(&mut self, id: u64) -> bool {
         match self.waiting.remove(&id) {
             Some(w) => {
-                self.trie.remove(id, &w.path);
+                self.trie.remove(id, &w.path, &w.namespace);
                 true
             }
             None => false,
         }
+    }
+
+    /// Namespaces of the waiting requests (each costs a trie root while a request uses it).
+    pub fn num_namespaces(&self) -> usize {
+        self.trie.roots.len()
     }
 
     /// Number of waiting requests.
@@ -345,7 +350,7 @@ impl Scheduler {
                 self.trie.nodes[nd as usize].claimed = stamp;
             }
             let w = self.waiting.remove(&id).expect("ranked ids are waiting");
-            self.trie.remove(id, &w.path);
+            self.trie.remove(id, &w.path, &w.namespace);
             self.waits.record(stamp - w.arrived - 1);
             out.push(Admitted {
                 id,

@@ -150,8 +150,9 @@ impl WaitingTrie {
         path
     }
 
-    /// Removes a request along `path`, dropping nodes no request passes through any more.
-    pub fn remove(&mut self, id: u64, path: &[u32]) {
+    /// Removes a request along `path`, dropping nodes no request passes through any more, the
+    /// root of its `namespace` included (so a namespace costs nothing once no request uses it).
+    pub fn remove(&mut self, id: u64, path: &[u32], namespace: &Namespace) {
         let c = self.chunk;
         if let Some(&end) = path.last() {
             self.nodes[end as usize].ending.remove(&id);
@@ -166,6 +167,13 @@ impl WaitingTrie {
                 self.nodes[parent as usize].children.remove(&key);
                 self.nodes[n as usize] = TrieNode::default();
                 self.vacant.push(n);
+            } else if node.weight == 0 {
+                self.roots.remove(namespace);
+                self.nodes[n as usize] = TrieNode::default();
+                self.vacant.push(n);
+                if self.roots.capacity() > 64 && self.roots.len() * 4 < self.roots.capacity() {
+                    self.roots.shrink_to(self.roots.len() * 2);
+                }
             }
         }
     }

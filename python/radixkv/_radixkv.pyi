@@ -25,7 +25,7 @@ __all__ = [
 _Tokens = Sequence[int] | npt.NDArray[np.integer[Any]] | Any
 """A sequence of ints, a 1-D integer numpy array, a 1-D CPU torch integer tensor, or any integer
 buffer; every id in ``0 <= t < 2**32``."""
-_Namespace = str | bytes | None
+_Namespace = str | bytes | bytearray | None
 
 class Error(Exception):
     """Base class of every radixkv error that is not a plain ValueError or TypeError."""
@@ -67,7 +67,9 @@ class CacheStats:
 
 @final
 class Request:
-    """A live request: its tokens, page table and how much of it is cached and computed."""
+    """A live request: its tokens, page table and how much of it is cached and computed.
+
+    A request garbage-collected while open is aborted, with a ``ResourceWarning``."""
 
     @property
     def num_tokens(self) -> int: ...
@@ -164,7 +166,10 @@ class Scheduler:
         never fit the pool: ``ceil((len(tokens) + max(max_new_tokens, 1) - 1) / page_size) >
         num_pages``."""
 
-    def cancel(self, id: int) -> bool: ...
+    def cancel(self, id: int) -> bool:
+        """Drops a waiting request; returns whether it was waiting. ``ValueError`` naming ``id``
+        when it is negative or beyond 64 bits."""
+
     def schedule(
         self, token_budget: int, max_requests: int | None = None
     ) -> list[tuple[int, Request]]:
@@ -183,6 +188,11 @@ class Scheduler:
         """How long the requests admitted so far waited, in ``schedule`` calls that passed them
         over: ``(upper_bound, count)`` pairs (counts not cumulative, the last bound ``inf``)
         and the sum of the waits."""
+
+    @property
+    def num_namespaces(self) -> int:
+        """Namespaces the waiting requests use: the scheduler forgets a namespace as soon as no
+        waiting request uses it."""
 
     @property
     def policy(self) -> str: ...

@@ -124,6 +124,8 @@ class CacheCollector(Collector):
         self._lock = threading.Lock()
         self._next_id = 0
         self._pending: set[int] = set()
+        if engine is not None and hasattr(engine, "release_hooks"):
+            engine.release_hooks.append(self._fold_released)
         self._ttft = _Histogram(TTFT_BUCKETS)
         self._prompt_hist = _Histogram(PROMPT_BUCKETS)
         self._requests = self._prompt = self._cached = self._computed = 0
@@ -238,6 +240,11 @@ class CacheCollector(Collector):
             self._prompt_hist.observe(r.prompt_tokens)
             if r.ttft_s is not None:
                 self._ttft.observe(r.ttft_s)
+
+    def _fold_released(self, seqs: list[Any]) -> None:
+        """Counts requests the engine is about to release (``Engine.release_hooks``)."""
+        with self._lock:
+            self._fold_engine()
 
     def _engine_families(self, live: bool) -> list[Any]:
         if live:

@@ -11,11 +11,12 @@ use crate::request::RequestView;
 use crate::stats::CacheStats;
 use crate::{BlockCache, RadixCache};
 use numpy::PyArray1;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyResourceWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, TryLockError};
 
 /// Inputs at least this long are handled with the GIL released.
 const LONG: usize = 4096;
@@ -25,9 +26,53 @@ const LONG: usize = 4096;
 pub struct PyCache {
     inner: Mutex<Box<dyn PrefixCache>>,
     kind: &'static str,
+    /// Requests garbage-collected while open at a moment the mutex was taken: aborted by the
+    /// next call that takes it (a drop never waits for the mutex).
+    orphans: Mutex<Vec<RequestId>>,
+    has_orphans: AtomicBool,
 }
 
 impl PyCache {
+    fn from_core(core: Box<dyn PrefixCache>, kind: &'static str) -> Self {
+        PyCache {
+            inner: Mutex::new(core),
+            kind,
+            orphans: Mutex::new(Vec::new()),
+            has_orphans: AtomicBool::new(false),
+        }
+    }
+
+    /// Aborts the requests dropped while the mutex was taken (the caller holds it).
+    fn abort_orphans(&self, core: &mut dyn PrefixCache) {
+        if self.has_orphans.swap(false, Ordering::Acquire) {
+            let ids = std::mem::take(&mut *self.orphans.lock().unwrap_or_else(|e| e.into_inner()));
+            for id in ids {
+                let _ = core.abort(id); // closed meanwhile: nothing to do
+            }
+        }
+    }
+
+    /// Aborts `id` if it is still open, without ever waiting for the mutex (a drop runs with
+    /// the GIL held, and may run inside a call that holds the mutex already); returns whether
+    /// it was open. When the mutex is taken, the abort is left to the next call that takes it.
+    fn abort_dropped(&self, id: RequestId) -> bool {
+        let mut guard = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                self.orphans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(id);
+                self.has_orphans.store(true, Ordering::Release);
+                return false;
+            }
+        };
+        let core: &mut dyn PrefixCache = &mut **guard;
+        self.abort_orphans(core);
+        core.request(id).is_ok() && core.abort(id).is_ok()
+    }
+
     /// Runs `f` on the core under the mutex, with the GIL released when `long`. A panic inside
     /// becomes a `CorruptionError` rather than crossing into Python.
     pub fn with<R: Send>(
@@ -41,7 +86,10 @@ impl PyCache {
                 .inner
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            catch_unwind(AssertUnwindSafe(|| f(&mut **guard)))
+            catch_unwind(AssertUnwindSafe(|| {
+                self.abort_orphans(&mut **guard);
+                f(&mut **guard)
+            }))
         };
         let out = if long { py.allow_threads(run) } else { run() };
         match out {
@@ -352,11 +400,10 @@ impl PyRadixCache {
     ) -> PyResult<PyClassInitializer<Self>> {
         let (n, p) = pool_args(num_pages, page_size, 1)?;
         let core = RadixCache::new(n, p)?;
-        Ok(PyClassInitializer::from(PyCache {
-            inner: Mutex::new(Box::new(core)),
-            kind: "RadixCache",
-        })
-        .add_subclass(PyRadixCache))
+        Ok(
+            PyClassInitializer::from(PyCache::from_core(Box::new(core), "RadixCache"))
+                .add_subclass(PyRadixCache),
+        )
     }
 }
 
@@ -375,17 +422,17 @@ impl PyBlockCache {
     ) -> PyResult<PyClassInitializer<Self>> {
         let (n, p) = pool_args(num_pages, page_size, 16)?;
         let core = BlockCache::new(n, p)?;
-        Ok(PyClassInitializer::from(PyCache {
-            inner: Mutex::new(Box::new(core)),
-            kind: "BlockCache",
-        })
-        .add_subclass(PyBlockCache))
+        Ok(
+            PyClassInitializer::from(PyCache::from_core(Box::new(core), "BlockCache"))
+                .add_subclass(PyBlockCache),
+        )
     }
 }
 
 /// A live request: its tokens, its page table and how much of it is cached and computed.
 /// Returned by ``admit`` and ``fork``; closed by ``finish`` or ``abort``, after which every
-/// attribute but ``namespace`` and ``closed`` raises ``InvalidRequest``.
+/// attribute but ``namespace`` and ``closed`` raises ``InvalidRequest``. A request
+/// garbage-collected while open is aborted, with a ``ResourceWarning``.
 #[pyclass(name = "Request", module = "radixkv._radixkv", frozen)]
 pub struct PyRequest {
     pub(crate) cache: Py<PyCache>,
@@ -404,6 +451,29 @@ impl PyRequest {
 
     fn view<R>(&self, f: impl FnOnce(RequestView<'_>) -> R) -> PyResult<R> {
         self.cache.get().view(self.id, f)
+    }
+}
+
+/// A request garbage-collected while open would pin its pages forever: it is aborted, with a
+/// `ResourceWarning`, as Python does for a file left open.
+impl Drop for PyRequest {
+    fn drop(&mut self) {
+        if !self.cache.get().abort_dropped(self.id) {
+            return;
+        }
+        // No radixkv lock is held here: the warning may run Python code (filters, hooks).
+        Python::with_gil(|py| {
+            let pending = PyErr::take(py);
+            let msg = c"a radixkv Request was garbage-collected while open; it was aborted \
+                        (finish or abort requests explicitly)";
+            let category = py.get_type::<PyResourceWarning>();
+            if let Err(e) = PyErr::warn(py, &category, msg, 1) {
+                e.write_unraisable(py, None);
+            }
+            if let Some(e) = pending {
+                e.restore(py);
+            }
+        });
     }
 }
 

@@ -4,7 +4,7 @@ use crate::request::Namespace;
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 fn bad_id(what: &str, i: usize, v: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(format!(
@@ -86,23 +86,32 @@ pub fn tokens(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let mut out = Vec::with_capacity(obj.len()?);
         for (i, item) in obj.try_iter()?.enumerate() {
             let item = item?;
+            if item.is_instance_of::<PyBool>() {
+                return Err(PyTypeError::new_err(format!(
+                    "{what}[{i}] must be an int, got bool"
+                )));
+            }
             match item.extract::<i64>() {
                 Ok(v) if (0..1 << 32).contains(&v) => out.push(v as u32),
                 Ok(v) => return Err(bad_id(what, i, v)),
-                Err(_) if item.is_instance_of::<pyo3::types::PyInt>() => {
-                    return Err(bad_id(what, i, item))
-                }
-                Err(_) => {
-                    return Err(PyTypeError::new_err(format!(
-                        "{what}[{i}] must be an int, got {}",
-                        item.get_type().name()?
-                    )))
-                }
+                Err(_) => match as_int(&item) {
+                    // An int (or numpy integer) beyond 64 bits: out of range, not mistyped.
+                    Some(v) => return Err(bad_id(what, i, v)),
+                    None => {
+                        return Err(PyTypeError::new_err(format!(
+                            "{what}[{i}] must be an int, got {}",
+                            item.get_type().name()?
+                        )))
+                    }
+                },
             }
         }
         return Ok(out);
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+    if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+    {
         return Err(PyTypeError::new_err(format!(
             "{what} must be token ids, got {}: tokenize text first",
             obj.get_type().name()?
@@ -138,7 +147,7 @@ pub fn tokens(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     }
 }
 
-/// A namespace from `None`, `str` (its utf-8 bytes) or `bytes`.
+/// A namespace from `None`, `str` (its utf-8 bytes), `bytes` or `bytearray` (its bytes).
 pub fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Namespace> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok(None);
@@ -149,29 +158,51 @@ pub fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Namespace> {
     if let Ok(b) = obj.downcast::<PyBytes>() {
         return Ok(Some(b.as_bytes().into()));
     }
+    if let Ok(b) = obj.downcast::<PyByteArray>() {
+        // Like bytes: its contents now.
+        return Ok(Some(b.to_vec().into()));
+    }
     Err(PyTypeError::new_err(format!(
-        "namespace must be None, str or bytes, got {}",
+        "namespace must be None, str, bytes or bytearray, got {}",
         obj.get_type().name()?
     )))
 }
 
-/// A count (`>= 0`) from a Python int, with errors that name the argument and the value: a
-/// negative value, or one beyond 64 bits, is a `ValueError`; anything but an int a `TypeError`.
+/// `obj` as a Python int when it is one or converts like one (`operator.index`: numpy integer
+/// scalars, ...); `None` for anything else, `bool` included.
+pub fn as_int<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyInt>> {
+    if obj.is_instance_of::<PyBool>() {
+        return None;
+    }
+    if let Ok(i) = obj.downcast::<PyInt>() {
+        return Some(i.clone());
+    }
+    let index = obj.py().import("operator").ok()?.getattr("index").ok()?;
+    index.call1((obj,)).ok()?.downcast_into::<PyInt>().ok()
+}
+
+/// A count (`>= 0`) from a Python int or numpy integer, with errors that name the argument and
+/// the value: a negative value, or one beyond 64 bits, is a `ValueError`; anything but an int
+/// (`bool` included) a `TypeError`.
 pub fn count(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
-    if let Ok(v) = obj.extract::<u64>() {
+    if !obj.is_instance_of::<PyBool>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            return Ok(usize::try_from(v).unwrap_or(usize::MAX));
+        }
+    }
+    let Some(int) = as_int(obj) else {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, got {}",
+            obj.get_type().name()?
+        )));
+    };
+    if let Ok(v) = int.extract::<u64>() {
         return Ok(usize::try_from(v).unwrap_or(usize::MAX));
     }
-    if obj.is_instance_of::<pyo3::types::PyInt>() {
-        let negative = obj.lt(0)?;
-        let bound = if negative {
-            "must be >= 0"
-        } else {
-            "must be below 2**64"
-        };
-        return Err(PyValueError::new_err(format!("{what} {bound}, got {obj}")));
-    }
-    Err(PyTypeError::new_err(format!(
-        "{what} must be an int, got {}",
-        obj.get_type().name()?
-    )))
+    let bound = if int.lt(0)? {
+        "must be >= 0"
+    } else {
+        "must be below 2**64"
+    };
+    Err(PyValueError::new_err(format!("{what} {bound}, got {int}")))
 }

@@ -7,10 +7,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-/// Plans one step over ``requests`` (all of one cache, each with tokens left to compute): a
-/// dict of numpy int64 arrays ``input_ids, positions, write_slots [T]``, ``q_start [B+1]``,
-/// ``kv_len, last_token_index [B]``, ``kv_slots [B, max_kv_len]`` and ints ``max_kv_len``,
-/// ``max_q_len``.
+/// Plans one step over ``requests`` (all of one cache, each named once, each with tokens left to
+/// compute): a dict of numpy int64 arrays ``input_ids, positions, write_slots [T]``,
+/// ``q_start [B+1]``, ``kv_len, last_token_index [B]``, ``kv_slots [B, max_kv_len]`` and ints
+/// ``max_kv_len``, ``max_q_len``.
 #[pyfunction]
 fn plan_step<'py>(
     py: Python<'py>,
@@ -23,10 +23,16 @@ fn plan_step<'py>(
     };
     let cache: Py<PyCache> = first.get().cache.clone_ref(py);
     let ids: Vec<_> = requests.iter().map(|r| r.get().id).collect();
+    let mut seen = std::collections::HashMap::new();
     for (i, r) in requests.iter().enumerate() {
         if !r.get().cache.is(&cache) {
             return Err(PyValueError::new_err(format!(
                 "requests[{i}] belongs to another cache than requests[0]"
+            )));
+        }
+        if let Some(j) = seen.insert(r.get().id, i) {
+            return Err(PyValueError::new_err(format!(
+                "requests[{i}] repeats requests[{j}]: plan each request once"
             )));
         }
     }

@@ -3,7 +3,7 @@
 use super::cache::{PyCache, PyRequest};
 use super::convert;
 use crate::scheduler::{Policy, Scheduler, WAIT_BOUNDS};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -17,36 +17,52 @@ use std::sync::Mutex;
 #[pyclass(name = "Scheduler", module = "radixkv._radixkv", frozen)]
 pub struct PyScheduler {
     cache: Py<PyCache>,
-    inner: Mutex<Scheduler>,
+    /// The queue and the namespace objects of its requests, under one lock, so that a request
+    /// and its namespace object leave together (a `cancel` racing a `schedule` cannot part
+    /// them). Rule: no Python object is dropped while this lock is held (a `__del__` could call
+    /// back into the scheduler); they are taken out and dropped after it is released.
+    inner: Mutex<Queue>,
     policy: String,
-    /// The namespace object each waiting request was added with, handed back "as given".
-    namespaces: Mutex<HashMap<u64, PyObject>>,
+}
+
+/// The core queue and, by id, the namespace object each waiting request was added with,
+/// handed back "as given".
+struct Queue {
+    core: Scheduler,
+    namespaces: HashMap<u64, PyObject>,
+}
+
+impl PyScheduler {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (cache, policy="lpm", max_wait=256))]
+    #[pyo3(signature = (cache, policy="lpm", max_wait=None), text_signature = "(cache, policy='lpm', max_wait=256)")]
     fn new(
         py: Python<'_>,
         cache: &Bound<'_, PyCache>,
         policy: &str,
-        max_wait: i64,
+        max_wait: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let p: Policy = policy.parse()?;
-        if max_wait < 0 {
-            return Err(PyValueError::new_err(format!(
-                "max_wait must be >= 0, got {max_wait}"
-            )));
-        }
-        let inner = cache
+        let max_wait = match max_wait {
+            None => 256,
+            Some(m) => convert::count("max_wait", m)? as u64,
+        };
+        let core = cache
             .get()
-            .with(py, false, |c| Ok(Scheduler::new(c, p, max_wait as u64)))?;
+            .with(py, false, |c| Ok(Scheduler::new(c, p, max_wait)))?;
         Ok(PyScheduler {
             cache: cache.clone().unbind(),
-            inner: Mutex::new(inner),
+            inner: Mutex::new(Queue {
+                core,
+                namespaces: HashMap::new(),
+            }),
             policy: policy.to_string(),
-            namespaces: Mutex::new(HashMap::new()),
         })
     }
 
@@ -68,11 +84,19 @@ impl PyScheduler {
         let ns = convert::namespace(namespace)?;
         let priority: i32 = match priority {
             None => 0,
-            Some(p) => p.extract().map_err(|_| {
-                PyValueError::new_err(format!(
-                    "priority must be an int in [-2**31, 2**31), got {p}"
-                ))
-            })?,
+            Some(p) => match convert::as_int(p) {
+                None => {
+                    return Err(PyTypeError::new_err(format!(
+                        "priority must be an int, got {}",
+                        p.get_type().name()?
+                    )))
+                }
+                Some(i) => i.extract().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "priority must be an int in [-2**31, 2**31), got {i}"
+                    ))
+                })?,
+            },
         };
         let max_new_tokens = match max_new_tokens {
             None => 0,
@@ -83,26 +107,35 @@ impl PyScheduler {
                 "max_new_tokens must be below 2**32, got {max_new_tokens}"
             )));
         };
-        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let id = s.add(&toks, ns, priority, max_new_tokens)?;
         let ns_obj = namespace.map_or_else(|| tokens.py().None(), |o| o.clone().unbind());
-        self.namespaces
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, ns_obj);
-        Ok(id)
+        let mut q = self.lock();
+        let (id, dropped) = match q.core.add(&toks, ns, priority, max_new_tokens) {
+            // Ids are fresh: nothing is replaced, but nothing is dropped under the lock either.
+            Ok(id) => (Ok(id), q.namespaces.insert(id, ns_obj)),
+            Err(e) => (Err(e), Some(ns_obj)),
+        };
+        drop(q);
+        drop(dropped);
+        Ok(id?)
     }
 
-    /// Drops a waiting request; returns whether it was waiting.
-    fn cancel(&self, id: u64) -> bool {
-        self.namespaces
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .cancel(id)
+    /// Drops a waiting request; returns whether it was waiting. ``id`` is an int ``>= 0``
+    /// (``ValueError`` naming it otherwise).
+    fn cancel(&self, id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = convert::count("id", id)?;
+        let Ok(id) = u64::try_from(id) else {
+            return Ok(false);
+        };
+        let mut q = self.lock();
+        let was_waiting = q.core.cancel(id);
+        let ns_obj = if was_waiting {
+            q.namespaces.remove(&id)
+        } else {
+            None
+        };
+        drop(q);
+        drop(ns_obj); // may run a __del__ that calls back in: the lock is released
+        Ok(was_waiting)
     }
 
     /// Admits waiting requests in service order while ``token_budget`` (tokens to compute in this
@@ -126,15 +159,21 @@ impl PyScheduler {
         };
         let cache = self.cache.bind(py);
         // Lock order: the cache, then the scheduler (the only place that holds both).
+        // The namespace objects leave the map in the same critical section as their requests
+        // leave the queue; they are only moved here (no reference count changes without the GIL).
         let admitted = self.cache.get().with(py, true, |c| {
-            let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            Ok(s.schedule(c, token_budget, max_requests))
+            let mut q = self.lock();
+            let admitted = q.core.schedule(c, token_budget, max_requests);
+            let out: Vec<_> = admitted
+                .into_iter()
+                .map(|a| (a, q.namespaces.remove(&a.id)))
+                .collect();
+            Ok(out)
         })?;
-        let mut namespaces = self.namespaces.lock().unwrap_or_else(|e| e.into_inner());
         Ok(admitted
             .into_iter()
-            .map(|a| {
-                let ns = namespaces.remove(&a.id).unwrap_or_else(|| py.None());
+            .map(|(a, ns)| {
+                let ns = ns.unwrap_or_else(|| py.None());
                 (a.id, PyRequest::new(cache, a.request, ns))
             })
             .collect())
@@ -143,10 +182,7 @@ impl PyScheduler {
     /// Ids of the waiting requests, by arrival.
     #[getter]
     fn waiting(&self) -> Vec<u64> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .waiting_ids()
+        self.lock().core.waiting_ids()
     }
 
     /// How long the requests admitted so far waited, in ``schedule`` calls that passed them
@@ -154,12 +190,19 @@ impl PyScheduler {
     /// ``inf``; and the sum of the waits. For a Prometheus histogram (``radixkv.metrics``).
     #[getter]
     fn wait_histogram(&self) -> (Vec<(f64, u64)>, u64) {
-        let h = self.inner.lock().unwrap_or_else(|e| e.into_inner()).waits();
+        let h = self.lock().core.waits();
         let bounds = WAIT_BOUNDS
             .iter()
             .map(|&b| b as f64)
             .chain(std::iter::once(f64::INFINITY));
         (bounds.zip(h.counts).collect(), h.sum)
+    }
+
+    /// Namespaces the waiting requests use: the scheduler forgets a namespace as soon as no
+    /// waiting request uses it.
+    #[getter]
+    fn num_namespaces(&self) -> usize {
+        self.lock().core.num_namespaces()
     }
 
     /// The policy name.
@@ -169,7 +212,7 @@ impl PyScheduler {
     }
 
     fn __len__(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.lock().core.len()
     }
 
     fn __repr__(&self) -> String {

@@ -11,6 +11,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from radixkv.apps.args import UsageError
 
 #: Subcommand name -> (module defining ``add_arguments`` and ``run``, help line).
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -20,11 +23,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line as a :class:`UsageError` (one line, exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def build_parser(commands: dict[str, tuple[str, str]] = COMMANDS) -> argparse.ArgumentParser:
     """The argument parser with one subparser per registered subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="radixkv", description="A prefix cache for LLM key/value tensors."
-    )
+    parser = _Parser(prog="radixkv", description="A prefix cache for LLM key/value tensors.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_line) in commands.items():
         p = sub.add_parser(name, help=help_line, description=help_line)
@@ -35,9 +43,15 @@ def build_parser(commands: dict[str, tuple[str, str]] = COMMANDS) -> argparse.Ar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parses ``argv`` (default: ``sys.argv[1:]``) and runs the chosen subcommand."""
-    args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    """Parses ``argv`` (default: ``sys.argv[1:]``) and runs the chosen subcommand; returns
+    its exit status. A user error (a bad option, a missing or unusable input file) prints one
+    line, ``radixkv: error: ...``, on stderr and returns 2."""
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args._run(args) or 0)
+    except UsageError as e:
+        print(f"radixkv: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

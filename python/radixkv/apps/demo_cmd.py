@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 from radixkv.apps import metrics_server
+from radixkv.apps.args import (
+    NO_CHART,
+    UsageError,
+    have_matplotlib,
+    nonnegative_int,
+    positive_int,
+    progress_bar,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,25 +35,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--page-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="tokens per page (default: 1 for radix, 16 for block)",
     )
     p.add_argument(
         "--num-pages",
-        type=int,
+        type=positive_int,
         default=None,
         help="pool size in pages (default: a little more than the final context, "
         "so that old branches get evicted)",
     )
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    p.add_argument(
+        "--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default: cpu)"
+    )
     p.add_argument(
         "--checkpoint",
         metavar="DIR",
         default=None,
-        help="local Hugging Face Llama/Qwen2 checkpoint instead of random weights",
+        help="local Hugging Face Llama/Qwen2 checkpoint directory (default: none, the "
+        "built-in model with random weights)",
     )
-    p.add_argument("--token-budget", type=int, default=2048, help="tokens per forward pass")
+    p.add_argument(
+        "--token-budget",
+        type=positive_int,
+        default=2048,
+        help="tokens computed per forward pass at most (default: 2048)",
+    )
     p.add_argument(
         "--policy",
         choices=("fcfs", "lpm", "dfs-weight"),
@@ -56,11 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default="out", help="folder for the PNG chart (default: ./out)")
     metrics_server.add_arguments(p)
-    p.add_argument("--quick", action="store_true", help="a small model and session (tests)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic session")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small model and a short session, for tests (default: the full demo)",
+    )
+    p.add_argument(
+        "--seed", type=nonnegative_int, default=0, help="seed of the synthetic session (default: 0)"
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=nonnegative_int,
         default=1,
         help="torch CPU threads (default 1: the model is small, and on a busy machine a second "
         "thread mostly waits for a core, which makes timings erratic; 0 = torch's default)",
@@ -77,39 +98,43 @@ def run(args: argparse.Namespace) -> int:
     """Runs the demo with parsed ``args``; prints a table and writes ``demo_ttft.png``."""
     import dataclasses
 
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():  # before torch loads
+        what = "is not a directory" if Path(args.checkpoint).exists() else "does not exist"
+        raise UsageError(f"demo: --checkpoint {args.checkpoint!r} {what}")
+
     import torch
-    from tqdm import tqdm
 
     from radixkv.apps.caches import make_cache
     from radixkv.apps.demo import (
         Scenario,
         Script,
-        build_model,
         draw_chart,
         format_table,
         run_script,
     )
     from radixkv.engine.engine import Engine
 
-    if args.threads < 0:
-        raise SystemExit(f"radixkv demo: --threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"radixkv demo: --device {args.device} but CUDA is not available")
-    page_size = args.page_size or (1 if args.cache == "radix" else 16)
-    if page_size < 1:
-        raise SystemExit(f"radixkv demo: --page-size must be >= 1, got {page_size}")
+        raise UsageError(f"demo: --device {args.device} but CUDA is not available")
+    try:
+        torch.device(args.device)
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"demo: --device {args.device!r}: {e}") from None
+    page_size = (
+        args.page_size if args.page_size is not None else (1 if args.cache == "radix" else 16)
+    )
     sc = Scenario.quick() if args.quick else Scenario()
     sc = dataclasses.replace(sc, seed=args.seed)
-    model = build_model(args.checkpoint, args.device, args.quick)
+    model = _model(args)
     cfg = model.config
     script = Script.draw(sc, cfg.vocab_size)
     need = _final_context(script, sc)
     num_pages = args.num_pages or math.ceil(need * 1.15 / page_size) + 2
     if num_pages * page_size < need + page_size:
-        raise SystemExit(
-            f"radixkv demo: --num-pages {num_pages} holds {num_pages * page_size} tokens; the "
+        raise UsageError(
+            f"demo: --num-pages {num_pages} holds {num_pages * page_size} tokens; the "
             f"session's last turn needs about {need + page_size} (page size {page_size})"
         )
     print(
@@ -127,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     endpoint = metrics_server.start("demo", args)
     runs = {}
     n_requests = sc.turns + sc.branches
-    with tqdm(total=2 * n_requests, desc="demo", unit="req", file=sys.stderr) as bar:
+    with progress_bar(total=2 * n_requests, desc="demo", unit="req") as bar:
         for caching in (True, False):
             bar.set_postfix_str("cache on" if caching else "cache off")
             cache = make_cache(args.cache, num_pages, page_size)
@@ -160,7 +185,25 @@ def run(args: argparse.Namespace) -> int:
     )
     same = all(a.output == b.output for a, b in zip(on.results, off.results))
     print(f"outputs identical with and without caching: {'yes' if same else 'NO'}")
+    if not have_matplotlib():
+        print(NO_CHART)
+        return 0
     title = f"radixkv demo: TTFT per request ({args.cache}, page {page_size}, {args.device})"
     path = draw_chart(on, off, Path(args.out) / "demo_ttft.png", title)
     print(f"chart: {path}")
     return 0
+
+
+def _model(args: argparse.Namespace):
+    """The demo's model; a :class:`UsageError` for a checkpoint directory this package cannot
+    load."""
+    from radixkv.apps.demo import build_model
+
+    if args.checkpoint is not None:  # a directory: run() checked
+        try:
+            return build_model(args.checkpoint, args.device, args.quick)
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(
+                f"demo: --checkpoint {args.checkpoint!r} cannot be loaded: {e}"
+            ) from None
+    return build_model(args.checkpoint, args.device, args.quick)

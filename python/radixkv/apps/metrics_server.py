@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="serve Prometheus metrics on http://ADDR:N/metrics while running "
-        "(needs prometheus_client: pip install 'radixkv[metrics]'; 0 picks a free port)",
+        "(needs prometheus_client: pip install 'radixkv[metrics]'; 0 picks a free port; "
+        "default: no endpoint)",
     )
     p.add_argument(
         "--metrics-addr",

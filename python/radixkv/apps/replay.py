@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import radixkv
+from radixkv.apps.args import progress_bar
 from radixkv.apps.caches import make_cache
 from radixkv.apps.trace import TraceRequest
 
@@ -237,9 +238,9 @@ def _next_finish(decoding: list[tuple[float, int, radixkv.Request]]) -> float | 
 
 def _progress(total: int, enabled: bool, config: ReplayConfig):
     if enabled:
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=f"{config.cache}/{config.policy}", unit="req", leave=False)
+        return progress_bar(
+            total=total, desc=f"{config.cache}/{config.policy}", unit="req", leave=False
+        )
     return _NoBar()
 
 

@@ -6,36 +6,86 @@ import argparse
 from pathlib import Path
 
 from radixkv.apps import metrics_server
+from radixkv.apps.args import (
+    NO_CHART,
+    UsageError,
+    have_matplotlib,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from radixkv.apps.replay import ReplayConfig, ReplayResult, infinite_bound, replay
-from radixkv.apps.trace import read_trace
+from radixkv.apps.trace import TraceRequest, read_trace
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``radixkv replay``."""
+    """The options of ``radixkv replay``: each one's help says its default."""
     p.add_argument(
         "trace", help="JSONL trace, plain or gzipped: Mooncake (hash_ids) or radixkv (tokens/text)"
     )
-    p.add_argument("--cache", choices=("radix", "block"), default="radix")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=262_144, help="pool size in pages")
     p.add_argument(
-        "--policy", default="all", help="fcfs, lpm, dfs-weight, a comma list, or 'all' (default)"
+        "--cache",
+        choices=("radix", "block"),
+        default="radix",
+        help="index: radix tree or chained block hashes (default: radix)",
     )
-    p.add_argument("--max-wait", type=int, default=256, help="starvation bound in schedule calls")
-    p.add_argument("--prefill-tps", type=float, default=50_000.0, help="prefill tokens per second")
-    p.add_argument("--decode-tps", type=float, default=50.0, help="decode tokens/s per request")
+    p.add_argument(
+        "--page-size", type=positive_int, default=16, help="tokens per page (default: 16)"
+    )
+    p.add_argument(
+        "--num-pages",
+        type=positive_int,
+        default=262_144,
+        help="pool size in pages (default: 262144)",
+    )
+    p.add_argument(
+        "--policy",
+        default="all",
+        help="admission policies to replay, one run each: fcfs, lpm, dfs-weight, a comma list, "
+        "or 'all' (default: all)",
+    )
+    p.add_argument(
+        "--max-wait",
+        type=nonnegative_int,
+        default=256,
+        help="starvation bound in schedule calls, 0: none (default: 256)",
+    )
+    p.add_argument(
+        "--prefill-tps",
+        type=positive_float,
+        default=50_000.0,
+        help="simulated prefill tokens per second (default: 50000)",
+    )
+    p.add_argument(
+        "--decode-tps",
+        type=positive_float,
+        default=50.0,
+        help="simulated decode tokens per second per request (default: 50)",
+    )
     p.add_argument(
         "--token-budget",
-        type=int,
+        type=positive_int,
         default=131_072,
-        help="tokens computed per batch (a longer prompt is prefilled in chunks)",
+        help="tokens computed per batch; a longer prompt is prefilled in chunks (default: 131072)",
     )
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--out", default="out", help="folder for the PNG chart")
-    p.add_argument("--no-chart", action="store_true")
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=64,
+        help="requests prefilling or decoding at once at most (default: 64)",
+    )
+    p.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        help="replay only the first N requests (default: all)",
+    )
+    p.add_argument("--out", default="out", help="folder for the PNG chart (default: ./out)")
+    p.add_argument(
+        "--no-chart", action="store_true", help="do not draw the chart (default: draw it)"
+    )
     metrics_server.add_arguments(p)
 
 
@@ -44,14 +94,20 @@ def run(args: argparse.Namespace) -> int:
     policies = POLICIES if args.policy == "all" else tuple(args.policy.split(","))
     for pol in policies:
         if pol not in POLICIES:
-            raise SystemExit(f"radixkv replay: unknown policy {pol!r} (choose from {POLICIES})")
-    requests = list(read_trace(args.trace, limit=args.limit))
-    if not requests:
-        raise SystemExit(f"radixkv replay: no requests in {args.trace}")
+            raise UsageError(f"replay: unknown policy {pol!r} (choose from {POLICIES})")
+    requests = _read(args.trace, args.limit)
+    pool = args.num_pages * args.page_size
+    shortest = min(len(r.tokens) + max(r.output_length, 1) - 1 for r in requests)
+    if -(-shortest // args.page_size) > args.num_pages:
+        raise UsageError(
+            f"replay: the pool of {args.num_pages} pages of {args.page_size} tokens ({pool} "
+            f"tokens) cannot hold any request of {args.trace} (the smallest needs {shortest} "
+            "tokens with its output); raise --num-pages"
+        )
     prompt = sum(len(r.tokens) for r in requests)
     print(
         f"{len(requests)} requests, {prompt / 1e6:.1f}M prompt tokens, pool "
-        f"{args.num_pages * args.page_size / 1e6:.2f}M tokens ({args.cache}, page {args.page_size})"
+        f"{pool / 1e6:.2f}M tokens ({args.cache}, page {args.page_size})"
     )
     bound = infinite_bound(requests, args.page_size)
     endpoint = metrics_server.start("replay", args)
@@ -76,10 +132,36 @@ def run(args: argparse.Namespace) -> int:
 
         results.append(replay(requests, cfg, progress=True, on_start=follow))
     print(format_table(results, bound))
+    dropped = max(r.dropped for r in results)
+    if dropped:
+        print(
+            f"note: {dropped} of {len(requests)} requests need more than the pool's {pool} "
+            "tokens and were dropped; raise --num-pages to replay them"
+        )
     if not args.no_chart:
-        path = draw_chart(results, bound, Path(args.out) / "replay_hit_rate.png")
-        print(f"chart: {path}")
+        if have_matplotlib():
+            path = draw_chart(results, bound, Path(args.out) / "replay_hit_rate.png")
+            print(f"chart: {path}")
+        else:
+            print(NO_CHART)
     return 0
+
+
+def _read(path: str, limit: int | None) -> list[TraceRequest]:
+    """The requests of the trace at ``path``; a :class:`UsageError` for a file that is missing,
+    unreadable, malformed or empty."""
+    if not Path(path).is_file():
+        what = "is a directory" if Path(path).is_dir() else "does not exist"
+        raise UsageError(f"replay: trace file {path!r} {what}")
+    try:
+        requests = list(read_trace(path, limit=limit))
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise UsageError(f"replay: cannot read trace {path!r}: {e}") from None
+    except ValueError as e:
+        raise UsageError(f"replay: {path}: {e}") from None
+    if not requests:
+        raise UsageError(f"replay: no requests in {path}")
+    return requests
 
 
 def format_table(results: list[ReplayResult], bound: float) -> str:

@@ -35,6 +35,8 @@ from radixkv.engine.sequence import Sequence, Status
 
 #: Namespace prefix of the private namespaces used when prefix caching is off.
 NO_CACHE_NAMESPACE = "radixkv.no-cache"
+#: The highest priority the scheduler takes (a preempted sequence's is raised up to it).
+PRIORITY_MAX = 2**31 - 1
 
 
 class Batcher:
@@ -88,7 +90,7 @@ class Batcher:
         sid = self.scheduler.add(
             seq.target,
             namespace=seq.cache_namespace,
-            priority=seq.priority + int(again),
+            priority=min(seq.priority + int(again), PRIORITY_MAX),
             max_new_tokens=seq.remaining_new_tokens,
         )
         seq.status = Status.WAITING
@@ -165,6 +167,13 @@ class Batcher:
         seq.admissions += 1
         bisect.insort(self.running, seq, key=_by_id)
 
+    def requeue(self, batch: list[Sequence]) -> None:
+        """Puts every sequence of ``batch`` (a step that was interrupted before its commit)
+        back in the queue, as a preemption does: nothing of the step is kept."""
+        for seq in reversed(batch):
+            if seq.status is Status.RUNNING and seq.req is not None:
+                self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.cache.abort(seq.req)
         self._close(seq)
@@ -192,17 +201,21 @@ class Batcher:
             self.finish(parent, "context")
         return released
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, abort: bool = False) -> None:
         """Ends ``seq`` wherever it is (waiting, running or held): its request is finished
-        (publishing what it computed). Branches of a context that ended before it was computed
-        are queued whole."""
+        (publishing what it computed), or aborted with ``abort`` (publishing nothing more: a
+        failed step). Branches of a context that ended before it was computed are queued
+        whole."""
         was = seq.status
         sid = self._sid.pop(seq.id, None)
         if sid is not None:
             del self._waiting[sid]
             self.scheduler.cancel(sid)
         if seq.req is not None:
-            self.cache.finish(seq.req)
+            if abort:
+                self.cache.abort(seq.req)
+            else:
+                self.cache.finish(seq.req)
             self._close(seq)
         if was is Status.RUNNING:
             self.running.remove(seq)

@@ -8,20 +8,30 @@ forward pass: the :class:`~radixkv.engine.batcher.Batcher` packs a batch under t
 target is now computed. The engine owns the model, the KV tensors, the sequences and sampling;
 the batcher owns the queue and the cache requests. A step crosses into Rust a fixed number of
 times, however many requests it holds (admissions and ends aside, once per request).
+
+Failures: every argument is checked when a request is made (``ValueError`` naming it, nothing
+registered). A forward pass (or plan, or commit) that raises ends every request of its batch
+with ``finish_reason="error"`` and the exception in ``Result.error``, their cache requests
+aborted; a row whose sampling fails (NaN logits, say) ends that request alone. Requests outside
+the failed batch run on. An interrupt (``KeyboardInterrupt``) during a forward pass puts the
+batch back in the queue, as a preemption does, and propagates; the next ``run()`` resumes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from radixkv.engine.batcher import Batcher
+from radixkv.engine.batcher import PRIORITY_MAX, Batcher
 from radixkv.engine.sampling import sample_tokens, to_token_array
 from radixkv.engine.sequence import Result, Sequence
 from radixkv.kv.kv_cache import KVCache
@@ -53,6 +63,13 @@ class Engine:
     waiting request is queued in: ``"fcfs"`` (arrival order, the default), ``"lpm"`` (longest
     cached prefix first) or ``"dfs-weight"``; ``max_wait`` bounds how many steps a request
     waits behind others (0: no bound).
+
+    ``sequences`` holds every request submitted and not yet released, finished ones included
+    (their results stay readable with :meth:`result`). A long-running server releases what it
+    has read with :meth:`release` (given ids) or :meth:`forget_finished` (every finished
+    request), or passes ``release=True`` to :meth:`run`/:meth:`generate`, so memory stays flat.
+    ``release_hooks``: callables given the list of sequences about to be released (a metrics
+    exporter folds them into its totals).
     """
 
     def __init__(
@@ -68,12 +85,24 @@ class Engine:
         for name, value in (("token_budget", token_budget), ("max_batch", max_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(prefix_caching, (bool, np.bool_)):
+            raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+        if not isinstance(kv, KVCache):
+            raise ValueError(f"kv must be a radixkv.KVCache, got {type(kv).__name__}")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(
+                f"model must have config.vocab_size (a positive int), got {type(model).__name__}"
+            )
         self.model, self.kv, self.cache = model, kv, kv.cache
         self.vocab_size: int = model.config.vocab_size
         self.token_budget, self.max_batch = token_budget, max_batch
-        self.prefix_caching = prefix_caching
-        self.batcher = Batcher(kv.cache, token_budget, max_batch, prefix_caching, policy, max_wait)
+        self.prefix_caching = bool(prefix_caching)
+        self.batcher = Batcher(
+            kv.cache, token_budget, max_batch, self.prefix_caching, policy, max_wait
+        )
         self.sequences: dict[int, Sequence] = {}
+        self.release_hooks: list[Callable[[list[Sequence]], None]] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -93,12 +122,31 @@ class Engine:
         token of ``stop`` (kept in the output) or after ``max_new_tokens`` (0: prefill only).
         Higher ``priority`` is admitted first. Raises ``ValueError`` for bad arguments and for a
         request the pool could never hold (prompt and output together, but the last token)."""
-        arr = to_token_array(prompt, "prompt", self.vocab_size)
-        _check_params(max_new_tokens, temperature)
-        self.batcher.check_fits("prompt", len(arr), max_new_tokens)
-        seq = self._new(arr, max_new_tokens, temperature, stop, namespace, seed, priority)
-        self.batcher.queue(seq)
-        return seq.id
+        arr, params = self._check_submit(
+            prompt, max_new_tokens, temperature, stop, namespace, seed, priority
+        )
+        return self._register(arr, params).id
+
+    def _check_submit(
+        self, prompt, max_new_tokens, temperature, stop, namespace, seed, priority, name="prompt"
+    ) -> tuple[np.ndarray, _Params]:
+        """Everything :meth:`submit` checks, registering nothing."""
+        arr = to_token_array(prompt, name, self.vocab_size)
+        params = _check_params(
+            max_new_tokens, temperature, stop, namespace, seed, priority, self.vocab_size
+        )
+        self.batcher.check_fits(name, len(arr), params.max_new_tokens)
+        return arr, params
+
+    def _register(self, prompt: np.ndarray, params: _Params) -> Sequence:
+        """Registers and queues one checked request."""
+        seq = self._new(prompt, params)
+        try:
+            self.batcher.queue(seq)
+        except BaseException:
+            del self.sequences[seq.id]
+            raise
+        return seq
 
     def branch(
         self,
@@ -116,24 +164,41 @@ class Engine:
         and find every full page of it cached. Returns the branch ids. Checks every branch
         (as :meth:`submit` does) before queueing anything."""
         ctx = to_token_array(context, "context", self.vocab_size)
+        if isinstance(suffixes, (str, bytes, bytearray, np.ndarray, torch.Tensor)) or not (
+            isinstance(suffixes, Iterable)
+        ):
+            raise ValueError(
+                f"suffixes must be a list of token sequences, got {type(suffixes).__name__}"
+            )
+        suffixes = list(suffixes)
         if len(suffixes) == 0:
             raise ValueError("suffixes must hold at least one branch, got none")
-        _check_params(max_new_tokens, temperature)
+        params = _check_params(
+            max_new_tokens,
+            temperature,
+            stop,
+            namespace,
+            seed,
+            0,
+            self.vocab_size,
+            num_seeds=len(suffixes),
+        )
         prompts = []
         for i, s in enumerate(suffixes):
             part = to_token_array(s, f"suffixes[{i}]", self.vocab_size, allow_empty=True)
             prompts.append(np.concatenate([ctx, part]))
-            self.batcher.check_fits(f"branch {i}", len(prompts[-1]), max_new_tokens)
+            self.batcher.check_fits(f"branch {i}", len(prompts[-1]), params.max_new_tokens)
         parent = None
         if self.prefix_caching:
-            parent = self._new(ctx, 0, 0.0, (), namespace, seed, 0)
-            self.batcher.queue(parent)
+            ctx_params = _Params(0, 0.0, frozenset(), params.namespace, params.seed, 0)
+            parent = self._register(ctx, ctx_params)
         ids = []
         for i, prompt in enumerate(prompts):
-            seq = self._new(prompt, max_new_tokens, temperature, stop, namespace, seed + i, 0)
+            own = dataclasses.replace(params, seed=params.seed + i)
             if parent is None:
-                self.batcher.queue(seq)
+                seq = self._register(prompt, own)
             else:
+                seq = self._new(prompt, own)
                 seq.parent = parent  # queued once the context is computed
                 parent.children.append(seq)
             ids.append(seq.id)
@@ -141,7 +206,7 @@ class Engine:
 
     def cancel(self, seq_id: int) -> bool:
         """Ends a request that has not finished; returns whether it had not."""
-        seq = self.sequences[seq_id]
+        seq = self._get(seq_id)
         if seq.done:
             return False
         self.batcher.finish(seq, "cancelled")
@@ -149,27 +214,67 @@ class Engine:
 
     def result(self, seq_id: int) -> Result:
         """The report of request ``seq_id``."""
-        return self.sequences[seq_id].result()
+        return self._get(seq_id).result()
+
+    def _get(self, seq_id: int) -> Sequence:
+        """The sequence of ``seq_id``; ``KeyError`` naming it if there is none."""
+        seq = self.sequences.get(seq_id) if isinstance(seq_id, (int, np.integer)) else None
+        if seq is None:
+            raise KeyError(f"no request with id {seq_id!r} in this engine")
+        return seq
 
     @property
     def has_work(self) -> bool:
         """Whether any request waits, runs or is held."""
         return self.batcher.has_work
 
-    def run(self, ids: Iterable[int] | None = None) -> list[Result]:
+    def run(self, ids: Iterable[int] | None = None, release: bool = False) -> list[Result]:
         """Steps until the requests ``ids`` (default: every request) have finished; returns
-        their results in that order."""
+        their results in that order. ``release``: then releases those requests (see
+        :meth:`release`)."""
         ids = list(self.sequences) if ids is None else list(ids)
-        pending = [self.sequences[i] for i in ids]
+        pending = [self._get(i) for i in ids]
         while not all(s.done for s in pending):
             if not self.has_work:
                 raise RuntimeError("requests left unfinished with nothing queued (engine bug)")
             self.step()
-        return [s.result() for s in pending]
+        results = [s.result() for s in pending]
+        if release:
+            self.release(ids)
+        return results
 
-    def generate(self, prompts: Seq[Seq[int] | np.ndarray], **params) -> list[Result]:
-        """Submits every prompt with ``params`` (as :meth:`submit`) and runs them to the end."""
-        return self.run([self.submit(p, **params) for p in prompts])
+    def generate(
+        self, prompts: Seq[Seq[int] | np.ndarray], release: bool = False, **params
+    ) -> list[Result]:
+        """Submits every prompt with ``params`` (as :meth:`submit`) and runs them to the end
+        (``release``: as :meth:`run`). Every prompt is checked before any is queued."""
+        checked = [self._check_submit(p, **_submit_defaults(params)) for p in prompts]
+        return self.run([self._register(arr, ps).id for arr, ps in checked], release=release)
+
+    def release(self, ids: Iterable[int]) -> None:
+        """Forgets the finished requests ``ids`` (their results must have been read: ``result``
+        and ``cancel`` no longer know them). ``KeyError`` for an unknown id, ``ValueError`` for
+        one not finished; either way nothing is released."""
+        seqs = [self._get(i) for i in ids]
+        for seq in seqs:
+            if not seq.done:
+                raise ValueError(
+                    f"request {seq.id} has not finished ({seq.status.value}); cancel it first"
+                )
+        self._drop(seqs)
+
+    def forget_finished(self) -> int:
+        """Forgets every finished request (as :meth:`release`); returns how many."""
+        seqs = [s for s in self.sequences.values() if s.done]
+        self._drop(seqs)
+        return len(seqs)
+
+    def _drop(self, seqs: list[Sequence]) -> None:
+        for hook in self.release_hooks:
+            hook(seqs)
+        for seq in seqs:
+            self.sequences.pop(seq.id, None)
+            seq.parent, seq.children = None, []  # no references between released ones
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -183,10 +288,16 @@ class Engine:
         st.preemptions = self.batcher.preemptions
         if not batch:
             return self._stalled()
-        step = self.kv.plan([s.req for s in batch])
-        t2 = time.perf_counter()
-        logits = self.model(step)
-        self.kv.commit(step)
+        try:
+            step = self.kv.plan([s.req for s in batch])
+            t2 = time.perf_counter()
+            logits = self.model(step)
+            self.kv.commit(step)
+        except Exception as e:  # the batch's requests fail with it
+            return self._fail(batch, e)
+        except BaseException:  # KeyboardInterrupt and the like: undo the step, then stop
+            self.batcher.requeue(batch)
+            raise
         t3 = time.perf_counter()
         finished = self._sample(batch, logits)
         t4 = time.perf_counter()
@@ -215,10 +326,21 @@ class Engine:
         if not ready:
             return []
         seqs = [batch[b] for b in ready]
-        tokens = sample_tokens(logits[ready], seqs)
+        try:
+            tokens = sample_tokens(logits[ready], seqs)
+        except Exception as e:  # logits of the wrong shape, say
+            return self._fail(seqs, e)
         now = time.perf_counter()
         finished = []
         for seq, tok in zip(seqs, tokens):
+            if not isinstance(tok, Exception) and not 0 <= tok < self.vocab_size:
+                tok = ValueError(
+                    f"the model's logits gave token id {tok}, outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+            if isinstance(tok, Exception):
+                finished.extend(self._fail([seq], tok))
+                continue
             if seq.max_new_tokens == 0:
                 if seq.children:
                     self.batcher.hold(seq)
@@ -230,6 +352,17 @@ class Engine:
                 self.batcher.finish(seq, seq.finish_reason)
                 finished.append(seq.result())
         return finished
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> list[Result]:
+        """Ends ``seqs`` with ``finish_reason="error"`` and ``error`` (their requests aborted:
+        nothing of the failed step is published); returns their results."""
+        out = []
+        for seq in seqs:
+            if not seq.done:
+                seq.error = error
+                self.batcher.finish(seq, "error", abort=True)
+                out.append(seq.result())
+        return out
 
     def _stalled(self) -> list[Result]:
         """Nothing could be scheduled although work may be left: held contexts pin pages that
@@ -246,25 +379,100 @@ class Engine:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _new(self, prompt, max_new_tokens, temperature, stop, namespace, seed, priority):
+    def _new(self, prompt: np.ndarray, params: _Params) -> Sequence:
         seq = Sequence(
             id=next(self._ids),
             prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=float(temperature),
-            stop=frozenset(int(t) for t in stop),
-            namespace=namespace,
-            seed=seed,
-            priority=priority,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            stop=params.stop,
+            namespace=params.namespace,
+            seed=params.seed,
+            priority=params.priority,
         )
         self.sequences[seq.id] = seq
         return seq
 
 
-def _check_params(max_new_tokens: int, temperature: float) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+def _submit_defaults(params: dict) -> dict:
+    """``params`` of :meth:`Engine.generate` completed with :meth:`Engine.submit`'s defaults;
+    ``TypeError`` for a name ``submit`` does not take."""
+    sig = inspect.signature(Engine.submit)
+    names = [n for n in sig.parameters if n not in ("self", "prompt")]
+    unknown = sorted(set(params) - set(names))
+    if unknown:
+        raise TypeError(f"generate() got unknown parameters {unknown}; it takes {names}")
+    return {n: params.get(n, sig.parameters[n].default) for n in names}
+
+
+#: ``seed`` range: what ``torch.Generator.manual_seed`` takes without wrapping around.
+SEED_LIMIT = 2**63
+#: ``priority`` range of the :class:`radixkv.Scheduler` (a 32-bit signed integer).
+PRIORITY_MIN = -(2**31)
+
+
+@dataclass(frozen=True)
+class _Params:
+    """The checked generation parameters of one request (or of every branch of a call)."""
+
+    max_new_tokens: int
+    temperature: float
+    stop: frozenset[int]
+    namespace: str | bytes | None
+    seed: int
+    priority: int
+
+
+def _as_int(value, name: str, lo: int, hi: int, what: str) -> int:
+    """``value`` as a Python int in ``[lo, hi]`` (ints and numpy integers; never ``bool``),
+    else ``ValueError`` naming ``name`` and the value."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    v = int(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be {what}, got {v}")
+    return v
+
+
+def _check_params(
+    max_new_tokens,
+    temperature,
+    stop,
+    namespace,
+    seed,
+    priority,
+    vocab_size: int,
+    num_seeds: int = 1,
+) -> _Params:
+    """Checks every generation parameter of :meth:`Engine.submit` (``num_seeds``: the seeds
+    ``seed .. seed + num_seeds - 1`` a call uses must all be valid) and returns them
+    normalized; raises ``ValueError`` naming the first bad one."""
+    n = _as_int(max_new_tokens, "max_new_tokens", 0, 2**62, "an int >= 0")
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(
+        temperature, (int, float, np.integer, np.floating)
+    ):
+        raise ValueError(
+            f"temperature must be a finite number >= 0, got {temperature!r} "
+            f"({type(temperature).__name__})"
+        )
+    t = float(temperature)
+    if not (math.isfinite(t) and t >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(stop, (str, bytes, bytearray)) or not isinstance(stop, Iterable):
+        raise ValueError(
+            f"stop must be an iterable of token ids, got {stop!r} ({type(stop).__name__})"
+        )
+    stops = frozenset(
+        _as_int(tok, "stop", 0, vocab_size - 1, f"token ids in [0, {vocab_size})") for tok in stop
+    )
+    if namespace is not None and not isinstance(namespace, (str, bytes)):
+        raise ValueError(
+            f"namespace must be None, a str or bytes, got {namespace!r} "
+            f"({type(namespace).__name__})"
+        )
+    what = "an int in [0, 2**63)"
+    if num_seeds > 1:
+        what = f"an int in [0, 2**63 - {num_seeds}] (branch i uses seed + i)"
+    sd = _as_int(seed, "seed", 0, SEED_LIMIT - num_seeds, what)
+    pr = _as_int(priority, "priority", PRIORITY_MIN, PRIORITY_MAX, "an int in [-2**31, 2**31)")
+    return _Params(n, t, stops, namespace, sd, pr)

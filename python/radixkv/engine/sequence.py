@@ -47,8 +47,11 @@ class Result:
     ``cached_tokens``: prompt tokens whose KV came from the cache at its first admission.
     ``computed_tokens``: tokens computed until the first token was sampled (the prefill work,
     recomputation after a preemption included); ``total_computed_tokens`` adds decode steps.
-    ``finish_reason``: ``"stop"``, ``"length"``, ``"cancelled"`` or ``"context"`` (a branch
-    context). A request the pool could never hold is refused when it is submitted.
+    ``finish_reason``: ``"stop"``, ``"length"``, ``"cancelled"``, ``"context"`` (a branch
+    context) or ``"error"``: the forward pass of a step that held it, or its sampling, raised
+    an exception, which ``error`` holds (None for every other reason). A failed request keeps
+    the tokens it generated before. A request the pool could never hold is refused when it is
+    submitted.
     """
 
     id: int
@@ -61,6 +64,7 @@ class Result:
     latency_s: float
     preemptions: int
     finish_reason: str
+    error: BaseException | None = None
 
 
 @dataclass(eq=False)
@@ -87,6 +91,8 @@ class Sequence:
     num_computed: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    #: The exception that failed this sequence (``finish_reason == "error"``).
+    error: BaseException | None = None
     admissions: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
@@ -147,4 +153,5 @@ class Sequence:
             latency_s=end - self.arrival,
             preemptions=self.preemptions,
             finish_reason=self.finish_reason or self.status.value,
+            error=self.error,
         )

@@ -37,6 +37,13 @@ class Session:
         system: Seq[int] | np.ndarray = (),
         namespace: str | bytes | None = None,
     ) -> None:
+        if not isinstance(engine, Engine):
+            raise ValueError(f"engine must be a radixkv.Engine, got {type(engine).__name__}")
+        if namespace is not None and not isinstance(namespace, (str, bytes)):
+            raise ValueError(
+                f"namespace must be None, a str or bytes, got {namespace!r} "
+                f"({type(namespace).__name__})"
+            )
         self.engine = engine
         self.namespace = namespace
         self.history = to_token_array(system, "system", engine.vocab_size, allow_empty=True)
@@ -56,13 +63,16 @@ class Session:
         seed: int = 0,
     ) -> Result:
         """One turn: prompt = history + ``message``; runs it (and whatever else the engine has)
-        until it finishes; history becomes prompt + reply."""
-        self.append(message)
-        seq_id = self.engine.submit(
-            self.history, max_new_tokens, temperature, stop, self.namespace, seed
-        )
+        until it finishes; history becomes prompt + reply. Bad arguments raise ``ValueError``
+        before anything is queued; a turn whose step failed re-raises the request's error
+        (``Result.error``). Either way the history is unchanged."""
+        extra = to_token_array(message, "message", self.engine.vocab_size, allow_empty=True)
+        prompt = np.concatenate([self.history, extra])
+        seq_id = self.engine.submit(prompt, max_new_tokens, temperature, stop, self.namespace, seed)
         (result,) = self.engine.run([seq_id])
-        self.append(np.asarray(result.output, dtype=np.uint32))
+        if result.error is not None:
+            raise result.error
+        self.history = np.concatenate([prompt, np.asarray(result.output, dtype=np.uint32)])
         self.results.append(result)
         return result
 
@@ -75,7 +85,8 @@ class Session:
         seed: int = 0,
     ) -> list[Result]:
         """Sub-agents: branch ``i`` answers history + ``messages[i]``; all run concurrently from
-        one computed copy of the history. The history is unchanged (append what you keep)."""
+        one computed copy of the history. The history is unchanged (append what you keep). A
+        branch whose step failed reports it in its result (``finish_reason="error"``)."""
         ids = self.engine.branch(
             self.history, messages, max_new_tokens, temperature, stop, self.namespace, seed
         )

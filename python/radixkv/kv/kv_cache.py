@@ -59,6 +59,8 @@ class KVCache:
         if not isinstance(cache, (radixkv.RadixCache, radixkv.BlockCache)):
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
         self.cache = cache
+        # The cache these pools are sized and indexed for: only its requests may be planned.
+        self._owner = cache
         self.num_layers = _positive("num_layers", num_layers)
         self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
         self.head_dim = _positive("head_dim", head_dim)
@@ -127,11 +129,26 @@ class KVCache:
     def plan(self, requests: Sequence[radixkv.Request]) -> Step:
         """Plans one forward pass over ``requests``: each request's tokens
         ``num_computed:num_tokens``, packed in order. One call into Rust, one host-to-device copy.
+
+        Raises ``ValueError``, before anything is computed, for a request of another cache or
+        one named twice; ``TypeError`` for anything but a ``Request``.
         """
+        requests = list(requests)
         if len(requests) == 0:
             raise ValueError("requests must hold at least one request, got none")
-        plan = radixkv.plan_step(list(requests))
-        return Step(self, list(requests), plan)
+        seen: dict[int, int] = {}
+        for i, r in enumerate(requests):
+            if not isinstance(r, radixkv.Request):
+                raise TypeError(f"requests[{i}] must be a Request, got {type(r).__name__}")
+            if r.cache is not self._owner:
+                # Its slots index another pool: writing them here would overwrite KV this
+                # cache has published and still serves.
+                raise ValueError(f"requests[{i}] belongs to another cache than this KVCache's")
+            j = seen.setdefault(id(r), i)
+            if j != i:
+                raise ValueError(f"requests[{i}] repeats requests[{j}]: plan each request once")
+        plan = radixkv.plan_step(requests)
+        return Step(self, requests, plan)
 
     def commit(self, step: Step) -> None:
         """Marks the KV of every token planned in ``step`` as written (publishing full pages).

@@ -136,10 +136,20 @@ class Step:
         """Writes ``k``/``v`` (``[T, Hkv, D]``) into the pool at the new tokens' slots, then
         attends each query of ``q`` (``[T, Hq, D]``) to its request's keys up to its own
         position. Returns ``[T, Hq, D]`` in ``q``'s dtype.
+
+        ``layer`` must be an int in ``[0, num_layers)``; ``q``, ``k`` and ``v`` floating-point
+        torch tensors (``TypeError`` otherwise, raised before anything is written).
         """
         kv = self.kv
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
         if not 0 <= layer < kv.num_layers:
             raise ValueError(f"layer must be in [0, {kv.num_layers}), got {layer}")
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if not x.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
         t, hkv, d = self.num_tokens, kv.num_kv_heads, kv.head_dim
         if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d or q.shape[1] % hkv != 0:
             raise ValueError(

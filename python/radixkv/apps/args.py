@@ -1,0 +1,94 @@
+"""What every subcommand shares: the user-error type, argument types that check ranges, and
+progress bars and charts that degrade when their optional packages are missing.
+
+A :class:`UsageError` (a bad option, a missing file, an input the command cannot use) is
+printed by :func:`radixkv.apps.cli.main` as one line, ``radixkv: error: ...``, with exit
+status 2, like argparse's own errors; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+class UsageError(Exception):
+    """A mistake in the command line or in the files it names (exit status 2)."""
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int ``>= lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite float ``> 0``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+class _NoBar:
+    """A progress bar that shows nothing (tqdm is not installed, or none was asked for)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def progress_bar(**kwargs: Any) -> Any:
+    """A ``tqdm`` bar on stderr with ``kwargs``, or one that shows nothing when tqdm (an
+    optional dependency) is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(file=sys.stderr, **kwargs)
+
+
+def have_matplotlib() -> bool:
+    """Whether the optional matplotlib (charts) can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+#: The note printed instead of a chart when matplotlib is missing.
+NO_CHART = "chart: skipped (matplotlib is not installed; pip install matplotlib)"

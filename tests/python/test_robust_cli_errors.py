@@ -1,0 +1,133 @@
+"""The command line as a user meets it, run as a subprocess: every user error is one line,
+``radixkv: error: ...``, with exit status 2 and no traceback; every option's help says its
+default; ``radixkv replay`` and ``radixkv demo`` run without the optional tqdm and matplotlib."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from radixkv.apps import cli
+
+#: Runs the CLI with the modules named in argv[1] (comma list, may be empty) made unimportable.
+RUNNER = """
+import sys
+for name in filter(None, sys.argv[1].split(",")):
+    sys.modules[name] = None  # `import name` now raises ImportError
+from radixkv.apps.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def radixkv(*argv: str, without: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER, without, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("radixkv: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture
+def trace(tmp_path):
+    """A radixkv trace of two requests: 40 and 8 prompt tokens, 4 output tokens each."""
+    path = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 0.0, "tokens": list(range(1, 41)), "output_length": 4},
+        {"timestamp": 0.1, "tokens": list(range(1, 9)), "output_length": 4},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_replay_user_errors(tmp_path, trace):
+    missing = tmp_path / "nope.jsonl"
+    assert_user_error(radixkv("replay", str(missing)), str(missing), "does not exist")
+    assert_user_error(radixkv("replay", str(tmp_path)), "is a directory")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert_user_error(radixkv("replay", str(bad)), "line 1: not JSON")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert_user_error(radixkv("replay", str(empty)), "no requests in")
+    for option in ("--page-size", "--num-pages", "--limit", "--token-budget", "--max-running"):
+        assert_user_error(radixkv("replay", str(trace), option, "0"), option, "got 0")
+    assert_user_error(radixkv("replay", str(trace), "--page-size", "x"), "--page-size", "'x'")
+    assert_user_error(radixkv("replay", str(trace), "--prefill-tps", "0"), "--prefill-tps")
+    assert_user_error(radixkv("replay", str(trace), "--max-wait", "-1"), "--max-wait")
+    assert_user_error(radixkv("replay", str(trace), "--policy", "sjf"), "unknown policy 'sjf'")
+    assert_user_error(radixkv("replay", str(trace), "--frobnicate"), "--frobnicate")
+    # A pool smaller than every request: 2 pages of 4 tokens, the smallest needs 11 tokens.
+    proc = radixkv("replay", str(trace), "--page-size", "4", "--num-pages", "2", "--no-chart")
+    assert_user_error(proc, "cannot hold any request", "the smallest needs 11 tokens")
+
+
+def test_replay_says_when_it_drops_requests(trace):
+    proc = radixkv("replay", str(trace), "--page-size", "4", "--num-pages", "8", "--no-chart")
+    assert proc.returncode == 0, proc.stderr
+    assert "note: 1 of 2 requests need more than the pool's 32 tokens" in proc.stdout
+
+
+def test_replay_runs_without_tqdm_and_matplotlib(tmp_path, trace):
+    proc = radixkv("replay", str(trace), "--out", str(tmp_path), without="tqdm,matplotlib")
+    assert proc.returncode == 0, proc.stderr
+    assert "chart: skipped (matplotlib is not installed" in proc.stdout
+    assert "hit rate" in proc.stdout and not list(tmp_path.glob("*.png"))
+
+
+def test_demo_user_errors(tmp_path):
+    for option in ("--page-size", "--num-pages", "--token-budget"):
+        assert_user_error(radixkv("demo", "--quick", option, "0"), option, "got 0")
+    assert_user_error(radixkv("demo", "--threads", "-1"), "--threads")
+    missing = tmp_path / "ckpt"
+    assert_user_error(radixkv("demo", "--quick", "--checkpoint", str(missing)), "does not exist")
+
+
+def test_demo_checkpoint_and_device_errors(tmp_path, capsys):
+    """In-process (torch is loaded already): the same one line and exit status."""
+
+    def user_error(*argv: str, needles: tuple[str, ...]) -> None:
+        assert cli.main(["demo", "--quick", "--out", str(tmp_path), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("radixkv: error: demo: "), err
+        assert all(n in err[0] for n in needles), err
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    user_error("--checkpoint", str(ckpt), needles=("cannot be loaded", "config.json"))
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    user_error("--checkpoint", str(ckpt), needles=("cannot be loaded", "gpt2"))
+    (ckpt / "config.json").write_text("{not json")
+    user_error("--checkpoint", str(ckpt), needles=("cannot be loaded",))
+    user_error("--device", "nonsense-device", needles=("--device",))
+
+
+def test_demo_runs_without_tqdm_and_matplotlib(tmp_path):
+    proc = radixkv("demo", "--quick", "--out", str(tmp_path), without="tqdm,matplotlib")
+    assert proc.returncode == 0, proc.stderr
+    assert "identical with and without caching: yes" in proc.stdout
+    assert "chart: skipped (matplotlib is not installed" in proc.stdout
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_option_says_what_it_does_and_its_default(command):
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    for action in sub.choices[command]._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help and len(action.help) > 15, action.option_strings
+        assert "default" in action.help, (command, action.option_strings, action.help)
+    proc = radixkv(command, "--help")
+    assert proc.returncode == 0 and "default" in proc.stdout

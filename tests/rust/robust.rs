@@ -1,0 +1,420 @@
+//! Long random operation sequences, fuzz style, against each cache and the scheduler: no call
+//! may panic, every call that fails must change nothing, `check()` must pass after every step,
+//! and at the end every page comes back and no namespace is remembered.
+//!
+//! Few cases by default so that `cargo test` stays quick; `PROPTEST_CASES=n` runs more.
+
+use proptest::collection::vec;
+use proptest::prelude::*;
+use radixkv::{
+    BlockCache, CacheStats, Error, Namespace, Policy, PrefixCache, RadixCache, RequestId, Scheduler,
+};
+use std::collections::{BTreeMap, HashMap};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Admit { base: usize, len: usize, ns: u8 },
+    Fork(usize),
+    Extend(usize, usize),
+    Commit(usize, usize),
+    CommitMany(Vec<usize>),
+    ExtendMany(Vec<usize>),
+    Finish(usize),
+    Abort(usize),
+    Evict(usize),
+    Reset,
+    Match { base: usize, len: usize, ns: u8 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..6usize, 1..40usize, 0..12u8).prop_map(|(base, len, ns)| Op::Admit { base, len, ns }),
+        1 => any::<usize>().prop_map(Op::Fork),
+        3 => (any::<usize>(), 0..9usize).prop_map(|(r, n)| Op::Extend(r, n)),
+        4 => (any::<usize>(), any::<usize>()).prop_map(|(r, n)| Op::Commit(r, n)),
+        1 => vec(any::<usize>(), 0..4).prop_map(Op::CommitMany),
+        1 => vec(any::<usize>(), 0..4).prop_map(Op::ExtendMany),
+        3 => any::<usize>().prop_map(Op::Finish),
+        2 => any::<usize>().prop_map(Op::Abort),
+        1 => (0..12usize).prop_map(Op::Evict),
+        1 => Just(Op::Reset),
+        1 => (0..6usize, 1..40usize, 0..12u8).prop_map(|(base, len, ns)| Op::Match { base, len, ns }),
+    ]
+}
+
+fn namespace(ns: u8) -> Namespace {
+    // Mostly distinct tenants, so namespaces come and go all the time.
+    (ns > 0).then(|| format!("tenant-{ns}").into_bytes().into_boxed_slice())
+}
+
+/// Prompts share prefixes: base `b` is a run of a small alphabet, so pages repeat.
+fn prompt(base: usize, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * (base as u32 + 1) / 3) % 5)
+        .collect()
+}
+
+fn config() -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(12);
+    ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+/// Fails the case unless `check()` passes.
+fn checked(c: &dyn PrefixCache, step: usize, op: &Op) -> Result<(), TestCaseError> {
+    if let Err(e) = c.check() {
+        return Err(TestCaseError::fail(format!("step {step} ({op:?}): {e}")));
+    }
+    Ok(())
+}
+
+/// A failed call changed nothing it reports on.
+fn unchanged(before: CacheStats, after: CacheStats, e: &Error) -> Result<(), TestCaseError> {
+    prop_assert_eq!(before, after, "a call failed ({}) yet changed the cache", e);
+    Ok(())
+}
+
+fn fuzz_cache(c: &mut dyn PrefixCache, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut live: Vec<RequestId> = Vec::new();
+    let pick = |live: &Vec<RequestId>, i: usize| (!live.is_empty()).then(|| i % live.len());
+    let empty = c.metadata_bytes();
+    for (step, op) in ops.iter().enumerate() {
+        let before = c.stats();
+        let res: Result<(), Error> = match op {
+            Op::Admit { base, len, ns } => c
+                .admit(&prompt(*base, *len), namespace(*ns))
+                .map(|r| live.push(r)),
+            Op::Fork(i) => match pick(&live, *i) {
+                Some(i) => c.fork(live[i]).map(|r| live.push(r)),
+                None => Ok(()),
+            },
+            Op::Extend(i, n) => match pick(&live, *i) {
+                Some(i) => c.extend(live[i], &prompt(*n, *n)),
+                None => Ok(()),
+            },
+            Op::Commit(i, n) => match pick(&live, *i) {
+                Some(i) => {
+                    let v = c.request(live[i]).unwrap();
+                    let span = v.num_tokens() - v.num_computed + 1;
+                    c.commit(live[i], v.num_computed + n % span)
+                }
+                None => Ok(()),
+            },
+            Op::CommitMany(is) => {
+                let batch: Vec<(RequestId, usize)> = is
+                    .iter()
+                    .filter_map(|&i| pick(&live, i))
+                    .map(|i| (live[i], c.request(live[i]).unwrap().num_tokens()))
+                    .collect();
+                c.commit_many(&batch)
+            }
+            Op::ExtendMany(is) => {
+                let t = [1u32, 2, 3];
+                let batch: Vec<(RequestId, &[u32])> = is
+                    .iter()
+                    .filter_map(|&i| pick(&live, i))
+                    .map(|i| (live[i], &t[..]))
+                    .collect();
+                c.extend_many(&batch).map(|_| ())
+            }
+            Op::Finish(i) | Op::Abort(i) => match pick(&live, *i) {
+                Some(i) => {
+                    let r = live.swap_remove(i);
+                    let done = if matches!(op, Op::Finish(_)) {
+                        c.finish(r)
+                    } else {
+                        c.abort(r)
+                    };
+                    prop_assert!(c.request(r).is_err(), "a closed request stays readable");
+                    done
+                }
+                None => Ok(()),
+            },
+            Op::Evict(n) => {
+                c.evict(*n);
+                Ok(())
+            }
+            Op::Reset => {
+                c.reset();
+                Ok(())
+            }
+            Op::Match { base, len, ns } => {
+                let t = prompt(*base, *len);
+                let m = c.match_prefix(&t, &namespace(*ns)).unwrap();
+                prop_assert!(m < t.len() && m % c.page_size() == 0);
+                prop_assert_eq!(c.stats(), before, "match_prefix changed the cache");
+                Ok(())
+            }
+        };
+        match &res {
+            Ok(()) => {}
+            Err(e @ Error::OutOfPages { .. }) => unchanged(before, c.stats(), e)?,
+            Err(e @ Error::InvalidArgument(_))
+                if matches!(op, Op::CommitMany(_) | Op::ExtendMany(_)) =>
+            {
+                unchanged(before, c.stats(), e)?
+            }
+            Err(e) => return Err(TestCaseError::fail(format!("step {step} ({op:?}): {e}"))),
+        }
+        checked(c, step, op)?;
+    }
+    for r in live.drain(..) {
+        c.abort(r).unwrap();
+    }
+    c.reset();
+    c.check().unwrap();
+    let s = c.stats();
+    prop_assert_eq!(s.free_pages, s.num_pages, "pages did not all come back");
+    // Nothing is remembered of namespaces or requests that are gone (the arenas may keep their
+    // capacity, never more than the busiest moment needed).
+    prop_assert!(c.metadata_bytes() >= empty);
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+enum SOp {
+    Add {
+        base: usize,
+        len: usize,
+        ns: u8,
+        prio: i8,
+        gen: u8,
+    },
+    Cancel(usize),
+    Schedule {
+        budget: usize,
+        max: usize,
+    },
+    Step(usize),
+    Finish(usize),
+    Abort(usize),
+    Evict(usize),
+}
+
+fn sop() -> impl Strategy<Value = SOp> {
+    prop_oneof![
+        6 => (0..6usize, 1..90usize, 0..10u8, -2..3i8, 0..6u8)
+            .prop_map(|(base, len, ns, prio, gen)| SOp::Add { base, len, ns, prio, gen }),
+        2 => any::<usize>().prop_map(SOp::Cancel),
+        4 => (0..80usize, 0..5usize).prop_map(|(budget, max)| SOp::Schedule { budget, max }),
+        4 => any::<usize>().prop_map(SOp::Step),
+        2 => any::<usize>().prop_map(SOp::Finish),
+        1 => any::<usize>().prop_map(SOp::Abort),
+        1 => (0..8usize).prop_map(SOp::Evict),
+    ]
+}
+
+/// An admitted request being prefilled in chunks: the rest of its prompt to extend.
+struct Running {
+    id: RequestId,
+    rest: Vec<u32>,
+    ns: Namespace,
+}
+
+fn fuzz_scheduler(
+    c: &mut dyn PrefixCache,
+    policy: Policy,
+    max_wait: u64,
+    ops: &[SOp],
+) -> Result<(), TestCaseError> {
+    let mut s = Scheduler::new(c, policy, max_wait);
+    let mut waiting: BTreeMap<u64, (Vec<u32>, Namespace)> = BTreeMap::new();
+    let mut running: Vec<Running> = Vec::new();
+    for (step, op) in ops.iter().enumerate() {
+        match op {
+            SOp::Add {
+                base,
+                len,
+                ns,
+                prio,
+                gen,
+            } => {
+                let t = prompt(*base, *len);
+                match s.add(&t, namespace(*ns), *prio as i32, *gen as u32) {
+                    Ok(id) => {
+                        prop_assert!(waiting.insert(id, (t, namespace(*ns))).is_none());
+                    }
+                    Err(Error::InvalidArgument(_)) => {
+                        let pages = (t.len() + (*gen).max(1) as usize - 1).div_ceil(c.page_size());
+                        prop_assert!(pages > c.stats().num_pages, "refused a request that fits");
+                    }
+                    Err(e) => return Err(TestCaseError::fail(format!("add: {e}"))),
+                }
+            }
+            SOp::Cancel(i) => {
+                let ids: Vec<u64> = waiting.keys().copied().collect();
+                let id = if ids.is_empty() {
+                    *i as u64
+                } else {
+                    ids[i % ids.len()]
+                };
+                prop_assert_eq!(s.cancel(id), waiting.remove(&id).is_some());
+                prop_assert!(!s.cancel(id), "cancelled twice");
+            }
+            SOp::Schedule { budget, max } => {
+                let before = c.stats();
+                let out = s.schedule(c, *budget, *max);
+                prop_assert!(out.len() <= *max);
+                let mut spent = 0;
+                for a in &out {
+                    let (t, ns) = waiting
+                        .remove(&a.id)
+                        .expect("admitted a request that was waiting");
+                    let v = c.request(a.request).unwrap();
+                    prop_assert_eq!(v.namespace, &ns, "admitted with another namespace");
+                    prop_assert_eq!(v.tokens, &t[..v.num_tokens()]);
+                    prop_assert_eq!(a.num_tokens, t.len());
+                    spent += v.num_tokens() - v.num_computed;
+                    running.push(Running {
+                        id: a.request,
+                        rest: t[v.num_tokens()..].to_vec(),
+                        ns,
+                    });
+                }
+                prop_assert!(spent <= *budget, "budget {} exceeded: {}", budget, spent);
+                if out.is_empty() {
+                    prop_assert_eq!(
+                        c.stats(),
+                        before,
+                        "a call that admitted nothing changed the cache"
+                    );
+                }
+                // With pages for it, the first request in order is always admitted.
+                if out.is_empty() && *budget > 0 && *max > 0 && !waiting.is_empty() {
+                    prop_assert!(
+                        c.stats().free_pages + c.stats().evictable_pages < c.stats().num_pages
+                    );
+                }
+            }
+            SOp::Step(i) if !running.is_empty() => {
+                let k = i % running.len();
+                let r = &mut running[k];
+                let n = c.request(r.id).unwrap().num_tokens();
+                c.commit(r.id, n).unwrap();
+                if !r.rest.is_empty() {
+                    let take = r.rest.len().min(16);
+                    let chunk: Vec<u32> = r.rest.drain(..take).collect();
+                    if c.extend(r.id, &chunk).is_err() {
+                        r.rest.splice(0..0, chunk);
+                    }
+                }
+            }
+            SOp::Finish(i) | SOp::Abort(i) if !running.is_empty() => {
+                let r = running.swap_remove(i % running.len());
+                prop_assert!(c.request(r.id).unwrap().namespace == &r.ns);
+                if matches!(op, SOp::Finish(_)) {
+                    c.finish(r.id).unwrap();
+                } else {
+                    c.abort(r.id).unwrap();
+                }
+            }
+            SOp::Evict(n) => {
+                c.evict(*n);
+            }
+            _ => {}
+        }
+        if let Err(e) = c.check() {
+            return Err(TestCaseError::fail(format!("step {step} ({op:?}): {e}")));
+        }
+        prop_assert_eq!(s.len(), waiting.len());
+        prop_assert_eq!(s.waiting_ids(), waiting.keys().copied().collect::<Vec<_>>());
+        let namespaces: HashMap<&Namespace, ()> =
+            waiting.values().map(|(_, ns)| (ns, ())).collect();
+        prop_assert_eq!(
+            s.num_namespaces(),
+            namespaces.len(),
+            "namespaces remembered"
+        );
+    }
+    for id in waiting.keys() {
+        prop_assert!(s.cancel(*id));
+    }
+    prop_assert_eq!(s.num_namespaces(), 0);
+    for r in running {
+        c.abort(r.id).unwrap();
+    }
+    c.reset();
+    c.check().unwrap();
+    prop_assert_eq!(c.stats().free_pages, c.stats().num_pages);
+    Ok(())
+}
+
+fn policy() -> impl Strategy<Value = Policy> {
+    prop_oneof![
+        Just(Policy::Fcfs),
+        Just(Policy::Lpm),
+        Just(Policy::DfsWeight)
+    ]
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn radix_cache_survives_long_random_sequences(
+        p in prop_oneof![Just(1usize), Just(2), Just(4)],
+        pool in 6..48usize,
+        ops in vec(op(), 300..600),
+    ) {
+        let mut c = RadixCache::new(pool, p).unwrap();
+        fuzz_cache(&mut c, &ops)?;
+    }
+
+    #[test]
+    fn block_cache_survives_long_random_sequences(
+        p in prop_oneof![Just(1usize), Just(2), Just(4)],
+        pool in 6..48usize,
+        ops in vec(op(), 300..600),
+    ) {
+        let mut c = BlockCache::new(pool, p).unwrap();
+        fuzz_cache(&mut c, &ops)?;
+    }
+
+    #[test]
+    fn scheduler_survives_long_random_sequences(
+        radix in any::<bool>(),
+        p in prop_oneof![Just(1usize), Just(4)],
+        pool in 8..64usize,
+        policy in policy(),
+        max_wait in 0..4u64,
+        ops in vec(sop(), 300..600),
+    ) {
+        if radix {
+            fuzz_scheduler(&mut RadixCache::new(pool, p).unwrap(), policy, max_wait, &ops)?;
+        } else {
+            fuzz_scheduler(&mut BlockCache::new(pool, p).unwrap(), policy, max_wait, &ops)?;
+        }
+    }
+}
+
+/// Namespaces come and go: a cache forgets a namespace when its last page goes.
+#[test]
+fn radix_roots_of_empty_namespaces_are_released() {
+    let mut c = RadixCache::new(16, 1).unwrap();
+    let r = c.admit(&[1, 2, 3], namespace(1)).unwrap();
+    c.abort(r).unwrap();
+    let base = c.metadata_bytes();
+    for i in 0..10_000u32 {
+        let ns: Namespace = Some(i.to_le_bytes().to_vec().into_boxed_slice());
+        let r = c.admit(&[1, 2, 3], ns).unwrap();
+        if i % 2 == 0 {
+            c.abort(r).unwrap();
+        } else {
+            c.commit(r, 3).unwrap();
+            c.finish(r).unwrap();
+            c.evict(3);
+        }
+        c.check().unwrap();
+    }
+    assert!(
+        c.metadata_bytes() <= base + 256,
+        "{} > {base}",
+        c.metadata_bytes()
+    );
+}
