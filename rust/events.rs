@@ -4,7 +4,7 @@
 //! prefix, in its namespace), the same for both indexes. Recording is off by default; off, each
 //! hook is one branch on [`EventLog::on`].
 
-use crate::hash::{next_hash, root_hash, BlockHash};
+use crate::hash::{block_hashes, BlockHash};
 use crate::request::Namespace;
 
 /// One thing a cache did to its set of cached blocks.
@@ -64,7 +64,7 @@ impl EventLog {
         if upto <= from {
             return;
         }
-        let keys = chain(namespace, &tokens[..upto], p);
+        let keys = block_hashes(&tokens[..upto], p, namespace);
         let first = from / p;
         self.events.push(CacheEvent::Stored {
             namespace: namespace.clone(),
@@ -118,18 +118,6 @@ impl EventLog {
     }
 }
 
-/// The block keys of every full page of `tokens` in `namespace`.
-pub fn chain(namespace: &Namespace, tokens: &[u32], p: usize) -> Vec<BlockHash> {
-    let mut prev = root_hash(p, namespace);
-    tokens
-        .chunks_exact(p)
-        .map(|page| {
-            prev = next_hash(&prev, page);
-            prev
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,7 +162,7 @@ mod tests {
                         .windows(tokens.len())
                         .position(|w| w == &tokens[..])
                         .unwrap();
-                    let keys = chain(&None, &t[..at + tokens.len()], p);
+                    let keys = block_hashes(&t[..at + tokens.len()], p, &None);
                     assert_eq!(&keys[at / p..], &hashes[..]);
                     assert_eq!(*parent, (at > 0).then(|| keys[at / p - 1]));
                 }

@@ -18,9 +18,9 @@
 
 use crate::cache::Cache;
 use crate::error::{corrupt, Result};
-use crate::events::{chain, EventLog};
+use crate::events::EventLog;
 use crate::freeset::FreeSet;
-use crate::hash::{next_hash, root_hash, BlockHash};
+use crate::hash::{block_hashes, next_hash, root_hash, BlockHash};
 use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
@@ -359,7 +359,7 @@ impl RadixIndex {
             .iter()
             .flat_map(|&n| self.node(n).key.iter().copied())
             .collect();
-        let mut keys = chain(&ns, &tokens, self.page_size);
+        let mut keys = block_hashes(&tokens, self.page_size, &ns);
         keys.drain(..keys.len() - count);
         keys
     }
@@ -682,7 +682,7 @@ fn record_new_leaf(
     let mut prev = match r.ext.key_at {
         Some((at, key)) if at == from => key,
         _ => {
-            let keys = chain(&r.namespace, &r.tokens[..from], p);
+            let keys = block_hashes(&r.tokens[..from], p, &r.namespace);
             keys.last()
                 .copied()
                 .unwrap_or_else(|| root_hash(p, &r.namespace))

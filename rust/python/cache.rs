@@ -44,7 +44,10 @@ impl PyCache {
 
     /// Aborts the requests dropped while the mutex was taken (the caller holds it).
     fn abort_orphans(&self, core: &mut dyn PrefixCache) {
-        if self.has_orphans.swap(false, Ordering::Acquire) {
+        // A plain load first: the common case (nothing orphaned) costs no read-modify-write.
+        if self.has_orphans.load(Ordering::Relaxed)
+            && self.has_orphans.swap(false, Ordering::Acquire)
+        {
             let ids = std::mem::take(&mut *self.orphans.lock().unwrap_or_else(|e| e.into_inner()));
             for id in ids {
                 let _ = core.abort(id); // closed meanwhile: nothing to do
