@@ -154,7 +154,7 @@ def test_llama3_rope_scaling():
     mid = ~short & ~long
     assert bool(((scaled[mid] <= plain[mid]) & (scaled[mid] >= plain[mid] / 8)).all())
     with pytest.raises(ValueError, match="rope_scaling type"):
-        ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+        ModelConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
 
 
 LLAMA3_ROPE = {
@@ -188,3 +188,106 @@ def test_matches_transformers_when_installed(tmp_path, hf):
     with torch.no_grad():
         want = reference(torch.from_numpy(tokens.astype(np.int64))[None]).logits[0]
     torch.testing.assert_close(ours.forward_dense(tokens), want.float(), atol=1e-4, rtol=0)
+
+
+#: Every bias/q-k-norm shape a family can take (the others are refused, see below).
+FAMILY_SHAPES = [
+    {"family": "llama"},
+    {"family": "llama", "qkv_bias": True},  # attention_bias: q/k/v and o
+    {"family": "llama", "mlp_bias": True},
+    {"family": "llama", "qkv_bias": True, "mlp_bias": True},
+    {"family": "mistral"},
+    {"family": "qwen2"},  # q/k/v bias, none on o_proj
+    {"family": "qwen3"},  # q/k norms
+    {"family": "qwen3", "qkv_bias": True},
+]
+ROPES = [
+    None,
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["default", "linear", "llama3", "yarn"])
+@pytest.mark.parametrize(
+    "shape", FAMILY_SHAPES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items())
+)
+def test_every_config_shape_roundtrips(tmp_path, shape, rope):
+    # Tied heads and a head_dim other than hidden/heads ride along on some of the shapes.
+    extra = {"tie_word_embeddings": True} if len(shape) == 1 else {"head_dim": 8}
+    model = tiny_model(seed=5, rope_theta=50000.0, rope_scaling=rope, **shape, **extra)
+    save_checkpoint(model, tmp_path)
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config == model.config
+    assert [n for n, _ in loaded.named_parameters()] == [n for n, _ in model.named_parameters()]
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+    check_same_logits(model, loaded)
+
+
+def test_family_fixes_the_bias_options():
+    """Options left None take the family's value; combinations that a family's Hugging Face
+    architecture cannot express (and so could not be saved and reloaded) are refused."""
+    qwen2 = ModelConfig(family="qwen2")
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.mlp_bias, qwen2.qk_norm) == (
+        True,
+        False,
+        False,
+        False,
+    )
+    llama = ModelConfig(qkv_bias=True)
+    assert (llama.qkv_bias, llama.o_bias, llama.qk_norm) == (True, True, False)
+    assert ModelConfig(family="qwen3").qk_norm is True
+    with pytest.raises(ValueError, match=r"qkv_bias \(True\) and o_bias \(False\) must be equal"):
+        ModelConfig(qkv_bias=True, o_bias=False)
+    with pytest.raises(ValueError, match="qkv_bias=False is not possible for family 'qwen2'"):
+        ModelConfig(family="qwen2", qkv_bias=False)
+    with pytest.raises(ValueError, match="mlp_bias=True is not possible for family 'mistral'"):
+        ModelConfig(family="mistral", mlp_bias=True)
+    with pytest.raises(ValueError, match="qk_norm=True is not possible for family 'llama'"):
+        ModelConfig(qk_norm=True)
+    # replace() derives the family's options again when the family (or qkv_bias) changes.
+    assert ModelConfig().replace(family="qwen2") == qwen2
+    assert llama.replace(qkv_bias=False).o_bias is False
+    assert ModelConfig().replace(family="qwen3").qk_norm is True
+
+
+def test_rope_settings_are_normalised_and_checked():
+    a = ModelConfig(rope_scaling={"type": "linear", "factor": 2})
+    b = ModelConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert a == b and a.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert ModelConfig(rope_scaling={"rope_type": "default"}).rope_scaling is None
+    with pytest.raises(ValueError, match=r"lacks \['original_max_position_embeddings'\]"):
+        ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"key\(s\) \['low_freq_factor'\]"):
+        ModelConfig(rope_scaling={"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5"):
+        ModelConfig(
+            rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}
+        )
+
+
+def test_from_hf_reads_both_rope_forms():
+    """transformers 5.x keeps theta and scaling in rope_parameters; 4.x at the top level."""
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    old = {**LLAMA, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}
+    new = {k: v for k, v in LLAMA.items() if k != "rope_theta"}
+    new["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}
+    want = {"rope_type": "llama3", **scaling}
+    for hf in (old, new):
+        cfg = ModelConfig.from_hf(hf)
+        assert (cfg.rope_theta, cfg.rope_scaling) == (500000.0, want)
+    both = ModelConfig.from_hf({**old, "rope_parameters": new["rope_parameters"]})
+    assert both == ModelConfig.from_hf(new)
+    with pytest.raises(ValueError, match="disagree"):
+        ModelConfig.from_hf({**new, "rope_theta": 10000.0})
+    # What radixkv writes is read back unchanged.
+    cfg = ModelConfig.from_hf(new)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg

@@ -1,4 +1,5 @@
-"""A Llama-style decoder (Llama and Qwen2 families) whose attention runs over the paged KV cache.
+"""A Llama-style decoder (Llama, Mistral, Qwen2 and Qwen3 families) whose attention runs over
+the paged KV cache.
 
 - :class:`ModelConfig`: hyper-parameters; ``ModelConfig.from_hf`` reads a ``config.json``.
 - :class:`CausalLM`: the model; ``CausalLM.random(cfg, seed)`` for tests and the demo,

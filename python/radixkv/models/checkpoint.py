@@ -1,5 +1,5 @@
 """Reading and writing Hugging Face checkpoint directories (``config.json`` plus
-``*.safetensors``) of the Llama and Qwen2 families, from local files only."""
+``*.safetensors``) of the Llama, Mistral, Qwen2 and Qwen3 families, from local files only."""
 
 from __future__ import annotations
 
@@ -35,10 +35,11 @@ def load_checkpoint(
 ) -> CausalLM:
     """Loads a local Hugging Face checkpoint directory into a :class:`CausalLM`.
 
-    Reads ``config.json`` (``model_type`` ``llama`` or ``qwen2``) and every ``*.safetensors``
-    file in ``path`` (sharded checkpoints included); never touches the network. Raises
-    ``FileNotFoundError`` for a missing file and ``ValueError`` naming missing, unexpected or
-    misshapen weights.
+    Reads ``config.json`` (``model_type`` ``llama``, ``mistral``, ``qwen2`` or ``qwen3``, in
+    the transformers 4.x or 5.x form, see :meth:`ModelConfig.from_hf`) and every
+    ``*.safetensors`` file in ``path`` (sharded checkpoints included); never touches the network.
+    Raises ``FileNotFoundError`` for a missing file, and ``ValueError`` for a config.json setting
+    radixkv does not implement (naming it) or for missing, unexpected or misshapen weights.
     """
     from safetensors.torch import load_file
 

@@ -27,18 +27,28 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies ``theta ** (-2i / head_dim)`` of rotary embeddings (float32
-    ``[head_dim // 2]``), adjusted by ``scaling`` of type ``linear`` or ``llama3``."""
+def rope_parameters(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float32 ``[head_dim // 2]``) of rotary embeddings and the factor
+    that scales their ``cos``/``sin``, for plain RoPE (``scaling`` None) or a ``scaling`` of
+    type ``linear``, ``llama3`` or ``yarn`` (parameters as in transformers' RoPE utilities).
+
+    Plain RoPE turns pair ``i`` by ``theta ** (-2i / head_dim)`` per position; ``linear``
+    divides every frequency by ``factor``; ``llama3`` divides the low frequencies only, blending
+    smoothly between two wavelength limits; ``yarn`` blends interpolated and original
+    frequencies over a ramp of dimensions and scales ``cos``/``sin`` by an attention factor.
+    """
     inv = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
     )
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
-        return inv
+        return inv, 1.0
+    assert scaling is not None
     factor = float(scaling["factor"])
     if kind == "linear":
-        return inv / factor
+        return inv / factor, 1.0
     if kind == "llama3":
         # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
         # between the two wavelength limits interpolated smoothly.
@@ -49,8 +59,54 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smooth = (old_len / wavelen - low) / (high - low)
         blended = (1 - smooth) * slowed / factor + smooth * slowed
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, blended, slowed)
-    raise ValueError(f"rope_scaling type must be linear or llama3, got {kind!r}")
+        return torch.where(medium, blended, slowed), 1.0
+    if kind == "yarn":
+        return _yarn(head_dim, theta, factor, scaling)
+    raise ValueError(f"rope_scaling type must be linear, llama3 or yarn, got {kind!r}")
+
+
+def _yarn(
+    head_dim: int, theta: float, factor: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: pairs rotating fewer than
+    ``beta_slow`` times over the original context are interpolated (divided by ``factor``),
+    those rotating more than ``beta_fast`` times kept, a linear ramp between; ``cos``/``sin``
+    are scaled by ``attention_factor`` (by default ``0.1 ln(factor) + 1``)."""
+    old_len = float(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        # The dimension whose pair turns `rotations` times over `old_len` positions.
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no empty ramp
+    ramp = (
+        (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep, float(attention)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies of rotary embeddings (float32 ``[head_dim // 2]``), see
+    :func:`rope_parameters`."""
+    return rope_parameters(head_dim, theta, scaling)[0]
 
 
 class Rotary(nn.Module):
@@ -62,7 +118,8 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self._inv_freq = {"cpu": rope_inv_freq(head_dim, theta, scaling)}
+        inv, self.attention_factor = rope_parameters(head_dim, theta, scaling)
+        self._inv_freq = {"cpu": inv}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``cos`` and ``sin`` of shape ``[T, 1, head_dim]`` for absolute ``positions [T]``."""
@@ -72,7 +129,10 @@ class Rotary(nn.Module):
             inv = self._inv_freq[key] = self._inv_freq["cpu"].to(positions.device)
         freqs = positions.float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

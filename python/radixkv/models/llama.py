@@ -1,5 +1,5 @@
-"""`CausalLM`: a Llama-style decoder (Llama and Qwen2 families) whose attention goes through
-:meth:`radixkv.Step.attention`, plus a dense reference forward without any cache.
+"""`CausalLM`: a Llama-style decoder (Llama, Mistral, Qwen2 and Qwen3 families) whose attention
+goes through :meth:`radixkv.Step.attention`, plus a dense reference forward without any cache.
 
 Module and parameter names follow Hugging Face checkpoints (``layers.0.self_attn.q_proj.weight``
 is ``model.layers.0.self_attn.q_proj.weight`` there), so loading is a rename of the prefix.
@@ -28,18 +28,27 @@ if TYPE_CHECKING:
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _head_dim(cfg: ModelConfig) -> int:
+    """``cfg.head_dim``, which ModelConfig always fills in (None only before validation)."""
+    assert cfg.head_dim is not None
+    return cfg.head_dim
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention: projections and RoPE here, the attention itself in
-    ``attend`` (paged with a cache, or dense)."""
+    """Grouped-query self-attention: projections (q/k norms where the config has them) and
+    RoPE here, the attention itself in ``attend`` (paged with a cache, or dense)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        d = cfg.head_dim
+        d = _head_dim(cfg)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=bool(cfg.qkv_bias))
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bool(cfg.qkv_bias))
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bool(cfg.qkv_bias))
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=bool(cfg.o_bias))
+        # Qwen3: RMSNorm over each head of q and k, before RoPE.
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
@@ -49,6 +58,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         o = attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -61,7 +72,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bool(cfg.mlp_bias))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
@@ -85,13 +96,13 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = Rotary(_head_dim(cfg), cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = 1.0 / math.sqrt(_head_dim(cfg))
 
     @classmethod
     def random(
@@ -138,7 +149,7 @@ class CausalLM(nn.Module):
             cache,
             cfg.num_layers,
             cfg.num_kv_heads,
-            cfg.head_dim,
+            _head_dim(cfg),
             dtype=dtype or p.dtype,
             device=device or p.device,
         )
