@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -117,6 +118,37 @@ def build_model(checkpoint: str | None, device: str, quick: bool) -> CausalLM:
             hidden_size=128, intermediate_size=344, num_layers=2, num_heads=4, vocab_size=4096
         )
     return CausalLM.random(cfg, seed=0, dtype=dtype, device=device)
+
+
+def build_hf_model(directory: str, device: str) -> torch.nn.Module:
+    """A local transformers checkpoint (``AutoModelForCausalLM``) wrapped for radixkv's engine
+    (:class:`radixkv.hf.HFCausalLM`). ``ImportError`` without transformers; ``ValueError``
+    saying why for a model radixkv.hf cannot serve; whatever transformers raises for a
+    directory it cannot load."""
+    import transformers
+
+    import radixkv.hf
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    major = int(transformers.__version__.split(".")[0])
+    kw = {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(directory, **kw)
+    model = model.to(device)
+    return radixkv.hf.HFCausalLM(model.eval())
+
+
+def describe_model(model: torch.nn.Module) -> str:
+    """Layers, width, heads and vocabulary of the built-in model or a transformers one."""
+    cfg: Any = model.config
+    layers = getattr(cfg, "num_layers", None) or cfg.num_hidden_layers
+    heads = getattr(cfg, "num_heads", None) or cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", heads)
+    kind = getattr(cfg, "model_type", "")
+    name = f"{kind} " if isinstance(kind, str) and kind else ""
+    return (
+        f"{name}{layers} layers, hidden {cfg.hidden_size}, {heads} q / {kv_heads} kv heads, "
+        f"vocab {cfg.vocab_size}"
+    )
 
 
 def run_script(engine: Engine, script: Script, sc: Scenario, progress=None) -> Run:

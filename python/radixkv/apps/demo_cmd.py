@@ -57,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "built-in model with random weights)",
     )
     p.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="local transformers checkpoint directory of any decoder whose layers all use full "
+        "causal attention (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...), run by transformers on "
+        "radixkv's KV through radixkv.hf; needs radixkv[hf] (default: none)",
+    )
+    p.add_argument(
         "--token-budget",
         type=positive_int,
         default=2048,
@@ -98,9 +106,14 @@ def run(args: argparse.Namespace) -> int:
     """Runs the demo with parsed ``args``; prints a table and writes ``demo_ttft.png``."""
     import dataclasses
 
-    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():  # before torch loads
-        what = "is not a directory" if Path(args.checkpoint).exists() else "does not exist"
-        raise UsageError(f"demo: --checkpoint {args.checkpoint!r} {what}")
+    if args.checkpoint is not None and args.model is not None:
+        raise UsageError(
+            "demo: give --checkpoint (built-in model) or --model (transformers), not both"
+        )
+    for flag, path in (("--checkpoint", args.checkpoint), ("--model", args.model)):
+        if path is not None and not Path(path).is_dir():  # before torch loads
+            what = "is not a directory" if Path(path).exists() else "does not exist"
+            raise UsageError(f"demo: {flag} {path!r} {what}")
 
     import torch
 
@@ -108,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from radixkv.apps.demo import (
         Scenario,
         Script,
+        describe_model,
         draw_chart,
         format_table,
         run_script,
@@ -137,11 +151,8 @@ def run(args: argparse.Namespace) -> int:
             f"demo: --num-pages {num_pages} holds {num_pages * page_size} tokens; the "
             f"session's last turn needs about {need + page_size} (page size {page_size})"
         )
-    print(
-        f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
-        f"{cfg.num_kv_heads} kv heads, vocab {cfg.vocab_size} "
-        f"({'checkpoint' if args.checkpoint else 'random weights'}), {args.device}"
-    )
+    source = "transformers" if args.model else "checkpoint" if args.checkpoint else None
+    print(f"model: {describe_model(model)} ({source or 'random weights'}), {args.device}")
     print(
         f"cache: {args.cache}, page size {page_size}, {num_pages} pages "
         f"({num_pages * page_size} tokens); session: {len(script.system)}-token system prompt, "
@@ -196,8 +207,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace):
     """The demo's model; a :class:`UsageError` for a checkpoint directory this package cannot
-    load."""
-    from radixkv.apps.demo import build_model
+    load, or a transformers model radixkv.hf cannot serve (the reason in one line)."""
+    from radixkv.apps.demo import build_hf_model, build_model
+
+    if args.model is not None:
+        try:
+            return build_hf_model(args.model, args.device)
+        except ImportError as e:
+            raise UsageError(
+                f"demo: --model needs transformers: pip install radixkv[hf] ({e})"
+            ) from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            why = " ".join(str(e).split())
+            raise UsageError(f"demo: --model {args.model!r} cannot be served: {why}") from None
 
     if args.checkpoint is not None:  # a directory: run() checked
         try:

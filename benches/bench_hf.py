@@ -1,0 +1,296 @@
+"""radixkv.hf on a transformers model: a 10-turn agent session, time to first token per turn.
+
+    .venv/bin/python benches/bench_hf.py [--quick] [--threads N] [--device cpu|cuda]
+
+One conversation (a system prompt; each turn a user message, a generated reply and a tool
+output appended), on a small Llama-shaped transformers model with random weights built locally.
+Every turn's prompt is the whole conversation so far. Each turn is served, in the same run, by:
+
+- ``plain``: ``model.generate`` with no reuse: the baseline every ratio divides by;
+- ``prefix``: :class:`radixkv.hf.PrefixCache` ``.generate`` (transformers' own forward, the
+  cached prefix handed to it as a DynamicCache);
+- ``engine``: :func:`radixkv.hf.engine` (radixkv's paged attention and batching);
+- ``cb``: transformers' continuous batching (``generate_batch``, one persistent manager, block
+  sharing on, pages of 16 tokens), when the installed transformers has it.
+
+The methods take turns within each turn of the conversation (``plain`` first, whose reply then
+extends it), so every method sees the same prompts and a slow moment of a shared machine hits
+them alike. Printed per turn: TTFT of each method over ``plain``'s, and the compute bound
+(prompt tokens radixkv computed / prompt tokens), what reuse can save at best. Replies are
+checked token for token against ``plain``. Benchmarks are not tests: nothing asserts a time.
+Turn 1 has nothing cached: its ratios show each method's fixed cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+    import transformers
+    from transformers.generation.streamers import BaseStreamer
+
+    import radixkv
+    import radixkv.hf
+except ImportError as e:  # an install without the [hf] extra: nothing to measure
+    print(f"bench_hf: skipped ({e}); pip install radixkv[hf]")
+    sys.exit(0)
+
+from common import table
+
+
+class FirstToken(BaseStreamer):
+    """Records when ``generate`` emits its first new token (its first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    """A Llama-shaped model with random weights (seeded), in eval mode."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64 or 1,
+        num_key_value_heads=max(1, args.hidden // 128),
+        max_position_embeddings=8192,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.to(args.device).eval()
+
+
+def conversation(args: argparse.Namespace) -> tuple[np.ndarray, list[tuple[np.ndarray, ...]]]:
+    """The system prompt and each turn's (user message, tool output)."""
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, args.vocab, args.system)
+    turns = [
+        (rng.integers(0, args.vocab, args.message), rng.integers(0, args.vocab, args.tool))
+        for _ in range(args.turns)
+    ]
+    return system, turns
+
+
+def timed_generate(fn: Any, ids: torch.Tensor, reply: int) -> tuple[float, list[int]]:
+    """(TTFT in seconds, the new tokens) of one ``generate``-like call."""
+    streamer = FirstToken()
+    sync()
+    t0 = time.perf_counter()
+    out = fn(ids, max_new_tokens=reply, do_sample=False, streamer=streamer)
+    sync()
+    assert streamer.first is not None
+    return streamer.first - t0, out[0, ids.shape[1] :].tolist()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Plain:
+    """The baseline: ``model.generate`` recomputing the whole prompt every turn."""
+
+    def __init__(self, model, args) -> None:
+        self.model, self.args = model, args
+
+    def turn(self, prompt: np.ndarray) -> tuple[float, list[int], int]:
+        ids = torch.as_tensor(prompt, device=self.args.device)[None]
+        t, out = timed_generate(self.model.generate, ids, self.args.reply)
+        return t, out, 0
+
+
+class Prefix:
+    """:class:`radixkv.hf.PrefixCache` ``.generate``."""
+
+    def __init__(self, model, args, tokens: int) -> None:
+        cache = radixkv.RadixCache(tokens, page_size=1)
+        self.prefix, self.args = radixkv.hf.PrefixCache(model, cache), args
+
+    def turn(self, prompt: np.ndarray) -> tuple[float, list[int], int]:
+        ids = torch.as_tensor(prompt, device=self.args.device)[None]
+        t, out = timed_generate(self.prefix.generate, ids, self.args.reply)
+        return t, out, self.prefix.last_cached
+
+
+class EngineRun:
+    """:func:`radixkv.hf.engine`: radixkv's engine and paged attention."""
+
+    def __init__(self, model, args, tokens: int) -> None:
+        cache = radixkv.RadixCache(tokens, page_size=1)
+        self.eng, self.args = radixkv.hf.engine(model, cache, token_budget=tokens), args
+
+    def turn(self, prompt: np.ndarray) -> tuple[float, list[int], int]:
+        (r,) = self.eng.generate([prompt], max_new_tokens=self.args.reply, release=True)
+        sync()
+        return r.ttft_s, r.output, r.cached_tokens
+
+
+class ContinuousBatching:
+    """transformers' continuous batching (``generate_batch``), one persistent manager for the
+    whole session, block sharing on, pages of 16 tokens. TTFT: from the call to the first
+    token's timestamp (the manager's start included: that is what a caller of this API waits)."""
+
+    def __init__(self, model, args, tokens: int) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        for name in ("ContinuousBatchingLogger", "transformers"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        transformers.logging.set_verbosity_error()
+        page = 16
+        self.model, self.args = model, args
+        self.gen = GenerationConfig(max_new_tokens=args.reply, do_sample=False, eos_token_id=-1)
+        self.cb = ContinuousBatchingConfig(
+            page_size=page,
+            num_blocks=2 * (tokens // page + 1) + 64,
+            max_batch_tokens=tokens,
+            allow_block_sharing=True,
+        )
+
+    def turn(self, prompt: np.ndarray) -> tuple[float, list[int], int]:
+        sync()
+        t0 = time.perf_counter()
+        res = self.model.generate_batch(
+            [prompt.tolist()],
+            generation_config=self.gen,
+            continuous_batching_config=self.cb,
+            record_timestamps=True,
+            persistent_manager=True,
+            warmup=False,
+            max_new_tokens=self.args.reply,
+        )
+        (out,) = res.values()
+        if out.error is not None or not out.timestamps:
+            raise RuntimeError(f"generate_batch failed: {out.error}")
+        return out.timestamps[0] - t0, list(out.generated_tokens), -1
+
+    def close(self) -> None:
+        if hasattr(self.model, "destroy_cached_continuous_batching_manager"):
+            self.model.destroy_cached_continuous_batching_manager()
+
+
+def session(model, system, turns, args) -> dict[str, Any]:
+    """Plays the session, the methods interleaved turn by turn (so that a slow moment of a
+    shared machine hits them alike): ``plain`` first, whose reply extends the conversation,
+    then each other method on the same prompt. Returns per method: ttft, outputs, cached."""
+    longest = len(system) + len(turns) * (args.message + args.reply + args.tool) + 64
+    methods: dict[str, Any] = {
+        "plain": Plain(model, args),
+        "prefix": Prefix(model, args, longest),
+        "engine": EngineRun(model, args, longest),
+    }
+    notes: list[str] = []
+    if hasattr(model, "generate_batch"):
+        methods["cb"] = ContinuousBatching(model, args, longest)
+    else:
+        notes.append(f"cb: transformers {transformers.__version__} has no generate_batch")
+    got: dict[str, dict[str, list]] = {k: {"ttft": [], "out": [], "cached": []} for k in methods}
+    history, prompts = system, []
+    try:
+        for message, tool in turns:
+            prompt = np.concatenate([history, message])
+            prompts.append(prompt)
+            for name, method in list(methods.items()):
+                try:
+                    t, out, cached = method.turn(prompt)
+                except Exception as e:  # an API that changed, a device it does not support
+                    notes.append(f"{name}: failed: {type(e).__name__}: {e}")
+                    del methods[name], got[name]
+                    continue
+                got[name]["ttft"].append(t)
+                got[name]["out"].append(out)
+                got[name]["cached"].append(cached)
+            history = np.concatenate([prompt, got["plain"]["out"][-1], tool])
+    finally:
+        if "cb" in methods:
+            methods["cb"].close()
+    return {"prompts": prompts, "runs": got, "notes": notes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model and 3 turns (smoke run)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--system", type=int, default=1024, help="system prompt tokens")
+    ap.add_argument("--message", type=int, default=64, help="user message tokens per turn")
+    ap.add_argument("--reply", type=int, default=16, help="tokens generated per turn")
+    ap.add_argument("--tool", type=int, default=128, help="tool output tokens per turn")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.turns, args.system, args.message, args.reply, args.tool = 3, 64, 16, 4, 16
+        args.hidden, args.layers, args.vocab = 128, 2, 512
+    torch.set_num_threads(args.threads)
+    model = build_model(args)
+    system, turns = conversation(args)
+    print(
+        f"bench_hf: transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"{args.device}, {args.threads} thread(s); Llama-shaped model: {args.layers} layers, "
+        f"hidden {args.hidden}, vocab {args.vocab}, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, float32"
+    )
+    print(
+        f"session: system {args.system} tokens, {args.turns} turns of message {args.message} + "
+        f"reply {args.reply} + tool output {args.tool}"
+    )
+    # Warm-up: first calls pay one-off costs (allocator, kernels) that no method should carry.
+    warm = np.arange(48) % args.vocab
+    session(model, warm[:16], [(warm[16:], warm[:0])] * 2, args)
+
+    res = session(model, system, turns, args)
+    prompts, runs = res["prompts"], res["runs"]
+    plain, cached = runs["plain"]["ttft"], runs["prefix"]["cached"]
+    others = [k for k in ("prefix", "engine", "cb") if k in runs]
+
+    headers = ["turn", "prompt", "cached", "plain", *(f"{k}/plain" for k in others), "bound"]
+    rows = []
+    for i, prompt in enumerate(prompts):
+        bound = (len(prompt) - cached[i]) / len(prompt)
+        ratios = [f"{runs[k]['ttft'][i] / plain[i]:.3f}" for k in others]
+        row = [str(i + 1), str(len(prompt)), str(cached[i]), f"{plain[i] * 1e3:.1f} ms"]
+        rows.append([*row, *ratios, f"{bound:.3f}"])
+    print("\nTTFT per turn over plain model.generate (no reuse); bound = computed / prompt tokens")
+    table(headers, rows)
+    later = slice(1, None)
+    bound = sum(len(p) - c for p, c in zip(prompts[later], cached[later])) / sum(
+        len(p) for p in prompts[later]
+    )
+    plain_sum = sum(plain[later])
+    parts = [f"{k} {sum(runs[k]['ttft'][later]) / plain_sum:.3f}" for k in others]
+    print(f"turns 2-{len(prompts)}, summed TTFT over plain: {', '.join(parts)}; bound {bound:.3f}")
+    for note in res["notes"]:
+        print(note)
+    replies = runs["plain"]["out"]
+    same = ", ".join(f"{k} {'yes' if runs[k]['out'] == replies else 'NO'}" for k in others)
+    print(f"replies identical to plain: {same}")
+    print(f"median plain TTFT {statistics.median(plain) * 1e3:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

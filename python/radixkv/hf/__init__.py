@@ -1,0 +1,40 @@
+"""radixkv.hf: Hugging Face transformers causal LMs on radixkv's paged, prefix-cached KV.
+
+transformers does the model math; radixkv holds the KV and serves cached prefixes. Any
+decoder-only model whose every layer uses full causal self-attention through transformers'
+``AttentionInterface`` runs without code of ours (Llama, Mistral without a sliding window,
+Qwen2, Qwen3, Gemma, Phi-3, ...):
+
+- :func:`engine`: a :class:`radixkv.Engine` over the model (continuous batching, sessions,
+  ``branch``, the scheduler), as with radixkv's built-in models.
+- :class:`PrefixCache`: a drop-in for ``model.generate()`` that reuses cached prefixes across
+  calls (``generate``), or step by step for callers that call ``generate`` themselves
+  (``lookup``, then ``model.generate(..., past_key_values=past)``, then ``store``).
+
+Needs torch and transformers >= 4.56 (``pip install radixkv[hf]``); ``import radixkv`` never
+imports them.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+    import transformers
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"radixkv.hf needs torch and transformers ({e}): pip install radixkv[hf]"
+    ) from e
+
+from radixkv.hf._support import MIN_TRANSFORMERS, transformers_version
+
+if transformers_version() < MIN_TRANSFORMERS:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"radixkv.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, found "
+        f"{transformers.__version__}: pip install -U radixkv[hf]"
+    )
+
+from radixkv.hf._adapter import HFCausalLM, engine
+from radixkv.hf._prefix import PrefixCache
+from radixkv.hf._support import ATTENTION, check_model
+
+__all__ = ["ATTENTION", "HFCausalLM", "PrefixCache", "check_model", "engine"]

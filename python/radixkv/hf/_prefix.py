@@ -1,0 +1,306 @@
+"""`PrefixCache`: prefix reuse across ``model.generate()`` calls of a transformers model.
+
+Each call looks its prompt up in a radixkv index; the cached prefix's K/V is read out of the
+pool into a transformers ``DynamicCache`` that ``generate`` continues from, so only the rest of
+the prompt is computed. Afterwards the K/V ``generate`` computed (what the DynamicCache then
+holds: the prompt and every generated token but the last, which no forward has seen yet) is
+written into the request's pages and published for the next call.
+
+```text
+  lookup:    input_ids [ cached (pool -> DynamicCache) | rest ]   pages admitted and pinned
+  generate:  DynamicCache grows by rest + out[:-1]
+  store:     pool <- DynamicCache[cached:]; commit; finish        (published, pins released)
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+import radixkv
+from radixkv.hf._adapter import kv_for
+from radixkv.hf._support import check_model
+from radixkv.kv.kv_cache import KVCache
+
+#: ``generate`` arguments that :meth:`PrefixCache.generate` refuses, and why.
+_REFUSED = {
+    "past_key_values": "PrefixCache supplies the cache itself",
+    "cache": "PrefixCache supplies the cache itself",
+    "inputs_embeds": "the cache is keyed by token ids",
+    "assistant_model": "assisted decoding rewinds the cache",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding rewinds the cache",
+}
+
+
+@dataclass
+class _Open:
+    """A lookup not yet stored: the DynamicCache handed out and its pinned request."""
+
+    past: Any
+    request: radixkv.Request
+    tokens: np.ndarray
+
+
+class PrefixCache:
+    """Prefix reuse for a transformers causal LM's ``generate()``, one sequence per call.
+
+    ``cache``: a :class:`radixkv.RadixCache` or :class:`radixkv.BlockCache` (a
+    :class:`radixkv.KVCache` shaped from ``model.config`` is made for it, in the model's dtype
+    on its device), or a ``KVCache`` to share, such as an engine's ``engine.kv``. ``namespace``:
+    the radixkv namespace every lookup uses (``None``: the default one).
+
+    :meth:`generate` is ``model.generate`` with the reuse built in and returns what it returns.
+    For callers that call ``generate`` themselves, :meth:`lookup` gives a transformers Cache
+    holding the cached prefix (pass it as ``past_key_values``), :meth:`store` publishes prompt
+    and output afterwards and :meth:`abort` gives a lookup up without publishing. Until one of
+    them, the prefix's pages stay pinned.
+
+    Batch size 1 only (``ValueError`` otherwise), greedy or sampled, without beams.
+    ``last_cached`` is the number of tokens the last lookup found cached.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: radixkv.RadixCache | radixkv.BlockCache | KVCache,
+        namespace: str | bytes | None = None,
+    ) -> None:
+        self.spec = check_model(model)
+        if namespace is not None and not isinstance(namespace, (str, bytes)):
+            raise ValueError(
+                f"namespace must be None, a str or bytes, got {namespace!r} "
+                f"({type(namespace).__name__})"
+            )
+        self.model = model
+        self.kv = kv_for(self.spec, cache)
+        self.cache = self.kv.cache
+        self.namespace = namespace
+        self.last_cached = 0
+        self._open: dict[int, _Open] = {}
+
+    @property
+    def num_open(self) -> int:
+        """Lookups neither stored nor aborted (each pins its prefix's pages)."""
+        return len(self._open)
+
+    # ---- step by step -----------------------------------------------------------------------
+
+    def lookup(self, input_ids: Any) -> Any:
+        """A transformers ``DynamicCache`` holding the K/V of the longest cached prefix of
+        ``input_ids`` (``[1, n]`` or ``[n]`` token ids): pass it to ``model.generate`` as
+        ``past_key_values``, then hand it to :meth:`store` (or :meth:`abort`). The request's
+        pages are admitted and pinned until then. Raises ``ValueError`` for bad ids or a batch
+        of more than one row, :class:`radixkv.OutOfPages` when the pool cannot hold the
+        prompt."""
+        tokens = self._tokens(input_ids, "input_ids")
+        req = self.cache.admit(tokens, self.namespace)
+        try:
+            cached = req.num_cached
+            past = _new_dynamic_cache(self.model.config)
+            if cached:
+                slots = self._slots(req, 0, cached)
+                for layer in range(self.spec.num_layers):
+                    k = self.kv.k[layer].index_select(0, slots)  # [c, Hkv, D]
+                    v = self.kv.v[layer].index_select(0, slots)
+                    past.update(
+                        k.transpose(0, 1).unsqueeze(0).to(self.spec.dtype),
+                        v.transpose(0, 1).unsqueeze(0).to(self.spec.dtype),
+                        layer,
+                    )
+        except BaseException:
+            self.cache.abort(req)
+            raise
+        self._open[id(past)] = _Open(past, req, tokens)
+        self.last_cached = cached
+        return past
+
+    def store(self, past: Any, output: Any) -> int:
+        """Writes the K/V that ``generate`` added to ``past`` (a cache from :meth:`lookup`) into
+        the request's pages and publishes them with the tokens they belong to, the first
+        ``past.get_seq_length()`` of ``output`` (``generate``'s return: a ``[1, N]`` tensor or
+        an output with ``sequences``, which must begin with the looked-up ids); then releases
+        the pins. Returns how many tokens are now cached for this sequence. Where the pool has
+        no pages for the generated tokens, the prompt alone is stored.
+
+        ``ValueError``, changing nothing, for a ``past`` this object did not hand out (or
+        already stored) or an ``output`` that does not match it."""
+        entry = self._open.get(id(past))
+        if entry is None or entry.past is not past:
+            raise ValueError(
+                "past must be a cache returned by this PrefixCache's lookup() and not yet "
+                "stored or aborted"
+            )
+        sequences = getattr(output, "sequences", output)
+        row = self._tokens(sequences, "output", check_vocab=False)
+        prompt, req = entry.tokens, entry.request
+        n, cached = len(prompt), req.num_cached
+        if len(row) < n or not np.array_equal(row[:n], prompt):
+            raise ValueError(
+                f"output must begin with the {n} looked-up input ids (generate's return for "
+                f"them), got {len(row)} tokens that do not"
+            )
+        length = past.get_seq_length()
+        if not cached <= length <= len(row):
+            raise ValueError(
+                f"past holds {length} tokens: expected between the {cached} it was given and the "
+                f"{len(row)} of output"
+            )
+        layers = _layers(past)
+        want = (1, self.spec.num_kv_heads, length, self.spec.head_dim)
+        if len(layers) != self.spec.num_layers or any(
+            tuple(k.shape) != want or tuple(v.shape) != want for k, v in layers
+        ):
+            raise ValueError(
+                f"past must hold {self.spec.num_layers} layers of K/V shaped {want} (a "
+                "DynamicCache continued by generate over batch 1)"
+            )
+        del self._open[id(past)]
+        try:
+            if length > n:
+                try:
+                    self.cache.extend(req, row[n:length])
+                except radixkv.OutOfPages:
+                    length = n  # keep the prompt; the pool has no room for the output
+            if length > cached:
+                slots = self._slots(req, cached, length)
+                for layer, (k, v) in enumerate(layers):
+                    self.kv.k[layer].index_copy_(0, slots, _token_major(k, cached, length))
+                    self.kv.v[layer].index_copy_(0, slots, _token_major(v, cached, length))
+                self.cache.commit(req, length)
+            self.cache.finish(req)
+        except BaseException:
+            if not req.closed:
+                self.cache.abort(req)
+            raise
+        return length
+
+    def abort(self, past: Any) -> None:
+        """Gives up a lookup: releases its pins and publishes nothing. ``ValueError`` for a
+        ``past`` this object did not hand out or already stored."""
+        entry = self._open.pop(id(past), None)
+        if entry is None or entry.past is not past:
+            if entry is not None:
+                self._open[id(past)] = entry
+            raise ValueError(
+                "past must be a cache returned by this PrefixCache's lookup() and not yet "
+                "stored or aborted"
+            )
+        self.cache.abort(entry.request)
+
+    # ---- all in one -------------------------------------------------------------------------
+
+    def generate(self, input_ids: Any, **kwargs: Any) -> Any:
+        """``model.generate(input_ids, **kwargs)`` continuing from the cached prefix of
+        ``input_ids`` (one row), then storing prompt and output for the next call. Returns what
+        ``generate`` returns, with the same tokens a plain call gives.
+
+        ``ValueError`` for a batch of more than one row, an ``attention_mask`` that masks
+        anything, beam search or several return sequences, and arguments that manage the
+        cache themselves (``past_key_values``, ``use_cache=False``, assisted decoding)."""
+        for name, why in _REFUSED.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(f"PrefixCache.generate takes no {name}: {why}")
+        if kwargs.get("use_cache", True) is False:
+            raise ValueError("PrefixCache.generate needs use_cache=True (got False)")
+        config = kwargs.get("generation_config")
+        for name in ("num_beams", "num_return_sequences"):
+            value = kwargs.get(name, getattr(config, name, None))
+            if value is None:
+                value = getattr(self.model.generation_config, name, 1)
+            if value not in (None, 1):
+                raise ValueError(
+                    f"PrefixCache.generate serves one sequence per call: {name} must be 1, "
+                    f"got {value!r}"
+                )
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise ValueError(
+                "PrefixCache.generate takes no padding: attention_mask must be all ones"
+            )
+        ids = input_ids
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            ids = torch.as_tensor(self._tokens(input_ids, "input_ids").astype(np.int64))[None]
+            ids = ids.to(self.spec.device)
+        past = self.lookup(ids)
+        try:
+            output = self.model.generate(ids, **{self.spec.cache_kwarg: past}, **kwargs)
+        except BaseException:
+            self.abort(past)
+            raise
+        self.store(past, output)
+        return output
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _tokens(self, ids: Any, name: str, check_vocab: bool = True) -> np.ndarray:
+        """One row of token ids as uint32; ``ValueError`` naming ``name`` otherwise."""
+        if isinstance(ids, torch.Tensor):
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+            arr = ids.detach().cpu().numpy()
+        else:
+            try:
+                arr = np.asarray(ids)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{name} must be token ids, got {type(ids).__name__}") from e
+            if arr.dtype == object or arr.dtype.kind not in "iu":
+                if arr.size or arr.dtype == object:
+                    raise ValueError(f"{name} must hold integer token ids, got {arr.dtype}")
+        if arr.ndim == 2:
+            if arr.shape[0] != 1:
+                raise ValueError(
+                    f"{name} has batch size {arr.shape[0]}: PrefixCache serves one sequence "
+                    "per call (batch 1); call it once per row"
+                )
+            arr = arr[0]
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(
+                f"{name} must be [1, n] or [n] token ids with n >= 1, got shape {tuple(arr.shape)}"
+            )
+        arr = arr.astype(np.int64, copy=False)
+        hi = self.spec.vocab_size if check_vocab else 2**32
+        if int(arr.min()) < 0 or int(arr.max()) >= hi:
+            raise ValueError(
+                f"{name} must hold token ids in [0, {hi}), got {int(arr.min())}..{int(arr.max())}"
+            )
+        return arr.astype(np.uint32)
+
+    def _slots(self, req: radixkv.Request, start: int, stop: int) -> torch.Tensor:
+        """Pool rows of the request's tokens ``start:stop``, on the pool's device."""
+        slots = np.asarray(req.slots[start:stop], dtype=np.int64)
+        return torch.from_numpy(slots).to(self.kv.device)
+
+    def __repr__(self) -> str:
+        return f"PrefixCache({type(self.model).__name__}, {self.kv}, namespace={self.namespace!r})"
+
+
+def _new_dynamic_cache(config: Any) -> Any:
+    """An empty ``DynamicCache`` laid out for ``config`` (one full-attention layer each)."""
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # pragma: no cover - a transformers whose DynamicCache takes no config
+        return DynamicCache()
+
+
+def _layers(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (keys, values) of a transformers cache, ``[1, Hkv, L, D]`` each."""
+    layers = getattr(past, "layers", None)
+    if layers is None:
+        raise ValueError(f"past must be a transformers DynamicCache, got {type(past).__name__}")
+    out = []
+    for layer in layers:
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise ValueError("past has a layer without key/value tensors")
+        out.append((k, v))
+    return out
+
+
+def _token_major(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``[1, H, L, D]`` -> the tokens ``start:stop`` as ``[n, H, D]``."""
+    return x[0, :, start:stop].transpose(0, 1)

@@ -1,0 +1,228 @@
+"""What radixkv needs of a transformers model, checked up front, and the attention function it
+registers with transformers.
+
+transformers (>= 4.56) looks each layer's attention function up by name in its
+``AttentionInterface`` and calls it with the layer module and the layer's q/k/v, after the model
+has applied its own projections, norms and RoPE. Keyword arguments given to the model's forward
+reach that function. radixkv registers :data:`ATTENTION` once; :func:`paged_attention` hands the
+call to the :class:`radixkv.Step` passed as the ``radixkv_step`` keyword. Names outside
+transformers' ``AttentionMaskInterface`` get no 4D mask built for them, which is right here: the
+step knows every request's positions and lengths.
+
+A model runs under :data:`ATTENTION` only inside :func:`paged_mode`, which restores the model's
+own implementation on the way out, so the same model keeps working with plain ``generate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from transformers import AttentionInterface
+
+from radixkv.kv.kv_cache import DTYPES
+
+#: The name radixkv's attention function is registered under in transformers.
+ATTENTION = "radixkv_paged"
+#: The keyword argument of the model's forward that carries the step to the attention function.
+STEP_KWARG = "radixkv_step"
+#: The keyword argument of a probe forward: a list each attention call appends its layer to.
+CALLS_KWARG = "radixkv_calls"
+#: The oldest transformers whose attention interface and caches this package relies on.
+MIN_TRANSFORMERS = (4, 56)
+
+_lock = threading.Lock()
+
+
+def transformers_version() -> tuple[int, int]:
+    """The installed transformers' (major, minor)."""
+    parts = transformers.__version__.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over a radixkv step: ``query`` is
+    ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]`` (the step's packed tokens, RoPE
+    applied); returns ``([1, T, Hq, D], None)`` as transformers' own functions do."""
+    step = kwargs.get(STEP_KWARG)
+    if step is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION!r} runs only inside radixkv.hf (a model "
+            "forward given a radixkv step); set the model back to 'sdpa' or 'eager' to use it "
+            "on its own"
+        )
+    for name in ("sliding_window", "softcap", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {name}={kwargs[name]!r} to its attention: "
+                "radixkv.hf serves full causal attention only"
+            )
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(
+            f"{type(module).__name__} is not causal: radixkv.hf serves causal attention only"
+        )
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise ValueError(
+            f"{type(module).__name__} has no int layer_idx (got {layer!r}): radixkv.hf maps "
+            "each attention call to its layer's KV through it"
+        )
+    calls = kwargs.get(CALLS_KWARG)
+    if calls is not None:
+        calls.append(layer)
+    # [1, H, T, D] -> [T, H, D]: views, no copy.
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = step.attention(layer, q, k, v, scaling)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Registers :func:`paged_attention` as :data:`ATTENTION` (idempotent)."""
+    with _lock:
+        AttentionInterface.register(ATTENTION, paged_attention)
+
+
+@contextlib.contextmanager
+def paged_mode(model: Any) -> Iterator[None]:
+    """Runs ``model`` with radixkv's attention inside the block and restores its own
+    implementation (``sdpa``, ``eager``, ...) on the way out, exceptions included. Not for a
+    model that another thread runs at the same time."""
+    previous = model.config._attn_implementation
+    _set_implementation(model, ATTENTION)
+    try:
+        yield
+    finally:
+        _set_implementation(model, previous)
+
+
+def _set_implementation(model: Any, name: str) -> None:
+    """``model.set_attn_implementation(name)`` where transformers has it (which checks the
+    name and updates sub-models), else the config attribute every version reads."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:  # pragma: no cover - older transformers
+        model.config._attn_implementation = name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The KV shape and placement of a supported model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    #: The forward keyword that takes a transformers Cache: ``cache`` (5.x) or
+    #: ``past_key_values``.
+    cache_kwarg: str
+    #: Whether forward takes ``logits_to_keep`` (a tensor of row indices).
+    logits_to_keep: bool
+
+
+def _positive(config: Any, name: str) -> int | None:
+    value = getattr(config, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.config.{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_model(model: Any) -> ModelSpec:
+    """The :class:`ModelSpec` of ``model``, a transformers causal LM every layer of which uses
+    full causal self-attention; ``ValueError`` saying why for anything else (sliding-window,
+    chunked, hybrid linear/SSM or cross attention, an encoder-decoder, a composite model, a
+    model in training mode, a pool dtype radixkv does not hold)."""
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise ValueError(
+            f"model must be a transformers PreTrainedModel (AutoModelForCausalLM), got "
+            f"{type(model).__name__}"
+        )
+    name = type(model).__name__
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder: radixkv.hf serves decoder-only models")
+    if config.get_text_config() is not config:
+        raise ValueError(
+            f"{name} is a composite model (its text model has a config of its own): radixkv.hf "
+            "serves plain decoder-only causal LMs"
+        )
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{name} has cross attention: radixkv.hf serves self-attention only")
+    if not hasattr(model, "generate"):
+        raise ValueError(f"{name} is not a generative model (it has no generate())")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise ValueError(
+                f"{name} has {', '.join(repr(t) for t in other)} layers (config.layer_types): "
+                "radixkv.hf serves models whose every layer is full causal attention"
+            )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and layer_types is None:
+        raise ValueError(
+            f"{name} uses sliding-window attention (config.sliding_window={window}): radixkv.hf "
+            "serves full causal attention only"
+        )
+    for attr in ("attention_chunk_size", "attn_layer_period", "layers_block_type", "ssm_cfg"):
+        if getattr(config, attr, None) is not None:
+            raise ValueError(
+                f"{name} has config.{attr}={getattr(config, attr)!r} (chunked or hybrid "
+                "attention): radixkv.hf serves full causal attention only"
+            )
+    if model.training:
+        raise ValueError(f"{name} is in training mode: call model.eval() first")
+
+    num_layers = _positive(config, "num_hidden_layers")
+    heads = _positive(config, "num_attention_heads")
+    hidden = _positive(config, "hidden_size")
+    vocab = _positive(config, "vocab_size")
+    if num_layers is None or heads is None or vocab is None:
+        raise ValueError(
+            f"{name}'s config lacks num_hidden_layers, num_attention_heads or vocab_size"
+        )
+    kv_heads = _positive(config, "num_key_value_heads") or heads
+    head_dim = _positive(config, "head_dim")
+    if head_dim is None:
+        if hidden is None or hidden % heads:
+            raise ValueError(f"{name}'s config gives no head_dim and hidden_size/heads is none")
+        head_dim = hidden // heads
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError(f"{name} has no parameters")
+    if param.dtype not in DTYPES:
+        raise ValueError(
+            f"{name}'s parameters are {param.dtype}; radixkv.hf holds KV in one of "
+            f"{', '.join(str(d) for d in DTYPES)}"
+        )
+    params = inspect.signature(model.forward).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    return ModelSpec(
+        num_layers=num_layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        dtype=param.dtype,
+        device=param.device,
+        cache_kwarg=cache_kwarg,
+        logits_to_keep="logits_to_keep" in params,
+    )
