@@ -6,7 +6,7 @@ EXT    := $(VENV)/.ext-built
 RUST   := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 comma  := ,
 
-.PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke demo replay lint fmt wheel clean
+.PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo replay lint fmt wheel clean
 
 all: test
 
@@ -92,6 +92,11 @@ bench-smoke: $(EXT)
 	    if $(PY) $$b --quick >$$log 2>&1; then r=ok; else r=FAILED; status=1; tail -n 40 $$log; fi; \
 	    echo "bench-smoke: $$r  $$b --quick  ($$(( ($$(date +%s%N) - t0) / 1000000 )) ms)"; \
 	done; exit $$status
+
+# A soak of 10^6 cache operations per cache under eviction pressure: memory must stay flat
+# (`make soak BENCH_ARGS=--quick` for a short one).
+soak: $(EXT)
+	$(PY) benches/bench_soak.py $(BENCH_ARGS)
 
 demo: $(EXT)
 	$(PY) -m radixkv demo

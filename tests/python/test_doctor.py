@@ -179,7 +179,12 @@ def test_stable_tools_is_canonical():
 
 
 def test_bad_input_is_named(tmp_path, capsys):
+    """A user error, not a finding: one line on stderr, exit status 2 (findings exit 1)."""
     p = tmp_path / "bad.jsonl"
     p.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "x"}\n')
-    with pytest.raises(SystemExit, match="line 2: needs a non-empty 'messages' list"):
-        cli.main(["doctor", str(p)])
+    assert cli.main(["doctor", str(p)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("radixkv: error: doctor: "), err
+    assert "line 2: needs a non-empty 'messages' list" in err[0]
+    assert captured.out == ""

@@ -182,10 +182,16 @@ def test_missing_extra_is_named(tmp_path):
         "    import radixkv.metrics\n"
         "except ImportError as e:\n"
         "    print(e)\n"
-        f"cli.main(['replay', {str(tmp_path / 'none.jsonl')!r}, '--metrics-port', '0'])\n"
+        f"sys.exit(cli.main(['replay', {str(tmp_path / 'none.jsonl')!r}, '--no-chart', "
+        "'--metrics-port', '0']))\n"
     )
     (tmp_path / "none.jsonl").write_text('{"tokens": [1, 2, 3]}\n')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "radixkv.metrics needs prometheus_client: pip install 'radixkv[metrics]'" in out.stdout
-    assert "radixkv replay: --metrics-port: radixkv.metrics needs prometheus_client" in out.stderr
-    assert out.returncode == 1
+    # A user error: one line, exit status 2.
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1, out.stderr
+    assert err[0].startswith(
+        "radixkv: error: replay: --metrics-port: radixkv.metrics needs prometheus_client"
+    )
+    assert out.returncode == 2

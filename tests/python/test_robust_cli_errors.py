@@ -5,6 +5,8 @@ default; ``radixkv replay`` and ``radixkv demo`` run without the optional tqdm a
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -132,3 +134,108 @@ def test_every_option_says_what_it_does_and_its_default(command):
         assert "default" in action.help, (command, action.option_strings, action.help)
     proc = radixkv(command, "--help")
     assert proc.returncode == 0 and "default" in proc.stdout
+
+
+# ---- radixkv doctor ---------------------------------------------------------------------------
+
+
+def chat_log(path, systems):
+    """A log of one session, one request per system prompt in ``systems``."""
+    rows = [
+        {"session": "s", "messages": [{"role": "system", "content": sp}, *history]}
+        for sp, history in zip(systems, ([{"role": "user", "content": "fix the test"}],) * 99)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_doctor_user_errors(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    assert_user_error(radixkv("doctor", str(missing)), "doctor: ", str(missing), "does not exist")
+    assert_user_error(radixkv("doctor", str(tmp_path)), "is a directory")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert_user_error(radixkv("doctor", str(empty)), "no requests in", str(empty))
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe{}\n")
+    assert_user_error(radixkv("doctor", str(binary)), "cannot read requests file", "utf-8")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{not json\n')
+    assert_user_error(radixkv("doctor", str(bad)), "line 2: not JSON")
+    log = chat_log(tmp_path / "log.jsonl", ["You are terse."] * 2)
+    no_dir = tmp_path / "no-tokenizer"
+    assert_user_error(
+        radixkv("doctor", str(log), "--tokenizer", str(no_dir)), "--tokenizer", "does not exist"
+    )
+    no_dir.mkdir()
+    assert_user_error(
+        radixkv("doctor", str(log), "--tokenizer", str(no_dir), without="transformers"),
+        "--tokenizer needs the transformers package",
+    )
+    # The real entry point (python -m radixkv) gives the same one line and status.
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixkv", "doctor", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert_user_error(proc, "does not exist")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads any file")
+def test_doctor_unreadable_file(tmp_path):
+    log = chat_log(tmp_path / "log.jsonl", ["You are terse."] * 2)
+    log.chmod(0)
+    try:
+        assert_user_error(radixkv("doctor", str(log)), "cannot read requests file", "ermission")
+    finally:
+        log.chmod(0o600)
+
+
+def test_doctor_findings_exit_1_and_are_no_error(tmp_path):
+    """Findings are a result: printed on stdout, exit status 1, nothing on stderr; a clean log
+    exits 0. --help says so."""
+    clean = chat_log(tmp_path / "clean.jsonl", ["You are terse. " * 20] * 3)
+    proc = radixkv("doctor", str(clean))
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert "no cache-breaking prompts found" in proc.stdout
+    drifting = chat_log(
+        tmp_path / "drift.jsonl", [f"Current time: 2025-03-01T10:{m:02d}:07Z\n" * 3 for m in (1, 2)]
+    )
+    proc = radixkv("doctor", str(drifting))
+    assert (proc.returncode, proc.stderr) == (1, ""), proc.stderr
+    assert "volatile value" in proc.stdout
+    proc = radixkv("doctor", "--help")
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0
+    assert "1 when it finds something (a result, not an error)" in text
+    assert "2 for a user error" in text
+
+
+# ---- --metrics-port ---------------------------------------------------------------------------
+
+
+def test_metrics_port_user_errors(trace):
+    pytest.importorskip("prometheus_client")
+    for port in ("-1", "65536", "http"):
+        assert_user_error(
+            radixkv("replay", str(trace), "--no-chart", "--metrics-port", port),
+            "--metrics-port",
+            "must be a port number in [0, 65535]",
+            port,
+        )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        proc = radixkv("replay", str(trace), "--no-chart", "--metrics-port", port)
+    assert_user_error(proc, "replay: cannot serve metrics", f"--metrics-port {port}", "in use")
+    # 192.0.2.1 (TEST-NET-1, RFC 5737) is never an address of this machine.
+    proc = radixkv(
+        "replay", str(trace), "--no-chart", "--metrics-port", "0", "--metrics-addr", "192.0.2.1"
+    )
+    assert_user_error(proc, "cannot serve metrics", "--metrics-addr '192.0.2.1'")
+    proc = radixkv(
+        "replay", str(trace), "--no-chart", "--metrics-port", "0", without="prometheus_client"
+    )
+    assert_user_error(proc, "--metrics-port", "needs prometheus_client", "radixkv[metrics]")

@@ -1,6 +1,9 @@
 """A state machine over :class:`radixkv.Engine`: random submits, branches, session turns,
 cancels and steps, with injected failures (a forward pass that raises an error or is
-interrupted, arguments that must be refused) in small pools that preempt.
+interrupted, arguments that must be refused, a cache or scheduler call of the step packer that
+raises ``OutOfPages``, ``InvalidRequest`` or ``ValueError``) in small pools that preempt. The
+failing calls are injected by wrapping the real Rust cache and scheduler the engine's batcher
+uses (:class:`OneShot`): every call goes to them, but an armed method raises once instead.
 
 Checked throughout: every finished request's output against a dense greedy recompute of its
 prompt (a prefix of it for a request cancelled or failed midway), a refused call registers
@@ -11,6 +14,7 @@ every page is returned once all requests are done.
 from __future__ import annotations
 
 import functools
+import gc
 
 import hypothesis.strategies as st
 import numpy as np
@@ -46,6 +50,45 @@ class FlakyModel(torch.nn.Module):
         if armed is not None:
             raise armed("injected failure")
         return self.inner(step)
+
+
+class InjectedOutOfPages(radixkv.OutOfPages):
+    """What an armed cache call raises (as the pool running short would)."""
+
+
+class InjectedInvalidRequest(radixkv.InvalidRequest):
+    """What an armed cache call raises (as a closed request would)."""
+
+
+class InjectedValueError(ValueError):
+    """What an armed cache call raises (as a value the Rust side refuses would)."""
+
+
+CALL_FAULTS = (InjectedOutOfPages, InjectedInvalidRequest, InjectedValueError)
+
+
+class OneShot:
+    """The real cache or scheduler ``real``; a method named in ``armed`` raises that exception
+    on its next call, once, instead of running (the raising frame keeps no reference to the
+    arguments); everything else goes to ``real``."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.armed: dict[str, type[Exception]] = {}
+
+    def __getattr__(self, name):
+        attr = getattr(self.real, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            exc = self.armed.pop(name, None)
+            if exc is None:
+                return attr(*args, **kwargs)
+            del args, kwargs
+            raise exc(f"injected failure of {name}")
+
+        return call
 
 
 @functools.lru_cache(maxsize=4096)
@@ -110,6 +153,8 @@ class EngineMachine(RuleBasedStateMachine):
             policy=policy,
             prefix_caching=caching,
         )
+        b = self.eng.batcher
+        b.cache, b.scheduler = OneShot(b.cache), OneShot(b.scheduler)
         step, self.steps = self.eng.step, [0]
 
         def counted():
@@ -132,7 +177,12 @@ class EngineMachine(RuleBasedStateMachine):
         stop = frozenset()
         if stop_at is not None and stop_at < n:
             stop = frozenset([dense(tuple(int(t) for t in prompt), n, frozenset())[stop_at]])
-        i = self.eng.submit(prompt, n, stop=stop, namespace=ns, priority=priority)
+        before = (dict(self.eng.sequences), self.eng.batcher.num_waiting)
+        try:
+            i = self.eng.submit(prompt, n, stop=stop, namespace=ns, priority=priority)
+        except CALL_FAULTS:  # an armed Scheduler.add: refused, nothing registered
+            assert (dict(self.eng.sequences), self.eng.batcher.num_waiting) == before
+            return
         self.want[i] = (tuple(int(t) for t in prompt), n, stop)
 
     @rule(bad=BAD, prompt=prompts)
@@ -157,7 +207,12 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(context=prompts, tails=st.lists(suffixes, min_size=1, max_size=3), n=st.integers(1, 3))
     def branch(self, context, tails, n):
-        got = self.eng.branch(context, tails, max_new_tokens=n)
+        before = (dict(self.eng.sequences), self.eng.batcher.num_waiting)
+        try:
+            got = self.eng.branch(context, tails, max_new_tokens=n)
+        except CALL_FAULTS:  # an armed Scheduler.add for the context: nothing registered
+            assert (dict(self.eng.sequences), self.eng.batcher.num_waiting) == before
+            return
         for i, tail in zip(got, tails):
             full = tuple(int(t) for t in context) + tuple(tail)
             self.want[i] = (full, n, frozenset())
@@ -177,14 +232,19 @@ class EngineMachine(RuleBasedStateMachine):
         prompt = tuple(int(t) for t in np.concatenate([before, np.asarray(message, np.uint32)]))
         if not prompt:
             return
-        i = max(self.eng.sequences, default=-1) + 1  # the id the turn's request gets
+        known = set(self.eng.sequences)
         try:
             r = s.send(message, max_new_tokens=n)
-        except (InjectedError, KeyboardInterrupt, ValueError):
+        except (InjectedError, KeyboardInterrupt, ValueError, *CALL_FAULTS):
             assert np.array_equal(s.history, before)
-            self.want[i] = (prompt, n, frozenset())
+            new = set(self.eng.sequences) - known  # none if an armed Scheduler.add refused it
+            assert len(new) <= 1
+            for i in new:
+                self.want[i] = (prompt, n, frozenset())
             return
-        assert r.id == i and r.output == dense(prompt, n, frozenset())
+        assert set(self.eng.sequences) - known == {r.id}
+        i = r.id
+        assert r.output == dense(prompt, n, frozenset())
         assert np.array_equal(s.history, np.asarray(prompt + tuple(r.output), dtype=np.uint32))
         self.want[i] = (prompt, n, frozenset())
 
@@ -201,6 +261,22 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(kind=st.sampled_from([InjectedError, KeyboardInterrupt, "nan"]))
     def arm(self, kind):
         self.model.armed = kind
+
+    @rule(
+        call=st.sampled_from(
+            [
+                ("cache", "extend_many"),
+                ("cache", "finish"),
+                ("cache", "abort"),
+                ("scheduler", "schedule"),
+                ("scheduler", "add"),
+            ]
+        ),
+        exc=st.sampled_from(CALL_FAULTS),
+    )
+    def arm_call(self, call, exc):
+        target, method = call
+        getattr(self.eng.batcher, target).armed[method] = exc
 
     @rule(n=st.integers(1, 4))
     def step(self, n):
@@ -236,7 +312,8 @@ class EngineMachine(RuleBasedStateMachine):
             assert r.finish_reason in ("cancelled", "error"), r
             assert r.output == want[: len(r.output)], (r, want)
             nan = isinstance(r.error, ValueError) and "hold NaN" in str(r.error)
-            assert (r.finish_reason == "error") == (isinstance(r.error, InjectedError) or nan)
+            injected = isinstance(r.error, (InjectedError, *CALL_FAULTS))
+            assert (r.finish_reason == "error") == (injected or nan), r
 
     def teardown(self):
         if self.eng is None:
@@ -248,6 +325,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.eng.run()
         assert not self.eng.has_work
         self.consistent()
+        gc.collect()  # a request whose abort was made to fail is aborted when collected
         assert self.eng.cache.stats.used_pages == 0
 
 

@@ -1,16 +1,36 @@
-"""``--metrics-port``: the Prometheus endpoint of ``radixkv demo`` and ``radixkv replay``."""
+"""``--metrics-port``: the Prometheus endpoint of ``radixkv demo`` and ``radixkv replay``.
+
+Every user error (a port out of range or in use, an address that does not resolve or is not
+this machine's, prometheus_client not installed) is a :class:`~radixkv.apps.args.UsageError`:
+one line, exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from radixkv.apps.args import UsageError
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type``: a TCP port, an int in ``[0, 65535]`` (0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a port number in [0, 65535], got {text!r}"
+        ) from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
+    return value
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``--metrics-port N`` and ``--metrics-addr``."""
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=None,
         metavar="N",
         help="serve Prometheus metrics on http://ADDR:N/metrics while running "
@@ -30,19 +50,27 @@ RUNNING: list[MetricsServer] = []
 
 class MetricsServer:
     """One endpoint whose collector follows the run in progress (a cache, its scheduler and
-    engine, and constant labels such as the replay policy)."""
+    engine, and constant labels such as the replay policy). Raises :class:`UsageError` naming
+    the port or address when the endpoint cannot be started."""
 
     def __init__(self, command: str, port: int, addr: str) -> None:
         try:
             from radixkv import metrics
         except ImportError as e:
-            raise SystemExit(f"radixkv {command}: --metrics-port: {e}") from None
+            raise UsageError(f"{command}: --metrics-port: {e}") from None
         self._metrics = metrics
         self._collector: Any = None
         try:
             self.server = metrics.serve(None, port, addr)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"radixkv {command}: --metrics-port {port}: {e}") from None
+        except OverflowError as e:  # a port the socket layer refuses
+            raise UsageError(f"{command}: --metrics-port {port}: {e}") from None
+        except OSError as e:  # in use, not permitted, or an address that is not usable
+            raise UsageError(
+                f"{command}: cannot serve metrics on --metrics-addr {addr!r} --metrics-port "
+                f"{port}: {e.strerror or e}"
+            ) from None
+        except ValueError as e:
+            raise UsageError(f"{command}: --metrics-port {port}: {e}") from None
         self._registry = self.server.registry
         RUNNING.append(self)
         print(f"metrics: http://{addr}:{self.server.server_port}/metrics", flush=True)

@@ -22,6 +22,19 @@ held contexts so that their branches can enter.
 
 Between steps every running sequence's request is fully computed (``num_computed ==
 num_tokens``) and shorter than its target, so it grows by at least one token when scheduled.
+
+Failing cache calls: a cache or scheduler call made for one sequence (``extend``, ``finish``,
+``abort``, ``Scheduler.add``) that raises one of :data:`CALL_ERRORS` ends that sequence alone
+with ``finish_reason="error"`` and the exception (:meth:`Batcher.fail`): its request is aborted
+(should the abort raise too, it is tried again every step until it closes), its queue entry
+cancelled, and it is listed in :attr:`Batcher.failed` for the engine to report; every other
+sequence runs on. A call made for several sequences at once (``extend_many``) that raises is
+made again one sequence at a time, so that only the sequence at fault fails.
+``Scheduler.schedule`` concerns no sequence in particular: when it raises, the step admits
+nothing, the error is kept in :attr:`Batcher.last_error`, and the engine's no-progress guard
+reports it if the queue stays stuck. Any other exception (a bug) propagates from
+:meth:`Batcher.next_batch` after the sequences it had packed are put back in the queue (as a
+preemption does), so the next step starts from a consistent state.
 """
 
 from __future__ import annotations
@@ -37,6 +50,9 @@ from radixkv.engine.sequence import Sequence, Status
 NO_CACHE_NAMESPACE = "radixkv.no-cache"
 #: The highest priority the scheduler takes (a preempted sequence's is raised up to it).
 PRIORITY_MAX = 2**31 - 1
+#: What a cache or scheduler call may raise for one request (a pool that cannot supply it, a
+#: closed request, a value the Rust side refuses): the request it was made for fails alone.
+CALL_ERRORS: tuple[type[Exception], ...] = (radixkv.OutOfPages, radixkv.InvalidRequest, ValueError)
 
 
 class Batcher:
@@ -61,6 +77,13 @@ class Batcher:
         self.running: list[Sequence] = []  # by id: oldest first
         self.held: list[Sequence] = []
         self.preemptions = 0
+        #: Sequences the batcher ended with an error (see :meth:`fail`), not yet reported.
+        self.failed: list[Sequence] = []
+        #: The last exception of a ``Scheduler.schedule`` call (None once one succeeds).
+        self.last_error: Exception | None = None
+        #: Sequences ended so far (any reason): a step that ends one made progress.
+        self.num_ended = 0
+        self._unclosed: list[radixkv.Request] = []  # requests whose abort raised
         self._waiting: dict[int, Sequence] = {}  # scheduler id -> sequence
         self._sid: dict[int, int] = {}  # sequence id -> scheduler id
         self._private = itertools.count()
@@ -97,6 +120,10 @@ class Batcher:
         self._waiting[sid] = seq
         self._sid[seq.id] = sid
 
+    def is_queued(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits in the scheduler's queue."""
+        return seq.id in self._sid
+
     @property
     def num_waiting(self) -> int:
         """Sequences queued in the scheduler."""
@@ -111,41 +138,91 @@ class Batcher:
 
     def next_batch(self) -> list[Sequence]:
         """The sequences of the next forward pass, in order: running ones, then admissions.
-        Each one's request holds exactly the tokens it computes now past ``num_computed``."""
-        batch = self._grow_running()
-        budget = self.token_budget - sum(s.num_tokens - s.num_computed for s in batch)
-        room = self.max_batch - len(batch)
-        if room > 0 and budget > 0 and self._waiting:
-            for sid, req in self.scheduler.schedule(budget, room):
-                seq = self._waiting.pop(sid)
-                del self._sid[seq.id]
-                self._start(seq, req)
-                batch.append(seq)
-        for parent in list(self.held):
-            if all(c.admissions or c.done for c in parent.children):
-                self.finish(parent, "context")
+        Each one's request holds exactly the tokens it computes now past ``num_computed``.
+        Sequences that failed meanwhile are in :attr:`failed`. An exception other than
+        :data:`CALL_ERRORS` (a bug) or an interrupt puts what was packed back in the queue
+        and propagates."""
+        batch: list[Sequence] = []
+        if self._unclosed:
+            self.retry_aborts()
+        try:
+            self._grow_running(batch)
+            self._admit(batch)
+            for parent in list(self.held):
+                if all(c.admissions or c.done for c in parent.children):
+                    self.finish(parent, "context")
+        except BaseException:
+            self.requeue(batch)
+            raise
         return batch
 
-    def _grow_running(self) -> list[Sequence]:
-        """Extends running sequences, oldest first, by what the budget allows: one
-        ``extend_many`` call, one more after each preemption the pool forces."""
-        batch: list[Sequence] = []
+    def take_failed(self) -> list[Sequence]:
+        """The sequences :meth:`fail` ended since the last call (each reported once)."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _admit(self, batch: list[Sequence]) -> None:
+        """Admits waiting sequences into what is left of the step (one ``schedule`` call)."""
+        budget = self.token_budget - sum(s.num_tokens - s.num_computed for s in batch)
+        room = self.max_batch - len(batch)
+        if room <= 0 or budget <= 0 or not self._waiting:
+            return
+        try:
+            admitted = self.scheduler.schedule(budget, room)
+        except CALL_ERRORS as e:  # no sequence to blame: none admitted this step
+            self.last_error = e
+            return
+        self.last_error = None
+        for sid, req in admitted:
+            seq = self._waiting.pop(sid, None)
+            if seq is None:  # its cancel had failed: nobody wants it any more
+                self._close_request(req)
+                continue
+            del self._sid[seq.id]
+            self._start(seq, req)
+            batch.append(seq)
+
+    def _grow_running(self, batch: list[Sequence]) -> None:
+        """Extends running sequences, oldest first, by what the budget allows, appending them
+        to ``batch`` (always the first ``len(batch)`` running ones): one ``extend_many`` call,
+        one more after each preemption the pool forces or each sequence that fails."""
         budget = self.token_budget
         while True:
             room = self.max_batch - len(batch)
             plan = self._plan_growth(self.running[len(batch) :], budget, room)
             if not plan:
-                return batch
+                return
             chunks = [seq.target[seq.num_tokens : seq.num_tokens + n] for seq, n in plan]
-            done = self.cache.extend_many([seq.req for seq, _ in plan], chunks)
+            failed = False
+            try:
+                done = self.cache.extend_many([seq.req for seq, _ in plan], chunks)
+            except CALL_ERRORS:  # all or nothing: find the sequence at fault, one at a time
+                done, failed = self._extend_one_by_one(plan, chunks)
             for seq, n in plan[:done]:
                 seq.num_tokens += n
                 budget -= n
                 batch.append(seq)
+            if failed:  # plan[done] failed and left the running list: plan again
+                continue
             if done == len(plan):
-                return batch
+                return
             # The pool is short: the newest running sequence outside the batch makes room.
             self._preempt(self.running[-1])
+
+    def _extend_one_by_one(
+        self, plan: list[tuple[Sequence, int]], chunks: list
+    ) -> tuple[int, bool]:
+        """Extends ``plan``'s sequences one call each, in order, until the pool is short or one
+        raises (that one fails); returns ``(how many were extended, whether one failed)``."""
+        for k, ((seq, _), chunk) in enumerate(zip(plan, chunks)):
+            try:
+                got = self.cache.extend_many([seq.req], [chunk])
+            except CALL_ERRORS as e:
+                self.fail(seq, e)
+                return k, True
+            if got == 0:
+                return k, False
+        return len(plan), False
 
     @staticmethod
     def _plan_growth(seqs: list[Sequence], budget: int, room: int) -> list[tuple[Sequence, int]]:
@@ -175,12 +252,35 @@ class Batcher:
                 self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.cache.abort(seq.req)
+        """Aborts ``seq``'s request and queues its whole target again (a sequence the
+        scheduler refuses fails)."""
+        self._close_request(seq.req)
         self._close(seq)
         self.running.remove(seq)
+        seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
-        self.queue(seq, again=True)
+        try:
+            self.queue(seq, again=True)
+        except CALL_ERRORS as e:
+            self.fail(seq, e)
+
+    def _close_request(self, req: radixkv.Request | None) -> None:
+        """Aborts ``req``; should the abort raise, it is tried again at the start of every
+        later step (:meth:`retry_aborts`) until the request is closed (the cache also aborts a
+        request garbage-collected while open)."""
+        if req is not None:
+            try:
+                self.cache.abort(req)
+            except CALL_ERRORS:
+                self._unclosed.append(req)
+
+    def retry_aborts(self) -> None:
+        """Aborts again the requests whose abort raised; forgets those now closed."""
+        pending, self._unclosed = self._unclosed, []
+        for req in pending:
+            if not req.closed:
+                self._close_request(req)
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -191,7 +291,14 @@ class Batcher:
         self.held.append(parent)
         for child in parent.children:
             if not child.done:  # a branch may have been cancelled meanwhile
-                self.queue(child)
+                self._queue_or_fail(child)
+
+    def _queue_or_fail(self, seq: Sequence) -> None:
+        """Queues ``seq``; a sequence the scheduler refuses fails (see :meth:`fail`)."""
+        try:
+            self.queue(seq)
+        except CALL_ERRORS as e:
+            self.fail(seq, e)
 
     def release_held(self) -> bool:
         """Finishes every held context (nothing could be scheduled: unpinning them lets their
@@ -201,21 +308,40 @@ class Batcher:
             self.finish(parent, "context")
         return released
 
+    def fail(self, seq: Sequence, error: Exception) -> None:
+        """Ends ``seq`` with ``finish_reason="error"`` and ``error`` (its request aborted) and
+        lists it in :attr:`failed`."""
+        if not seq.done:
+            seq.error = error
+            self.finish(seq, "error", abort=True)
+            self.failed.append(seq)
+
     def finish(self, seq: Sequence, reason: str, abort: bool = False) -> None:
         """Ends ``seq`` wherever it is (waiting, running or held): its request is finished
         (publishing what it computed), or aborted with ``abort`` (publishing nothing more: a
         failed step). Branches of a context that ended before it was computed are queued
-        whole."""
+        whole. A ``finish`` call that raises one of :data:`CALL_ERRORS` aborts the request
+        instead and ends ``seq`` with ``finish_reason="error"`` and that exception."""
         was = seq.status
         sid = self._sid.pop(seq.id, None)
         if sid is not None:
             del self._waiting[sid]
-            self.scheduler.cancel(sid)
+            try:
+                self.scheduler.cancel(sid)
+            except CALL_ERRORS:
+                pass  # should the scheduler admit it later, _admit closes the request
+        unexpected: Exception | None = None
         if seq.req is not None:
             if abort:
-                self.cache.abort(seq.req)
+                self._close_request(seq.req)
             else:
-                self.cache.finish(seq.req)
+                try:
+                    self.cache.finish(seq.req)
+                except Exception as e:  # ends it all the same; a bug propagates afterwards
+                    self._close_request(seq.req)
+                    reason, seq.error = "error", e
+                    if not isinstance(e, CALL_ERRORS):
+                        unexpected = e
             self._close(seq)
         if was is Status.RUNNING:
             self.running.remove(seq)
@@ -224,10 +350,13 @@ class Batcher:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         seq.finished_at = time.perf_counter()
         seq.generator = None
+        self.num_ended += 1
         if was is not Status.HELD:
             for child in seq.children:
                 if not child.done and child.id not in self._sid:
-                    self.queue(child)
+                    self._queue_or_fail(child)
+        if unexpected is not None:
+            raise unexpected
 
     @staticmethod
     def _close(seq: Sequence) -> None:

@@ -15,6 +15,22 @@ with ``finish_reason="error"`` and the exception in ``Result.error``, their cach
 aborted; a row whose sampling fails (NaN logits, say) ends that request alone. Requests outside
 the failed batch run on. An interrupt (``KeyboardInterrupt``) during a forward pass puts the
 batch back in the queue, as a preemption does, and propagates; the next ``run()`` resumes.
+
+A cache or scheduler call made for one request while a step is packed or a request ends
+(``extend``, ``finish``, ``abort``, ``Scheduler.add``) that raises ``radixkv.OutOfPages``,
+``radixkv.InvalidRequest`` or ``ValueError`` ends that request alone with
+``finish_reason="error"`` and the exception (its cache request aborted; see
+:mod:`radixkv.engine.batcher`); it is among the results of the step. Any other exception while a
+step is packed (a bug) propagates after the packed requests are put back in the queue, so the
+engine stays usable: the next ``run()`` resumes.
+
+No progress: a step that computes nothing and ends no request while requests are pending (they
+can wait for pages that requests opened outside this engine pin, on a cache it shares, or for an
+admission the scheduler keeps refusing) is counted; after :attr:`Engine.max_stalled_steps` such
+steps in a row, every unfinished request ends with ``finish_reason="error"`` and a
+``radixkv.Error`` naming the request, why it is stuck and the state of the pool (the
+scheduler's last exception as its ``__cause__``), so :meth:`Engine.run` returns instead of
+spinning.
 """
 
 from __future__ import annotations
@@ -31,9 +47,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import radixkv
 from radixkv.engine.batcher import PRIORITY_MAX, Batcher
 from radixkv.engine.sampling import sample_tokens, to_token_array
-from radixkv.engine.sequence import Result, Sequence
+from radixkv.engine.sequence import Result, Sequence, Status
 from radixkv.kv.kv_cache import KVCache
 
 
@@ -70,7 +87,17 @@ class Engine:
     request), or passes ``release=True`` to :meth:`run`/:meth:`generate`, so memory stays flat.
     ``release_hooks``: callables given the list of sequences about to be released (a metrics
     exporter folds them into its totals).
+
+    Failures and the no-progress guard: see the module docstring. Stuck requests are failed
+    (``finish_reason="error"``, ``Result.error`` a ``radixkv.Error`` saying what blocks them)
+    rather than raised, so that the results of every other request stay readable and the
+    engine stays usable: a request submitted once the pages are free runs as usual.
     """
+
+    #: Steps in a row that may compute nothing and end no request while requests are pending
+    #: before those requests fail (see the module docstring). Such a step is cheap (one
+    #: scheduler call); the margin lets another user of a shared cache free its pages.
+    max_stalled_steps: int = 64
 
     def __init__(
         self,
@@ -105,6 +132,7 @@ class Engine:
         self.release_hooks: list[Callable[[list[Sequence]], None]] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._stalled_steps = 0  # steps in a row without progress
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -231,13 +259,15 @@ class Engine:
     def run(self, ids: Iterable[int] | None = None, release: bool = False) -> list[Result]:
         """Steps until the requests ``ids`` (default: every request) have finished; returns
         their results in that order. ``release``: then releases those requests (see
-        :meth:`release`)."""
+        :meth:`release`). Never spins: requests that stop making progress fail (see
+        :attr:`max_stalled_steps`)."""
         ids = list(self.sequences) if ids is None else list(ids)
         pending = [self._get(i) for i in ids]
         while not all(s.done for s in pending):
             if not self.has_work:
                 raise RuntimeError("requests left unfinished with nothing queued (engine bug)")
             self.step()
+        self.batcher.retry_aborts()  # a failed request whose abort raised: try it once more
         results = [s.result() for s in pending]
         if release:
             self.release(ids)
@@ -279,27 +309,31 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[Result]:
-        """One forward pass; returns the results of the requests it finished."""
+        """One forward pass; returns the results of the requests it finished (those that
+        failed while it was packed included)."""
         st = self.stats
+        ended = self.batcher.num_ended
         t0 = time.perf_counter()
         batch = self.batcher.next_batch()
         t1 = time.perf_counter()
         st.schedule_s += t1 - t0
         st.preemptions = self.batcher.preemptions
         if not batch:
-            return self._stalled()
+            stalled = self._stalled(self.batcher.num_ended != ended)
+            return self._with_failed(stalled)
+        self._stalled_steps = 0
         try:
             step = self.kv.plan([s.req for s in batch])
             t2 = time.perf_counter()
             logits = self.model(step)
             self.kv.commit(step)
         except Exception as e:  # the batch's requests fail with it
-            return self._fail(batch, e)
+            return self._with_failed(self._fail(batch, e))
         except BaseException:  # KeyboardInterrupt and the like: undo the step, then stop
             self.batcher.requeue(batch)
             raise
         t3 = time.perf_counter()
-        finished = self._sample(batch, logits)
+        finished = self._with_failed(self._sample(batch, logits))
         t4 = time.perf_counter()
         st.steps += 1
         st.tokens += step.num_tokens
@@ -332,6 +366,7 @@ class Engine:
             return self._fail(seqs, e)
         now = time.perf_counter()
         finished = []
+        bug: Exception | None = None
         for seq, tok in zip(seqs, tokens):
             if not isinstance(tok, Exception) and not 0 <= tok < self.vocab_size:
                 tok = ValueError(
@@ -349,8 +384,13 @@ class Engine:
             else:
                 seq.record_token(tok, now)
             if seq.finish_reason is not None:
-                self.batcher.finish(seq, seq.finish_reason)
+                try:
+                    self.batcher.finish(seq, seq.finish_reason)
+                except Exception as e:  # a bug: the request ended (with it); the rest go on
+                    bug = bug or e
                 finished.append(seq.result())
+        if bug is not None:
+            raise bug
         return finished
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[Result]:
@@ -364,18 +404,65 @@ class Engine:
                 out.append(seq.result())
         return out
 
-    def _stalled(self) -> list[Result]:
-        """Nothing could be scheduled although work may be left: held contexts pin pages that
-        their branches need, so they are released. Anything else would be a bug: every queued
-        request fits the pool alone, and the scheduler admits the first one while it does."""
+    def _with_failed(self, results: list[Result]) -> list[Result]:
+        """``results`` and those of the sequences the batcher failed meanwhile."""
+        failed = self.batcher.take_failed()
+        return results + [s.result() for s in failed] if failed else results
+
+    def _stalled(self, progress: bool) -> list[Result]:
+        """Nothing could be scheduled although work may be left. Held contexts pin pages that
+        their branches need: they are released. Otherwise, unless the step ended a request
+        (``progress``), the step counts as stalled: every queued request fits the pool alone
+        and the scheduler admits the first one while it does, so what blocks them is outside
+        the engine (pages pinned by requests it did not open, a scheduler that raises). After
+        :attr:`max_stalled_steps` in a row the stuck requests fail (:meth:`_fail_stuck`)."""
         if self.batcher.release_held():
+            progress = True
+        if progress or not self.has_work:
+            self._stalled_steps = 0
             return []
-        if self.batcher.num_waiting and not self.batcher.running:
-            raise RuntimeError(
-                f"{self.batcher.num_waiting} requests wait and none could be admitted into an "
-                "idle pool (engine bug)"
+        self._stalled_steps += 1
+        if self._stalled_steps < self.max_stalled_steps:
+            return []
+        self._stalled_steps = 0
+        return self._fail_stuck()
+
+    def _fail_stuck(self) -> list[Result]:
+        """Ends every unfinished request with ``finish_reason="error"`` and a ``radixkv.Error``
+        saying why it is stuck; returns their results."""
+        b, stats = self.batcher, self.cache.stats
+        own: set[int] = set()
+        for s in b.running + b.held:
+            if s.req is not None:
+                own.update(int(p) for p in s.req.pages)
+        outside = max(stats.used_pages - len(own), 0)
+        pool = (
+            f"the pool of {stats.num_pages} pages of {stats.page_size} tokens has "
+            f"{stats.free_pages} free and {stats.evictable_pages} evictable; {outside} of its "
+            f"{stats.used_pages} used pages are pinned by requests this engine did not open"
+        )
+        cause = b.last_error
+        if cause is not None:
+            pool += f"; the scheduler's last admission attempt raised {cause!r}"
+        out = []
+        for seq in [s for s in self.sequences.values() if not s.done]:
+            if seq.done:  # a branch failed along with its context
+                continue
+            if seq.status is Status.RUNNING:
+                what = "it runs and cannot grow"
+            elif seq.status is Status.HELD:
+                what = "it is a computed branch context whose branches cannot be admitted"
+            elif seq.parent is not None and not b.is_queued(seq):
+                what = f"it is a branch whose context (request {seq.parent.id}) is not computed"
+            else:
+                what = f"it waits for admission with {seq.target_len} tokens to hold"
+            error = radixkv.Error(
+                f"request {seq.id} made no progress in {self.max_stalled_steps} steps: {what}; "
+                f"{pool}"
             )
-        return []
+            error.__cause__ = cause
+            out.extend(self._fail([seq], error))
+        return out
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -405,6 +492,8 @@ def _submit_defaults(params: dict) -> dict:
     return {n: params.get(n, sig.parameters[n].default) for n in names}
 
 
+#: ``max_new_tokens`` bound (exclusive): what the :class:`radixkv.Scheduler` takes.
+MAX_NEW_TOKENS_LIMIT = 2**32
 #: ``seed`` range: what ``torch.Generator.manual_seed`` takes without wrapping around.
 SEED_LIMIT = 2**63
 #: ``priority`` range of the :class:`radixkv.Scheduler` (a 32-bit signed integer).
@@ -447,7 +536,9 @@ def _check_params(
     """Checks every generation parameter of :meth:`Engine.submit` (``num_seeds``: the seeds
     ``seed .. seed + num_seeds - 1`` a call uses must all be valid) and returns them
     normalized; raises ``ValueError`` naming the first bad one."""
-    n = _as_int(max_new_tokens, "max_new_tokens", 0, 2**62, "an int >= 0")
+    n = _as_int(
+        max_new_tokens, "max_new_tokens", 0, MAX_NEW_TOKENS_LIMIT - 1, "an int in [0, 2**32)"
+    )
     if isinstance(temperature, (bool, np.bool_)) or not isinstance(
         temperature, (int, float, np.integer, np.floating)
     ):

@@ -48,10 +48,11 @@ class Result:
     ``computed_tokens``: tokens computed until the first token was sampled (the prefill work,
     recomputation after a preemption included); ``total_computed_tokens`` adds decode steps.
     ``finish_reason``: ``"stop"``, ``"length"``, ``"cancelled"``, ``"context"`` (a branch
-    context) or ``"error"``: the forward pass of a step that held it, or its sampling, raised
-    an exception, which ``error`` holds (None for every other reason). A failed request keeps
-    the tokens it generated before. A request the pool could never hold is refused when it is
-    submitted.
+    context) or ``"error"``: the forward pass of a step that held it, its sampling, or a cache
+    or scheduler call made for it raised an exception, or it made no progress for
+    ``Engine.max_stalled_steps`` steps (a ``radixkv.Error`` saying what blocks it); ``error``
+    holds the exception (None for every other reason). A failed request keeps the tokens it
+    generated before. A request the pool could never hold is refused when it is submitted.
     """
 
     id: int
