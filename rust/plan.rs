@@ -10,6 +10,12 @@
 //!
 //! A query at absolute position `pos` attends to keys `0..=pos` of its own request, which is the
 //! bottom-right aligned causal mask when a request has a cached prefix.
+//!
+//! Keys are described by page tables, never by a slot per key: `block_table` (row `b` starts with
+//! request `b`'s pages, as vLLM's `block_table`) and the same pages in FlashInfer's CSR form
+//! (`paged_kv_indptr`, `paged_kv_indices`, `paged_kv_last_page_len`). Page ids, lengths and
+//! offsets are `i32` there, as attention kernels take them; a backend that wants one slot per key
+//! derives it (`block_table[b, i / P] * P + i % P`).
 
 use crate::request::RequestView;
 
@@ -28,8 +34,21 @@ pub struct StepPlan {
     pub kv_len: Vec<i64>,
     /// `[B]` packed row of each request's last token.
     pub last_token_index: Vec<i64>,
-    /// `[B, max_kv_len]` slots of every key of each request, row-major, padded with slot 0.
-    pub kv_slots: Vec<i64>,
+    /// `[B, max_pages]` row-major: request `b`'s pages (`ceil(kv_len[b] / P)` of them), then
+    /// padding with page 0.
+    pub block_table: Vec<i32>,
+    /// Columns of `block_table`: the most pages any request attends to.
+    pub max_pages: usize,
+    /// `[B]` keys each request attends to (`kv_len` as `i32`).
+    pub seq_lens: Vec<i32>,
+    /// `[B + 1]` query offsets (`q_start` as `i32`).
+    pub qo_indptr: Vec<i32>,
+    /// `[B + 1]` offsets of each request's pages in `paged_kv_indices`.
+    pub paged_kv_indptr: Vec<i32>,
+    /// Every request's pages, one request after the other.
+    pub paged_kv_indices: Vec<i32>,
+    /// `[B]` keys in each request's last page, `1..=P`.
+    pub paged_kv_last_page_len: Vec<i32>,
     /// Longest `kv_len`.
     pub max_kv_len: usize,
     /// Longest query run (`q_start[b + 1] - q_start[b]`).
@@ -41,6 +60,8 @@ pub struct StepPlan {
 pub fn plan_step(requests: &[RequestView<'_>]) -> std::result::Result<StepPlan, usize> {
     let mut s = StepPlan {
         q_start: vec![0],
+        qo_indptr: vec![0],
+        paged_kv_indptr: vec![0],
         ..StepPlan::default()
     };
     for (b, r) in requests.iter().enumerate() {
@@ -57,12 +78,25 @@ pub fn plan_step(requests: &[RequestView<'_>]) -> std::result::Result<StepPlan, 
         s.last_token_index.push(s.input_ids.len() as i64 - 1);
         s.max_kv_len = s.max_kv_len.max(end);
         s.max_q_len = s.max_q_len.max(end - start);
+        s.seq_lens.push(end as i32);
+        s.qo_indptr.push(s.input_ids.len() as i32);
+        let pages = end.div_ceil(r.page_size);
+        s.paged_kv_indices
+            .extend(r.pages[..pages].iter().map(|p| p.0 as i32));
+        s.paged_kv_indptr.push(s.paged_kv_indices.len() as i32);
+        s.paged_kv_last_page_len
+            .push((end - (pages - 1) * r.page_size) as i32);
+        s.max_pages = s.max_pages.max(pages);
     }
-    s.kv_slots.reserve(requests.len() * s.max_kv_len);
-    for r in requests {
-        r.extend_slots(0, r.num_tokens(), &mut s.kv_slots);
-        s.kv_slots
-            .resize(s.kv_slots.len() + s.max_kv_len - r.num_tokens(), 0);
+    s.block_table.reserve(requests.len() * s.max_pages);
+    for b in 0..requests.len() {
+        let (lo, hi) = (
+            s.paged_kv_indptr[b] as usize,
+            s.paged_kv_indptr[b + 1] as usize,
+        );
+        s.block_table.extend_from_slice(&s.paged_kv_indices[lo..hi]);
+        s.block_table
+            .resize(s.block_table.len() + s.max_pages - (hi - lo), 0);
     }
     Ok(s)
 }
@@ -98,7 +132,13 @@ mod tests {
         assert_eq!(s.q_start, vec![0, 3, 4]);
         assert_eq!(s.kv_len, vec![5, 2]);
         assert_eq!(s.last_token_index, vec![2, 3]);
-        assert_eq!(s.kv_slots, vec![6, 7, 2, 3, 8, 0, 1, 0, 0, 0]);
+        assert_eq!(s.block_table, vec![3, 1, 4, 0, 0, 0]);
+        assert_eq!(s.max_pages, 3);
+        assert_eq!(s.seq_lens, vec![5, 2]);
+        assert_eq!(s.qo_indptr, vec![0, 3, 4]);
+        assert_eq!(s.paged_kv_indptr, vec![0, 3, 4]);
+        assert_eq!(s.paged_kv_indices, vec![3, 1, 4, 0]);
+        assert_eq!(s.paged_kv_last_page_len, vec![1, 2]);
         assert_eq!((s.max_kv_len, s.max_q_len), (5, 3));
         let done = RequestView {
             num_computed: 2,

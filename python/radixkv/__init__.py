@@ -34,6 +34,7 @@ from radixkv._radixkv import (
     RadixCache,
     Request,
     Scheduler,
+    StepPlan,
     block_hashes,
     plan_step,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "Scheduler",
     "Session",
     "Step",
+    "StepPlan",
     "block_hashes",
     "models",
     "plan_step",

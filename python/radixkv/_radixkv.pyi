@@ -17,6 +17,7 @@ __all__ = [
     "RadixCache",
     "Request",
     "Scheduler",
+    "StepPlan",
     "_Cache",
     "block_hashes",
     "plan_step",
@@ -209,4 +210,51 @@ def block_hashes(
     ``BlockCache`` uses; ``"sha256_cbor"``, vLLM's default block hashes (first block chained
     from vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=hash_seed``, salted with ``namespace``)."""
 
-def plan_step(requests: Sequence[Request]) -> dict[str, Any]: ...
+@final
+class StepPlan:
+    """One planned step: numpy arrays (a fresh copy on every read) and ints.
+
+    int64: ``input_ids``, ``positions``, ``write_slots`` ``[T]``, ``q_start`` ``[B+1]``,
+    ``kv_len``, ``last_token_index`` ``[B]``. int32 page tables: ``block_table``
+    ``[B, max_pages]`` (row ``b`` starts with request ``b``'s pages, padded with page 0),
+    ``seq_lens`` ``[B]``, ``qo_indptr`` ``[B+1]``, ``paged_kv_indptr`` ``[B+1]``,
+    ``paged_kv_indices``, ``paged_kv_last_page_len`` ``[B]`` (``1..page_size``)."""
+
+    @property
+    def input_ids(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def positions(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def write_slots(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def q_start(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def kv_len(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def last_token_index(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def block_table(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def seq_lens(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def qo_indptr(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def paged_kv_indptr(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def paged_kv_indices(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def paged_kv_last_page_len(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def max_pages(self) -> int: ...
+    @property
+    def max_kv_len(self) -> int: ...
+    @property
+    def max_q_len(self) -> int: ...
+
+def plan_step(requests: Sequence[Request]) -> StepPlan:
+    """Plans one step over ``requests`` (all of one cache, each named once, each with tokens
+    left to compute)."""

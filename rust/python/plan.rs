@@ -1,21 +1,130 @@
-//! `plan_step`: the index arithmetic of one forward pass, as numpy arrays.
+//! `plan_step`: the index arithmetic of one forward pass, as a typed `StepPlan`.
 
 use super::cache::{PyCache, PyRequest};
 use crate::plan::{plan_step as plan_core, StepPlan};
-use numpy::{PyArray1, PyArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+
+/// One planned step (built by ``plan_step``): numpy arrays, each a fresh copy on every read.
+///
+/// ``input_ids``, ``positions``, ``write_slots`` (int64 ``[T]``), ``q_start`` (int64 ``[B+1]``),
+/// ``kv_len``, ``last_token_index`` (int64 ``[B]``); the page tables, int32: ``block_table``
+/// ``[B, max_pages]`` (row ``b`` starts with request ``b``'s pages, padded with page 0),
+/// ``seq_lens`` ``[B]``, ``qo_indptr`` ``[B+1]``, and FlashInfer's CSR triplet
+/// ``paged_kv_indptr`` ``[B+1]``, ``paged_kv_indices``, ``paged_kv_last_page_len`` ``[B]``
+/// (``1..page_size``); ints ``batch_size``, ``num_tokens``, ``max_pages``, ``max_kv_len``,
+/// ``max_q_len``.
+#[pyclass(name = "StepPlan", module = "radixkv._radixkv", frozen)]
+pub struct PyStepPlan(StepPlan);
+
+fn arr<'py, T: numpy::Element + Copy>(py: Python<'py>, v: &[T]) -> Bound<'py, PyArray1<T>> {
+    PyArray1::from_slice(py, v)
+}
+
+#[pymethods]
+impl PyStepPlan {
+    /// int64 ``[T]``: token ids of the new tokens, packed request after request.
+    #[getter]
+    fn input_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        arr(py, &self.0.input_ids)
+    }
+    /// int64 ``[T]``: absolute position of each new token.
+    #[getter]
+    fn positions<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        arr(py, &self.0.positions)
+    }
+    /// int64 ``[T]``: slot each new token's K/V is written to.
+    #[getter]
+    fn write_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        arr(py, &self.0.write_slots)
+    }
+    /// int64 ``[B+1]``: packed row offsets of each request's queries.
+    #[getter]
+    fn q_start<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        arr(py, &self.0.q_start)
+    }
+    /// int64 ``[B]``: keys each request attends to (its ``num_tokens``).
+    #[getter]
+    fn kv_len<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        arr(py, &self.0.kv_len)
+    }
+    /// int64 ``[B]``: packed row of each request's last token.
+    #[getter]
+    fn last_token_index<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        arr(py, &self.0.last_token_index)
+    }
+    /// int32 ``[B, max_pages]``: request ``b``'s pages, then page 0 as padding.
+    #[getter]
+    fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        arr(py, &self.0.block_table).reshape([self.0.kv_len.len(), self.0.max_pages])
+    }
+    /// int32 ``[B]``: keys each request attends to.
+    #[getter]
+    fn seq_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.0.seq_lens)
+    }
+    /// int32 ``[B+1]``: query offsets.
+    #[getter]
+    fn qo_indptr<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.0.qo_indptr)
+    }
+    /// int32 ``[B+1]``: offsets of each request's pages in ``paged_kv_indices``.
+    #[getter]
+    fn paged_kv_indptr<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.0.paged_kv_indptr)
+    }
+    /// int32: every request's pages, one request after the other.
+    #[getter]
+    fn paged_kv_indices<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.0.paged_kv_indices)
+    }
+    /// int32 ``[B]``: keys in each request's last page, ``1..page_size``.
+    #[getter]
+    fn paged_kv_last_page_len<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.0.paged_kv_last_page_len)
+    }
+    /// Requests in the step (B).
+    #[getter]
+    fn batch_size(&self) -> usize {
+        self.0.kv_len.len()
+    }
+    /// New tokens in the step (T).
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.0.input_ids.len()
+    }
+    /// Columns of ``block_table``.
+    #[getter]
+    fn max_pages(&self) -> usize {
+        self.0.max_pages
+    }
+    /// Longest ``kv_len``.
+    #[getter]
+    fn max_kv_len(&self) -> usize {
+        self.0.max_kv_len
+    }
+    /// Longest query run.
+    #[getter]
+    fn max_q_len(&self) -> usize {
+        self.0.max_q_len
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "StepPlan(batch_size={}, num_tokens={}, max_q_len={}, max_kv_len={}, max_pages={})",
+            self.0.kv_len.len(),
+            self.0.input_ids.len(),
+            self.0.max_q_len,
+            self.0.max_kv_len,
+            self.0.max_pages
+        )
+    }
+}
 
 /// Plans one step over ``requests`` (all of one cache, each named once, each with tokens left to
-/// compute): a dict of numpy int64 arrays ``input_ids, positions, write_slots [T]``,
-/// ``q_start [B+1]``, ``kv_len, last_token_index [B]``, ``kv_slots [B, max_kv_len]`` and ints
-/// ``max_kv_len``, ``max_q_len``.
+/// compute): a ``StepPlan``.
 #[pyfunction]
-fn plan_step<'py>(
-    py: Python<'py>,
-    requests: Vec<Bound<'py, PyRequest>>,
-) -> PyResult<Bound<'py, PyDict>> {
+fn plan_step<'py>(py: Python<'py>, requests: Vec<Bound<'py, PyRequest>>) -> PyResult<PyStepPlan> {
     let Some(first) = requests.first() else {
         return Err(PyValueError::new_err(
             "requests must hold at least one request, got none",
@@ -47,26 +156,10 @@ fn plan_step<'py>(
             ))
         })
     })?;
-    let d = PyDict::new(py);
-    let b = ids.len();
-    d.set_item("input_ids", PyArray1::from_vec(py, plan.input_ids))?;
-    d.set_item("positions", PyArray1::from_vec(py, plan.positions))?;
-    d.set_item("write_slots", PyArray1::from_vec(py, plan.write_slots))?;
-    d.set_item("q_start", PyArray1::from_vec(py, plan.q_start))?;
-    d.set_item("kv_len", PyArray1::from_vec(py, plan.kv_len))?;
-    d.set_item(
-        "last_token_index",
-        PyArray1::from_vec(py, plan.last_token_index),
-    )?;
-    d.set_item(
-        "kv_slots",
-        PyArray1::from_vec(py, plan.kv_slots).reshape([b, plan.max_kv_len])?,
-    )?;
-    d.set_item("max_kv_len", plan.max_kv_len)?;
-    d.set_item("max_q_len", plan.max_q_len)?;
-    Ok(d)
+    Ok(PyStepPlan(plan))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyStepPlan>()?;
     m.add_function(wrap_pyfunction!(plan_step, m)?)
 }

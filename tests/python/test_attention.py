@@ -49,9 +49,26 @@ class Truth:
         return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def check_page_tables(step, reqs, page_size):
+    """The step's page tables say exactly what each request's ``pages`` and lengths say."""
+    bt = step.block_table.cpu().numpy()
+    indptr = step.paged_kv_indptr.cpu().numpy()
+    indices = step.paged_kv_indices.cpu().numpy()
+    for b, r in enumerate(reqs):
+        n = -(-r.num_tokens // page_size)
+        assert (bt[b, :n] == r.pages[:n]).all()
+        assert (indices[indptr[b] : indptr[b + 1]] == r.pages[:n]).all()
+        assert step.seq_lens[b] == r.num_tokens
+        assert step.paged_kv_last_page_len[b] == r.num_tokens - (n - 1) * page_size
+        assert (step.kv_slots[b, : r.num_tokens].cpu().numpy() == r.slots).all()
+    assert step.qo_indptr.tolist() == [0, *np.cumsum(step.q_len_list).tolist()]
+    assert all(t.dtype == torch.int32 for t in (step.block_table, step.seq_lens, step.qo_indptr))
+
+
 def run_step(kv, truth, reqs, hq, atol, scale=None, dtype=torch.float32, seed=0):
     """Plans ``reqs``, runs every layer's attention, compares, commits; returns the step."""
     step = kv.plan(reqs)
+    check_page_tables(step, reqs, kv.page_size)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(step.num_tokens, hq, D, generator=g).to(kv.device, dtype)
     starts = [r.num_computed for r in reqs]
@@ -72,46 +89,62 @@ def run_step(kv, truth, reqs, hq, atol, scale=None, dtype=torch.float32, seed=0)
     return step
 
 
-def scenario(make_cache, hq, hkv, device="cpu", dtype=torch.float32, atol=1e-5):
+def scenario(make_cache, hq, hkv, device="cpu", dtype=torch.float32, atol=1e-5, attention="sdpa"):
     """Fresh prefill; then prefill over a cached prefix + fresh prompt + decode in one step;
-    decode-only steps of unequal and equal lengths; and forked branches."""
+    decode-only steps of unequal and equal lengths; and forked branches. Returns the backends
+    each step ran."""
     cache = make_cache(1024)
     kv = radixkv.KVCache(
-        cache, num_layers=2, num_kv_heads=hkv, head_dim=D, dtype=dtype, device=device
+        cache,
+        num_layers=2,
+        num_kv_heads=hkv,
+        head_dim=D,
+        dtype=dtype,
+        device=device,
+        attention=attention,
     )
+    ran = []
     truth = Truth(2, hkv, device)
     rng = np.random.default_rng(1)
     tok = lambda n: rng.integers(0, VOCAB, n)  # noqa: E731
     a = cache.admit(tok(40))
     s = run_step(kv, truth, [a], hq, atol)
-    assert s.is_fresh_prefill and s.attn_mask is None
+    assert s.is_fresh_prefill
+    ran.append(s.backends)
 
     b = cache.admit(np.concatenate([a.tokens[:35], tok(9)]))
     assert b.num_cached == 35 // cache.page_size * cache.page_size  # the hit under test
     c = cache.admit(tok(23))
     cache.extend(a, tok(1))
     s = run_step(kv, truth, [b, c, a], hq, atol, seed=1)
-    assert s.attn_mask.shape == (3, 1, 23, 44)
+    assert (s.max_q_len, s.max_kv_len) == (23, 44)
+    ran.append(s.backends)
 
     for r in (a, b, c):
         cache.extend(r, tok(1))
     s = run_step(kv, truth, [a, b, c], hq, atol, scale=0.3, seed=2)
-    assert s.is_decode and s.attn_mask.shape == (3, 1, 1, 45)  # padding only, no [T, L] mask
+    assert s.is_decode and s.max_kv_len == 45
+    ran.append(s.backends)
 
     d = cache.admit(np.concatenate([a.tokens[:20], tok(22)]))
     run_step(kv, truth, [d], hq, atol, seed=3)
     for r in (a, d):
         cache.extend(r, tok(1))
     s = run_step(kv, truth, [a, d], hq, atol, seed=4)
-    assert s.is_decode and s.attn_mask is None  # equal lengths: no mask at all
+    assert s.is_decode
+    ran.append(s.backends)
 
     branches = [cache.fork(a) for _ in range(3)]
     assert all(br.num_cached >= 32 for br in branches)
     for i, br in enumerate(branches):
         cache.extend(br, tok(2 + 3 * i))
     cache.extend(b, tok(5))
-    run_step(kv, truth, [*branches, b], hq, atol, seed=5)
+    ran.append(run_step(kv, truth, [*branches, b], hq, atol, seed=5).backends)
+    for br in branches[:2]:
+        cache.extend(br, tok(1))
+    ran.append(run_step(kv, truth, branches[:2], hq, atol, seed=6).backends)  # forks decoding
     cache.check()
+    return ran
 
 
 HEADS = [pytest.param(4, 4, id="mha"), pytest.param(8, 2, id="gqa"), pytest.param(4, 1, id="mqa")]
@@ -125,9 +158,9 @@ def test_matches_reference(make_cache, hq, hkv):
 
 def test_gqa_without_sdpa_enable_gqa(monkeypatch):
     """The repeat_interleave path taken on torch < 2.5."""
-    import radixkv.kv.step
+    import radixkv.kv.backends
 
-    monkeypatch.setattr(radixkv.kv.step, "_SDPA_GQA", False)
+    monkeypatch.setattr(radixkv.kv.backends, "SDPA_GQA", False)
     scenario(CACHES[1].values[0], 8, 2)
 
 

@@ -11,12 +11,15 @@ slots index. Slot ``s`` of layer ``l`` is row ``s`` of ``k[l]`` and ``v[l]``:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 import radixkv
+from radixkv.kv import backends as _backends
 from radixkv.kv.step import Step
 
 #: Element types the pool may hold.
@@ -43,6 +46,12 @@ class KVCache:
     request's tokens live in; this object holds the tensors. Rows are zero-initialised: padded
     keys of a batch read slot 0, and zeros keep masked-out scores finite.
 
+    ``attention`` picks how steps attend (:mod:`radixkv.kv.backends`): ``"auto"`` (the fastest
+    measured choice per device, dtype and step kind), ``"sdpa"`` (gather + SDPA, the reference),
+    ``"flex"`` (compiled flex attention over the pool in place, decode), ``"varlen"`` (CUDA) or
+    ``"flashinfer"`` (CUDA, when installed). A backend unavailable here raises ``ValueError``
+    listing the available ones. Call :meth:`warmup` before serving so nothing compiles then.
+
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.
     """
@@ -55,9 +64,14 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        attention: str = "auto",
     ) -> None:
         if not isinstance(cache, (radixkv.RadixCache, radixkv.BlockCache)):
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
+        if not isinstance(attention, str):
+            raise TypeError(f"attention must be a str, got {type(attention).__name__}")
+        _backends.check_name(attention, torch.device(device))
+        self.attention = attention
         self.cache = cache
         # The cache these pools are sized and indexed for: only its requests may be planned.
         self._owner = cache
@@ -74,6 +88,81 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._gather_k: torch.Tensor | None = None
         self._gather_v: torch.Tensor | None = None
+        self._backends: dict[str, Any] = {}
+
+    def _backend(self, name: str) -> Any:
+        """The backend object ``name`` of this pool (made on first use)."""
+        obj = self._backends.get(name)
+        if obj is None:
+            if name == "sdpa":
+                obj = _backends.SdpaBackend()
+            elif name == "flex":
+                obj = _backends.FlexBackend(self)
+            elif name == "varlen":
+                obj = _backends.VarlenBackend()
+            else:
+                obj = _backends.FlashInferBackend(self)
+            self._backends[name] = obj
+        return obj
+
+    def backend_for(self, decode: bool, batch: int) -> Any:
+        """The backend serving a decode (or prefill) group of ``batch`` requests. ``"flex"``
+        serves decode only (prefill through SDPA measured faster); ``"auto"`` uses flex only for
+        batch buckets :meth:`warmup` compiled."""
+        name = self.attention
+        if name == "auto":
+            name = _backends.auto_choice(self.device, self.dtype, decode)
+            if name == "flex":
+                flex = self._backends.get("flex")
+                if flex is None or _backends.batch_bucket(batch) not in flex.compiled:
+                    name = "sdpa"
+        if name == "flex" and not decode:
+            name = "sdpa"
+        return self._backend(name)
+
+    def warmup(
+        self,
+        num_heads: int,
+        batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+        scale: float | None = None,
+    ) -> list[int]:
+        """Compiles ahead what decode steps of ``batch_sizes`` requests will run, for queries of
+        ``num_heads`` heads (a multiple of ``num_kv_heads``) and softmax ``scale`` (default
+        ``1/sqrt(head_dim)``), so serving never compiles on the hot path. Only flex compiles
+        (``"flex"``, and ``"auto"`` where flex is the measured choice); returns the batch
+        buckets (powers of two) compiled now or before, empty where nothing compiles. Reads
+        the pool, writes nothing."""
+        heads = _positive("num_heads", num_heads)
+        if heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads must be a multiple of num_kv_heads={self.num_kv_heads}, got {heads}"
+            )
+        sizes = [_positive("batch_sizes[]", b) for b in batch_sizes]
+        name = self.attention
+        if name == "auto":
+            name = _backends.auto_choice(self.device, self.dtype, True)
+        if name != "flex":
+            return []
+        flex = self._backend("flex")
+        done = []
+        for bucket in sorted({_backends.batch_bucket(b) for b in sizes}):
+            g = _backends.Group(
+                req=np.arange(bucket),
+                rows=None,
+                q_len=np.ones(bucket, np.int64),
+                kv_len=np.ones(bucket, np.int64),
+                q_start=np.arange(bucket + 1),
+                positions=torch.zeros(bucket, dtype=torch.long, device=self.device),
+                block_table=torch.zeros(bucket, 1, dtype=torch.int32, device=self.device),
+                seq_lens=torch.ones(bucket, dtype=torch.int32, device=self.device),
+                is_decode=True,
+            )
+            flex.prepare(None, g)
+            q = torch.zeros(bucket, heads, self.head_dim, dtype=self.dtype, device=self.device)
+            s = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
+            flex.attend(None, g, 0, q, q, q, s)
+            done.append(bucket)
+        return done
 
     @staticmethod
     def bytes_per_page(
@@ -119,6 +208,7 @@ class KVCache:
             shape = (size, self.num_kv_heads, self.head_dim)
             self._gather_k = torch.empty(shape, dtype=self.dtype, device=self.device)
             self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        assert self._gather_v is not None  # allocated together with _gather_k
         return self._gather_k[:rows], self._gather_v[:rows]
 
     @property
@@ -161,5 +251,5 @@ class KVCache:
         return (
             f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, num_slots={self.num_slots}, dtype={self.dtype}, "
-            f"device={self.device})"
+            f"device={self.device}, attention={self.attention!r})"
         )

@@ -1,4 +1,4 @@
-"""`Step`: one planned forward pass, and attention over cached prefixes through SDPA.
+"""`Step`: one planned forward pass, and attention over cached prefixes through a backend.
 
 Request ``b`` of a step computes its tokens ``num_computed..num_tokens``; they sit in the packed
 batch at rows ``q_start[b]..q_start[b+1]`` and attend to keys ``0..=pos`` of their own request:
@@ -9,38 +9,38 @@ batch at rows ``q_start[b]..q_start[b+1]`` and attend to keys ``0..=pos`` of the
   query at pos:  sees keys 0..=pos                   (bottom-right aligned causal mask)
 ```
 
-SDPA takes a dense batch, so queries are padded to ``[B, Hq, max_q_len, D]`` and keys gathered
-from the pool to ``[B, Hkv, max_kv_len, D]``. A padded query row repeats its request's last
-query (so no row is fully masked) and is dropped from the output. The mask depends only on
-positions and lengths, so it is built once per step and shared by every layer. Decode steps
-need no ``[T, L]`` mask: a ``[B, 1, 1, L]`` padding mask, or none when all lengths are equal;
-a lone fresh prefill uses SDPA's own ``is_causal``.
+The plan describes the keys by page tables (``block_table``, FlashInfer's CSR triplet), never by
+one slot per key. The step splits its requests into a decode group (one new token each) and a
+prefill group; each runs through the backend ``KVCache(attention=...)`` picks for it
+(:mod:`radixkv.kv.backends`), which prepares what it needs once per step (masks, slot matrix,
+block mask) and shares it with every layer.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from radixkv.kv.backends import Group, slot_matrix
 
 if TYPE_CHECKING:
     import radixkv
 
-_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-#: SDPA broadcasts KV heads over query groups itself from torch 2.5 on.
-_SDPA_GQA = _VERSION >= (2, 5)
-
 
 class Pool(Protocol):
-    """What a step needs of its :class:`~radixkv.KVCache`: the pools and their shape."""
+    """What a step needs of its :class:`~radixkv.KVCache`: the pools, their shape, backends."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    page_size: int
+    num_pages: int
+    num_slots: int
     dtype: torch.dtype
     device: torch.device
 
@@ -48,82 +48,127 @@ class Pool(Protocol):
         """Scratch tensors of ``rows`` slot rows each for the gathered K and V."""
         ...
 
+    def backend_for(self, decode: bool, batch: int) -> Any:
+        """The backend object serving a decode (or prefill) group of ``batch`` requests."""
+        ...
+
 
 class Step:
     """One forward pass planned by :meth:`KVCache.plan`. Tensors are on ``kv.device``.
 
-    Attributes: ``input_ids``, ``positions``, ``write_slots`` (LongTensor ``[T]``),
-    ``last_token_index`` and ``kv_len`` (``[B]``), ``kv_slots`` (``[B, max_kv_len]``, padded with
-    slot 0), ``requests``, ``q_len_list`` and ``kv_len_list`` (Python ints), ``num_tokens`` (T),
-    ``max_q_len``, ``max_kv_len``.
+    int64: ``input_ids``, ``positions``, ``write_slots`` (``[T]``), ``last_token_index`` and
+    ``kv_len`` (``[B]``). int32 page tables: ``block_table`` (``[B, max_pages]``, row ``b``
+    starts with request ``b``'s ``pages``), ``seq_lens`` (``[B]``), ``qo_indptr`` (``[B+1]``),
+    ``paged_kv_indptr`` (``[B+1]``), ``paged_kv_indices``, ``paged_kv_last_page_len`` (``[B]``,
+    ``1..page_size``). Python: ``requests``, ``q_len_list``, ``kv_len_list``, ``num_tokens`` (T),
+    ``max_q_len``, ``max_kv_len``, ``max_pages``, ``backends`` (the backend name of each group).
 
     Safety rule: a step is valid until :meth:`KVCache.commit` or until any of its requests is
     extended, finished or aborted; plan a new one after that.
     """
 
-    def __init__(self, kv: Pool, requests: list[radixkv.Request], plan: dict[str, Any]) -> None:
+    def __init__(self, kv: Pool, requests: list[radixkv.Request], plan: radixkv.StepPlan) -> None:
         self.kv = kv
         self.requests = requests
-        q_start: np.ndarray = plan["q_start"]
-        kv_len: np.ndarray = plan["kv_len"]
+        q_start = plan.q_start
+        kv_len = plan.kv_len
         q_len = np.diff(q_start)
         b = len(requests)
-        self.num_tokens = int(q_start[-1])
-        self.max_q_len = int(plan["max_q_len"])
-        self.max_kv_len = int(plan["max_kv_len"])
+        self.page_size = kv.page_size
+        self.num_tokens = plan.num_tokens
+        self.max_q_len = plan.max_q_len
+        self.max_kv_len = plan.max_kv_len
+        self.max_pages = plan.max_pages
         self.q_len_list: list[int] = q_len.tolist()
         self.kv_len_list: list[int] = kv_len.tolist()
         self.is_decode = self.max_q_len == 1
-        # A lone request with nothing cached is a plain causal prefill over its own new keys.
         self.is_fresh_prefill = b == 1 and self.q_len_list[0] == self.kv_len_list[0]
-        self._pad = b > 1 and not self.is_decode
-
-        parts = [
-            plan["input_ids"],
-            plan["positions"],
-            plan["write_slots"],
-            plan["last_token_index"],
-            kv_len,
-            plan["kv_slots"].reshape(-1),
-        ]
-        if self._pad:
-            # Packed row of query i of request b; past q_len[b], the request's last row again.
-            i = np.arange(self.max_q_len)
-            last = q_len[:, None] - 1
-            parts.append((q_start[:-1, None] + np.minimum(i[None, :], last)).reshape(-1))
-            parts.append(np.flatnonzero(i[None, :] <= last))
-        # One host-to-device copy for every index array of the step.
-        flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
-        flat = flat.to(kv.device)
+        dev = kv.device
         t = self.num_tokens
-        sizes = [t, t, t, b, b, b * self.max_kv_len]
-        if self._pad:
-            sizes += [b * self.max_q_len, t]
-        views = torch.split(flat, sizes)
+        # Two host-to-device copies in all: the int64 index arrays, then the int32 page tables.
+        longs = [plan.input_ids, plan.positions, plan.write_slots, plan.last_token_index, kv_len]
+        flat = torch.from_numpy(np.concatenate(longs)).to(dev)
+        views = torch.split(flat, [t, t, t, b, b])
         self.input_ids, self.positions, self.write_slots = views[0], views[1], views[2]
         self.last_token_index, self.kv_len = views[3], views[4]
-        self.kv_slots = views[5].view(b, self.max_kv_len)
-        self._q_index = views[6].view(b, self.max_q_len) if self._pad else None
-        self._unpad_index = views[7] if self._pad else None
-        self.attn_mask = self._build_mask()
+        indices = plan.paged_kv_indices
+        ints = [
+            plan.block_table.reshape(-1),
+            plan.seq_lens,
+            plan.qo_indptr,
+            plan.paged_kv_indptr,
+            plan.paged_kv_last_page_len,
+            indices,
+        ]
+        flat32 = torch.from_numpy(np.concatenate(ints)).to(dev)
+        sizes = [b * self.max_pages, b, b + 1, b + 1, b, len(indices)]
+        v32 = torch.split(flat32, sizes)
+        self.block_table = v32[0].view(b, self.max_pages)
+        self.seq_lens, self.qo_indptr, self.paged_kv_indptr = v32[1], v32[2], v32[3]
+        self.paged_kv_last_page_len, self.paged_kv_indices = v32[4], v32[5]
+        self._kv_slots: torch.Tensor | None = None
+        self._groups = self._make_groups(q_start, kv_len, q_len)
+        self.backends = [backend.name for backend, _ in self._groups]
 
-    def _build_mask(self) -> torch.Tensor | None:
-        """Additive ``[B, 1, Q, L]`` mask in the pool dtype (0 = attend, -inf = not), or None
-        where no mask is needed. Built from positions and lengths once per step: handing SDPA
-        a float mask spares it converting a boolean one again in every layer."""
-        if self.is_fresh_prefill:
-            return None  # is_causal=True
-        keys = torch.arange(self.max_kv_len, device=self.kv.device)
-        if self.is_decode:
-            # The one query of each request is its last token: it sees all of its keys.
-            if len(set(self.kv_len_list)) == 1:
-                return None
-            allowed = (keys < self.kv_len[:, None]).view(len(self.requests), 1, 1, -1)
+    def _make_groups(
+        self, q_start: np.ndarray, kv_len: np.ndarray, q_len: np.ndarray
+    ) -> list[tuple[Any, Group]]:
+        """Decode and prefill requests as one group, or two where their backends differ; each
+        prepared by its backend."""
+        kv = self.kv
+        decode = q_len == 1
+        n_dec = int(decode.sum())
+        b = len(q_len)
+        if 0 < n_dec < b:
+            parts = [
+                (kv.backend_for(True, n_dec), np.flatnonzero(decode)),
+                (kv.backend_for(False, b - n_dec), np.flatnonzero(~decode)),
+            ]
+            if parts[0][0] is parts[1][0]:
+                parts = [(parts[1][0], np.arange(b))]
         else:
-            q_pos = self.positions[self._q_index] if self._pad else self.positions.view(1, -1)
-            allowed = (keys <= q_pos[:, :, None]).unsqueeze(1)
-        bias = torch.zeros(allowed.shape, dtype=self.kv.dtype, device=self.kv.device)
-        return bias.masked_fill_(~allowed, float("-inf"))
+            parts = [(kv.backend_for(n_dec == b, b), np.arange(b))]
+        groups = []
+        for backend, req in parts:
+            if len(req) == b:
+                g = Group(
+                    req=req,
+                    rows=None,
+                    q_len=q_len,
+                    kv_len=kv_len,
+                    q_start=q_start,
+                    positions=self.positions,
+                    block_table=self.block_table,
+                    seq_lens=self.seq_lens,
+                    is_decode=bool(decode.all()),
+                )
+            else:
+                rows_np = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in req])
+                rows = torch.from_numpy(rows_np).to(kv.device)
+                idx = torch.from_numpy(req).to(kv.device)
+                pages = int(-(-kv_len[req].max() // kv.page_size))
+                g = Group(
+                    req=req,
+                    rows=rows,
+                    q_len=q_len[req],
+                    kv_len=kv_len[req],
+                    q_start=np.concatenate([[0], np.cumsum(q_len[req])]),
+                    positions=self.positions.index_select(0, rows),
+                    block_table=self.block_table.index_select(0, idx)[:, :pages],
+                    seq_lens=self.seq_lens.index_select(0, idx),
+                    is_decode=bool(decode[req].all()),
+                )
+            backend.prepare(self, g)
+            groups.append((backend, g))
+        return groups
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        """``[B, max_kv_len]`` int64 slot of every key of each request, padded with slots of
+        page 0 (built from ``block_table`` on first use: attention does not need it)."""
+        if self._kv_slots is None:
+            self._kv_slots = slot_matrix(self.block_table, self.max_kv_len, self.page_size)
+        return self._kv_slots
 
     def attention(
         self,
@@ -164,62 +209,22 @@ class Step:
         pool_v.index_copy_(0, self.write_slots, v)
         out_dtype = q.dtype
         q = q.to(pool_k.dtype)
-        b, hq = len(self.requests), q.shape[1]
-
-        if self.is_fresh_prefill:
-            # The keys are exactly the new tokens: no gather, top-left causal is right here.
-            qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            o = _sdpa(qh, kh, vh, None, True, scale)
-            return o[0].transpose(0, 1).to(out_dtype)
-        keys, values = self._gather(pool_k, pool_v)  # [B, Hkv, L, D] views
-        if self.is_decode:
-            qb = q.view(b, 1, hq, d)  # T == B: one query per request
-        elif self._pad:
-            qb = q.index_select(0, self._q_index.view(-1)).view(b, self.max_q_len, hq, d)
-        else:
-            qb = q.unsqueeze(0)
-        o = _sdpa(qb.transpose(1, 2), keys, values, self.attn_mask, False, scale)
-        o = o.transpose(1, 2)  # [B, Q, Hq, D]
-        if self._pad:
-            o = o.reshape(b * self.max_q_len, hq, d).index_select(0, self._unpad_index)
-        else:
-            o = o.reshape(t, hq, d)
-        return o.to(out_dtype)
-
-    def _gather(self, pool_k: torch.Tensor, pool_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Every request's K and V as ``[B, Hkv, L, D]`` views of token-major copies, gathered
-        with one ``index_select`` each (whole slot rows; far faster than advanced indexing)
-        into buffers reused across layers. A head-major gather, which hands SDPA contiguous
-        heads, measured no better overall on CPU (faster at Hkv=2, D=64; slower at 8, 128)."""
-        kv = self.kv
-        hkv, d = kv.num_kv_heads, kv.head_dim
-        b, length = self.kv_slots.shape
-        buf_k, buf_v = kv.gather_buffers(b * length)
-        flat = self.kv_slots.view(-1)
-        keys = torch.index_select(pool_k, 0, flat, out=buf_k).view(b, length, hkv, d)
-        values = torch.index_select(pool_v, 0, flat, out=buf_v).view(b, length, hkv, d)
-        return keys.transpose(1, 2), values.transpose(1, 2)
+        if scale is None:
+            scale = 1.0 / math.sqrt(d)  # explicit: compiled backends specialise on it
+        if len(self._groups) == 1 and self._groups[0][1].rows is None:
+            backend, g = self._groups[0]
+            return backend.attend(self, g, layer, q, k, v, scale).to(out_dtype)
+        out = torch.empty_like(q)
+        for backend, g in self._groups:
+            rows = g.rows
+            assert rows is not None  # a group that is not the whole step names its rows
+            o = backend.attend(self, g, layer, q[rows], k[rows], v[rows], scale)
+            out.index_copy_(0, rows, o)
+        return out.to(out_dtype)
 
     def __repr__(self) -> str:
         return (
             f"Step(requests={len(self.requests)}, tokens={self.num_tokens}, "
-            f"max_q_len={self.max_q_len}, max_kv_len={self.max_kv_len})"
+            f"max_q_len={self.max_q_len}, max_kv_len={self.max_kv_len}, "
+            f"backends={self.backends})"
         )
-
-
-def _sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    """SDPA over head-major ``[B, H, S, D]`` inputs, KV heads shared by query groups."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1 and not _SDPA_GQA:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    kwargs = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **kwargs
-    )

@@ -1,0 +1,523 @@
+"""Attention backends of :class:`~radixkv.kv.step.Step`: how a group of requests attends to its
+pages.
+
+A step splits its requests into a *decode* group (one new token each) and a *prefill* group (the
+rest); each group runs through one backend, chosen by ``KVCache(attention=...)``:
+
+- ``"sdpa"``: gathers the group's K/V from the pool into a padded copy and calls
+  ``scaled_dot_product_attention``. On decode the query heads of each KV group are folded into
+  rows (``[B, Hkv, G, D]``), which beats SDPA's ``enable_gqa`` on CPU. The reference.
+- ``"flex"``: compiled ``flex_attention`` reading the pool in place (decode groups; prefill goes
+  through ``"sdpa"``, faster there on CPU). The block mask is the page table itself (one KV block
+  per page); the mask function, made once per pool, reads the step's tensors from a holder, so
+  steps do not recompile. Batch sizes are bucketed to powers of two: one compile per bucket.
+- ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` with ``block_table`` (CUDA only).
+- ``"flashinfer"``: FlashInfer's paged wrappers, when the package is installed (CUDA only).
+- ``"auto"``: per device, dtype and group kind, the fastest measured choice (``AUTO``), using
+  flex on CPU only for batch buckets :meth:`KVCache.warmup` compiled: never a compile on the
+  hot path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+#: A :class:`radixkv.kv.step.Step` (not imported: the step module imports this one).
+Step = Any
+
+#: Every backend name ``KVCache(attention=...)`` knows.
+NAMES = ("auto", "sdpa", "flex", "varlen", "flashinfer")
+
+#: Most flex compiles per process (batch buckets x pools x dtypes); past it ``flex`` raises
+#: instead of letting torch fall back to its uncompiled path (~200x slower) without a word.
+MAX_FLEX_COMPILES = 32
+
+
+def available(device: torch.device) -> list[str]:
+    """Backend names usable on ``device`` with the installed packages."""
+    names = ["auto", "sdpa"]
+    if _has_flex():
+        names.append("flex")
+    if device.type == "cuda":
+        if _has_varlen():
+            names.append("varlen")
+        if importlib.util.find_spec("flashinfer") is not None:
+            names.append("flashinfer")
+    return names
+
+
+def check_name(name: str, device: torch.device) -> str:
+    """``name`` if it is usable on ``device``; ``ValueError`` listing the usable ones if not."""
+    ok = available(device)
+    if name not in ok:
+        raise ValueError(
+            f"attention must be one of {', '.join(map(repr, ok))} on {device.type} with the "
+            f"installed packages, got {name!r}"
+        )
+    return name
+
+
+def _has_flex() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(BlockMask, "from_kv_blocks")
+
+
+def _has_varlen() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    import inspect
+
+    return "block_table" in inspect.signature(varlen_attn).parameters
+
+
+def auto_choice(device: torch.device, dtype: torch.dtype, decode: bool) -> str:
+    """The backend ``"auto"`` prefers for a group, before checking what is compiled.
+
+    CPU, measured (``benches/bench_attention.py``): fp32 decode, flex in place beats the folded
+    gather (1.2x vs 1.8x of SDPA on contiguous KV); bf16 and fp16 decode, the folded gather
+    wins; prefill, SDPA (flex 1.7x). CUDA: varlen, else FlashInfer, else SDPA (not yet measured
+    here: see ``benches/README.md``)."""
+    names = available(device)
+    if device.type == "cuda":
+        for name in ("varlen", "flashinfer"):
+            if name in names:
+                return name
+        return "sdpa"
+    if decode and dtype == torch.float32 and "flex" in names:
+        return "flex"
+    return "sdpa"
+
+
+@dataclass
+class Group:
+    """The requests of a step that one backend serves, in step order.
+
+    ``req``: their indices in the step; ``rows``: their packed query rows (``None`` when the
+    group is the whole step); host copies of their lengths; device tensors of their page table.
+    """
+
+    req: np.ndarray
+    rows: torch.Tensor | None
+    q_len: np.ndarray
+    kv_len: np.ndarray
+    q_start: np.ndarray
+    positions: torch.Tensor  # [Tg] int64
+    block_table: torch.Tensor  # [Bg, max_pages] int32
+    seq_lens: torch.Tensor  # [Bg] int32
+    is_decode: bool
+    state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q_start[-1])
+
+
+class SdpaBackend:
+    """Gather into a padded copy, then SDPA (the reference every other backend is tested
+    against). Mask and slot matrix are built once per step and shared by every layer."""
+
+    name = "sdpa"
+
+    def prepare(self, step: Step, g: Group) -> None:
+        kv = step.kv
+        b = len(g.req)
+        max_q, max_kv = int(g.q_len.max()), int(g.kv_len.max())
+        st: dict[str, Any] = {"max_q": max_q, "max_kv": max_kv}
+        # A lone request with nothing cached is a plain causal prefill over its own new keys.
+        st["fresh"] = b == 1 and int(g.q_len[0]) == int(g.kv_len[0])
+        st["pad"] = b > 1 and not g.is_decode
+        if st["fresh"]:
+            st["mask"] = None
+            g.state = st
+            return
+        st["slots"] = slot_matrix(g.block_table, max_kv, step.page_size)
+        keys = torch.arange(max_kv, device=kv.device)
+        kv_len = g.seq_lens.long()
+        if g.is_decode:
+            if len(set(g.kv_len.tolist())) == 1:
+                st["mask"] = None
+                g.state = st
+                return
+            allowed = (keys < kv_len[:, None]).view(b, 1, 1, -1)
+        else:
+            if st["pad"]:
+                i = np.arange(max_q)
+                last = g.q_len[:, None] - 1
+                local = g.q_start[:-1, None] + np.minimum(i[None, :], last)
+                keep = np.flatnonzero(i[None, :] <= last)
+                st["q_index"] = torch.from_numpy(local.reshape(-1)).to(kv.device)
+                st["unpad"] = torch.from_numpy(keep).to(kv.device)
+                q_pos = g.positions[st["q_index"]].view(b, max_q)
+            else:
+                q_pos = g.positions.view(1, -1)
+            allowed = (keys <= q_pos[:, :, None]).unsqueeze(1)
+        bias = torch.zeros(allowed.shape, dtype=kv.dtype, device=kv.device)
+        st["mask"] = bias.masked_fill_(~allowed, float("-inf"))
+        g.state = st
+
+    def attend(
+        self,
+        step: Step,
+        g: Group,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        scale: float | None,
+    ) -> torch.Tensor:
+        st = g.state
+        kv = step.kv
+        t, hq, d = q.shape
+        hkv = kv.num_kv_heads
+        b = len(g.req)
+        if st["fresh"]:
+            # The keys are exactly the new tokens: no gather, top-left causal is right here.
+            qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_new, v_new))
+            return sdpa(qh, kh, vh, None, True, scale)[0].transpose(0, 1)
+        keys, values = _gather(kv, layer, st["slots"])  # [B, Hkv, L, D]
+        if g.is_decode:
+            # One query per request; fold each KV group's query heads into rows.
+            qb = q.view(b, hkv, hq // hkv, d)
+            o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=st["mask"], scale=scale)
+            return o.reshape(b, hq, d)
+        max_q = st["max_q"]
+        if st["pad"]:
+            qb = q.index_select(0, st["q_index"]).view(b, max_q, hq, d)
+        else:
+            qb = q.unsqueeze(0)
+        o = sdpa(qb.transpose(1, 2), keys, values, st["mask"], False, scale).transpose(1, 2)
+        if st["pad"]:
+            return o.reshape(b * max_q, hq, d).index_select(0, st["unpad"])
+        return o.reshape(t, hq, d)
+
+
+def slot_matrix(block_table: torch.Tensor, max_kv_len: int, page_size: int) -> torch.Tensor:
+    """``[B, max_kv_len]`` int64 slots of every key: ``block_table[b, i // P] * P + i % P``
+    (keys past a request's length read its padding pages: mask them)."""
+    b, pages = block_table.shape
+    offs = torch.arange(page_size, device=block_table.device)
+    slots = block_table.long()[:, :, None] * page_size + offs
+    return slots.view(b, pages * page_size)[:, :max_kv_len].contiguous()
+
+
+def _gather(kv: Any, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's K and V as ``[B, Hkv, L, D]`` views of token-major copies, gathered
+    with one ``index_select`` each (whole slot rows; far faster than advanced indexing) into
+    buffers reused across layers."""
+    hkv, d = kv.num_kv_heads, kv.head_dim
+    b, length = slots.shape
+    buf_k, buf_v = kv.gather_buffers(b * length)
+    flat = slots.view(-1)
+    keys = torch.index_select(kv.k[layer], 0, flat, out=buf_k).view(b, length, hkv, d)
+    values = torch.index_select(kv.v[layer], 0, flat, out=buf_v).view(b, length, hkv, d)
+    return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+#: SDPA broadcasts KV heads over query groups itself from torch 2.5 on.
+SDPA_GQA = _VERSION >= (2, 5)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """SDPA over head-major ``[B, H, S, D]`` inputs, KV heads shared by query groups."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and not SDPA_GQA:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    kwargs = {"enable_gqa": True} if group > 1 and SDPA_GQA else {}
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **kwargs
+    )
+
+
+def batch_bucket(b: int) -> int:
+    """The compiled batch size serving ``b`` requests: the next power of two."""
+    return 1 << max(b - 1, 0).bit_length()
+
+
+_compiled_flex: Any = None
+_flex_keys: set[tuple[Any, ...]] = set()
+
+
+def _flex_fn() -> Any:
+    global _compiled_flex
+    if _compiled_flex is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Room for every bucket we allow ourselves (MAX_FLEX_COMPILES), so torch never reaches
+        # its own limit, where it would silently run flex uncompiled.
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, MAX_FLEX_COMPILES + 8)
+        cfg.accumulated_recompile_limit = max(
+            cfg.accumulated_recompile_limit, MAX_FLEX_COMPILES + 8
+        )
+        _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _compiled_flex
+
+
+class _Holder:
+    """The step tensors the mask function reads: replaced before every call, the function kept
+    (a mask function made anew each step would recompile)."""
+
+    p2l: torch.Tensor
+    seq: torch.Tensor
+    page_size: int = 1
+
+
+_HOLDER = _Holder()
+
+
+def _mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Key ``kv_idx`` (a pool slot) is visible to request ``b`` when its page is one of ``b``'s
+    and its position is below ``b``'s length."""
+    p = _HOLDER.page_size
+    lp = _HOLDER.p2l[b, kv_idx // p]
+    return (lp >= 0) & (lp * p + kv_idx % p < _HOLDER.seq[b])
+
+
+class FlexBackend:
+    """Decode through compiled ``flex_attention`` over the pool in place, GQA folded.
+
+    Query ``[Bb, Hkv, G, D]`` (``Bb`` the batch bucket) against the whole pool viewed as
+    ``[1, Hkv, S, D]``; one KV block per page, so a request's block list is its page table: full
+    pages need no mask, the last (partial) page is masked by position. The mask function also
+    excludes every page not in the request's table (``p2l``: page -> logical page, -1 when not
+    the request's), so the mask is right even where block sparsity is not applied.
+    """
+
+    name = "flex"
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        #: Batch buckets this pool has compiled.
+        self.compiled: set[int] = set()
+
+    def ensure(self, bucket: int, heads: int) -> None:
+        """Counts the compile that ``bucket`` with ``heads`` query heads needs (one per distinct
+        shape, dtype and device in the process); raises past ``MAX_FLEX_COMPILES``."""
+        kv = self.kv
+        key = (
+            bucket,
+            heads,
+            kv.num_kv_heads,
+            kv.head_dim,
+            kv.page_size,
+            kv.num_slots,
+            kv.dtype,
+            str(kv.device),
+        )
+        if key not in _flex_keys:
+            if len(_flex_keys) >= MAX_FLEX_COMPILES:
+                raise RuntimeError(
+                    f"flex attention would compile variant {len(_flex_keys) + 1} (batch bucket "
+                    f"{bucket}), past MAX_FLEX_COMPILES={MAX_FLEX_COMPILES}; use "
+                    "attention='sdpa' or 'auto' for this pool"
+                )
+            _flex_keys.add(key)
+        self.compiled.add(bucket)
+
+    def prepare(self, step: Step, g: Group) -> None:
+        kv = self.kv
+        dev, p, num_pages = kv.device, kv.page_size, kv.num_pages
+        b = len(g.req)
+        bb = batch_bucket(b)
+        seq = torch.zeros(bb, dtype=torch.int32, device=dev)
+        seq[:b] = g.seq_lens
+        bt = g.block_table.long()
+        n_pages = (g.seq_lens + (p - 1)) // p  # [b]
+        # Page -> logical page of each request (-1: not its page); padding goes to a spare
+        # column past the pool.
+        cols = torch.arange(bt.shape[1], device=dev)
+        valid = cols[None, :] < n_pages[:, None]
+        target = torch.where(valid, bt, num_pages)
+        p2l = torch.full((bb, num_pages + 1), -1, dtype=torch.int32, device=dev)
+        p2l[:b].scatter_(1, target, cols.to(torch.int32).expand(b, -1).contiguous())
+        # Block lists: full pages (no mask), then the partial last page (masked).
+        n_full = g.seq_lens // p
+        full_idx = torch.zeros(bb, 1, 1, num_pages, dtype=torch.int32, device=dev)
+        full_idx[:b, 0, 0, : bt.shape[1]] = g.block_table
+        full_num = torch.zeros(bb, 1, 1, dtype=torch.int32, device=dev)
+        full_num[:b, 0, 0] = n_full
+        part_num = torch.zeros(bb, 1, 1, dtype=torch.int32, device=dev)
+        part_num[:b, 0, 0] = n_pages - n_full
+        part_idx = torch.zeros(bb, 1, 1, num_pages, dtype=torch.int32, device=dev)
+        last = bt.gather(1, n_full.long().clamp(max=bt.shape[1] - 1)[:, None])
+        part_idx[:b, 0, 0, 0] = last[:, 0].to(torch.int32)
+        g.state = {
+            "p2l": p2l,
+            "seq": seq,
+            "bucket": bb,
+            "part": (part_num, part_idx, full_num, full_idx),
+            "mask": None,
+        }
+
+    def _block_mask(self, g: Group, rows: int) -> Any:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        st = g.state
+        if st["mask"] is None or st["mask_rows"] != rows:
+            part_num, part_idx, full_num, full_idx = st["part"]
+            st["mask"] = BlockMask.from_kv_blocks(
+                part_num,
+                part_idx,
+                full_num,
+                full_idx,
+                BLOCK_SIZE=(rows, self.kv.page_size),
+                mask_mod=_mask_mod,
+                seq_lengths=(rows, self.kv.num_slots),
+            )
+            st["mask_rows"] = rows
+        return st["mask"]
+
+    def attend(
+        self,
+        step: Step,
+        g: Group,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        scale: float | None,
+    ) -> torch.Tensor:
+        kv = self.kv
+        b, hq, d = q.shape
+        hkv = kv.num_kv_heads
+        group = hq // hkv
+        bb = g.state["bucket"]
+        qb = q.view(b, hkv, group, d)
+        if bb != b:
+            qb = torch.cat([qb, qb.new_zeros(bb - b, hkv, group, d)])
+        keys = kv.k[layer].permute(1, 0, 2).unsqueeze(0)
+        values = kv.v[layer].permute(1, 0, 2).unsqueeze(0)
+        self.ensure(bb, hq)
+        mask = self._block_mask(g, group)
+        # This step's tensors, for the mask function (its holder outlives steps).
+        _HOLDER.p2l, _HOLDER.seq, _HOLDER.page_size = g.state["p2l"], g.state["seq"], kv.page_size
+        o = _flex_fn()(qb, keys, values, block_mask=mask, scale=scale)
+        return o[:b].reshape(b, hq, d)
+
+
+class VarlenBackend:
+    """``torch.nn.attention.varlen.varlen_attn`` over the pool in place with ``block_table``
+    (CUDA; the pool is viewed as ``[num_pages, page_size, Hkv, D]``)."""
+
+    name = "varlen"
+
+    def prepare(self, step: Step, g: Group) -> None:
+        dev = step.kv.device
+        cu_q = torch.from_numpy(g.q_start.astype(np.int32)).to(dev)
+        cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(g.kv_len)]).astype(np.int32))
+        g.state = {
+            "cu_q": cu_q,
+            "cu_k": cu_k.to(dev),
+            "max_q": int(g.q_len.max()),
+            "max_k": int(g.kv_len.max()),
+        }
+
+    def attend(
+        self,
+        step: Step,
+        g: Group,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        scale: float | None,
+    ) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        kv, st = step.kv, g.state
+        p = kv.page_size
+        keys = kv.k[layer].view(kv.num_pages, p, kv.num_kv_heads, kv.head_dim)
+        values = kv.v[layer].view(kv.num_pages, p, kv.num_kv_heads, kv.head_dim)
+        out = varlen_attn(
+            q,
+            keys,
+            values,
+            st["cu_q"],
+            st["cu_k"],
+            st["max_q"],
+            st["max_k"],
+            scale=scale,
+            window_size=(-1, 0),
+            enable_gqa=q.shape[1] != kv.num_kv_heads,
+            seqused_k=g.seq_lens,
+            block_table=g.block_table,
+        )
+        return out  # type: ignore[return-value]
+
+
+class FlashInferBackend:
+    """FlashInfer's batch paged prefill wrapper (decode rows included), planned once per step
+    from the CSR page triplet (CUDA; ``pip install flashinfer-python``)."""
+
+    name = "flashinfer"
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self.workspace = torch.empty(128 << 20, dtype=torch.uint8, device=kv.device)
+
+    def prepare(self, step: Step, g: Group) -> None:
+        flashinfer = importlib.import_module("flashinfer")  # optional: CUDA only
+        dev, p = step.kv.device, step.kv.page_size
+        pages = ((g.kv_len + p - 1) // p).astype(np.int32)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        bt = g.block_table
+        cols = torch.arange(bt.shape[1], device=dev)
+        indices = bt[cols[None, :] < torch.from_numpy(pages).to(dev)[:, None]]
+        last = (g.kv_len - (pages - 1) * p).astype(np.int32)
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        args = (
+            torch.from_numpy(g.q_start.astype(np.int32)).to(dev),
+            torch.from_numpy(indptr).to(dev),
+            indices,
+            torch.from_numpy(last).to(dev),
+        )
+        g.state = {"wrapper": w, "args": args, "planned": None}
+
+    def attend(
+        self,
+        step: Step,
+        g: Group,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        scale: float | None,
+    ) -> torch.Tensor:
+        kv, p = step.kv, step.kv.page_size
+        shape = (kv.num_pages, p, kv.num_kv_heads, kv.head_dim)
+        paged = (kv.k[layer].view(shape), kv.v[layer].view(shape))
+        st = g.state
+        if st["planned"] != (q.shape[1], scale):  # planned at the first layer: Hq known there
+            st["wrapper"].plan(
+                *st["args"],
+                q.shape[1],
+                kv.num_kv_heads,
+                kv.head_dim,
+                p,
+                causal=True,
+                sm_scale=scale,
+                q_data_type=kv.dtype,
+                kv_data_type=kv.dtype,
+            )
+            st["planned"] = (q.shape[1], scale)
+        return st["wrapper"].run(q, paged)  # type: ignore[no-any-return]
