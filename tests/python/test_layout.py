@@ -1,5 +1,5 @@
 """The package layout: no import cycle between radixkv's modules, and each layer imports only the
-layers below it (core <- kv <- models <- engine <- apps).
+layers below it (core <- kv <- models <- engine <- hf <- apps).
 
 Every ``import`` statement counts: at module level, inside functions and under
 ``TYPE_CHECKING`` alike. Importing ``a.b.c`` also runs the packages ``a`` and ``a.b``; those are
@@ -22,6 +22,7 @@ LAYERS = [
     "radixkv.kv",
     "radixkv.models",
     "radixkv.engine",
+    "radixkv.hf",
     "radixkv.apps",
 ]
 
