@@ -14,6 +14,12 @@
 //! A hit takes its page out of EVICTABLE in O(1). A finished request releases its pages tail
 //! first, so a chain's tail is evicted before its head. Eviction is lazy: a cached page loses its
 //! hash only when allocation reuses it (or on `evict`/`reset`).
+//!
+//! The map is one hash table of 64-bit content keys, `content_key(h_{i-1}, tokens of page i)`
+//! (seeded per cache), to pages; each hashed page records its key `h_i`, its parent `h_{i-1}` and
+//! its tokens, and a table hit is compared against them exactly. Since `h_i` is a function of
+//! `(h_{i-1}, tokens)`, this is the map from block hash to page, reached without running blake3:
+//! a lookup costs one probe a page, and blake3 runs only for pages published for the first time.
 
 use crate::cache::Cache;
 use crate::error::{corrupt, try_vec, try_with_capacity, Result};
@@ -33,7 +39,8 @@ pub type BlockCache = Cache<BlockIndex>;
 const FREE: ListId = ListId(0);
 const EVICTABLE: ListId = ListId(1);
 
-type HashMapToPage = HashMap<BlockHash, PageId, BuildHasherDefault<PrefixHasher>>;
+/// Content key -> page. The keys are seeded hashes already: the table uses them as they are.
+type ContentMap = HashMap<u64, PageId, BuildHasherDefault<PrefixHasher>>;
 
 /// The block cache's own part of a request.
 #[derive(Debug, Clone)]
@@ -46,68 +53,103 @@ pub struct BlockExt {
     stored: Vec<(u32, PageId)>,
 }
 
-/// Page records, the hash map and the two lists.
+/// Page records, the content map and the two lists.
 #[derive(Debug)]
 pub struct BlockIndex {
     page_size: usize,
     refcount: Vec<u32>,
     hash_of: Vec<Option<BlockHash>>,
-    map: HashMapToPage,
-    lists: Links<PageId>,
-    /// Of each hashed page: the hash of its prefix (`h_{i-1}`) and its tokens, `page_size` per
-    /// page. With them a cached page answers "what is `H(prev, tokens)`" without blake3.
+    /// Of each hashed page: the hash of its prefix (`h_{i-1}`).
     parent_of: Vec<BlockHash>,
-    /// Grown only as pages are hashed (page ids are handed out lowest first), never reserved for
-    /// the whole pool up front: a pool sized for the KV tensors costs no token memory until used.
+    /// Of each hashed page, its tokens, `page_size` per page. Grown only as pages are hashed
+    /// (page ids are handed out lowest first), never reserved for the whole pool up front: a pool
+    /// sized for the KV tensors costs no token memory until used.
     tokens_of: Vec<u32>,
-    /// `memo_key(prev, tokens)` -> a hashed page with that parent and those tokens (verified on
-    /// use, so a collision of this 64-bit key only costs a blake3 call).
-    memo: HashMap<u64, PageId, BuildHasherDefault<PrefixHasher>>,
-    /// Random per cache: keys the memo.
-    memo_seed: u64,
+    /// `content_key(parent, tokens)` -> the hashed page with that parent and those tokens. Holds
+    /// every hashed page, once.
+    map: ContentMap,
+    lists: Links<PageId>,
+    /// Random per cache: the secret of [`content_key`].
+    seed: [u64; 4],
     events: EventLog,
+    /// Unit tests set this to give every page the same content key, so that the collision paths
+    /// (a lookup that must compare, a publish that must keep its page private) run.
+    #[cfg(test)]
+    collide: bool,
 }
 
-/// The odd multiplier of [`memo_key`].
-const MEMO_MUL: u64 = 0x517c_c1b7_2722_0a95;
+/// The map's answer for one page's content.
+enum Slot {
+    /// The page holding this content.
+    Holds(PageId),
+    /// No page has this content key.
+    Vacant,
+    /// Another content has this key (a chance collision): this content cannot be entered.
+    Collision,
+}
 
-/// A fast 64-bit key of `(prev, tokens)` for the memo: two tokens a multiply.
+/// `a * b` in 128 bits, folded to 64 by xor of its halves.
+#[inline]
+fn fold_mul(a: u64, b: u64) -> u64 {
+    let p = (a as u128) * (b as u128);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+/// The 64-bit key of a page `tokens` after prefix hash `prev`: four tokens a folded multiply,
+/// each operand mixed with a secret of the cache (as foldhash and wyhash do).
 ///
-/// `seed` is random per cache, so nobody can build prompts whose pages pile into one bucket of
-/// the memo (hash flooding). The key only finds a candidate, which is compared exactly, so no
-/// decision depends on the seed.
-fn memo_key(seed: u64, prev: &BlockHash, page: &[u32]) -> u64 {
-    const K: u64 = MEMO_MUL;
-    let mut h = seed ^ u64::from_le_bytes(prev[..8].try_into().expect("8 bytes"));
-    let mut pairs = page.chunks_exact(2);
-    for pair in &mut pairs {
-        h = (h ^ ((pair[0] as u64) << 32 | pair[1] as u64))
-            .wrapping_mul(K)
-            .rotate_left(23);
+/// The secret is random per cache, so nobody can build prompts whose pages collide or pile into
+/// one bucket (hash flooding). A key only finds a candidate, which is compared exactly, so no
+/// decision depends on the seed but for a chance collision (2^-64 per pair of pages), which
+/// keeps a page private (see `publish`).
+fn content_key(seed: &[u64; 4], prev: &BlockHash, page: &[u32]) -> u64 {
+    let word = |pair: &[u32]| match *pair {
+        [a, b] => (a as u64) << 32 | b as u64,
+        [a] => a as u64,
+        _ => 0,
+    };
+    // The prefix is multiplied in first, never xored into a token word: a prompt built to cancel
+    // a known `prev` would need the secret.
+    let mut h = fold_mul(
+        u64::from_le_bytes(prev[..8].try_into().expect("8 bytes")) ^ seed[2],
+        page.len() as u64 ^ seed[3],
+    );
+    for quad in page.chunks(4) {
+        let (lo, hi) = quad.split_at(quad.len().min(2));
+        h = fold_mul(h ^ word(lo) ^ seed[0], word(hi) ^ seed[1]);
     }
-    if let [t] = pairs.remainder() {
-        h = (h ^ *t as u64).wrapping_mul(K);
-    }
-    (h ^ (h >> 29)).wrapping_mul(K)
+    fold_mul(h ^ seed[2], seed[3])
+}
+
+/// Four random words from the standard library's per-process random keys.
+fn random_seed() -> [u64; 4] {
+    let state = std::collections::hash_map::RandomState::new();
+    std::array::from_fn(|i| {
+        let mut h = state.build_hasher();
+        h.write_usize(i);
+        h.finish() | 1
+    })
 }
 
 impl BlockIndex {
+    fn key(&self, prev: &BlockHash, tokens: &[u32]) -> u64 {
+        #[cfg(test)]
+        if self.collide {
+            return 7;
+        }
+        content_key(&self.seed, prev, tokens)
+    }
+
     /// Unhashes a page that allocation or eviction takes back.
     fn unhash(&mut self, page: PageId) {
         let h = self.hash_of[page.index()]
             .take()
             .expect("evictable pages are hashed");
-        self.map.remove(&h);
+        let key = self.key(&self.parent_of[page.index()], self.page_tokens(page));
+        let removed = self.map.remove(&key);
+        debug_assert_eq!(removed, Some(page));
         if self.events.on {
             self.events.removed(vec![h]);
-        }
-        let key = memo_key(
-            self.memo_seed,
-            &self.parent_of[page.index()],
-            self.page_tokens(page),
-        );
-        if self.memo.get(&key) == Some(&page) {
-            self.memo.remove(&key);
         }
     }
 
@@ -116,10 +158,18 @@ impl BlockIndex {
         &self.tokens_of[page.index() * p..(page.index() + 1) * p]
     }
 
-    /// Enters `page` into the index under `h = H(prev, tokens)`.
-    fn hash_page(&mut self, page: PageId, prev: &BlockHash, tokens: &[u32], h: BlockHash) {
+    /// Enters `page` into the index under `h = H(prev, tokens)`; `key` is its content key, which
+    /// the map does not hold yet.
+    fn hash_page(
+        &mut self,
+        page: PageId,
+        prev: &BlockHash,
+        tokens: &[u32],
+        h: BlockHash,
+        key: u64,
+    ) {
         let p = self.page_size;
-        self.map.insert(h, page);
+        self.map.insert(key, page);
         self.hash_of[page.index()] = Some(h);
         self.parent_of[page.index()] = *prev;
         let end = (page.index() + 1) * p;
@@ -131,22 +181,27 @@ impl BlockIndex {
             self.tokens_of.resize(len, 0);
         }
         self.tokens_of[page.index() * p..(page.index() + 1) * p].copy_from_slice(tokens);
-        self.memo
-            .insert(memo_key(self.memo_seed, prev, tokens), page);
     }
 
-    /// `H(prev, tokens)`, and the cached page holding that prefix if there is one. A cached page
-    /// with the same parent hash and tokens already carries the value, so blake3 runs only for
-    /// content the cache does not hold.
-    fn chain(&self, prev: &BlockHash, tokens: &[u32]) -> (BlockHash, Option<PageId>) {
-        if let Some(&page) = self.memo.get(&memo_key(self.memo_seed, prev, tokens)) {
-            if self.parent_of[page.index()] == *prev && self.page_tokens(page) == tokens {
-                let h = self.hash_of[page.index()].expect("memo pages are hashed");
-                return (h, Some(page));
+    /// What the map holds under `key` for the content `(prev, tokens)`.
+    fn find(&self, key: u64, prev: &BlockHash, tokens: &[u32]) -> Slot {
+        match self.map.get(&key) {
+            None => Slot::Vacant,
+            Some(&page)
+                if self.parent_of[page.index()] == *prev && self.page_tokens(page) == tokens =>
+            {
+                Slot::Holds(page)
             }
+            Some(_) => Slot::Collision,
         }
-        let h = next_hash(prev, tokens);
-        (h, self.map.get(&h).copied())
+    }
+
+    /// The cached page holding `(prev, tokens)`, and its hash `H(prev, tokens)`.
+    fn cached(&self, prev: &BlockHash, tokens: &[u32]) -> Option<(PageId, BlockHash)> {
+        match self.find(self.key(prev, tokens), prev, tokens) {
+            Slot::Holds(page) => Some((page, self.hash_of[page.index()].expect("mapped"))),
+            Slot::Vacant | Slot::Collision => None,
+        }
     }
 
     /// Records that pages `run` of `r` entered the map (nothing when recording is off).
@@ -186,25 +241,6 @@ impl BlockIndex {
             }
         }
     }
-
-    /// Hashes of the full pages of `tokens` up to page `upto`, extending `hashes`.
-    fn ensure_hashes(
-        &self,
-        tokens: &[u32],
-        namespace: &Namespace,
-        hashes: &mut Vec<BlockHash>,
-        upto: usize,
-    ) {
-        let p = self.page_size;
-        while hashes.len() < upto {
-            let i = hashes.len();
-            let prev = match hashes.last() {
-                Some(h) => *h,
-                None => root_hash(p, namespace),
-            };
-            hashes.push(self.chain(&prev, &tokens[i * p..(i + 1) * p]).0);
-        }
-    }
 }
 
 /// The cached pages of a lookup and their hashes.
@@ -235,15 +271,14 @@ impl Index for BlockIndex {
             page_size,
             refcount,
             hash_of,
-            map: HashMapToPage::default(),
-            lists,
             parent_of,
             tokens_of: Vec::new(),
-            memo: HashMap::default(),
-            memo_seed: std::collections::hash_map::RandomState::new()
-                .build_hasher()
-                .finish(),
+            map: ContentMap::default(),
+            lists,
+            seed: random_seed(),
             events: EventLog::default(),
+            #[cfg(test)]
+            collide: false,
         })
     }
 
@@ -268,8 +303,9 @@ impl Index for BlockIndex {
         };
         let mut prev = root_hash(p, namespace);
         for page in tokens.chunks_exact(p) {
-            let (h, cached) = self.chain(&prev, page);
-            let Some(pg) = cached else { break };
+            let Some((pg, h)) = self.cached(&prev, page) else {
+                break;
+            };
             hits.pages.push(pg);
             hits.hashes.push(h);
             prev = h;
@@ -323,38 +359,53 @@ impl Index for BlockIndex {
     }
 
     /// A page whose hash another page holds already stays private to `r` (its table does not
-    /// change) and is freed when `r` ends; `r` pins the stored copy in its place.
+    /// change) and is freed when `r` ends; `r` pins the stored copy in its place. A page whose
+    /// content key another page's content holds (a chance collision) stays private with the rest
+    /// of the request: publishing stops there.
     fn publish(&mut self, r: &mut Request<BlockExt>, upto: usize) {
         let p = self.page_size;
         let (first, last) = (r.published / p, upto / p);
         if last <= first {
             return;
         }
-        self.ensure_hashes(&r.tokens, &r.namespace, &mut r.ext.hashes, last);
         // Runs of pages entered into the map, for the event log: (first index, end).
         let mut run = first..first;
+        let mut end = last;
         for i in first..last {
-            let h = r.ext.hashes[i];
-            match self.map.get(&h) {
-                Some(&copy) => {
+            let prev = match i.checked_sub(1) {
+                Some(j) => r.ext.hashes[j],
+                None => root_hash(p, &r.namespace),
+            };
+            let tokens = &r.tokens[i * p..(i + 1) * p];
+            let key = self.key(&prev, tokens);
+            match self.find(key, &prev, tokens) {
+                Slot::Holds(copy) => {
+                    if i == r.ext.hashes.len() {
+                        r.ext
+                            .hashes
+                            .push(self.hash_of[copy.index()].expect("mapped"));
+                    }
                     self.pin_page(copy);
                     r.ext.stored.push((i as u32, copy));
                     self.record_stored(r, run.clone());
                     run = i + 1..i + 1;
                 }
-                None => {
-                    let prev = if i == 0 {
-                        root_hash(p, &r.namespace)
-                    } else {
-                        r.ext.hashes[i - 1]
-                    };
-                    self.hash_page(r.pages[i], &prev, &r.tokens[i * p..(i + 1) * p], h);
+                Slot::Vacant => {
+                    if i == r.ext.hashes.len() {
+                        r.ext.hashes.push(next_hash(&prev, tokens));
+                    }
+                    let h = r.ext.hashes[i];
+                    self.hash_page(r.pages[i], &prev, tokens, h, key);
                     run.end = i + 1;
+                }
+                Slot::Collision => {
+                    end = i;
+                    break;
                 }
             }
         }
         self.record_stored(r, run);
-        r.published = last * p;
+        r.published = end * p;
     }
 
     /// Drops the request's pins, its chain's tail first. At a position where it holds a private
@@ -395,11 +446,10 @@ impl Index for BlockIndex {
         };
         let mut all = true;
         for page in tokens.chunks_exact(self.page_size) {
-            let next = next_hash(&h, page);
-            if !self.map.contains_key(&next) {
+            let Some((_, next)) = self.cached(&h, page) else {
                 all = false;
                 break;
-            }
+            };
             h = next;
             cursor.matched += page.len();
         }
@@ -464,7 +514,8 @@ impl Index for BlockIndex {
                         page.0
                     ));
                 }
-                if self.map.get(&h) != Some(&page) {
+                let key = self.key(&self.parent_of[page.index()], self.page_tokens(page));
+                if self.map.get(&key) != Some(&page) {
                     return corrupt(format!(
                         "page {} is hashed but the map does not point to it",
                         page.0
@@ -484,17 +535,6 @@ impl Index for BlockIndex {
                 }
             }
         }
-        for (&key, &page) in &self.memo {
-            let hashed = self.hash_of[page.index()].is_some();
-            let want = memo_key(
-                self.memo_seed,
-                &self.parent_of[page.index()],
-                self.page_tokens(page),
-            );
-            if !hashed || want != key {
-                return corrupt(format!("memo entry for page {} is stale", page.0));
-            }
-        }
         let hashed = self.hash_of.iter().filter(|h| h.is_some()).count();
         if hashed != self.map.len() {
             return corrupt(format!(
@@ -512,11 +552,10 @@ impl Index for BlockIndex {
     fn metadata_bytes(&self) -> usize {
         self.refcount.capacity() * 4
             + self.hash_of.capacity() * std::mem::size_of::<Option<BlockHash>>()
-            + self.map.capacity() * (std::mem::size_of::<(BlockHash, PageId)>() + 1)
+            + self.map.capacity() * (std::mem::size_of::<(u64, PageId)>() + 1)
             + self.lists.heap_bytes()
             + self.parent_of.capacity() * 32
             + self.tokens_of.capacity() * 4
-            + self.memo.capacity() * (std::mem::size_of::<(u64, PageId)>() + 1)
     }
 }
 
@@ -526,47 +565,35 @@ mod tests {
     use crate::cache::PrefixCache;
     use crate::hash::root_hash;
 
-    /// The inverse of an odd `k` modulo 2^64 (Newton's iteration).
-    fn inverse(k: u64) -> u64 {
-        let mut x = k;
-        for _ in 0..6 {
-            x = x.wrapping_mul(2u64.wrapping_sub(k.wrapping_mul(x)));
-        }
-        x
-    }
-
-    /// A page of two tokens whose memo key after `prev` is `key`: `memo_key` is a bijection of
-    /// its state, so it can be run backwards by anyone who knows the seed.
-    fn solve(seed: u64, prev: &BlockHash, key: u64) -> [u32; 2] {
-        let kinv = inverse(MEMO_MUL);
-        let y = key.wrapping_mul(kinv); // = h ^ (h >> 29)
-        let h = y ^ (y >> 29) ^ (y >> 58);
-        let h0 = seed ^ u64::from_le_bytes(prev[..8].try_into().unwrap());
-        let pair = h.rotate_right(23).wrapping_mul(kinv) ^ h0;
-        [(pair >> 32) as u32, pair as u32]
-    }
-
-    /// Another tenant's prompt built so that its first page hits the memo entry of a cached
-    /// page: the exact compare turns it away, so it is never served that page's KV.
+    /// Every page's content key made the same (as a chance collision would make two): a lookup
+    /// compares before it serves, so another tenant's prompt is never given the victim's page,
+    /// and a page whose key is taken stays private, with the rest of its request.
     #[test]
-    fn a_crafted_memo_collision_is_not_served() {
+    fn a_content_key_collision_is_never_served() {
         let mut c = BlockCache::new(16, 2).unwrap();
+        c.index_mut().collide = true;
         let victim = [1, 2, 3, 4, 5];
         let r = c.admit(&victim, None).unwrap();
         c.commit(r, 5).unwrap();
         c.finish(r).unwrap();
+        assert_eq!(
+            c.stats().evictable_pages,
+            1,
+            "the second page collides with the first"
+        );
         let evil: Namespace = Some(b"evil".to_vec().into());
-        let seed = c.index().memo_seed;
-        let target = memo_key(seed, &root_hash(2, &None), &[1, 2]);
-        let forged = solve(seed, &root_hash(2, &evil), target);
-        assert_eq!(memo_key(seed, &root_hash(2, &evil), &forged), target);
-        assert_ne!(forged, [1, 2]);
-        let prompt = [forged[0], forged[1], 9];
+        let prompt = [1, 2, 9];
         assert_eq!(c.match_prefix(&prompt, &evil).unwrap(), 0);
-        let r = c.admit(&prompt, evil).unwrap();
+        let r = c.admit(&prompt, evil.clone()).unwrap();
         let v = c.request(r).unwrap();
         assert_eq!(v.num_cached, 0);
         assert!(!v.pages.contains(&PageId(0)), "served the victim's page");
+        c.commit(r, 3).unwrap();
+        c.finish(r).unwrap();
+        c.check().unwrap();
+        assert_eq!(c.match_prefix(&victim, &None).unwrap(), 2);
+        assert_eq!(c.match_prefix(&prompt, &evil).unwrap(), 0);
+        assert_eq!(c.reset(), 1);
         c.check().unwrap();
     }
 
@@ -597,7 +624,7 @@ mod tests {
 
     /// Two caches draw different seeds, and still make the same decisions.
     #[test]
-    fn memo_seeds_differ_and_decisions_do_not() {
+    fn seeds_differ_and_decisions_do_not() {
         let run = || {
             let mut c = BlockCache::new(8, 2).unwrap();
             let mut pages = Vec::new();
@@ -607,7 +634,7 @@ mod tests {
                 c.commit(r, t.len()).unwrap();
                 c.finish(r).unwrap();
             }
-            (c.index().memo_seed, pages)
+            (c.index().seed, pages)
         };
         let (a, b) = (run(), run());
         assert_ne!(a.0, b.0);

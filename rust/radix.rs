@@ -468,7 +468,7 @@ impl Index for RadixIndex {
     fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize {
         let short = count.saturating_sub(self.free.len());
         let evicted = if short > 0 { self.evict(short) } else { 0 };
-        out.extend((0..count).map(|_| self.free.pop().expect("capacity checked")));
+        self.free.pop_many(count, out);
         evicted
     }
 
