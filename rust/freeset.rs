@@ -60,7 +60,8 @@ impl FreeSet {
         id < self.capacity && self.words[id / 64] & (1 << (id % 64)) != 0
     }
 
-    /// Adds `id`, which must not be a member.
+    /// Adds `id`, which must not be a member (what `insert_all(&[id])` does).
+    #[cfg(test)]
     pub fn insert(&mut self, page: PageId) {
         debug_assert!(page.0 < self.capacity as u32 && !self.contains(page));
         let id = page.0 as usize;
@@ -84,6 +85,33 @@ impl FreeSet {
         }
         self.len -= 1;
         Some(PageId((w * 64 + bit) as u32))
+    }
+
+    /// Adds every page of `pages` (distinct non-members), a bitmap word at a time: the bits of
+    /// consecutive ids that share a word are gathered before the word is written.
+    pub fn insert_all(&mut self, pages: &[PageId]) {
+        let (mut word, mut bits) = (usize::MAX, 0u64);
+        for &page in pages {
+            debug_assert!(page.0 < self.capacity as u32 && !self.contains(page));
+            let id = page.0 as usize;
+            if id / 64 != word {
+                self.set_bits(word, bits);
+                (word, bits) = (id / 64, 0);
+            }
+            debug_assert_eq!(bits & 1 << (id % 64), 0, "page {id} given twice");
+            bits |= 1 << (id % 64);
+        }
+        self.set_bits(word, bits);
+        self.len += pages.len();
+    }
+
+    fn set_bits(&mut self, w: usize, bits: u64) {
+        if bits == 0 {
+            return;
+        }
+        self.words[w] |= bits;
+        self.summary[w / 64] |= 1 << (w % 64);
+        self.low = self.low.min(w / 64);
     }
 
     /// Removes the `count` smallest members into `out`, in increasing order: what `count` calls
@@ -178,6 +206,28 @@ mod tests {
             assert_eq!(set.len(), by_pop.len());
             assert_eq!(set.pop(), by_pop.pop());
         }
+    }
+
+    #[test]
+    fn insert_all_adds_what_inserts_would() {
+        let mut a = FreeSet::full(5_000);
+        let mut all = Vec::new();
+        a.pop_many(5_000, &mut all);
+        let mut b = a.clone();
+        // Runs, a full aligned word, scattered ids and a descending stretch.
+        let mut pages: Vec<PageId> = (100..300).chain(4_032..4_096).map(PageId).collect();
+        pages.extend([7, 4_999, 64, 65, 3_000].map(PageId));
+        pages.extend((1_000..1_100).rev().map(PageId));
+        for &p in &pages {
+            a.insert(p);
+        }
+        b.insert_all(&pages);
+        assert_eq!(a.len(), b.len());
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        a.pop_many(a.len(), &mut x);
+        b.pop_many(b.len(), &mut y);
+        assert_eq!(x, y);
+        assert_eq!(b.pop(), None);
     }
 
     #[test]

@@ -534,14 +534,9 @@ impl Index for RadixIndex {
         if self.node(r.ext.last).parent == NIL {
             self.drop_root_if_empty(r.ext.last);
         }
-        let private = r
-            .ext
-            .dups
-            .iter()
-            .chain(&r.pages[r.published / self.page_size..]);
-        for &page in private {
-            self.free.insert(page);
-        }
+        self.free.insert_all(&r.ext.dups);
+        self.free
+            .insert_all(&r.pages[r.published / self.page_size..]);
     }
 
     /// Frees up to `want` pages from the least recently used leaves; returns how many.
@@ -561,9 +556,7 @@ impl Index for RadixIndex {
             let n = &mut self.nodes[leaf.index()];
             let take = (want - done).min(n.pages.len());
             let keep = n.pages.len() - take;
-            for &page in &n.pages[keep..] {
-                self.free.insert(page);
-            }
+            self.free.insert_all(&n.pages[keep..]);
             n.pages.truncate(keep);
             n.key.truncate(keep * p);
             self.evictable -= take;
