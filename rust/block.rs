@@ -15,7 +15,7 @@
 //! first, so a chain's tail is evicted before its head. Eviction is lazy: a cached page loses its
 //! hash only when allocation reuses it (or on `evict`/`reset`).
 //!
-//! The map is one hash table of 64-bit content keys, `content_key(h_{i-1}, tokens of page i)`
+//! The map is one hash table of 64-bit content keys of `(h_{i-1}, tokens of page i)`
 //! (seeded per cache), to pages; each hashed page records its key `h_i`, its parent `h_{i-1}` and
 //! its tokens, and a table hit is compared against them exactly. Since `h_i` is a function of
 //! `(h_{i-1}, tokens)`, this is the map from block hash to page, reached without running blake3:
@@ -29,9 +29,9 @@ use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
 use crate::request::{Namespace, Request, Requests};
-use crate::table_hash::PrefixHasher;
+use crate::table_hash::{PrefixHasher, TokenKeys};
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
 /// A prefix cache indexed by chained block hashes.
 pub type BlockCache = Cache<BlockIndex>;
@@ -65,12 +65,12 @@ pub struct BlockIndex {
     /// (page ids are handed out lowest first), never reserved for the whole pool up front: a pool
     /// sized for the KV tensors costs no token memory until used.
     tokens_of: Vec<u32>,
-    /// `content_key(parent, tokens)` -> the hashed page with that parent and those tokens. Holds
+    /// The content key of `(parent, tokens)` -> the hashed page with that parent and those tokens. Holds
     /// every hashed page, once.
     map: ContentMap,
     lists: Links<PageId>,
-    /// Random per cache: the secret of [`content_key`].
-    seed: [u64; 4],
+    /// Random per cache: the content keys, `keys.key(first 8 bytes of h_{i-1}, tokens)`.
+    keys: TokenKeys,
     events: EventLog,
     /// Unit tests set this to give every page the same content key, so that the collision paths
     /// (a lookup that must compare, a publish that must keep its page private) run.
@@ -88,56 +88,14 @@ enum Slot {
     Collision,
 }
 
-/// `a * b` in 128 bits, folded to 64 by xor of its halves.
-#[inline]
-fn fold_mul(a: u64, b: u64) -> u64 {
-    let p = (a as u128) * (b as u128);
-    (p as u64) ^ ((p >> 64) as u64)
-}
-
-/// The 64-bit key of a page `tokens` after prefix hash `prev`: four tokens a folded multiply,
-/// each operand mixed with a secret of the cache (as foldhash and wyhash do).
-///
-/// The secret is random per cache, so nobody can build prompts whose pages collide or pile into
-/// one bucket (hash flooding). A key only finds a candidate, which is compared exactly, so no
-/// decision depends on the seed but for a chance collision (2^-64 per pair of pages), which
-/// keeps a page private (see `publish`).
-fn content_key(seed: &[u64; 4], prev: &BlockHash, page: &[u32]) -> u64 {
-    let word = |pair: &[u32]| match *pair {
-        [a, b] => (a as u64) << 32 | b as u64,
-        [a] => a as u64,
-        _ => 0,
-    };
-    // The prefix is multiplied in first, never xored into a token word: a prompt built to cancel
-    // a known `prev` would need the secret.
-    let mut h = fold_mul(
-        u64::from_le_bytes(prev[..8].try_into().expect("8 bytes")) ^ seed[2],
-        page.len() as u64 ^ seed[3],
-    );
-    for quad in page.chunks(4) {
-        let (lo, hi) = quad.split_at(quad.len().min(2));
-        h = fold_mul(h ^ word(lo) ^ seed[0], word(hi) ^ seed[1]);
-    }
-    fold_mul(h ^ seed[2], seed[3])
-}
-
-/// Four random words from the standard library's per-process random keys.
-fn random_seed() -> [u64; 4] {
-    let state = std::collections::hash_map::RandomState::new();
-    std::array::from_fn(|i| {
-        let mut h = state.build_hasher();
-        h.write_usize(i);
-        h.finish() | 1
-    })
-}
-
 impl BlockIndex {
     fn key(&self, prev: &BlockHash, tokens: &[u32]) -> u64 {
         #[cfg(test)]
         if self.collide {
             return 7;
         }
-        content_key(&self.seed, prev, tokens)
+        let lead = u64::from_le_bytes(prev[..8].try_into().expect("8 bytes"));
+        self.keys.key(lead, tokens)
     }
 
     /// Unhashes a page that allocation or eviction takes back.
@@ -275,7 +233,7 @@ impl Index for BlockIndex {
             tokens_of: Vec::new(),
             map: ContentMap::default(),
             lists,
-            seed: random_seed(),
+            keys: TokenKeys::random(),
             events: EventLog::default(),
             #[cfg(test)]
             collide: false,
@@ -634,7 +592,7 @@ mod tests {
                 c.commit(r, t.len()).unwrap();
                 c.finish(r).unwrap();
             }
-            (c.index().seed, pages)
+            (c.index().keys.key(0, &[1]), pages)
         };
         let (a, b) = (run(), run());
         assert_ne!(a.0, b.0);
