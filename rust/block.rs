@@ -521,7 +521,6 @@ impl Index for BlockIndex {
 mod tests {
     use super::*;
     use crate::cache::PrefixCache;
-    use crate::hash::root_hash;
 
     /// Every page's content key made the same (as a chance collision would make two): a lookup
     /// compares before it serves, so another tenant's prompt is never given the victim's page,
