@@ -28,19 +28,15 @@ use crate::hash::{next_hash, root_hash, BlockHash};
 use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
+use crate::page_table::PageTable;
 use crate::request::{Namespace, Request, Requests};
-use crate::table_hash::{PrefixHasher, TokenKeys};
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
+use crate::table_hash::TokenKeys;
 
 /// A prefix cache indexed by chained block hashes.
 pub type BlockCache = Cache<BlockIndex>;
 
 const FREE: ListId = ListId(0);
 const EVICTABLE: ListId = ListId(1);
-
-/// Content key -> page. The keys are seeded hashes already: the table uses them as they are.
-type ContentMap = HashMap<u64, PageId, BuildHasherDefault<PrefixHasher>>;
 
 /// The block cache's own part of a request.
 #[derive(Debug, Clone)]
@@ -65,27 +61,17 @@ pub struct BlockIndex {
     /// (page ids are handed out lowest first), never reserved for the whole pool up front: a pool
     /// sized for the KV tensors costs no token memory until used.
     tokens_of: Vec<u32>,
-    /// The content key of `(parent, tokens)` -> the hashed page with that parent and those tokens. Holds
-    /// every hashed page, once.
-    map: ContentMap,
+    /// The content key of `(parent, tokens)` -> the hashed page with that parent and those
+    /// tokens. Holds every hashed page, once.
+    map: PageTable,
     lists: Links<PageId>,
     /// Random per cache: the content keys, `keys.key(first 8 bytes of h_{i-1}, tokens)`.
     keys: TokenKeys,
     events: EventLog,
-    /// Unit tests set this to give every page the same content key, so that the collision paths
-    /// (a lookup that must compare, a publish that must keep its page private) run.
+    /// Unit tests set this to give every page the same content key, so that the paths where
+    /// several contents share a key run.
     #[cfg(test)]
     collide: bool,
-}
-
-/// The map's answer for one page's content.
-enum Slot {
-    /// The page holding this content.
-    Holds(PageId),
-    /// No page has this content key.
-    Vacant,
-    /// Another content has this key (a chance collision): this content cannot be entered.
-    Collision,
 }
 
 impl BlockIndex {
@@ -104,8 +90,8 @@ impl BlockIndex {
             .take()
             .expect("evictable pages are hashed");
         let key = self.key(&self.parent_of[page.index()], self.page_tokens(page));
-        let removed = self.map.remove(&key);
-        debug_assert_eq!(removed, Some(page));
+        let removed = self.map.remove(key, page);
+        debug_assert!(removed, "hashed pages are mapped");
         if self.events.on {
             self.events.removed(vec![h]);
         }
@@ -141,25 +127,20 @@ impl BlockIndex {
         self.tokens_of[page.index() * p..(page.index() + 1) * p].copy_from_slice(tokens);
     }
 
-    /// What the map holds under `key` for the content `(prev, tokens)`.
-    fn find(&self, key: u64, prev: &BlockHash, tokens: &[u32]) -> Slot {
-        match self.map.get(&key) {
-            None => Slot::Vacant,
-            Some(&page)
-                if self.parent_of[page.index()] == *prev && self.page_tokens(page) == tokens =>
-            {
-                Slot::Holds(page)
-            }
-            Some(_) => Slot::Collision,
-        }
+    /// The hashed page holding the content `(prev, tokens)`, whose content key is `key`.
+    fn find(&self, key: u64, prev: &BlockHash, tokens: &[u32]) -> Option<PageId> {
+        self.map.find(key, |page| {
+            self.parent_of[page.index()] == *prev && self.page_tokens(page) == tokens
+        })
     }
 
     /// The cached page holding `(prev, tokens)`, and its hash `H(prev, tokens)`.
     fn cached(&self, prev: &BlockHash, tokens: &[u32]) -> Option<(PageId, BlockHash)> {
-        match self.find(self.key(prev, tokens), prev, tokens) {
-            Slot::Holds(page) => Some((page, self.hash_of[page.index()].expect("mapped"))),
-            Slot::Vacant | Slot::Collision => None,
-        }
+        let page = self.find(self.key(prev, tokens), prev, tokens)?;
+        Some((
+            page,
+            self.hash_of[page.index()].expect("mapped pages are hashed"),
+        ))
     }
 
     /// Records that pages `run` of `r` entered the map (nothing when recording is off).
@@ -225,13 +206,15 @@ impl Index for BlockIndex {
         for page in 0..num_pages as u32 {
             lists.push_back(FREE, PageId(page));
         }
+        // At most one entry a page: sized for them all, the map never rehashes.
+        let map = PageTable::try_new(num_pages)?;
         Ok(BlockIndex {
             page_size,
             refcount,
             hash_of,
             parent_of,
             tokens_of: Vec::new(),
-            map: ContentMap::default(),
+            map,
             lists,
             keys: TokenKeys::random(),
             events: EventLog::default(),
@@ -317,9 +300,7 @@ impl Index for BlockIndex {
     }
 
     /// A page whose hash another page holds already stays private to `r` (its table does not
-    /// change) and is freed when `r` ends; `r` pins the stored copy in its place. A page whose
-    /// content key another page's content holds (a chance collision) stays private with the rest
-    /// of the request: publishing stops there.
+    /// change) and is freed when `r` ends; `r` pins the stored copy in its place.
     fn publish(&mut self, r: &mut Request<BlockExt>, upto: usize) {
         let p = self.page_size;
         let (first, last) = (r.published / p, upto / p);
@@ -328,7 +309,6 @@ impl Index for BlockIndex {
         }
         // Runs of pages entered into the map, for the event log: (first index, end).
         let mut run = first..first;
-        let mut end = last;
         for i in first..last {
             let prev = match i.checked_sub(1) {
                 Some(j) => r.ext.hashes[j],
@@ -337,7 +317,7 @@ impl Index for BlockIndex {
             let tokens = &r.tokens[i * p..(i + 1) * p];
             let key = self.key(&prev, tokens);
             match self.find(key, &prev, tokens) {
-                Slot::Holds(copy) => {
+                Some(copy) => {
                     if i == r.ext.hashes.len() {
                         r.ext
                             .hashes
@@ -348,7 +328,7 @@ impl Index for BlockIndex {
                     self.record_stored(r, run.clone());
                     run = i + 1..i + 1;
                 }
-                Slot::Vacant => {
+                None => {
                     if i == r.ext.hashes.len() {
                         r.ext.hashes.push(next_hash(&prev, tokens));
                     }
@@ -356,14 +336,10 @@ impl Index for BlockIndex {
                     self.hash_page(r.pages[i], &prev, tokens, h, key);
                     run.end = i + 1;
                 }
-                Slot::Collision => {
-                    end = i;
-                    break;
-                }
             }
         }
         self.record_stored(r, run);
-        r.published = end * p;
+        r.published = last * p;
     }
 
     /// Drops the request's pins, its chain's tail first. At a position where it holds a private
@@ -473,7 +449,7 @@ impl Index for BlockIndex {
                     ));
                 }
                 let key = self.key(&self.parent_of[page.index()], self.page_tokens(page));
-                if self.map.get(&key) != Some(&page) {
+                if self.map.find(key, |q| q == page) != Some(page) {
                     return corrupt(format!(
                         "page {} is hashed but the map does not point to it",
                         page.0
@@ -510,7 +486,7 @@ impl Index for BlockIndex {
     fn metadata_bytes(&self) -> usize {
         self.refcount.capacity() * 4
             + self.hash_of.capacity() * std::mem::size_of::<Option<BlockHash>>()
-            + self.map.capacity() * (std::mem::size_of::<(u64, PageId)>() + 1)
+            + self.map.heap_bytes()
             + self.lists.heap_bytes()
             + self.parent_of.capacity() * 32
             + self.tokens_of.capacity() * 4
@@ -522,22 +498,18 @@ mod tests {
     use super::*;
     use crate::cache::PrefixCache;
 
-    /// Every page's content key made the same (as a chance collision would make two): a lookup
-    /// compares before it serves, so another tenant's prompt is never given the victim's page,
-    /// and a page whose key is taken stays private, with the rest of its request.
+    /// Every page's content key made the same (as equal keys of different contents would make
+    /// them): a lookup compares before it serves, so another tenant's prompt is never given the
+    /// victim's page, and pages of different content under one key are all cached and found.
     #[test]
-    fn a_content_key_collision_is_never_served() {
+    fn pages_sharing_a_content_key_are_told_apart() {
         let mut c = BlockCache::new(16, 2).unwrap();
         c.index_mut().collide = true;
         let victim = [1, 2, 3, 4, 5];
         let r = c.admit(&victim, None).unwrap();
         c.commit(r, 5).unwrap();
         c.finish(r).unwrap();
-        assert_eq!(
-            c.stats().evictable_pages,
-            1,
-            "the second page collides with the first"
-        );
+        assert_eq!(c.stats().evictable_pages, 2);
         let evil: Namespace = Some(b"evil".to_vec().into());
         let prompt = [1, 2, 9];
         assert_eq!(c.match_prefix(&prompt, &evil).unwrap(), 0);
@@ -548,9 +520,11 @@ mod tests {
         c.commit(r, 3).unwrap();
         c.finish(r).unwrap();
         c.check().unwrap();
-        assert_eq!(c.match_prefix(&victim, &None).unwrap(), 2);
-        assert_eq!(c.match_prefix(&prompt, &evil).unwrap(), 0);
-        assert_eq!(c.reset(), 1);
+        assert_eq!(c.match_prefix(&victim, &None).unwrap(), 4);
+        assert_eq!(c.match_prefix(&prompt, &evil).unwrap(), 2);
+        assert_eq!(c.evict(1), 1);
+        c.check().unwrap();
+        assert_eq!(c.reset(), 2);
         c.check().unwrap();
     }
 

@@ -2,7 +2,7 @@
 //!
 //! [`TokenKeys`] turns a page of tokens (after a 64-bit lead word) into a 64-bit key with a
 //! secret per cache, four tokens a folded multiply, as foldhash and wyhash do; the keys are
-//! random already, so the tables' hashers ([`MixHasher`], [`PrefixHasher`]) only place them.
+//! random already, so the radix child maps' hasher ([`MixHasher`]) only places them.
 
 use std::hash::{BuildHasher, Hasher};
 
@@ -70,21 +70,6 @@ impl Hasher for MixHasher {
         self.0 = (self.0 ^ x)
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .rotate_left(29);
-    }
-}
-
-/// Block hashes (32 bytes, uniformly random): their first eight bytes are the table hash.
-#[derive(Default)]
-pub(crate) struct PrefixHasher(u64);
-
-impl Hasher for PrefixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        if bytes.len() >= 8 {
-            self.0 = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-        }
     }
 }
 
