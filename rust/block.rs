@@ -22,12 +22,13 @@
 //! a lookup costs one probe a page, and blake3 runs only for pages published for the first time.
 
 use crate::cache::Cache;
-use crate::error::{corrupt, try_vec, try_with_capacity, Result};
+use crate::error::{corrupt, try_vec, Result};
 use crate::events::EventLog;
 use crate::hash::{next_hash, root_hash, BlockHash};
 use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
+use crate::page_records::PageRecords;
 use crate::page_table::PageTable;
 use crate::request::{Namespace, Request, Requests};
 use crate::table_hash::TokenKeys;
@@ -54,13 +55,8 @@ pub struct BlockExt {
 pub struct BlockIndex {
     page_size: usize,
     refcount: Vec<u32>,
-    hash_of: Vec<Option<BlockHash>>,
-    /// Of each hashed page: the hash of its prefix (`h_{i-1}`).
-    parent_of: Vec<BlockHash>,
-    /// Of each hashed page, its tokens, `page_size` per page. Grown only as pages are hashed
-    /// (page ids are handed out lowest first), never reserved for the whole pool up front: a pool
-    /// sized for the KV tensors costs no token memory until used.
-    tokens_of: Vec<u32>,
+    /// Of each hashed page: its hash `h_i`, its parent hash `h_{i-1}` and its tokens.
+    recs: PageRecords,
     /// The content key of `(parent, tokens)` -> the hashed page with that parent and those
     /// tokens. Holds every hashed page, once.
     map: PageTable,
@@ -86,10 +82,8 @@ impl BlockIndex {
 
     /// Unhashes a page that allocation or eviction takes back.
     fn unhash(&mut self, page: PageId) {
-        let h = self.hash_of[page.index()]
-            .take()
-            .expect("evictable pages are hashed");
-        let key = self.key(&self.parent_of[page.index()], self.page_tokens(page));
+        let key = self.key(&self.recs.parent(page), self.recs.tokens(page));
+        let h = self.recs.clear(page);
         let removed = self.map.remove(key, page);
         debug_assert!(removed, "hashed pages are mapped");
         if self.events.on {
@@ -97,13 +91,7 @@ impl BlockIndex {
         }
     }
 
-    fn page_tokens(&self, page: PageId) -> &[u32] {
-        let p = self.page_size;
-        &self.tokens_of[page.index() * p..(page.index() + 1) * p]
-    }
-
-    /// Enters `page` into the index under `h = H(prev, tokens)`; `key` is its content key, which
-    /// the map does not hold yet.
+    /// Enters `page` into the index under `h = H(prev, tokens)`; `key` is its content key.
     fn hash_page(
         &mut self,
         page: PageId,
@@ -112,35 +100,24 @@ impl BlockIndex {
         h: BlockHash,
         key: u64,
     ) {
-        let p = self.page_size;
         self.map.insert(key, page);
-        self.hash_of[page.index()] = Some(h);
-        self.parent_of[page.index()] = *prev;
-        let end = (page.index() + 1) * p;
-        if self.tokens_of.len() < end {
-            // Double, up to the whole pool, so growth costs amortized O(1) per token.
-            let total = self.refcount.len() * p;
-            let len = end.max(self.tokens_of.len().saturating_mul(2).min(total));
-            self.tokens_of.reserve_exact(len - self.tokens_of.len());
-            self.tokens_of.resize(len, 0);
-        }
-        self.tokens_of[page.index() * p..(page.index() + 1) * p].copy_from_slice(tokens);
+        self.recs.set(page, prev, tokens, &h);
     }
 
-    /// The hashed page holding the content `(prev, tokens)`, whose content key is `key`.
-    fn find(&self, key: u64, prev: &BlockHash, tokens: &[u32]) -> Option<PageId> {
-        self.map.find(key, |page| {
-            self.parent_of[page.index()] == *prev && self.page_tokens(page) == tokens
-        })
+    /// The hashed page holding the content `(prev, tokens)`, whose content key is `key`, and its
+    /// hash.
+    fn find(&self, key: u64, prev: &BlockHash, tokens: &[u32]) -> Option<(PageId, BlockHash)> {
+        let (mut hash, prev) = (None, PageRecords::words_of(prev));
+        let page = self.map.find(key, |page| {
+            hash = self.recs.holds(page, &prev, tokens);
+            hash.is_some()
+        })?;
+        Some((page, hash.expect("found pages hold the content")))
     }
 
     /// The cached page holding `(prev, tokens)`, and its hash `H(prev, tokens)`.
     fn cached(&self, prev: &BlockHash, tokens: &[u32]) -> Option<(PageId, BlockHash)> {
-        let page = self.find(self.key(prev, tokens), prev, tokens)?;
-        Some((
-            page,
-            self.hash_of[page.index()].expect("mapped pages are hashed"),
-        ))
+        self.find(self.key(prev, tokens), prev, tokens)
     }
 
     /// Records that pages `run` of `r` entered the map (nothing when recording is off).
@@ -173,7 +150,7 @@ impl BlockIndex {
         let rc = &mut self.refcount[page.index()];
         *rc -= 1;
         if *rc == 0 {
-            if self.hash_of[page.index()].is_some() {
+            if self.recs.is_hashed(page) {
                 self.lists.push_back(EVICTABLE, page);
             } else {
                 self.lists.push_front(FREE, page);
@@ -197,12 +174,9 @@ impl Index for BlockIndex {
     fn new(num_pages: usize, page_size: usize) -> Result<Self> {
         // The largest arrays are reserved first, before anything is written, so that a pool too
         // large for this machine fails fast and without touching memory.
-        let mut hash_of = try_with_capacity(num_pages)?;
-        let mut parent_of = try_with_capacity(num_pages)?;
+        let recs = PageRecords::try_new(num_pages, page_size)?;
         let refcount = try_vec(num_pages, 0)?;
         let mut lists = Links::try_new(2, num_pages)?;
-        hash_of.resize(num_pages, None);
-        parent_of.resize(num_pages, [0; 32]);
         for page in 0..num_pages as u32 {
             lists.push_back(FREE, PageId(page));
         }
@@ -211,9 +185,7 @@ impl Index for BlockIndex {
         Ok(BlockIndex {
             page_size,
             refcount,
-            hash_of,
-            parent_of,
-            tokens_of: Vec::new(),
+            recs,
             map,
             lists,
             keys: TokenKeys::random(),
@@ -317,11 +289,9 @@ impl Index for BlockIndex {
             let tokens = &r.tokens[i * p..(i + 1) * p];
             let key = self.key(&prev, tokens);
             match self.find(key, &prev, tokens) {
-                Some(copy) => {
+                Some((copy, h)) => {
                     if i == r.ext.hashes.len() {
-                        r.ext
-                            .hashes
-                            .push(self.hash_of[copy.index()].expect("mapped"));
+                        r.ext.hashes.push(h);
                     }
                     self.pin_page(copy);
                     r.ext.stored.push((i as u32, copy));
@@ -405,7 +375,7 @@ impl Index for BlockIndex {
                     return corrupt(format!("a request holds page {}, outside the pool", page.0));
                 };
                 *rc += 1;
-                if i < r.num_cached / p && self.hash_of[page.index()] != Some(r.ext.hashes[i]) {
+                if i < r.num_cached / p && self.recs.hash(page) != Some(r.ext.hashes[i]) {
                     return corrupt(format!(
                         "page {}, a cache hit, no longer holds its prefix",
                         page.0
@@ -415,8 +385,8 @@ impl Index for BlockIndex {
             for &(at, copy) in &r.ext.stored {
                 let at = at as usize;
                 let stands_for = at < r.published / p
-                    && self.hash_of[copy.index()] == Some(r.ext.hashes[at])
-                    && self.hash_of[r.pages[at].index()].is_none();
+                    && self.recs.hash(copy) == Some(r.ext.hashes[at])
+                    && !self.recs.is_hashed(r.pages[at]);
                 if !stands_for {
                     return corrupt(format!(
                         "request position {at}: stored copy {} does not stand for its private page",
@@ -441,14 +411,15 @@ impl Index for BlockIndex {
                     page.0
                 ));
             }
-            if let Some(h) = self.hash_of[page.index()] {
-                if next_hash(&self.parent_of[page.index()], self.page_tokens(page)) != h {
+            if let Some(h) = self.recs.hash(page) {
+                let (parent, tokens) = (self.recs.parent(page), self.recs.tokens(page));
+                if next_hash(&parent, tokens) != h {
                     return corrupt(format!(
                         "page {}: its parent hash and tokens do not hash to its key",
                         page.0
                     ));
                 }
-                let key = self.key(&self.parent_of[page.index()], self.page_tokens(page));
+                let key = self.key(&parent, tokens);
                 if self.map.find(key, |q| q == page) != Some(page) {
                     return corrupt(format!(
                         "page {} is hashed but the map does not point to it",
@@ -459,9 +430,7 @@ impl Index for BlockIndex {
         }
         for (list, hashed, name) in [(FREE, false, "free"), (EVICTABLE, true, "evictable")] {
             for page in self.lists.iter(list) {
-                if self.hash_of[page.index()].is_some() != hashed
-                    || self.refcount[page.index()] != 0
-                {
+                if self.recs.is_hashed(page) != hashed || self.refcount[page.index()] != 0 {
                     return corrupt(format!(
                         "page {} does not belong on the {name} list",
                         page.0
@@ -469,7 +438,7 @@ impl Index for BlockIndex {
                 }
             }
         }
-        let hashed = self.hash_of.iter().filter(|h| h.is_some()).count();
+        let hashed = self.recs.count();
         if hashed != self.map.len() {
             return corrupt(format!(
                 "{hashed} pages are hashed, the map holds {}",
@@ -485,11 +454,9 @@ impl Index for BlockIndex {
 
     fn metadata_bytes(&self) -> usize {
         self.refcount.capacity() * 4
-            + self.hash_of.capacity() * std::mem::size_of::<Option<BlockHash>>()
+            + self.recs.heap_bytes()
             + self.map.heap_bytes()
             + self.lists.heap_bytes()
-            + self.parent_of.capacity() * 32
-            + self.tokens_of.capacity() * 4
     }
 }
 

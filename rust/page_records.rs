@@ -25,7 +25,8 @@ pub struct PageRecords {
     count: usize,
 }
 
-const HASH_WORDS: usize = 8;
+/// Words of a 32-byte hash.
+pub const HASH_WORDS: usize = 8;
 
 fn to_words(h: &BlockHash) -> [u32; HASH_WORDS] {
     std::array::from_fn(|i| u32::from_le_bytes(h[4 * i..4 * i + 4].try_into().expect("4 bytes")))
@@ -89,13 +90,24 @@ impl PageRecords {
         &self.record(page)[2 * HASH_WORDS..]
     }
 
-    /// Whether hashed `page` holds `tokens` after parent hash `prev`; if so, its hash.
+    /// Whether hashed `page` holds `tokens` after the parent hash whose words are `prev` (see
+    /// [`PageRecords::words_of`]); if so, its hash.
     #[inline]
-    pub fn holds(&self, page: PageId, prev: &BlockHash, tokens: &[u32]) -> Option<BlockHash> {
+    pub fn holds(
+        &self,
+        page: PageId,
+        prev: &[u32; HASH_WORDS],
+        tokens: &[u32],
+    ) -> Option<BlockHash> {
         let rec = self.record(page);
         let (hash, rest) = rec.split_at(HASH_WORDS);
         let (parent, toks) = rest.split_at(HASH_WORDS);
-        (parent == to_words(prev) && toks == tokens).then(|| from_words(hash))
+        (parent == prev && toks == tokens).then(|| from_words(hash))
+    }
+
+    /// A hash as the record stores it, for [`PageRecords::holds`].
+    pub fn words_of(h: &BlockHash) -> [u32; HASH_WORDS] {
+        to_words(h)
     }
 
     /// Records `page` as hashed: `h = H(prev, tokens)`.
@@ -144,9 +156,13 @@ mod tests {
         r.set(PageId(9), &prev, &[1, 2, 3], &h);
         assert_eq!((r.hash(PageId(9)), r.parent(PageId(9))), (Some(h), prev));
         assert_eq!(r.tokens(PageId(9)), &[1, 2, 3]);
-        assert_eq!(r.holds(PageId(9), &prev, &[1, 2, 3]), Some(h));
-        assert_eq!(r.holds(PageId(9), &prev, &[1, 2, 4]), None);
-        assert_eq!(r.holds(PageId(9), &h, &[1, 2, 3]), None);
+        let w = PageRecords::words_of(&prev);
+        assert_eq!(r.holds(PageId(9), &w, &[1, 2, 3]), Some(h));
+        assert_eq!(r.holds(PageId(9), &w, &[1, 2, 4]), None);
+        assert_eq!(
+            r.holds(PageId(9), &PageRecords::words_of(&h), &[1, 2, 3]),
+            None
+        );
         assert_eq!(r.count(), 1);
         assert_eq!(r.clear(PageId(9)), h);
         assert!(!r.is_hashed(PageId(9)));
