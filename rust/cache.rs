@@ -6,6 +6,7 @@ use crate::events::CacheEvent;
 use crate::index::{Cursor, Index};
 use crate::request::{new_cache_id, Namespace, Request, RequestId, RequestView, Requests};
 use crate::stats::{CacheStats, Counters};
+use std::borrow::Cow;
 
 /// A prefix cache over a fixed pool of pages: the operations of the design, for either index.
 ///
@@ -14,6 +15,10 @@ pub trait PrefixCache: Send {
     /// Finds the longest cached prefix of `tokens` in `namespace`, pins its pages and allocates
     /// pages for the rest, all or nothing.
     fn admit(&mut self, tokens: &[u32], namespace: Namespace) -> Result<RequestId>;
+    /// [`PrefixCache::admit`] of tokens the caller owns: the request keeps them, uncopied.
+    fn admit_owned(&mut self, tokens: Vec<u32>, namespace: Namespace) -> Result<RequestId> {
+        self.admit(&tokens, namespace)
+    }
     /// Appends tokens to a live request, allocating pages as needed.
     fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<()>;
     /// Marks `tokens[..num_computed]` as written and publishes the full pages this completes.
@@ -128,6 +133,30 @@ impl<I: Index> Cache<I> {
         &mut self.index
     }
 
+    /// Admission of borrowed or owned tokens (see [`PrefixCache::admit`]).
+    fn open(&mut self, tokens: Cow<'_, [u32]>, namespace: Namespace) -> Result<RequestId> {
+        check_prompt(&tokens)?;
+        let (p, n) = (self.index.page_size(), tokens.len());
+        let found = self.index.lookup(&tokens[..match_limit(n, p)], &namespace);
+        let matched = found.matched;
+        let needed = n.div_ceil(p) - matched / p;
+        self.reserve(needed, found.evictable)?;
+        // Nothing below can fail.
+        let mut pages = Vec::with_capacity(n.div_ceil(p));
+        let ext = self.index.pin(found, &namespace, &mut pages);
+        self.counters.evicted_pages += self.index.allocate(needed, &mut pages) as u64;
+        self.counters.record_query(n, matched);
+        Ok(self.requests.insert(Request {
+            tokens: tokens.into_owned(),
+            namespace,
+            pages,
+            num_cached: matched,
+            num_computed: matched,
+            published: matched,
+            ext,
+        }))
+    }
+
     /// Closes `id`, publishing what it computed first when `publish`.
     fn release(&mut self, id: RequestId, publish: bool) -> Result<()> {
         let mut r = self.requests.remove(id)?;
@@ -152,26 +181,11 @@ impl<I: Index> Cache<I> {
 
 impl<I: Index> PrefixCache for Cache<I> {
     fn admit(&mut self, tokens: &[u32], namespace: Namespace) -> Result<RequestId> {
-        check_prompt(tokens)?;
-        let (p, n) = (self.index.page_size(), tokens.len());
-        let found = self.index.lookup(&tokens[..match_limit(n, p)], &namespace);
-        let matched = found.matched;
-        let needed = n.div_ceil(p) - matched / p;
-        self.reserve(needed, found.evictable)?;
-        // Nothing below can fail.
-        let mut pages = Vec::with_capacity(n.div_ceil(p));
-        let ext = self.index.pin(found, &namespace, &mut pages);
-        self.counters.evicted_pages += self.index.allocate(needed, &mut pages) as u64;
-        self.counters.record_query(n, matched);
-        Ok(self.requests.insert(Request {
-            tokens: tokens.to_vec(),
-            namespace,
-            pages,
-            num_cached: matched,
-            num_computed: matched,
-            published: matched,
-            ext,
-        }))
+        self.open(Cow::Borrowed(tokens), namespace)
+    }
+
+    fn admit_owned(&mut self, tokens: Vec<u32>, namespace: Namespace) -> Result<RequestId> {
+        self.open(Cow::Owned(tokens), namespace)
     }
 
     fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<()> {

@@ -60,7 +60,8 @@ impl FreeSet {
         id < self.capacity && self.words[id / 64] & (1 << (id % 64)) != 0
     }
 
-    /// Adds `id`, which must not be a member.
+    /// Adds `id`, which must not be a member (what `insert_all(&[id])` does).
+    #[cfg(test)]
     pub fn insert(&mut self, page: PageId) {
         debug_assert!(page.0 < self.capacity as u32 && !self.contains(page));
         let id = page.0 as usize;
@@ -71,7 +72,8 @@ impl FreeSet {
         self.len += 1;
     }
 
-    /// Removes and returns the smallest member.
+    /// Removes and returns the smallest member (what `pop_many(1, ..)` takes).
+    #[cfg(test)]
     pub fn pop(&mut self) -> Option<PageId> {
         let s = self.low + self.summary[self.low..].iter().position(|&s| s != 0)?;
         self.low = s;
@@ -83,6 +85,73 @@ impl FreeSet {
         }
         self.len -= 1;
         Some(PageId((w * 64 + bit) as u32))
+    }
+
+    /// Adds every page of `pages` (distinct non-members), a bitmap word at a time: the bits of
+    /// consecutive ids that share a word are gathered before the word is written.
+    pub fn insert_all(&mut self, pages: &[PageId]) {
+        let (mut word, mut bits) = (usize::MAX, 0u64);
+        for &page in pages {
+            debug_assert!(page.0 < self.capacity as u32 && !self.contains(page));
+            let id = page.0 as usize;
+            if id / 64 != word {
+                self.set_bits(word, bits);
+                (word, bits) = (id / 64, 0);
+            }
+            debug_assert_eq!(bits & 1 << (id % 64), 0, "page {id} given twice");
+            bits |= 1 << (id % 64);
+        }
+        self.set_bits(word, bits);
+        self.len += pages.len();
+    }
+
+    fn set_bits(&mut self, w: usize, bits: u64) {
+        if bits == 0 {
+            return;
+        }
+        self.words[w] |= bits;
+        self.summary[w / 64] |= 1 << (w % 64);
+        self.low = self.low.min(w / 64);
+    }
+
+    /// Removes the `count` smallest members into `out`, in increasing order: what `count` calls
+    /// of [`FreeSet::pop`] would return, taken a bitmap word at a time (a word of free pages is
+    /// one run of 64 ids). Panics if fewer than `count` are members.
+    pub fn pop_many(&mut self, count: usize, out: &mut Vec<PageId>) {
+        assert!(
+            count <= self.len,
+            "pop_many({count}) of a set of {}",
+            self.len
+        );
+        out.reserve(count);
+        let mut left = count;
+        while left > 0 {
+            let s = self.low
+                + self.summary[self.low..]
+                    .iter()
+                    .position(|&s| s != 0)
+                    .expect("len counted");
+            self.low = s;
+            let w = s * 64 + self.summary[s].trailing_zeros() as usize;
+            let mut bits = self.words[w];
+            let base = (w * 64) as u32;
+            if bits == u64::MAX && left >= 64 {
+                out.extend((base..base + 64).map(PageId));
+                bits = 0;
+                left -= 64;
+            } else {
+                while bits != 0 && left > 0 {
+                    out.push(PageId(base + bits.trailing_zeros()));
+                    bits &= bits - 1;
+                    left -= 1;
+                }
+            }
+            self.words[w] = bits;
+            if bits == 0 {
+                self.summary[s] &= !(1 << (w % 64));
+            }
+        }
+        self.len -= count;
     }
 
     /// Heap bytes held.
@@ -110,6 +179,55 @@ mod tests {
         assert_eq!(f.pop(), Some(PageId(64)));
         assert_eq!(f.pop(), Some(PageId(129)));
         assert_eq!(f.len(), 0);
+    }
+
+    #[test]
+    fn pop_many_takes_what_pops_would() {
+        // A set with holes of every shape: full words, partial words, empty summary words.
+        let mut set = FreeSet::full(10_000);
+        let mut taken = Vec::new();
+        set.pop_many(9_000, &mut taken);
+        assert_eq!(taken, (0..9_000).map(PageId).collect::<Vec<_>>());
+        let mut x = 12345u64;
+        for &page in &taken {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            if x >> 62 != 0 {
+                set.insert(page);
+            }
+        }
+        for count in [0, 1, 63, 64, 65, 130, 4096, 500] {
+            let mut by_pop = set.clone();
+            let want: Vec<PageId> = (0..count).map(|_| by_pop.pop().unwrap()).collect();
+            let mut got = Vec::new();
+            set.pop_many(count, &mut got);
+            assert_eq!(got, want, "pop_many({count})");
+            assert_eq!(set.len(), by_pop.len());
+            assert_eq!(set.pop(), by_pop.pop());
+        }
+    }
+
+    #[test]
+    fn insert_all_adds_what_inserts_would() {
+        let mut a = FreeSet::full(5_000);
+        let mut all = Vec::new();
+        a.pop_many(5_000, &mut all);
+        let mut b = a.clone();
+        // Runs, a full aligned word, scattered ids and a descending stretch.
+        let mut pages: Vec<PageId> = (100..300).chain(4_032..4_096).map(PageId).collect();
+        pages.extend([7, 4_999, 64, 65, 3_000].map(PageId));
+        pages.extend((1_000..1_100).rev().map(PageId));
+        for &p in &pages {
+            a.insert(p);
+        }
+        b.insert_all(&pages);
+        assert_eq!(a.len(), b.len());
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        a.pop_many(a.len(), &mut x);
+        b.pop_many(b.len(), &mut y);
+        assert_eq!(x, y);
+        assert_eq!(b.pop(), None);
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //! in `python/` behind the `python` cargo feature.
 //!
 //! ```text
-//!   error  ids  stats  hash  links  freeset        (leaves)
+//!   error  ids  stats  hash  links  freeset  table_hash  page_table  page_records   (leaves)
 //!   events (what a cache records for routers, when asked to)
 //!   request ── index ── cache ──┬── radix
 //!                               ├── block
@@ -34,6 +34,8 @@ mod hash;
 mod ids;
 mod index;
 mod links;
+mod page_records;
+mod page_table;
 mod plan;
 mod radix;
 mod request;

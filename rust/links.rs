@@ -19,11 +19,23 @@ const UNLINKED: u32 = u32::MAX;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListId(pub u32);
 
+/// The neighbours of one slot. Kept together, so that an unlink touches one cache line a
+/// neighbour rather than two.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    prev: u32,
+    next: u32,
+}
+
+const FREE_LINK: Link = Link {
+    prev: UNLINKED,
+    next: UNLINKED,
+};
+
 /// Storage for a few intrusive lists over the ids `0..capacity`.
 #[derive(Debug, Clone)]
 pub struct Links<T> {
-    prev: Vec<u32>,
-    next: Vec<u32>,
+    links: Vec<Link>,
     lens: Vec<usize>,
     id: PhantomData<T>,
 }
@@ -37,15 +49,15 @@ impl<T: ArenaId> Links<T> {
     /// `num_lists` empty lists over ids `0..capacity`, or an error when they cannot be allocated.
     pub fn try_new(num_lists: u32, capacity: usize) -> crate::error::Result<Self> {
         let n = num_lists as usize;
-        let mut prev = crate::error::try_vec(n.saturating_add(capacity), UNLINKED)?;
-        let mut next = crate::error::try_vec(n.saturating_add(capacity), UNLINKED)?;
-        for s in 0..n {
-            prev[s] = s as u32;
-            next[s] = s as u32;
+        let mut links = crate::error::try_vec(n.saturating_add(capacity), FREE_LINK)?;
+        for (s, link) in links.iter_mut().enumerate().take(n) {
+            *link = Link {
+                prev: s as u32,
+                next: s as u32,
+            };
         }
         Ok(Links {
-            prev,
-            next,
+            links,
             lens: vec![0; n],
             id: PhantomData,
         })
@@ -58,9 +70,8 @@ impl<T: ArenaId> Links<T> {
     /// Makes room for ids `0..capacity`.
     pub fn ensure(&mut self, capacity: usize) {
         let want = self.lens.len() + capacity;
-        if self.prev.len() < want {
-            self.prev.resize(want, UNLINKED);
-            self.next.resize(want, UNLINKED);
+        if self.links.len() < want {
+            self.links.resize(want, FREE_LINK);
         }
     }
 
@@ -71,23 +82,26 @@ impl<T: ArenaId> Links<T> {
 
     /// Whether `id` is in some list.
     pub fn is_linked(&self, id: T) -> bool {
-        self.next[(self.base() + id.raw()) as usize] != UNLINKED
+        self.links[(self.base() + id.raw()) as usize].next != UNLINKED
     }
 
     fn link_after(&mut self, list: ListId, at: u32, id: T) {
         let i = self.base() + id.raw();
-        debug_assert_eq!(self.next[i as usize], UNLINKED, "{id:?} is linked already");
-        let after = self.next[at as usize];
-        self.prev[i as usize] = at;
-        self.next[i as usize] = after;
-        self.next[at as usize] = i;
-        self.prev[after as usize] = i;
+        debug_assert_eq!(
+            self.links[i as usize].next, UNLINKED,
+            "{id:?} is linked already"
+        );
+        let after = self.links[at as usize].next;
+        self.links[i as usize].prev = at;
+        self.links[i as usize].next = after;
+        self.links[at as usize].next = i;
+        self.links[after as usize].prev = i;
         self.lens[list.0 as usize] += 1;
     }
 
     /// Appends `id` at the back of `list`.
     pub fn push_back(&mut self, list: ListId, id: T) {
-        let back = self.prev[list.0 as usize];
+        let back = self.links[list.0 as usize].prev;
         self.link_after(list, back, id);
     }
 
@@ -98,19 +112,19 @@ impl<T: ArenaId> Links<T> {
 
     /// Inserts `id` right before the element `before` (which must be in `list`).
     pub fn insert_before(&mut self, list: ListId, before: T, id: T) {
-        let at = self.prev[(self.base() + before.raw()) as usize];
+        let at = self.links[(self.base() + before.raw()) as usize].prev;
         self.link_after(list, at, id);
     }
 
     /// Unlinks `id` from `list`, which must hold it.
     pub fn remove(&mut self, list: ListId, id: T) {
         let i = (self.base() + id.raw()) as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
+        let (p, n) = (self.links[i].prev, self.links[i].next);
         debug_assert_ne!(n, UNLINKED, "{id:?} is not linked");
-        self.next[p as usize] = n;
-        self.prev[n as usize] = p;
-        self.prev[i] = UNLINKED;
-        self.next[i] = UNLINKED;
+        self.links[p as usize].next = n;
+        self.links[n as usize].prev = p;
+        self.links[i].prev = UNLINKED;
+        self.links[i].next = UNLINKED;
         self.lens[list.0 as usize] -= 1;
     }
 
@@ -120,12 +134,12 @@ impl<T: ArenaId> Links<T> {
 
     /// The front element of `list`.
     pub fn front(&self, list: ListId) -> Option<T> {
-        self.element(self.next[list.0 as usize])
+        self.element(self.links[list.0 as usize].next)
     }
 
     /// The element after `id` in its list.
     pub fn next_of(&self, id: T) -> Option<T> {
-        self.element(self.next[(self.base() + id.raw()) as usize])
+        self.element(self.links[(self.base() + id.raw()) as usize].next)
     }
 
     /// Removes and returns the front element of `list`.
@@ -142,7 +156,7 @@ impl<T: ArenaId> Links<T> {
 
     /// Heap bytes held.
     pub fn heap_bytes(&self) -> usize {
-        (self.prev.capacity() + self.next.capacity()) * 4 + self.lens.capacity() * 8
+        self.links.capacity() * std::mem::size_of::<Link>() + self.lens.capacity() * 8
     }
 }
 

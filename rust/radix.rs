@@ -25,10 +25,9 @@ use crate::ids::{ArenaId, PageId};
 use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
 use crate::request::{Namespace, Request, Requests};
-use crate::table_hash::MixHasher;
-use std::collections::hash_map::RandomState;
+use crate::table_hash::{MixHasher, TokenKeys};
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
 /// A prefix cache indexed by a compressed radix tree over token ids.
 pub type RadixCache = Cache<RadixIndex>;
@@ -139,8 +138,8 @@ pub struct RadixIndex {
     /// Pages held by unpinned nodes.
     evictable: usize,
     clock: u64,
-    /// Keys the hash of pages longer than two tokens.
-    hasher: RandomState,
+    /// Keys pages longer than two tokens.
+    keys: TokenKeys,
     events: EventLog,
     /// Unit tests set this to give every page the same child key, so that the collision paths
     /// (a lookup that must compare the page, a publish that must keep its page private) run.
@@ -162,8 +161,8 @@ impl RadixIndex {
         self.clock
     }
 
-    /// Child-map key of a page: exact for pages of one or two tokens; otherwise SipHash keyed
-    /// with this cache's random key, so nobody can construct two pages that collide. Lookups
+    /// Child-map key of a page: exact for pages of one or two tokens; otherwise a key seeded with
+    /// this cache's random secret, so nobody can construct two pages that collide. Lookups
     /// compare the page itself: a chance collision (2^-64 per pair) can only cost a cache hit.
     fn page_key(&self, page: &[u32]) -> u64 {
         #[cfg(test)]
@@ -173,13 +172,7 @@ impl RadixIndex {
         match page {
             [t] => *t as u64,
             [a, b] => (*a as u64) << 32 | *b as u64,
-            _ => {
-                let mut h = self.hasher.build_hasher();
-                for &t in page {
-                    h.write_u32(t);
-                }
-                h.finish()
-            }
+            _ => self.keys.key(0, page),
         }
     }
 
@@ -390,7 +383,7 @@ impl Index for RadixIndex {
             free: FreeSet::try_full(num_pages)?,
             evictable: 0,
             clock: 0,
-            hasher: RandomState::new(),
+            keys: TokenKeys::random(),
             events: EventLog::default(),
             #[cfg(test)]
             collide: false,
@@ -468,7 +461,7 @@ impl Index for RadixIndex {
     fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize {
         let short = count.saturating_sub(self.free.len());
         let evicted = if short > 0 { self.evict(short) } else { 0 };
-        out.extend((0..count).map(|_| self.free.pop().expect("capacity checked")));
+        self.free.pop_many(count, out);
         evicted
     }
 
@@ -534,14 +527,9 @@ impl Index for RadixIndex {
         if self.node(r.ext.last).parent == NIL {
             self.drop_root_if_empty(r.ext.last);
         }
-        let private = r
-            .ext
-            .dups
-            .iter()
-            .chain(&r.pages[r.published / self.page_size..]);
-        for &page in private {
-            self.free.insert(page);
-        }
+        self.free.insert_all(&r.ext.dups);
+        self.free
+            .insert_all(&r.pages[r.published / self.page_size..]);
     }
 
     /// Frees up to `want` pages from the least recently used leaves; returns how many.
@@ -561,9 +549,7 @@ impl Index for RadixIndex {
             let n = &mut self.nodes[leaf.index()];
             let take = (want - done).min(n.pages.len());
             let keep = n.pages.len() - take;
-            for &page in &n.pages[keep..] {
-                self.free.insert(page);
-            }
+            self.free.insert_all(&n.pages[keep..]);
             n.pages.truncate(keep);
             n.key.truncate(keep * p);
             self.evictable -= take;

@@ -1,8 +1,57 @@
-//! The hash-table hashers of the two indexes' maps. Their keys are random already (keyed SipHash
-//! or exact small values for radix children, blake3 output for block hashes), so hashing them
-//! again would only cost time.
+//! The keys of the two indexes' hash tables and the hashers that place them.
+//!
+//! [`TokenKeys`] turns a page of tokens (after a 64-bit lead word) into a 64-bit key with a
+//! secret per cache, four tokens a folded multiply, as foldhash and wyhash do; the keys are
+//! random already, so the radix child maps' hasher ([`MixHasher`]) only places them.
 
-use std::hash::Hasher;
+use std::hash::{BuildHasher, Hasher};
+
+/// `a * b` in 128 bits, folded to 64 by xor of its halves.
+#[inline]
+fn fold_mul(a: u64, b: u64) -> u64 {
+    let p = (a as u128) * (b as u128);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+/// A seeded 64-bit key of token pages. The secret is random per instance, so nobody can build
+/// prompts whose pages collide or pile into one bucket of a table (hash flooding) without it;
+/// users compare the tokens of a candidate exactly, so a chance collision (2^-64 a pair) costs
+/// at most a cache hit, never a wrong page.
+#[derive(Debug, Clone)]
+pub(crate) struct TokenKeys {
+    secret: [u64; 4],
+}
+
+impl TokenKeys {
+    /// Keys with a fresh secret, drawn from the standard library's per-process random keys.
+    pub fn random() -> Self {
+        let state = std::collections::hash_map::RandomState::new();
+        TokenKeys {
+            secret: std::array::from_fn(|i| {
+                let mut h = state.build_hasher();
+                h.write_usize(i);
+                h.finish() | 1
+            }),
+        }
+    }
+
+    /// The key of `tokens` after `lead` (a prefix's hash, or 0). `lead` is multiplied in first,
+    /// never xored into a token word, so a prompt built to cancel a known lead needs the secret.
+    pub fn key(&self, lead: u64, tokens: &[u32]) -> u64 {
+        let s = &self.secret;
+        let word = |pair: &[u32]| match *pair {
+            [a, b] => (a as u64) << 32 | b as u64,
+            [a] => a as u64,
+            _ => 0,
+        };
+        let mut h = fold_mul(lead ^ s[2], tokens.len() as u64 ^ s[3]);
+        for quad in tokens.chunks(4) {
+            let (lo, hi) = quad.split_at(quad.len().min(2));
+            h = fold_mul(h ^ word(lo) ^ s[0], word(hi) ^ s[1]);
+        }
+        fold_mul(h ^ s[2], s[3])
+    }
+}
 
 /// Radix child keys (`u64`): one multiply and a rotation, enough to spread them over a table.
 #[derive(Default)]
@@ -24,17 +73,24 @@ impl Hasher for MixHasher {
     }
 }
 
-/// Block hashes (32 bytes, uniformly random): their first eight bytes are the table hash.
-#[derive(Default)]
-pub(crate) struct PrefixHasher(u64);
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl Hasher for PrefixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        if bytes.len() >= 8 {
-            self.0 = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-        }
+    #[test]
+    fn keys_depend_on_lead_tokens_order_and_secret() {
+        let (a, b) = (TokenKeys::random(), TokenKeys::random());
+        let page = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16];
+        let k = a.key(7, &page);
+        assert_eq!(k, a.key(7, &page));
+        assert_ne!(k, a.key(8, &page));
+        assert_ne!(k, a.key(7, &page[..15]));
+        let mut swapped = page;
+        swapped.swap(0, 1);
+        assert_ne!(k, a.key(7, &swapped));
+        assert_ne!(k, b.key(7, &page), "two instances, two secrets");
+        // Every odd length takes its tail into account.
+        assert_ne!(a.key(0, &[1, 2, 3]), a.key(0, &[1, 2, 4]));
+        assert_ne!(a.key(0, &[1]), a.key(0, &[2]));
     }
 }

@@ -139,9 +139,8 @@ impl PyCache {
         let py = slf.py();
         let toks = convert::tokens("tokens", tokens)?;
         let ns = convert::namespace(namespace)?;
-        let id = slf
-            .get()
-            .with(py, toks.len() >= LONG, |c| c.admit(&toks, ns))?;
+        let long = toks.len() >= LONG;
+        let id = slf.get().with(py, long, |c| c.admit_owned(toks, ns))?;
         let ns_obj = namespace.map_or_else(|| py.None(), |o| o.clone().unbind());
         Ok(new_request(slf, id, ns_obj))
     }
