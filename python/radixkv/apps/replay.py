@@ -17,11 +17,28 @@ time (the last one a batch admitted). Short of pages, its next chunk waits, and 
 it, for decodes to finish and release theirs; it fits the pool alone, so it never waits forever.
 
 Out: hit rate, evictions, tokens computed, queue waits, time to first token.
+
+Replicas (:func:`replay_replicas`): K such servers, each with its own cache and pool, behind a
+router that sends each request, at its arrival, to one of them. The servers run side by side in
+simulated time: before a request is routed every server has run up to its arrival, so the router
+sees each one's cache and load as they are then. The load of a replica is its *outstanding
+tokens*: the prompt tokens of the requests routed to it whose first token has not come yet
+(queued, or in a batch that has not ended): the prefill work a new request would find ahead of
+it, which is what its time to first token waits for. The routers (:data:`ROUTERS`):
+
+- ``round-robin``: replica ``i mod K`` for the ``i``-th request in arrival order.
+- ``least-loaded``: the replica with the fewest outstanding tokens (ties: the lower index).
+- ``prefix``: the replica whose cache holds the longest prefix of the prompt
+  (``cache.match_prefix``, which changes nothing; ties: the lower load, then the lower index),
+  unless its load exceeds the least-loaded replica's by more than ``balance_threshold`` tokens:
+  then the least-loaded one. SGLang's router documents the same rule for its cache-aware policy
+  (with loads counted in requests).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +50,14 @@ from radixkv.apps.caches import make_cache
 from radixkv.apps.trace import TraceRequest
 
 OUTPUT_BASE = 2**31  # output token ids live above every Mooncake prompt id
+
+#: The routers of :func:`replay_replicas`.
+ROUTERS = ("round-robin", "prefix", "least-loaded")
+
+#: Default of ``balance_threshold``, in outstanding tokens: one full batch at the default token
+#: budget, about 2.6 s of prefill at the default 50,000 tokens/s. The replica holding the longest
+#: prefix is kept while it has at most one batch more of prefill ahead than the least-loaded one.
+DEFAULT_BALANCE_THRESHOLD = 131_072.0
 
 
 @dataclass
@@ -102,22 +127,62 @@ class _Server:
         self.waiting: dict[int, int] = {}  # scheduler id -> trace index
         self.prefilling: list[_Prefill] = []  # admission order
         self.decoding: list[tuple[float, int, radixkv.Request]] = []  # heap by finish time
+        self.now = 0.0  # the server's clock: it has run every batch that starts before it
+        self.outstanding = 0  # prompt tokens queued here whose first token is not yet settled
+        self.assigned = 0  # prompt tokens of every request queued here
+        self.first_tokens: list[tuple[float, int]] = []  # heap: (first token time, prompt)
+        #: (time, cumulative cached tokens, cumulative prompt tokens) after each batch
+        self.counts: list[tuple[float, int, int]] = []
 
-    def queue(self, idx: int) -> None:
-        """Queues request ``idx``, or drops it when the pool could never hold it."""
+    def queue(self, idx: int) -> bool:
+        """Queues request ``idx``; False (and dropped) when the pool could never hold it."""
         r = self.requests[idx]
         try:
             sid = self.sched.add(r.tokens, r.namespace, max_new_tokens=r.output_length)
         except ValueError:
             self.res.dropped += 1
             self.bar.update(1)
-            return
+            return False
         self.waiting[sid] = idx
+        self.outstanding += len(r.tokens)
+        self.assigned += len(r.tokens)
+        return True
+
+    def load(self, t: float) -> int:
+        """Outstanding tokens at time ``t`` (at or after the start of the server's last batch):
+        prompt tokens of the requests queued here whose first token has not come by ``t``."""
+        return self.outstanding - sum(n for when, n in self.first_tokens if when <= t)
 
     def release_decodes(self, now: float) -> None:
-        """Finishes the requests whose decoding has ended by ``now``."""
+        """Finishes the requests whose decoding has ended by ``now``; settles the first tokens
+        that have come by then."""
         while self.decoding and self.decoding[0][0] <= now:
             self.cache.finish(heapq.heappop(self.decoding)[2])
+        while self.first_tokens and self.first_tokens[0][0] <= now:
+            self.outstanding -= heapq.heappop(self.first_tokens)[1]
+
+    def advance(self, until: float) -> None:
+        """Runs the server while its clock is before ``until``: finishes decodes, computes
+        batches, idles to the next finish or to ``until``. A batch started before ``until``
+        may end after it. ``until=math.inf`` runs until all work is done."""
+        while self.now < until:
+            self.release_decodes(self.now)
+            done = self.run_batch(self.now)
+            if done is not None:
+                self.now = done
+                continue
+            finish = _next_finish(self.decoding)
+            if finish is not None and finish < until:
+                self.now = finish
+            elif until < math.inf:
+                self.now = until
+            elif self.waiting or self.prefilling:  # each fits the pool alone: never happens
+                raise RuntimeError(
+                    f"replay stalled on an idle pool: {len(self.waiting)} requests waiting, "
+                    f"{len(self.prefilling)} in progress"
+                )
+            else:
+                return
 
     def run_batch(self, now: float) -> float | None:
         """Forms one batch at ``now`` and computes it; returns when it is done (None: nothing
@@ -140,6 +205,7 @@ class _Server:
             if job.num_tokens == len(self.requests[job.idx].tokens):
                 self._decode(job, done)
         self.res.hit_curve.append((done, self.res.hit_rate))
+        self.counts.append((done, self.res.cached_tokens, self.res.prompt_tokens))
         return done
 
     def _grow(self, budget: int) -> tuple[list[tuple[_Prefill, int]], bool]:
@@ -174,6 +240,7 @@ class _Server:
         self.prefilling.remove(job)
         r = self.requests[job.idx]
         self.res.ttfts.append(now - r.arrival)
+        heapq.heappush(self.first_tokens, (now, len(r.tokens)))
         if r.output_length:
             ids = job.idx * 8192 + np.arange(r.output_length)
             out = (OUTPUT_BASE + ids % OUTPUT_BASE).astype(np.uint32)
@@ -196,51 +263,187 @@ def replay(
     """Simulates ``config`` over ``requests`` and returns the figures. ``on_start(cache,
     scheduler)`` is called once the simulated server's cache and scheduler exist (to watch
     them, e.g. serve their metrics)."""
-    server = _Server(requests, config, _progress(len(requests), progress, config))
+    server = _Server(requests, config, _progress(len(requests), progress, config.policy, config))
     if on_start is not None:
         on_start(server.cache, server.sched)
-    arrivals = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    now, nxt = 0.0, 0
-    while nxt < len(arrivals) or server.waiting or server.prefilling or server.decoding:
-        while nxt < len(arrivals) and requests[arrivals[nxt]].arrival <= now:
-            server.queue(arrivals[nxt])
-            nxt += 1
-        server.release_decodes(now)
-        done = server.run_batch(now)
-        if done is not None:
-            now = done
-            continue
-        upcoming = [
-            t
-            for t in (_next_arrival(requests, arrivals, nxt), _next_finish(server.decoding))
-            if t is not None
-        ]
-        if upcoming:
-            now = max(now, min(upcoming))
-        elif server.waiting or server.prefilling:  # each fits the pool alone: never happens
-            raise RuntimeError(
-                f"replay stalled on an idle pool: {len(server.waiting)} requests waiting, "
-                f"{len(server.prefilling)} in progress"
-            )
+    _drive(requests, [server], lambda idx, t: 0)
     server.bar.close()
-    server.res.evicted_pages = server.cache.stats.evicted_pages
-    server.cache.check()
     return server.res
 
 
-def _next_arrival(requests: Sequence[TraceRequest], order: list[int], nxt: int) -> float | None:
-    return requests[order[nxt]].arrival if nxt < len(order) else None
+def _drive(
+    requests: Sequence[TraceRequest],
+    servers: list[_Server],
+    route: Callable[[int, float], int],
+) -> None:
+    """Runs ``servers`` side by side over ``requests``: each request, in arrival order, goes to
+    ``servers[route(index, arrival)]`` once every server has run up to its arrival; then all run
+    until done. Fills in each server's evictions and checks its cache."""
+    for idx in sorted(range(len(requests)), key=lambda i: requests[i].arrival):
+        t = requests[idx].arrival
+        for server in servers:
+            server.advance(t)
+        servers[route(idx, t)].queue(idx)
+    for server in servers:
+        server.advance(math.inf)
+        server.res.evicted_pages = server.cache.stats.evicted_pages
+        server.cache.check()
+
+
+@dataclass
+class RoutedResult:
+    """What one replay over replicas measured: one :class:`ReplayResult` per replica, and where
+    each request went.
+
+    ``assignment[i]``: the replica request ``i`` (trace order) was routed to; ``assigned_tokens``:
+    per replica, prompt tokens of the requests it queued (dropped ones excluded)."""
+
+    router: str
+    balance_threshold: float
+    replicas: list[ReplayResult]
+    assignment: list[int]
+    assigned_tokens: list[int]
+    #: (simulated time, cumulative hit rate of all replicas) after each batch of any replica
+    hit_curve: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def config(self) -> ReplayConfig:
+        """The configuration every replica ran with."""
+        return self.replicas[0].config
+
+    def _sum(self, name: str) -> int:
+        return sum(getattr(r, name) for r in self.replicas)
+
+    @property
+    def requests(self) -> int:
+        """Requests admitted, all replicas together."""
+        return self._sum("requests")
+
+    @property
+    def dropped(self) -> int:
+        """Requests no replica's pool could ever hold."""
+        return self._sum("dropped")
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the admitted requests."""
+        return self._sum("prompt_tokens")
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found cached at admission."""
+        return self._sum("cached_tokens")
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens computed."""
+        return self._sum("computed_tokens")
+
+    @property
+    def evicted_pages(self) -> int:
+        """Pages evicted, all replicas together."""
+        return self._sum("evicted_pages")
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached over prompt tokens, all replicas together."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def load_spread(self) -> float:
+        """Most over fewest assigned tokens of a replica (1.0: even; inf: one got nothing)."""
+        lo, hi = min(self.assigned_tokens), max(self.assigned_tokens)
+        if lo == 0:
+            return math.inf if hi else 1.0
+        return hi / lo
+
+    def percentile(self, which: str, q: float) -> float:
+        """A percentile (0-100) of ``queue_waits`` or ``ttfts`` over all replicas' requests."""
+        xs = [x for r in self.replicas for x in getattr(r, which)]
+        return float(np.percentile(xs, q)) if xs else 0.0
+
+
+def replay_replicas(
+    requests: Sequence[TraceRequest],
+    config: ReplayConfig,
+    replicas: int,
+    router: str = "prefix",
+    balance_threshold: float = DEFAULT_BALANCE_THRESHOLD,
+    progress: bool = False,
+    on_start: Callable[[radixkv.RadixCache | radixkv.BlockCache, radixkv.Scheduler], None]
+    | None = None,
+) -> RoutedResult:
+    """Simulates ``replicas`` servers, each configured by ``config`` (its own cache of
+    ``config.num_pages`` pages), behind ``router`` (one of :data:`ROUTERS`; see the module
+    docstring) over ``requests``, and returns the figures.
+
+    ``balance_threshold`` (tokens, ``>= 0``, may be ``math.inf``: never rebalance): how many
+    outstanding tokens more than the least-loaded replica the ``prefix`` router tolerates on the
+    replica with the longest cached prefix. Raises ValueError for a bad ``replicas``, ``router``
+    or ``balance_threshold``. ``on_start(cache, scheduler)`` is called once with the first
+    replica's (to watch it, e.g. serve its metrics)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    if not balance_threshold >= 0:  # also refuses NaN
+        raise ValueError(f"balance_threshold must be >= 0, got {balance_threshold!r}")
+    bar = _progress(len(requests), progress, router, config)
+    servers = [_Server(requests, config, bar) for _ in range(replicas)]
+    if on_start is not None:
+        on_start(servers[0].cache, servers[0].sched)
+    assignment = [-1] * len(requests)
+    turn = 0
+
+    def route(idx: int, t: float) -> int:
+        nonlocal turn
+        if router == "round-robin":
+            pick, turn = turn % replicas, turn + 1
+        else:
+            loads = [s.load(t) for s in servers]
+            least = min(range(replicas), key=lambda i: (loads[i], i))
+            pick = least
+            if router == "prefix":
+                r = requests[idx]
+                match = [s.cache.match_prefix(r.tokens, r.namespace) for s in servers]
+                best = min(range(replicas), key=lambda i: (-match[i], loads[i], i))
+                if loads[best] - loads[least] <= balance_threshold:
+                    pick = best
+        assignment[idx] = pick
+        return pick
+
+    _drive(requests, servers, route)
+    bar.close()
+    return RoutedResult(
+        router,
+        float(balance_threshold),
+        [s.res for s in servers],
+        assignment,
+        [s.assigned for s in servers],
+        _merged_curve([s.counts for s in servers]),
+    )
+
+
+def _merged_curve(counts: list[list[tuple[float, int, int]]]) -> list[tuple[float, float]]:
+    """The cumulative hit rate of all servers together after each batch of any of them, from
+    each server's (time, cached, prompt) counts."""
+    events = sorted((t, i, c, p) for i, cs in enumerate(counts) for t, c, p in cs)
+    cached, prompt = [0] * len(counts), [0] * len(counts)
+    curve = []
+    for t, i, c, p in events:
+        cached[i], prompt[i] = c, p
+        total = sum(prompt)
+        curve.append((t, sum(cached) / total if total else 0.0))
+    return curve
 
 
 def _next_finish(decoding: list[tuple[float, int, radixkv.Request]]) -> float | None:
     return decoding[0][0] if decoding else None
 
 
-def _progress(total: int, enabled: bool, config: ReplayConfig):
+def _progress(total: int, enabled: bool, label: str, config: ReplayConfig):
     if enabled:
-        return progress_bar(
-            total=total, desc=f"{config.cache}/{config.policy}", unit="req", leave=False
-        )
+        return progress_bar(total=total, desc=f"{config.cache}/{label}", unit="req", leave=False)
     return _NoBar()
 
 

@@ -1,8 +1,18 @@
-"""``radixkv replay TRACE``: a trace through a cache, once per policy: a table and a chart."""
+"""``radixkv replay TRACE``: a trace through a cache, once per policy: a table and a chart.
+
+With ``--replicas K`` (K > 1) the trace goes through K simulated servers, each with its own cache
+of ``--num-pages`` pages, behind a router (``--router``: round-robin, prefix, least-loaded, a
+comma list, or all three by default), once per router: a table with one row per router (hit
+rate, time to first token, how evenly the replicas were loaded) and a chart with one line per
+router. ``--router`` with one replica prints the same table (every router alike: a baseline
+for a sweep over K). ``--metrics-port`` then serves the first replica's metrics.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from radixkv.apps import metrics_server
@@ -14,10 +24,32 @@ from radixkv.apps.args import (
     positive_float,
     positive_int,
 )
-from radixkv.apps.replay import ReplayConfig, ReplayResult, infinite_bound, replay
+from radixkv.apps.replay import (
+    DEFAULT_BALANCE_THRESHOLD,
+    ROUTERS,
+    ReplayConfig,
+    ReplayResult,
+    RoutedResult,
+    infinite_bound,
+    replay,
+    replay_replicas,
+)
 from radixkv.apps.trace import TraceRequest, read_trace
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")
+#: The admission policy replayed with ``--replicas`` > 1 when ``--policy`` is not given.
+REPLICAS_POLICY = "lpm"
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse ``type``: a float ``>= 0``, ``inf`` included (NaN refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,13 +70,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--num-pages",
         type=positive_int,
         default=262_144,
-        help="pool size in pages (default: 262144)",
+        help="pool size in pages, per replica with --replicas (default: 262144)",
     )
     p.add_argument(
         "--policy",
-        default="all",
+        default=None,
         help="admission policies to replay, one run each: fcfs, lpm, dfs-weight, a comma list, "
-        "or 'all' (default: all)",
+        f"or 'all' (default: all; {REPLICAS_POLICY} with --replicas > 1)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="simulated servers, each with its own cache of --num-pages pages, behind a router "
+        "(default: 1)",
+    )
+    p.add_argument(
+        "--router",
+        default=None,
+        help="how requests are spread over the replicas, one run each: round-robin (in "
+        "arrival order), least-loaded (fewest outstanding tokens: prompt tokens routed to a "
+        "replica whose first token has not come yet), prefix (longest cached prefix unless "
+        "its load exceeds the least-loaded's by more than --balance-threshold, then the "
+        "least-loaded; ties: lower load, lower index), a comma list, or 'all' "
+        "(default: all with --replicas > 1)",
+    )
+    p.add_argument(
+        "--balance-threshold",
+        type=nonnegative_float,
+        default=DEFAULT_BALANCE_THRESHOLD,
+        metavar="TOKENS",
+        help="outstanding tokens the prefix router tolerates on the replica with the longest "
+        "prefix beyond the least-loaded one; 'inf': never rebalance (default: "
+        f"{DEFAULT_BALANCE_THRESHOLD:.0f}, one batch at the default --token-budget)",
     )
     p.add_argument(
         "--max-wait",
@@ -91,10 +150,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``radixkv replay`` with parsed ``args``."""
-    policies = POLICIES if args.policy == "all" else tuple(args.policy.split(","))
-    for pol in policies:
-        if pol not in POLICIES:
-            raise UsageError(f"replay: unknown policy {pol!r} (choose from {POLICIES})")
+    routed = args.replicas > 1 or args.router is not None
+    policy = args.policy or (REPLICAS_POLICY if routed else "all")
+    policies = _choices(policy, POLICIES, "policy")
+    routers = _choices(args.router or "all", ROUTERS, "router") if routed else ()
     requests = _read(args.trace, args.limit)
     pool = args.num_pages * args.page_size
     shortest = min(len(r.tokens) + max(r.output_length, 1) - 1 for r in requests)
@@ -105,25 +164,19 @@ def run(args: argparse.Namespace) -> int:
             "tokens with its output); raise --num-pages"
         )
     prompt = sum(len(r.tokens) for r in requests)
+    replicas = f"{args.replicas} replicas, " if routed else ""
+    each = " each" if routed else ""
     print(
-        f"{len(requests)} requests, {prompt / 1e6:.1f}M prompt tokens, pool "
-        f"{pool / 1e6:.2f}M tokens ({args.cache}, page {args.page_size})"
+        f"{len(requests)} requests, {prompt / 1e6:.1f}M prompt tokens, {replicas}pool "
+        f"{pool / 1e6:.2f}M tokens{each} ({args.cache}, page {args.page_size})"
     )
     bound = infinite_bound(requests, args.page_size)
     endpoint = metrics_server.start("replay", args)
+    if routed:
+        return _run_routed(args, requests, policies, routers, bound, endpoint)
     results = []
     for pol in policies:
-        cfg = ReplayConfig(
-            cache=args.cache,
-            page_size=args.page_size,
-            num_pages=args.num_pages,
-            policy=pol,
-            max_wait=args.max_wait,
-            prefill_tps=args.prefill_tps,
-            decode_tps=args.decode_tps,
-            token_budget=args.token_budget,
-            max_running=args.max_running,
-        )
+        cfg = _config(args, pol)
         follow = None
         if endpoint is not None:
 
@@ -132,12 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
         results.append(replay(requests, cfg, progress=True, on_start=follow))
     print(format_table(results, bound))
-    dropped = max(r.dropped for r in results)
-    if dropped:
-        print(
-            f"note: {dropped} of {len(requests)} requests need more than the pool's {pool} "
-            "tokens and were dropped; raise --num-pages to replay them"
-        )
+    _note_dropped(results, len(requests), pool)
     if not args.no_chart:
         if have_matplotlib():
             path = draw_chart(results, bound, Path(args.out) / "replay_hit_rate.png")
@@ -145,6 +193,88 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(NO_CHART)
     return 0
+
+
+def _run_routed(
+    args: argparse.Namespace,
+    requests: list[TraceRequest],
+    policies: tuple[str, ...],
+    routers: tuple[str, ...],
+    bound: float,
+    endpoint: metrics_server.MetricsServer | None,
+) -> int:
+    """``--replicas``/``--router``: one replay per (policy, router), a table and a chart."""
+    results = []
+    for pol in policies:
+        for router in routers:
+            follow = None
+            if endpoint is not None:
+
+                def follow(cache, scheduler, pol=pol, router=router, ep=endpoint):
+                    ep.follow(cache, scheduler, policy=pol, router=router, replica="0")
+
+            results.append(
+                replay_replicas(
+                    requests,
+                    _config(args, pol),
+                    args.replicas,
+                    router,
+                    args.balance_threshold,
+                    progress=True,
+                    on_start=follow,
+                )
+            )
+    print(format_router_table(results, bound))
+    _note_dropped(results, len(requests), args.num_pages * args.page_size)
+    if not args.no_chart:
+        if have_matplotlib():
+            labels = [
+                r.router if len(policies) == 1 else f"{r.router}/{r.config.policy}" for r in results
+            ]
+            path = draw_chart(
+                results,
+                bound,
+                Path(args.out) / "replay_hit_rate.png",
+                labels=labels,
+                title=f"{args.replicas} replicas, {_pool_title(results[0].config)} each",
+            )
+            print(f"chart: {path}")
+        else:
+            print(NO_CHART)
+    return 0
+
+
+def _choices(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """``text`` (``all``, or one name or a comma list of ``known``) as a tuple of names; a
+    :class:`UsageError` naming the first unknown one."""
+    names = known if text == "all" else tuple(text.split(","))
+    for name in names:
+        if name not in known:
+            raise UsageError(f"replay: unknown {what} {name!r} (choose from {known} or 'all')")
+    return names
+
+
+def _config(args: argparse.Namespace, policy: str) -> ReplayConfig:
+    return ReplayConfig(
+        cache=args.cache,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        policy=policy,
+        max_wait=args.max_wait,
+        prefill_tps=args.prefill_tps,
+        decode_tps=args.decode_tps,
+        token_budget=args.token_budget,
+        max_running=args.max_running,
+    )
+
+
+def _note_dropped(results: Sequence[ReplayResult | RoutedResult], total: int, pool: int) -> None:
+    dropped = max(r.dropped for r in results)
+    if dropped:
+        print(
+            f"note: {dropped} of {total} requests need more than the pool's {pool} "
+            "tokens and were dropped; raise --num-pages to replay them"
+        )
 
 
 def _read(path: str, limit: int | None) -> list[TraceRequest]:
@@ -182,8 +312,41 @@ def format_table(results: list[ReplayResult], bound: float) -> str:
     return "\n".join(rows)
 
 
-def draw_chart(results: list[ReplayResult], bound: float, path: Path) -> Path:
-    """Cumulative hit rate over simulated time, one line per policy, and the bound."""
+def format_router_table(results: list[RoutedResult], bound: float) -> str:
+    """One row per (policy, router): hit rate against the unbounded-cache bound, work, time to
+    first token, and the load spread (most over fewest prompt tokens routed to a replica)."""
+    head = (
+        f"{'router':<12} {'policy':<10} {'hit rate':>8} {'of bound':>8} {'computed':>10} "
+        f"{'evicted':>9} {'ttft p50':>8} {'ttft p99':>8} {'load max/min':>12} {'dropped':>7}"
+    )
+    rows = [head, "-" * len(head)]
+    for r in results:
+        spread = "inf" if math.isinf(r.load_spread) else f"{r.load_spread:.2f}x"
+        rows.append(
+            f"{r.router:<12} {r.config.policy:<10} {r.hit_rate:>8.2%} "
+            f"{r.hit_rate / bound if bound else 0:>8.2%} {r.computed_tokens / 1e6:>9.2f}M "
+            f"{r.evicted_pages:>9} {r.percentile('ttfts', 50):>7.2f}s "
+            f"{r.percentile('ttfts', 99):>7.2f}s {spread:>12} {r.dropped:>7}"
+        )
+    rows.append(f"unbounded-cache bound at this page size (one cache for all): {bound:.2%}")
+    if any(r.router == "prefix" for r in results):
+        rows.append(f"prefix router balance threshold: {results[0].balance_threshold:g} tokens")
+    return "\n".join(rows)
+
+
+def _pool_title(cfg: ReplayConfig) -> str:
+    return f"{cfg.cache} cache, {cfg.num_pages * cfg.page_size / 1e6:.2f}M-token pool"
+
+
+def draw_chart(
+    results: Sequence[ReplayResult | RoutedResult],
+    bound: float,
+    path: Path,
+    labels: list[str] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Cumulative hit rate over simulated time, one line per result (labelled by ``labels``,
+    default: each one's policy), and the bound; ``title`` defaults to the cache and pool."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,15 +354,15 @@ def draw_chart(results: list[ReplayResult], bound: float, path: Path) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in results:
+    names = labels if labels is not None else [r.config.policy for r in results]
+    for r, name in zip(results, names):
         if r.hit_curve:
             t, h = zip(*r.hit_curve)
-            ax.plot([x / 60 for x in t], [100 * y for y in h], label=r.config.policy)
+            ax.plot([x / 60 for x in t], [100 * y for y in h], label=name)
     ax.axhline(100 * bound, color="gray", linestyle="--", label="unbounded cache")
     ax.set_xlabel("simulated time (minutes)")
     ax.set_ylabel("cumulative token hit rate (%)")
-    cfg = results[0].config
-    ax.set_title(f"{cfg.cache} cache, {cfg.num_pages * cfg.page_size / 1e6:.2f}M-token pool")
+    ax.set_title(title if title is not None else _pool_title(results[0].config))
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
