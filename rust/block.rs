@@ -361,6 +361,31 @@ impl Index for BlockIndex {
         all
     }
 
+    /// Each page in id order: its refcount and, when hashed, its block hash (a function of the
+    /// namespace and every token up to it, keyed by nothing per cache); then the free list and
+    /// the evictable list front to back. The content map is left out: its layout follows the
+    /// per-cache keys, and it holds exactly the hashed pages. O(num_pages).
+    fn digest(&self, d: &mut crate::cache::StateDigest) {
+        d.word(self.refcount.len() as u64);
+        for (i, &rc) in self.refcount.iter().enumerate() {
+            match self.recs.hash(PageId(i as u32)) {
+                Some(h) => {
+                    d.word((rc as u64) << 1 | 1);
+                    for w in h.chunks_exact(8) {
+                        d.word(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+                    }
+                }
+                None => d.word((rc as u64) << 1),
+            }
+        }
+        for list in [FREE, EVICTABLE] {
+            d.word(self.lists.len(list) as u64);
+            for page in self.lists.iter(list) {
+                d.word(page.0 as u64);
+            }
+        }
+    }
+
     fn check(&self, requests: &Requests<BlockExt>, num_pages: usize) -> Result<()> {
         let p = self.page_size;
         let mut refs = vec![0u32; num_pages];

@@ -99,4 +99,6 @@ pub trait Index: Send + std::fmt::Debug {
     fn metadata_bytes(&self) -> usize;
     /// The index's event log (recording off unless turned on).
     fn events(&mut self) -> &mut EventLog;
+    /// Feeds the index's decision-relevant state into `d` (see [`crate::PrefixCache::state_digest`]).
+    fn digest(&self, d: &mut crate::cache::StateDigest);
 }

@@ -632,6 +632,35 @@ impl Index for RadixIndex {
         &mut self.events
     }
 
+    /// The arena in id order (ids are handed out the same way in every cache driven alike):
+    /// each live node's parent, edge tokens, pages, pin count and last-use time, and each
+    /// root's namespace; then the logical clock and the LRU list front to back. Child maps are
+    /// left out: their keys are seeded per cache and their order is the map's, and the parent
+    /// links say the same. O(nodes + cached tokens).
+    fn digest(&self, d: &mut crate::cache::StateDigest) {
+        d.word(self.nodes.len() as u64);
+        for (id, n) in self.nodes.iter().enumerate() {
+            if !n.alive {
+                continue;
+            }
+            d.word(id as u64);
+            d.word(n.parent.0 as u64);
+            d.word((n.lock as u64) << 32 | n.children.len() as u64);
+            d.word(n.time);
+            match &n.ns {
+                Some(ns) => d.namespace(ns),
+                None => d.word(0),
+            }
+            d.tokens(&n.key);
+            d.pages(&n.pages);
+        }
+        d.word(self.clock);
+        d.word(self.lru.len(LRU) as u64);
+        for id in self.lru.iter(LRU) {
+            d.word(id.0 as u64);
+        }
+    }
+
     fn metadata_bytes(&self) -> usize {
         let per_child = std::mem::size_of::<(u64, NodeId)>() + 1;
         let nodes: usize = self
@@ -908,6 +937,117 @@ mod tests {
                 c.match_prefix(&[&a[..], &[9]].concat(), &None).unwrap(),
                 2 * p
             );
+        }
+    }
+}
+
+/// `state_digest` of both caches (the same driver for each).
+#[cfg(test)]
+mod digest_tests {
+    use crate::cache::PrefixCache;
+    use crate::request::Namespace;
+    use crate::{BlockCache, RadixCache};
+
+    type Make = fn() -> Box<dyn PrefixCache>;
+
+    fn makers() -> [(&'static str, Make); 2] {
+        [
+            ("radix", || Box::new(RadixCache::new(12, 2).unwrap())),
+            ("block", || Box::new(BlockCache::new(12, 2).unwrap())),
+        ]
+    }
+
+    fn ns(name: &str) -> Namespace {
+        Some(name.as_bytes().into())
+    }
+
+    fn run(c: &mut dyn PrefixCache, tokens: &[u32], namespace: Namespace) {
+        let r = c.admit(tokens, namespace).unwrap();
+        c.commit(r, tokens.len()).unwrap();
+        c.finish(r).unwrap();
+    }
+
+    /// Shared prefixes, two namespaces, a live request, and eviction by allocation and by call.
+    fn script(c: &mut dyn PrefixCache) {
+        run(c, &[1, 2, 3, 4, 5, 6, 7], None);
+        run(c, &[1, 2, 3, 4, 9, 9, 9], None);
+        run(c, &[1, 2, 3, 4, 5], ns("a"));
+        let live = c.admit(&[1, 2, 3, 4, 8, 8, 1], None).unwrap();
+        c.commit(live, 4).unwrap();
+        run(c, &[20, 21, 22, 23, 24], None);
+        assert_eq!(c.evict(1), 1);
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn equal_for_caches_driven_alike_whatever_their_secrets() {
+        for (kind, make) in makers() {
+            let (mut a, mut b) = (make(), make());
+            assert_eq!(a.state_digest(), b.state_digest(), "{kind}: empty");
+            script(&mut *a);
+            script(&mut *b);
+            let d = a.state_digest();
+            assert_eq!(d, b.state_digest(), "{kind}");
+            // Reading changes nothing.
+            a.match_prefix(&[1, 2, 3, 4, 5, 6, 7], &None).unwrap();
+            assert_eq!(
+                a.state_digest(),
+                d,
+                "{kind}: match_prefix changed the digest"
+            );
+            assert_ne!(
+                d,
+                make().state_digest(),
+                "{kind}: a driven cache digests as empty"
+            );
+        }
+        // The radix tree's child keys really are seeded apart.
+        let (a, b) = (
+            RadixCache::new(4, 4).unwrap(),
+            RadixCache::new(4, 4).unwrap(),
+        );
+        assert_ne!(
+            a.index().keys.key(0, &[1, 2, 3, 4]),
+            b.index().keys.key(0, &[1, 2, 3, 4])
+        );
+    }
+
+    #[test]
+    fn differs_after_any_decision_differs() {
+        // Each variant makes one decision differently after the same script.
+        type Variant = fn(&mut dyn PrefixCache);
+        let variants: [(&str, Variant); 6] = [
+            ("evict one more page", |c| assert_eq!(c.evict(1), 1)),
+            // Only the LRU order moves: no page changes hands.
+            ("touch a cached prompt", |c| {
+                let r = c.admit(&[1, 2, 3, 4, 5], ns("a")).unwrap();
+                c.abort(r).unwrap();
+            }),
+            ("pin a cached prefix", |c| {
+                c.admit(&[1, 2, 3, 4, 5], ns("a")).unwrap();
+            }),
+            ("same tokens, other namespace", |c| {
+                run(c, &[30, 31, 32, 33, 1], ns("b"))
+            }),
+            ("other tokens, same shape", |c| {
+                run(c, &[30, 31, 34, 33, 1], ns("c"))
+            }),
+            ("reset", |c| assert!(c.reset() > 0)),
+        ];
+        for (kind, make) in makers() {
+            let mut base = make();
+            script(&mut *base);
+            run(&mut *base, &[30, 31, 32, 33, 1], ns("c"));
+            let mut seen = vec![base.state_digest()];
+            for (name, variant) in variants {
+                let mut c = make();
+                script(&mut *c);
+                variant(&mut *c);
+                c.check().unwrap();
+                let d = c.state_digest();
+                assert!(!seen.contains(&d), "{kind}: {name} left the digest equal");
+                seen.push(d);
+            }
         }
     }
 }

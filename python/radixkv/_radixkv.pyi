@@ -125,6 +125,10 @@ class _Cache:
         parent, keys, tokens)``, ``("removed", keys)`` and ``("cleared",)``."""
 
     def check(self) -> None: ...
+    def state_digest(self) -> int:
+        """A 64-bit digest of the decision-relevant state, equal for caches driven alike in any
+        process whatever their per-cache keys; one pass over the index."""
+
     @property
     def num_pages(self) -> int: ...
     @property

@@ -313,6 +313,14 @@ impl PyCache {
         slf.get().with(slf.py(), true, |c| c.check())
     }
 
+    /// A 64-bit digest of the index's decision-relevant state (cached pages, pins, live
+    /// requests' page tables, free and evictable counts, eviction order). Equal for two caches
+    /// driven by the same calls, in any process, whatever their random per-cache keys; one pass
+    /// over the index (about 1 ms for 65k cached pages of 16 tokens), the GIL released.
+    fn state_digest(slf: &Bound<'_, Self>) -> PyResult<u64> {
+        slf.get().with(slf.py(), true, |c| Ok(c.state_digest()))
+    }
+
     /// Physical pages in the pool.
     #[getter]
     fn num_pages(slf: &Bound<'_, Self>) -> PyResult<usize> {

@@ -7,11 +7,25 @@
 - :class:`Sequence` / :class:`Result` (:mod:`radixkv.engine.sequence`): one request's state and
   its report; :mod:`radixkv.engine.sampling`: token validation and sampling.
 - :class:`Session` (:mod:`radixkv.engine.session`): a multi-turn conversation on an engine.
+- :mod:`radixkv.engine.lockstep`: tensor-parallel ranks in lockstep (``Engine(group=...)``):
+  the broadcast of rank 0's calls, the divergence checks (:class:`DivergedError`) and
+  :func:`agree_num_pages`.
 """
 
 from radixkv.engine.batcher import Batcher
 from radixkv.engine.engine import Engine, EngineStats
+from radixkv.engine.lockstep import DivergedError, agree_num_pages
 from radixkv.engine.sequence import Result, Sequence, Status
 from radixkv.engine.session import Session
 
-__all__ = ["Batcher", "Engine", "EngineStats", "Result", "Sequence", "Session", "Status"]
+__all__ = [
+    "Batcher",
+    "DivergedError",
+    "Engine",
+    "EngineStats",
+    "Result",
+    "Sequence",
+    "Session",
+    "Status",
+    "agree_num_pages",
+]

@@ -31,6 +31,13 @@ steps in a row, every unfinished request ends with ``finish_reason="error"`` and
 ``radixkv.Error`` naming the request, why it is stuck and the state of the pool (the
 scheduler's last exception as its ``__cause__``), so :meth:`Engine.run` returns instead of
 spinning.
+
+Tensor parallelism (``group=``): one engine per rank, each over its shard of the model
+(:meth:`radixkv.models.CausalLM.shard`) and its own ``KVCache``. Rank 0 takes the calls and
+steps; the other ranks call :meth:`Engine.follow`, which replays rank 0's calls (broadcast at
+each step) and steps in lockstep until rank 0 calls :meth:`Engine.close`. Every rank makes the
+same decisions (``docs/DETERMINISM.md``), so ids and results agree; mismatches are detected
+(see :mod:`radixkv.engine.lockstep`) and raise ``radixkv.Error`` on every rank.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import torch
 
 import radixkv
 from radixkv.engine.batcher import PRIORITY_MAX, Batcher
+from radixkv.engine.lockstep import DivergedError, Lockstep, check_same_config
 from radixkv.engine.sampling import sample_tokens, to_token_array
 from radixkv.engine.sequence import Result, Sequence, Status
 from radixkv.kv.kv_cache import KVCache
@@ -92,6 +100,15 @@ class Engine:
     (``finish_reason="error"``, ``Result.error`` a ``radixkv.Error`` saying what blocks them)
     rather than raised, so that the results of every other request stay readable and the
     engine stays usable: a request submitted once the pages are free runs as usual.
+
+    ``group``: a ``torch.distributed`` process group for tensor parallelism (see the module
+    docstring); every rank builds its engine with equal settings and pool (checked here,
+    collectively: ``ValueError`` on every rank naming what differs). Rank 0 alone takes
+    ``submit``, ``branch``, ``cancel``, ``generate``, ``run``, ``step`` and ``release`` (the
+    others raise ``radixkv.Error``) and ends with :meth:`close`; the others call
+    :meth:`follow`. ``digest_every``: every that many steps the ranks compare their caches'
+    ``state_digest()`` (0: never; the step number and batch shape are compared every step).
+    ``check_tokens``: compare the sampled token ids after every step too.
     """
 
     #: Steps in a row that may compute nothing and end no request while requests are pending
@@ -108,10 +125,17 @@ class Engine:
         prefix_caching: bool = True,
         policy: str = "fcfs",
         max_wait: int = 256,
+        group: object | None = None,
+        digest_every: int = 16,
+        check_tokens: bool = False,
     ) -> None:
         for name, value in (("token_budget", token_budget), ("max_batch", max_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(digest_every, bool) or not isinstance(digest_every, int) or digest_every < 0:
+            raise ValueError(f"digest_every must be an int >= 0, got {digest_every!r}")
+        if not isinstance(check_tokens, (bool, np.bool_)):
+            raise ValueError(f"check_tokens must be a bool, got {check_tokens!r}")
         if not isinstance(prefix_caching, (bool, np.bool_)):
             raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
         if not isinstance(kv, KVCache):
@@ -133,6 +157,105 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._stalled_steps = 0  # steps in a row without progress
+        #: With a group: the collectives; calls rank 0 took since its last step; whether
+        #: rank 0 closed; the error that stopped the lockstep, raised again by later calls.
+        self.lockstep: Lockstep | None = None
+        self._calls: list[tuple] = []
+        self._closed = False
+        self._broken: radixkv.Error | None = None
+        self._sampled: list[tuple[int, int]] | None = None
+        if group is not None:
+            self.lockstep = Lockstep(group, digest_every, bool(check_tokens))
+            stats = kv.cache.stats
+            check_same_config(
+                self.lockstep,
+                {
+                    "cache kind": type(kv.cache).__name__,
+                    "num_pages": stats.num_pages,
+                    "page_size": stats.page_size,
+                    "vocab_size": self.vocab_size,
+                    "token_budget": token_budget,
+                    "max_batch": max_batch,
+                    "prefix_caching": self.prefix_caching,
+                    "policy": policy,
+                    "max_wait": max_wait,
+                    "digest_every": digest_every,
+                    "check_tokens": bool(check_tokens),
+                    "empty cache": stats.used_pages == 0,
+                },
+            )
+
+    # ---- tensor parallelism -----------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This engine's rank in its group (0 without one)."""
+        return 0 if self.lockstep is None else self.lockstep.rank
+
+    def _lead(self, what: str) -> None:
+        """Refuses ``what`` (a call that changes the engine) on ranks other than 0, after
+        :meth:`close`, and once the ranks diverged."""
+        if self._broken is not None:
+            raise self._broken
+        if self.lockstep is None:
+            return
+        if self.lockstep.rank != 0:
+            raise radixkv.Error(
+                f"Engine.{what} is taken by rank 0 only; rank {self.lockstep.rank} replays rank "
+                "0's calls in Engine.follow()"
+            )
+        if self._closed:
+            raise radixkv.Error(f"Engine.{what}: this engine is closed (Engine.close())")
+
+    def _record(self, call: tuple) -> None:
+        """Rank 0: keeps ``call`` for the broadcast of the next step."""
+        if self.lockstep is not None:
+            self._calls.append(call)
+
+    def _replay(self, call: tuple) -> None:
+        """Other ranks: applies one of rank 0's calls exactly as rank 0 did."""
+        kind, *args = call
+        if kind == "submit":
+            self._register(*args)
+        elif kind == "branch":
+            self._branch(*args)
+        elif kind == "cancel":
+            self._cancel(*args)
+        elif kind == "release":
+            self._drop([self._get(i) for i in args[0]])
+        else:
+            raise radixkv.Error(f"rank {self.rank}: unknown call {kind!r} from rank 0")
+
+    def follow(self) -> int:
+        """Ranks other than 0: replays rank 0's calls and steps in lockstep with it until rank
+        0 calls :meth:`close`; returns the number of steps taken. Afterwards ``result(id)``
+        gives what rank 0's does. Raises ``radixkv.Error`` when the ranks diverge (rank 0
+        raises it too)."""
+        if self.lockstep is None or self.lockstep.rank == 0:
+            raise radixkv.Error("Engine.follow is for ranks other than 0 of an engine's group")
+        if self._broken is not None:
+            raise self._broken
+        steps = 0
+        while True:
+            calls, close = self.lockstep.receive()
+            for call in calls:
+                self._replay(call)
+            if close:
+                self._closed = True
+                return steps
+            self._step()
+            steps += 1
+
+    def close(self) -> None:
+        """Rank 0: sends the calls taken since the last step (a release, say) and ends the other
+        ranks' :meth:`follow`; the engine takes no more calls. A no-op without a group, on
+        other ranks, and when closed already."""
+        if self.lockstep is None or self._closed:
+            return
+        self._closed = True
+        if self.lockstep.rank == 0 and self._broken is None:
+            calls, self._calls = self._calls, []
+            self.lockstep.send(calls, close=True)
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -150,10 +273,13 @@ class Engine:
         token of ``stop`` (kept in the output) or after ``max_new_tokens`` (0: prefill only).
         Higher ``priority`` is admitted first. Raises ``ValueError`` for bad arguments and for a
         request the pool could never hold (prompt and output together, but the last token)."""
+        self._lead("submit")
         arr, params = self._check_submit(
             prompt, max_new_tokens, temperature, stop, namespace, seed, priority
         )
-        return self._register(arr, params).id
+        seq_id = self._register(arr, params).id
+        self._record(("submit", arr, params))
+        return seq_id
 
     def _check_submit(
         self, prompt, max_new_tokens, temperature, stop, namespace, seed, priority, name="prompt"
@@ -191,6 +317,7 @@ class Engine:
         ``seed + i``. The context is computed once and held; the branches are then admitted
         and find every full page of it cached. Returns the branch ids. Checks every branch
         (as :meth:`submit` does) before queueing anything."""
+        self._lead("branch")
         ctx = to_token_array(context, "context", self.vocab_size)
         if isinstance(suffixes, (str, bytes, bytearray, np.ndarray, torch.Tensor)) or not (
             isinstance(suffixes, Iterable)
@@ -216,6 +343,12 @@ class Engine:
             part = to_token_array(s, f"suffixes[{i}]", self.vocab_size, allow_empty=True)
             prompts.append(np.concatenate([ctx, part]))
             self.batcher.check_fits(f"branch {i}", len(prompts[-1]), params.max_new_tokens)
+        ids = self._branch(ctx, prompts, params)
+        self._record(("branch", ctx, prompts, params))
+        return ids
+
+    def _branch(self, ctx: np.ndarray, prompts: list[np.ndarray], params: _Params) -> list[int]:
+        """Registers the checked branches of :meth:`branch`; returns their ids."""
         parent = None
         if self.prefix_caching:
             ctx_params = _Params(0, 0.0, frozenset(), params.namespace, params.seed, 0)
@@ -234,6 +367,13 @@ class Engine:
 
     def cancel(self, seq_id: int) -> bool:
         """Ends a request that has not finished; returns whether it had not."""
+        self._lead("cancel")
+        if not self._cancel(seq_id):
+            return False
+        self._record(("cancel", int(seq_id)))
+        return True
+
+    def _cancel(self, seq_id: int) -> bool:
         seq = self._get(seq_id)
         if seq.done:
             return False
@@ -261,6 +401,7 @@ class Engine:
         their results in that order. ``release``: then releases those requests (see
         :meth:`release`). Never spins: requests that stop making progress fail (see
         :attr:`max_stalled_steps`)."""
+        self._lead("run")
         ids = list(self.sequences) if ids is None else list(ids)
         pending = [self._get(i) for i in ids]
         while not all(s.done for s in pending):
@@ -278,13 +419,19 @@ class Engine:
     ) -> list[Result]:
         """Submits every prompt with ``params`` (as :meth:`submit`) and runs them to the end
         (``release``: as :meth:`run`). Every prompt is checked before any is queued."""
+        self._lead("generate")
         checked = [self._check_submit(p, **_submit_defaults(params)) for p in prompts]
-        return self.run([self._register(arr, ps).id for arr, ps in checked], release=release)
+        ids = []
+        for arr, ps in checked:
+            ids.append(self._register(arr, ps).id)
+            self._record(("submit", arr, ps))
+        return self.run(ids, release=release)
 
     def release(self, ids: Iterable[int]) -> None:
         """Forgets the finished requests ``ids`` (their results must have been read: ``result``
         and ``cancel`` no longer know them). ``KeyError`` for an unknown id, ``ValueError`` for
         one not finished; either way nothing is released."""
+        self._lead("release")
         seqs = [self._get(i) for i in ids]
         for seq in seqs:
             if not seq.done:
@@ -292,11 +439,14 @@ class Engine:
                     f"request {seq.id} has not finished ({seq.status.value}); cancel it first"
                 )
         self._drop(seqs)
+        self._record(("release", [s.id for s in seqs]))
 
     def forget_finished(self) -> int:
         """Forgets every finished request (as :meth:`release`); returns how many."""
+        self._lead("forget_finished")
         seqs = [s for s in self.sequences.values() if s.done]
         self._drop(seqs)
+        self._record(("release", [s.id for s in seqs]))
         return len(seqs)
 
     def _drop(self, seqs: list[Sequence]) -> None:
@@ -310,7 +460,34 @@ class Engine:
 
     def step(self) -> list[Result]:
         """One forward pass; returns the results of the requests it finished (those that
-        failed while it was packed included)."""
+        failed while it was packed included). With a group: rank 0 only; it first broadcasts
+        the calls taken since the last step."""
+        self._lead("step")
+        if self.lockstep is not None:
+            t = time.perf_counter()
+            calls, self._calls = self._calls, []
+            self.lockstep.send(calls)
+            self.lockstep.send_s += time.perf_counter() - t
+        return self._step()
+
+    def _step(self) -> list[Result]:
+        try:
+            return self._step_once()
+        except DivergedError as e:
+            self._broken = e
+            raise
+
+    def _check_step(self, batch: list[Sequence]) -> None:
+        """With a group: the ranks compare their batch (and every ``digest_every`` steps their
+        cache digest) before the forward pass."""
+        if self.lockstep is None:
+            return
+        t = time.perf_counter()
+        num_tokens = sum(s.num_tokens - s.num_computed for s in batch)
+        self.lockstep.check_step(self.cache, len(batch), num_tokens)
+        self.lockstep.check_s += time.perf_counter() - t
+
+    def _step_once(self) -> list[Result]:
         st = self.stats
         ended = self.batcher.num_ended
         t0 = time.perf_counter()
@@ -318,7 +495,12 @@ class Engine:
         t1 = time.perf_counter()
         st.schedule_s += t1 - t0
         st.preemptions = self.batcher.preemptions
+        self._check_step(batch)
+        if self.lockstep is not None and self.lockstep.check_tokens:
+            self._sampled = []
         if not batch:
+            if self._sampled is not None:
+                self.lockstep.check_sampled(self._sampled)  # type: ignore[union-attr]
             stalled = self._stalled(self.batcher.num_ended != ended)
             return self._with_failed(stalled)
         self._stalled_steps = 0
@@ -334,6 +516,8 @@ class Engine:
             raise
         t3 = time.perf_counter()
         finished = self._with_failed(self._sample(batch, logits))
+        if self._sampled is not None:
+            self.lockstep.check_sampled(self._sampled)  # type: ignore[union-attr]
         t4 = time.perf_counter()
         st.steps += 1
         st.tokens += step.num_tokens
@@ -367,6 +551,10 @@ class Engine:
         now = time.perf_counter()
         finished = []
         bug: Exception | None = None
+        if self._sampled is not None:
+            self._sampled.extend(
+                (s.id, t if isinstance(t, int) else -1) for s, t in zip(seqs, tokens)
+            )
         for seq, tok in zip(seqs, tokens):
             if not isinstance(tok, Exception) and not 0 <= tok < self.vocab_size:
                 tok = ValueError(

@@ -150,10 +150,25 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        #: Tensor parallelism: gate/up hold a slice of the intermediate features and down the
+        #: matching input columns, so the output is a partial sum, all-reduced over this group
+        #: (see :meth:`radixkv.models.CausalLM.shard`). ``None``: not sharded.
+        self.tp_group: object | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the gated MLP."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.tp_group is not None:
+            all_reduce(out, self.tp_group)
+        return out
+
+
+def all_reduce(x: torch.Tensor, group: object) -> None:
+    """Sums ``x`` in place over the ranks of ``group`` (a ``torch.distributed`` process group;
+    ``True`` stands for the default group)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=None if group is True else group)  # type: ignore[arg-type]
 
 
 def dense_causal_attention(

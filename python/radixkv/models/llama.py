@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixkv.models.config import ModelConfig
-from radixkv.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, dense_causal_attention
+from radixkv.models.layers import (
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    all_reduce,
+    apply_rotary,
+    dense_causal_attention,
+)
 
 if TYPE_CHECKING:
     import radixkv
@@ -49,6 +56,10 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head of q and k, before RoPE.
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        #: Tensor parallelism: this module holds a slice of the heads (``num_heads`` and
+        #: ``num_kv_heads`` are the slice's) and ``o_proj`` the matching input columns, so its
+        #: output is a partial sum, all-reduced over this group. ``None``: not sharded.
+        self.tp_group: object | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
@@ -61,7 +72,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         o = attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        if self.tp_group is not None:
+            all_reduce(out, self.tp_group)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -103,6 +117,72 @@ class CausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.scale = 1.0 / math.sqrt(_head_dim(cfg))
+        #: This model's place in a tensor-parallel group (see :meth:`shard`): rank, world size.
+        self.tp_rank, self.tp_size = 0, 1
+
+    def shard(self, rank: int, world_size: int, group: object | None = None) -> CausalLM:
+        """Rank ``rank``'s shard of this model for tensor parallelism over ``world_size`` ranks
+        (Megatron-style): q/k/v and gate/up are column-parallel (this rank keeps heads
+        ``[rank * H / w, (rank + 1) * H / w)`` of the query and KV heads, and the matching slice
+        of the intermediate features), o and down are row-parallel (the matching input columns;
+        their outputs are summed over ``group`` with an all-reduce, their biases added once, by
+        rank 0). Embeddings, norms and the head are replicated (shared with this model, not
+        copied), so every rank computes the same logits. :meth:`make_kv_cache` of the shard
+        sizes its KV heads to the slice.
+
+        ``group``: the ``torch.distributed`` process group of the ranks (default: the default
+        group), used at every forward; every rank must run the same forwards. Raises
+        ``ValueError`` unless ``0 <= rank < world_size`` and the query heads, KV heads and
+        intermediate size all divide by ``world_size``. ``world_size=1`` gives a model equal to
+        this one (sharing its weights)."""
+        for name, v in (("rank", rank), ("world_size", world_size)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank must be in [0, world_size) with world_size >= 1, got rank={rank}, "
+                f"world_size={world_size}"
+            )
+        if self.tp_size != 1:
+            raise ValueError(f"this model is a shard already (world size {self.tp_size})")
+        cfg = self.config
+        for name, n in (
+            ("num_heads", cfg.num_heads),
+            ("num_kv_heads", cfg.num_kv_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        ):
+            if n % world_size:
+                raise ValueError(
+                    f"{name}={n} must divide by world_size={world_size} for a head-sharded model"
+                )
+        with torch.device("meta"):
+            out = CausalLM(cfg)
+        out.embed_tokens, out.norm, out.rotary = self.embed_tokens, self.norm, self.rotary
+        out.lm_head = self.lm_head
+        out.tp_rank, out.tp_size = rank, world_size
+        tp_group = (group if group is not None else True) if world_size > 1 else None
+        d = _head_dim(cfg)
+        hq, hkv = cfg.num_heads // world_size, cfg.num_kv_heads // world_size
+        inter = cfg.intermediate_size // world_size
+        q_rows = slice(rank * hq * d, (rank + 1) * hq * d)
+        kv_rows = slice(rank * hkv * d, (rank + 1) * hkv * d)
+        mlp_rows = slice(rank * inter, (rank + 1) * inter)
+        for src, dst in zip(self.layers, out.layers):
+            dst.input_layernorm = src.input_layernorm
+            dst.post_attention_layernorm = src.post_attention_layernorm
+            a, b = cast(Attention, src.self_attn), cast(Attention, dst.self_attn)
+            b.q_norm, b.k_norm = a.q_norm, a.k_norm
+            b.q_proj = _columns(a.q_proj, q_rows)
+            b.k_proj = _columns(a.k_proj, kv_rows)
+            b.v_proj = _columns(a.v_proj, kv_rows)
+            b.o_proj = _rows(a.o_proj, q_rows, keep_bias=rank == 0)
+            b.num_heads, b.num_kv_heads, b.tp_group = hq, hkv, tp_group
+            mlp, part = cast(SwiGLU, src.mlp), cast(SwiGLU, dst.mlp)
+            part.gate_proj = _columns(mlp.gate_proj, mlp_rows)
+            part.up_proj = _columns(mlp.up_proj, mlp_rows)
+            part.down_proj = _rows(mlp.down_proj, mlp_rows, keep_bias=rank == 0)
+            part.tp_group = tp_group
+        return out.eval()
 
     @classmethod
     def random(
@@ -140,7 +220,8 @@ class CausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
     ) -> KVCache:
-        """A :class:`radixkv.KVCache` shaped for this model (its dtype and device by default)."""
+        """A :class:`radixkv.KVCache` shaped for this model (its dtype and device by default);
+        for a shard (:meth:`shard`), for its slice of the KV heads."""
         from radixkv.kv.kv_cache import KVCache
 
         p = self.embed_tokens.weight
@@ -148,7 +229,7 @@ class CausalLM(nn.Module):
         return KVCache(
             cache,
             cfg.num_layers,
-            cfg.num_kv_heads,
+            cast(Attention, self.layers[0].self_attn).num_kv_heads,  # this shard's slice
             _head_dim(cfg),
             dtype=dtype or p.dtype,
             device=device or p.device,
@@ -193,3 +274,25 @@ class CausalLM(nn.Module):
         positions = torch.arange(ids.numel(), device=device)
         attend = lambda q, k, v: dense_causal_attention(q, k, v, self.scale)  # noqa: E731
         return self._logits(self._run(ids, positions, [attend] * len(self.layers)))
+
+
+def _columns(layer: nn.Linear, rows: slice) -> nn.Linear:
+    """A column-parallel slice of ``layer``: output features ``rows`` (weight rows and bias)."""
+    w = layer.weight.detach()[rows]
+    out = nn.Linear(w.shape[1], w.shape[0], bias=layer.bias is not None, device="meta")
+    out.weight = nn.Parameter(w.clone(), requires_grad=False)
+    if layer.bias is not None:
+        out.bias = nn.Parameter(layer.bias.detach()[rows].clone(), requires_grad=False)
+    return out
+
+
+def _rows(layer: nn.Linear, cols: slice, keep_bias: bool) -> nn.Linear:
+    """A row-parallel slice of ``layer``: input features ``cols``; the bias kept on one rank
+    only (zero elsewhere), so that the all-reduced sum adds it once."""
+    w = layer.weight.detach()[:, cols]
+    out = nn.Linear(w.shape[1], w.shape[0], bias=layer.bias is not None, device="meta")
+    out.weight = nn.Parameter(w.clone(), requires_grad=False)
+    if layer.bias is not None:
+        b = layer.bias.detach().clone()
+        out.bias = nn.Parameter(b if keep_bias else torch.zeros_like(b), requires_grad=False)
+    return out
