@@ -84,13 +84,13 @@ impl BlockIndex {
 
     /// Unhashes a page that allocation or eviction takes back.
     fn unhash(&mut self, page: PageId) {
-        let key = self.key(&self.recs.parent(page), self.recs.tokens(page));
-        let h = self.recs.clear(page);
-        let removed = self.map.remove(key, page);
-        debug_assert!(removed, "hashed pages are mapped");
         if self.events.on {
+            let h = self.recs.hash(page).expect("evicted pages are hashed");
             self.events.removed(vec![h]);
         }
+        let removed = self.map.remove(self.recs.key(page), page);
+        debug_assert!(removed, "hashed pages are mapped");
+        self.recs.clear(page);
     }
 
     /// Enters `page` into the index under `h = H(prev, tokens)`; `key` is its content key.
@@ -103,7 +103,7 @@ impl BlockIndex {
         key: u64,
     ) {
         self.map.insert(key, page);
-        self.recs.set(page, prev, tokens, &h);
+        self.recs.set(page, prev, tokens, &h, key);
     }
 
     /// The hashed page holding the content `(prev, tokens)`, whose content key is `key`, and its
@@ -427,6 +427,12 @@ impl Index for BlockIndex {
                     ));
                 }
                 let key = self.key(&parent, tokens);
+                if self.recs.key(page) != key {
+                    return corrupt(format!(
+                        "page {}: its recorded content key is not its content's",
+                        page.0
+                    ));
+                }
                 if self.map.find(key, |q| q == page) != Some(page) {
                     return corrupt(format!(
                         "page {} is hashed but the map does not point to it",
