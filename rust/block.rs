@@ -296,6 +296,10 @@ impl Index for BlockIndex {
             let prev = r.ext.tip.unwrap_or(root);
             let tokens = &r.tokens[i * p..(i + 1) * p];
             let key = self.key(&prev, tokens);
+            // A published page is nearly always new: its blake3 runs while the map's slot loads
+            // (a cache miss in a large index). A stored copy has the same hash anyway.
+            self.map.prefetch(key);
+            let fresh = next_hash(&prev, tokens);
             let h = match self.find(key, &prev, tokens) {
                 Some((copy, h)) => {
                     self.pin_page(copy);
@@ -305,7 +309,7 @@ impl Index for BlockIndex {
                     h
                 }
                 None => {
-                    let h = next_hash(&prev, tokens);
+                    let h = fresh;
                     self.hash_page(r.pages[i], &prev, tokens, h, key);
                     if self.events.on {
                         run.push(h);
