@@ -42,8 +42,10 @@ const EVICTABLE: ListId = ListId(1);
 /// The block cache's own part of a request.
 #[derive(Debug, Clone)]
 pub struct BlockExt {
-    /// Hashes of its full pages computed so far.
-    hashes: Vec<BlockHash>,
+    /// The hash of its published prefix, `h` of page `published / P - 1` (`None` before any):
+    /// the parent of the next page it publishes. Pages are published in order, so this is all
+    /// of its chain a request keeps (32 bytes, not 32 a page).
+    tip: Option<BlockHash>,
     /// `(position, stored page)` where this request computed a page that another request had
     /// published first: its own copy stays private, and it pins the stored one instead, so that
     /// the chain through its published pages stays whole (and reachable by `fork`) while it lives.
@@ -82,13 +84,13 @@ impl BlockIndex {
 
     /// Unhashes a page that allocation or eviction takes back.
     fn unhash(&mut self, page: PageId) {
-        let key = self.key(&self.recs.parent(page), self.recs.tokens(page));
-        let h = self.recs.clear(page);
-        let removed = self.map.remove(key, page);
-        debug_assert!(removed, "hashed pages are mapped");
         if self.events.on {
+            let h = self.recs.hash(page).expect("evicted pages are hashed");
             self.events.removed(vec![h]);
         }
+        let removed = self.map.remove(self.recs.key(page), page);
+        debug_assert!(removed, "hashed pages are mapped");
+        self.recs.clear(page);
     }
 
     /// Enters `page` into the index under `h = H(prev, tokens)`; `key` is its content key.
@@ -101,7 +103,7 @@ impl BlockIndex {
         key: u64,
     ) {
         self.map.insert(key, page);
-        self.recs.set(page, prev, tokens, &h);
+        self.recs.set(page, prev, tokens, &h, key);
     }
 
     /// The hashed page holding the content `(prev, tokens)`, whose content key is `key`, and its
@@ -120,18 +122,25 @@ impl BlockIndex {
         self.find(self.key(prev, tokens), prev, tokens)
     }
 
-    /// Records that pages `run` of `r` entered the map (nothing when recording is off).
-    fn record_stored(&mut self, r: &Request<BlockExt>, run: std::ops::Range<usize>) {
-        if !self.events.on || run.is_empty() {
+    /// Records that the pages `first..first + hashes.len()` of `r`, hashed `hashes`, entered
+    /// the map after `parent` (nothing when recording is off).
+    fn record_stored(
+        &mut self,
+        r: &Request<BlockExt>,
+        first: usize,
+        parent: Option<BlockHash>,
+        hashes: &mut Vec<BlockHash>,
+    ) {
+        if !self.events.on || hashes.is_empty() {
             return;
         }
         let p = self.page_size;
-        let parent = run.start.checked_sub(1).map(|i| r.ext.hashes[i]);
+        let end = first + hashes.len();
         self.events.stored_keys(
             &r.namespace,
             parent,
-            r.ext.hashes[run.clone()].to_vec(),
-            r.tokens[run.start * p..run.end * p].to_vec(),
+            std::mem::take(hashes),
+            r.tokens[first * p..end * p].to_vec(),
         );
     }
 
@@ -159,11 +168,11 @@ impl BlockIndex {
     }
 }
 
-/// The cached pages of a lookup and their hashes.
+/// The cached pages of a lookup and the hash of the last one.
 #[derive(Debug)]
 pub struct Hits {
     pages: Vec<PageId>,
-    hashes: Vec<BlockHash>,
+    tip: Option<BlockHash>,
 }
 
 impl Index for BlockIndex {
@@ -212,7 +221,7 @@ impl Index for BlockIndex {
         let p = self.page_size;
         let mut hits = Hits {
             pages: Vec::new(),
-            hashes: Vec::new(),
+            tip: None,
         };
         let mut prev = root_hash(p, namespace);
         for page in tokens.chunks_exact(p) {
@@ -220,7 +229,7 @@ impl Index for BlockIndex {
                 break;
             };
             hits.pages.push(pg);
-            hits.hashes.push(h);
+            hits.tip = Some(h);
             prev = h;
         }
         let evictable = hits
@@ -246,7 +255,7 @@ impl Index for BlockIndex {
         }
         pages.extend_from_slice(&found.at.pages);
         BlockExt {
-            hashes: found.at.hashes,
+            tip: found.at.tip,
             stored: Vec::new(),
         }
     }
@@ -279,36 +288,38 @@ impl Index for BlockIndex {
         if last <= first {
             return;
         }
-        // Runs of pages entered into the map, for the event log: (first index, end).
-        let mut run = first..first;
+        // The run of pages entered into the map since the last stored copy, for the event log:
+        // its first index, the hash before it and its hashes (collected only when recording).
+        let (mut run_first, mut run_parent, mut run) = (first, r.ext.tip, Vec::new());
+        let root = root_hash(p, &r.namespace);
         for i in first..last {
-            let prev = match i.checked_sub(1) {
-                Some(j) => r.ext.hashes[j],
-                None => root_hash(p, &r.namespace),
-            };
+            let prev = r.ext.tip.unwrap_or(root);
             let tokens = &r.tokens[i * p..(i + 1) * p];
             let key = self.key(&prev, tokens);
-            match self.find(key, &prev, tokens) {
+            // A published page is nearly always new: its blake3 runs while the map's slot loads
+            // (a cache miss in a large index). A stored copy has the same hash anyway.
+            self.map.prefetch(key);
+            let fresh = next_hash(&prev, tokens);
+            let h = match self.find(key, &prev, tokens) {
                 Some((copy, h)) => {
-                    if i == r.ext.hashes.len() {
-                        r.ext.hashes.push(h);
-                    }
                     self.pin_page(copy);
                     r.ext.stored.push((i as u32, copy));
-                    self.record_stored(r, run.clone());
-                    run = i + 1..i + 1;
+                    self.record_stored(r, run_first, run_parent, &mut run);
+                    (run_first, run_parent) = (i + 1, Some(h));
+                    h
                 }
                 None => {
-                    if i == r.ext.hashes.len() {
-                        r.ext.hashes.push(next_hash(&prev, tokens));
-                    }
-                    let h = r.ext.hashes[i];
+                    let h = fresh;
                     self.hash_page(r.pages[i], &prev, tokens, h, key);
-                    run.end = i + 1;
+                    if self.events.on {
+                        run.push(h);
+                    }
+                    h
                 }
-            }
+            };
+            r.ext.tip = Some(h);
         }
-        self.record_stored(r, run);
+        self.record_stored(r, run_first, run_parent, &mut run);
         r.published = last * p;
     }
 
@@ -390,17 +401,17 @@ impl Index for BlockIndex {
         let p = self.page_size;
         let mut refs = vec![0u32; num_pages];
         for r in requests.iter() {
-            // Straight from the spec (no memo), so a wrong memo entry cannot vouch for itself.
-            let full = &r.tokens[..r.ext.hashes.len() * p];
-            if crate::hash::block_hashes(full, p, &r.namespace) != r.ext.hashes {
-                return corrupt("a request's stored block hashes differ from its tokens'");
+            // Straight from the spec (not the map), so a wrong entry cannot vouch for itself.
+            let hashes = crate::hash::block_hashes(&r.tokens[..r.published], p, &r.namespace);
+            if hashes.last() != r.ext.tip.as_ref() {
+                return corrupt("a request's tip hash differs from its published tokens'");
             }
             for (i, &page) in r.pages.iter().enumerate() {
                 let Some(rc) = refs.get_mut(page.index()) else {
                     return corrupt(format!("a request holds page {}, outside the pool", page.0));
                 };
                 *rc += 1;
-                if i < r.num_cached / p && self.recs.hash(page) != Some(r.ext.hashes[i]) {
+                if i < r.num_cached / p && self.recs.hash(page) != Some(hashes[i]) {
                     return corrupt(format!(
                         "page {}, a cache hit, no longer holds its prefix",
                         page.0
@@ -410,7 +421,7 @@ impl Index for BlockIndex {
             for &(at, copy) in &r.ext.stored {
                 let at = at as usize;
                 let stands_for = at < r.published / p
-                    && self.recs.hash(copy) == Some(r.ext.hashes[at])
+                    && self.recs.hash(copy) == Some(hashes[at])
                     && !self.recs.is_hashed(r.pages[at]);
                 if !stands_for {
                     return corrupt(format!(
@@ -445,6 +456,12 @@ impl Index for BlockIndex {
                     ));
                 }
                 let key = self.key(&parent, tokens);
+                if self.recs.key(page) != key {
+                    return corrupt(format!(
+                        "page {}: its recorded content key is not its content's",
+                        page.0
+                    ));
+                }
                 if self.map.find(key, |q| q == page) != Some(page) {
                     return corrupt(format!(
                         "page {} is hashed but the map does not point to it",

@@ -10,7 +10,8 @@
 //!
 //! Records grow with the highest page id hashed (doubling, up to the pool), never reserved for
 //! the whole pool up front: a pool sized for the KV tensors costs no token memory until used.
-//! Whether a page is hashed at all is a separate bit array.
+//! Whether a page is hashed, and its content key in the block map (so that eviction finds its
+//! entry without reading the record), sit in two small arrays reserved for the pool.
 
 use crate::hash::BlockHash;
 use crate::ids::{ArenaId, PageId};
@@ -22,6 +23,7 @@ pub struct PageRecords {
     num_pages: usize,
     words: Vec<u32>,
     hashed: Vec<bool>,
+    keys: Vec<u64>,
     count: usize,
 }
 
@@ -41,13 +43,14 @@ fn from_words(w: &[u32]) -> BlockHash {
 }
 
 impl PageRecords {
-    /// No page hashed; the hashed bits for the whole pool (one byte a page) are allocated here.
+    /// No page hashed; the flags and keys for the whole pool (9 bytes a page) are allocated here.
     pub fn try_new(num_pages: usize, page_size: usize) -> crate::error::Result<Self> {
         Ok(PageRecords {
             page_size,
             num_pages,
             words: Vec::new(),
             hashed: crate::error::try_vec(num_pages, false)?,
+            keys: crate::error::try_vec(num_pages, 0)?,
             count: 0,
         })
     }
@@ -110,8 +113,14 @@ impl PageRecords {
         to_words(h)
     }
 
-    /// Records `page` as hashed: `h = H(prev, tokens)`.
-    pub fn set(&mut self, page: PageId, prev: &BlockHash, tokens: &[u32], h: &BlockHash) {
+    /// The content key a hashed page was entered into the map under.
+    pub fn key(&self, page: PageId) -> u64 {
+        debug_assert!(self.is_hashed(page));
+        self.keys[page.index()]
+    }
+
+    /// Records `page` as hashed: `h = H(prev, tokens)`, entered into the map under `key`.
+    pub fn set(&mut self, page: PageId, prev: &BlockHash, tokens: &[u32], h: &BlockHash, key: u64) {
         debug_assert!(!self.is_hashed(page) && tokens.len() == self.page_size);
         let s = self.stride();
         let end = (page.index() + 1) * s;
@@ -127,20 +136,20 @@ impl PageRecords {
         rec[HASH_WORDS..2 * HASH_WORDS].copy_from_slice(&to_words(prev));
         rec[2 * HASH_WORDS..].copy_from_slice(tokens);
         self.hashed[page.index()] = true;
+        self.keys[page.index()] = key;
         self.count += 1;
     }
 
-    /// Forgets `page`'s record; returns its hash.
-    pub fn clear(&mut self, page: PageId) -> BlockHash {
-        let h = self.hash(page).expect("only hashed pages are cleared");
+    /// Forgets `page`'s record.
+    pub fn clear(&mut self, page: PageId) {
+        debug_assert!(self.is_hashed(page), "only hashed pages are cleared");
         self.hashed[page.index()] = false;
         self.count -= 1;
-        h
     }
 
     /// Heap bytes held.
     pub fn heap_bytes(&self) -> usize {
-        self.words.capacity() * 4 + self.hashed.capacity()
+        self.words.capacity() * 4 + self.hashed.capacity() + self.keys.capacity() * 8
     }
 }
 
@@ -153,7 +162,8 @@ mod tests {
         let mut r = PageRecords::try_new(10, 3).unwrap();
         let (prev, h): (BlockHash, BlockHash) = (std::array::from_fn(|i| i as u8), [7; 32]);
         assert_eq!(r.hash(PageId(9)), None);
-        r.set(PageId(9), &prev, &[1, 2, 3], &h);
+        r.set(PageId(9), &prev, &[1, 2, 3], &h, 77);
+        assert_eq!(r.key(PageId(9)), 77);
         assert_eq!((r.hash(PageId(9)), r.parent(PageId(9))), (Some(h), prev));
         assert_eq!(r.tokens(PageId(9)), &[1, 2, 3]);
         let w = PageRecords::words_of(&prev);
@@ -164,7 +174,7 @@ mod tests {
             None
         );
         assert_eq!(r.count(), 1);
-        assert_eq!(r.clear(PageId(9)), h);
+        r.clear(PageId(9));
         assert!(!r.is_hashed(PageId(9)));
         assert_eq!(r.count(), 0);
     }

@@ -35,19 +35,24 @@ impl TokenKeys {
         }
     }
 
-    /// The key of `tokens` after `lead` (a prefix's hash, or 0). `lead` is multiplied in first,
-    /// never xored into a token word, so a prompt built to cancel a known lead needs the secret.
+    /// The key of `tokens` after `lead` (a prefix's hash, or 0). Each four tokens are one folded
+    /// multiply of two secret-mixed words, independent of the others (so they run in parallel),
+    /// folded into the state with a rotation that makes their order count. `lead` is multiplied
+    /// in first, never xored into a token word, so a prompt built to cancel a known lead needs
+    /// the secret.
+    #[inline]
     pub fn key(&self, lead: u64, tokens: &[u32]) -> u64 {
         let s = &self.secret;
-        let word = |pair: &[u32]| match *pair {
-            [a, b] => (a as u64) << 32 | b as u64,
-            [a] => a as u64,
-            _ => 0,
-        };
+        let word = |a: u32, b: u32| (a as u64) << 32 | b as u64;
         let mut h = fold_mul(lead ^ s[2], tokens.len() as u64 ^ s[3]);
-        for quad in tokens.chunks(4) {
-            let (lo, hi) = quad.split_at(quad.len().min(2));
-            h = fold_mul(h ^ word(lo) ^ s[0], word(hi) ^ s[1]);
+        let mut quads = tokens.chunks_exact(4);
+        for q in &mut quads {
+            h = h.rotate_left(23) ^ fold_mul(word(q[0], q[1]) ^ s[0], word(q[2], q[3]) ^ s[1]);
+        }
+        let rest = quads.remainder();
+        if !rest.is_empty() {
+            let t = |i: usize| rest.get(i).copied().unwrap_or(0);
+            h = h.rotate_left(23) ^ fold_mul(word(t(0), t(1)) ^ s[0], word(t(2), t(3)) ^ s[1]);
         }
         fold_mul(h ^ s[2], s[3])
     }
