@@ -13,9 +13,9 @@ rest); each group runs through one backend, chosen by ``KVCache(attention=...)``
   steps do not recompile. Batch sizes are bucketed to powers of two: one compile per bucket.
 - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` with ``block_table`` (CUDA only).
 - ``"flashinfer"``: FlashInfer's paged wrappers, when the package is installed (CUDA only).
-- ``"auto"``: per device, dtype and group kind, the fastest measured choice (``AUTO``), using
-  flex on CPU only for batch buckets :meth:`KVCache.warmup` compiled: never a compile on the
-  hot path.
+- ``"auto"``: per device, dtype and group kind, the fastest measured choice
+  (:func:`auto_choice`); never a compile on the hot path (flex only for batch buckets
+  :meth:`KVCache.warmup` compiled, where it is the choice).
 """
 
 from __future__ import annotations
@@ -84,18 +84,20 @@ def _has_varlen() -> bool:
 def auto_choice(device: torch.device, dtype: torch.dtype, decode: bool) -> str:
     """The backend ``"auto"`` prefers for a group, before checking what is compiled.
 
-    CPU, measured (``benches/bench_attention.py``): fp32 decode, flex in place beats the folded
-    gather (1.2x vs 1.8x of SDPA on contiguous KV); bf16 and fp16 decode, the folded gather
-    wins; prefill, SDPA (flex 1.7x). CUDA: varlen, else FlashInfer, else SDPA (not yet measured
-    here: see ``benches/README.md``)."""
+    CPU: SDPA (the folded gather on decode). One layer's attention alone favours flex on fp32
+    decode (``benches/bench_attention.py``: 1.2x against 1.9x of SDPA on contiguous KV at head
+    dim 64), but a whole engine step does not (``benches/bench_torch.py`` section (d): decode
+    tokens/s over a contiguous-KV loop, flex 0.47x against SDPA 0.69-0.84x at head dim 32; at
+    head dim 64, 0.71x against 0.78x for 8 requests and 0.72x against 0.66x for 32), because
+    flex rebuilds its block mask every step. bf16/fp16: the folded gather wins outright;
+    prefill: SDPA (flex 1.7x). ``attention="flex"`` stays available. CUDA: varlen, else
+    FlashInfer, else SDPA (not yet measured here: see ``benches/README.md``)."""
     names = available(device)
     if device.type == "cuda":
         for name in ("varlen", "flashinfer"):
             if name in names:
                 return name
         return "sdpa"
-    if decode and dtype == torch.float32 and "flex" in names:
-        return "flex"
     return "sdpa"
 
 
