@@ -122,23 +122,18 @@ fn filled(make: Make, p: usize, tokens: usize, seed: u64) -> Box<dyn PrefixCache
     c
 }
 
-/// Distinct 2k-token prompts, more than a pool of `pool_tokens` holds, so that cycling through
-/// them misses every time (each was evicted, least recently used, before it comes back).
-fn miss_prompts(seed: u64, pool_tokens: usize) -> Vec<Vec<u32>> {
-    let count = pool_tokens / 2048 + 64;
-    (0..count)
-        .map(|k| stream(seed + k as u64, 0, 2048))
-        .collect()
-}
-
-/// A request that misses: admit, compute (commit) and finish, the next prompt every call. In a
-/// full pool each one evicts the least recently used 2k tokens, so the index size stays put.
-fn miss_fn<'a>(c: &'a mut dyn PrefixCache, prompts: &'a [Vec<u32>]) -> impl FnMut() + 'a {
-    let mut k = 0;
+/// A request that misses: admit, compute (commit) and finish, a new prompt every call. In a full
+/// pool each one evicts the least recently used 2k tokens, so the index size stays put. The
+/// prompts are one buffer whose first token changes each call (a token no other prompt has):
+/// a miss from the first page on, for both indexes, while the prompt stays in the processor's
+/// cache as a just-received prompt would (distinct buffers measured reading them from memory).
+fn miss_fn(c: &mut dyn PrefixCache, seed: u64) -> impl FnMut() + '_ {
+    let mut tokens = stream(seed, 0, 2048);
+    let mut k = 0u32;
     move || {
-        let tokens = &prompts[k % prompts.len()];
+        tokens[0] = 1 << 31 | k;
         k += 1;
-        let id = c.admit(tokens, None).expect("room by eviction");
+        let id = c.admit(&tokens, None).expect("room by eviction");
         c.commit(id, tokens.len()).unwrap();
         c.finish(black_box(id)).unwrap();
     }
@@ -156,10 +151,9 @@ fn requests(cfg: &Config) {
         "== requests: admit + commit + finish, per request (median of {} runs)",
         cfg.runs
     );
-    let misses = miss_prompts(900, 1 << 16);
     for (name, p, make) in CACHES {
         let mut c = filled(make, p, 1 << 16, 1000);
-        let miss = per_call(cfg.runs, miss_fn(&mut *c, &misses));
+        let miss = per_call(cfg.runs, miss_fn(&mut *c, 900));
         let hit_tokens = stream(5, 0, 2048);
         publish(&mut *c, &hit_tokens);
         let hit = per_call(cfg.runs, || hit_once(&mut *c, &hit_tokens));
@@ -232,12 +226,11 @@ fn scaling(cfg: &Config) {
     for (name, p, make) in CACHES {
         let mut base: Option<(f64, f64)> = None;
         for &size in &sizes {
-            let misses = miss_prompts(700_000, size.max(4096));
             let t0 = Instant::now();
             let mut c = filled(make, p, size.max(4096), 3000);
             let fill = t0.elapsed();
             let cached = c.stats().evictable_pages * p;
-            let miss = per_call(cfg.runs, miss_fn(&mut *c, &misses));
+            let miss = per_call(cfg.runs, miss_fn(&mut *c, 900));
             let hit_tokens = stream(3000, 0, 2048); // the oldest prompt: bring it back first
             publish(&mut *c, &hit_tokens);
             let hit = per_call(cfg.runs, || hit_once(&mut *c, &hit_tokens));
