@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+import radixkv
+
 transformers = pytest.importorskip("transformers")
 
 #: Vocabulary of every tiny model.
@@ -42,6 +44,15 @@ ARCHS = [
 
 #: The config.json forms :func:`save_model` writes.
 FORMS = ["5.x", "4.x"]
+
+#: Every (architecture, config form) pair, for a module-scoped ``model`` fixture's params.
+ARCH_FORMS = [pytest.param((a, f), id=f"{a}-{f}") for a in ARCHS for f in FORMS]
+
+#: factory() -> an index: both kinds, and the page sizes the issue names (1 and 16).
+CACHES = [
+    pytest.param(lambda: radixkv.RadixCache(512, page_size=1), id="radix-p1"),
+    pytest.param(lambda: radixkv.BlockCache(32, page_size=16), id="block-p16"),
+]
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,

@@ -11,19 +11,12 @@ pytest.importorskip("transformers")
 
 import radixkv
 import radixkv.hf
-from hf_models import ARCHS, FORMS, VOCAB, build_model, load_model
+from hf_models import ARCH_FORMS, ARCHS, CACHES, VOCAB, build_model, load_model
 
 torch.set_num_threads(1)
 
-CACHES = [
-    pytest.param(lambda: radixkv.RadixCache(512, page_size=1), id="radix-p1"),
-    pytest.param(lambda: radixkv.BlockCache(32, page_size=16), id="block-p16"),
-]
 
-
-@pytest.fixture(
-    scope="module", params=[(a, f) for a in ARCHS for f in FORMS], ids=lambda p: f"{p[0]}-{p[1]}"
-)
+@pytest.fixture(scope="module", params=ARCH_FORMS)
 def model(request, tmp_path_factory):
     """Each tiny architecture, loaded from a checkpoint with a 5.x or a 4.x config.json."""
     arch, form = request.param
