@@ -6,7 +6,7 @@ EXT    := $(VENV)/.ext-built
 RUST   := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 comma  := ,
 
-.PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo replay lint fmt wheel clean
+.PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo replay lint fmt wheel clean test-cluster
 
 all: test
 
@@ -60,6 +60,23 @@ test-oldest:
 	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|ruff\b|mypy\b)' requirements-dev.txt); \
 	cd $(OLDEST_DIR) && venv/bin/python -c 'import sys, radixkv; assert "torch" not in sys.modules; print(sys.version, radixkv.__file__)'; \
 	cd $(CURDIR) && PYTHONPATH=tests/python $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
+
+# Integration tests against real cluster routers (tests/cluster/): NVIDIA Dynamo's standalone KV
+# indexer consumes radixkv workers' KV events. They pull large packages, so they run in their own
+# virtual environment, target/cluster/venv (never .venv): the radixkv wheel built here, plus
+# requirements-cluster.txt (no torch). `make test` does not collect them (testpaths).
+CLUSTER := target/cluster
+
+test-cluster: $(DEPS)
+	rm -rf $(CLUSTER)/wheels
+	$(PY) -m maturin build --release --quiet -o $(CLUSTER)/wheels
+	test -x $(CLUSTER)/venv/bin/python || python3 -m venv $(CLUSTER)/venv
+	$(CLUSTER)/venv/bin/python -m pip install --quiet --disable-pip-version-check \
+	    -r requirements-cluster.txt
+	$(CLUSTER)/venv/bin/python -m pip install --quiet --disable-pip-version-check \
+	    --force-reinstall --no-deps $(CLUSTER)/wheels/radixkv-*.whl
+	cd $(CLUSTER) && venv/bin/python -c 'import sys, radixkv; assert "torch" not in sys.modules'
+	$(CLUSTER)/venv/bin/python -m pytest -q -p no:cacheprovider -rs tests/cluster
 
 bench: bench-rust bench-python
 
