@@ -20,6 +20,10 @@
 //! its tokens, and a table hit is compared against them exactly. Since `h_i` is a function of
 //! `(h_{i-1}, tokens)`, this is the map from block hash to page, reached without running blake3:
 //! a lookup costs one probe a page, and blake3 runs only for pages published for the first time.
+//!
+//! A host tier adds host pages to the same records, map and lists (ids `num_pages..`), in two
+//! more lists, HOST_FREE and HOST_EVICTABLE: an evicted page's record moves to a host page, and
+//! a hit on a host page moves it back to a device page.
 
 use crate::cache::Cache;
 use crate::error::{corrupt, try_vec, Result};
@@ -32,12 +36,15 @@ use crate::page_records::PageRecords;
 use crate::page_table::PageTable;
 use crate::request::{Namespace, Request, Requests};
 use crate::table_hash::TokenKeys;
+use crate::tier::Tier;
 
 /// A prefix cache indexed by chained block hashes.
 pub type BlockCache = Cache<BlockIndex>;
 
 const FREE: ListId = ListId(0);
 const EVICTABLE: ListId = ListId(1);
+const HOST_FREE: ListId = ListId(2);
+const HOST_EVICTABLE: ListId = ListId(3);
 
 /// The block cache's own part of a request.
 #[derive(Debug, Clone)]
@@ -66,6 +73,7 @@ pub struct BlockIndex {
     /// Random per cache: the content keys, `keys.key(first 8 bytes of h_{i-1}, tokens)`.
     keys: TokenKeys,
     events: EventLog,
+    tier: Tier,
     /// Unit tests set this to give every page the same content key, so that the paths where
     /// several contents share a key run.
     #[cfg(test)]
@@ -144,6 +152,44 @@ impl BlockIndex {
         );
     }
 
+    /// Moves hashed `from`'s hash, record and map entry to unhashed `to`.
+    fn relocate(&mut self, from: PageId, to: PageId) {
+        let key = self.recs.key(from);
+        let removed = self.map.remove(key, from);
+        debug_assert!(removed, "hashed pages are mapped");
+        self.map.insert(key, to);
+        self.recs.relocate(from, to);
+    }
+
+    /// Moves evicted device page `d`'s hash to a host page: HOST_FREE's front, else
+    /// HOST_EVICTABLE's front (dropping its hash). Returns false, changing nothing, when every
+    /// host page belongs to a load in progress.
+    fn offload(&mut self, d: PageId) -> bool {
+        let h = match self.lists.pop_front(HOST_FREE) {
+            Some(h) => h,
+            None => {
+                let Some(h) = self.lists.pop_front(HOST_EVICTABLE) else {
+                    return false;
+                };
+                self.unhash(h);
+                self.tier.dropped += 1;
+                h
+            }
+        };
+        self.relocate(d, h);
+        self.lists.push_back(HOST_EVICTABLE, h);
+        self.tier.offload(d, h);
+        true
+    }
+
+    /// Evicts device page `d` (just taken off EVICTABLE): to the host tier when there is one
+    /// with room, else its hash is dropped.
+    fn evict_page(&mut self, d: PageId) {
+        if !(self.tier.on() && self.offload(d)) {
+            self.unhash(d);
+        }
+    }
+
     /// Takes one pin of a cached page (a hit).
     fn pin_page(&mut self, page: PageId) {
         let rc = &mut self.refcount[page.index()];
@@ -180,17 +226,21 @@ impl Index for BlockIndex {
     type At = Hits;
 
     /// Per-page records are allocated here (fallibly); page tokens only as pages are hashed.
-    fn new(num_pages: usize, page_size: usize) -> Result<Self> {
+    fn new(num_pages: usize, page_size: usize, host_pages: usize) -> Result<Self> {
         // The largest arrays are reserved first, before anything is written, so that a pool too
         // large for this machine fails fast and without touching memory.
-        let recs = PageRecords::try_new(num_pages, page_size)?;
+        let total = num_pages + host_pages;
+        let recs = PageRecords::try_new(total, page_size)?;
         let refcount = try_vec(num_pages, 0)?;
-        let mut lists = Links::try_new(2, num_pages)?;
+        let mut lists = Links::try_new(4, total)?;
         for page in 0..num_pages as u32 {
             lists.push_back(FREE, PageId(page));
         }
+        for page in num_pages as u32..total as u32 {
+            lists.push_back(HOST_FREE, PageId(page));
+        }
         // At most one entry a page: sized for them all, the map never rehashes.
-        let map = PageTable::try_new(num_pages)?;
+        let map = PageTable::try_new(total)?;
         Ok(BlockIndex {
             page_size,
             refcount,
@@ -199,6 +249,7 @@ impl Index for BlockIndex {
             lists,
             keys: TokenKeys::random(),
             events: EventLog::default(),
+            tier: Tier::new(num_pages, host_pages),
             #[cfg(test)]
             collide: false,
         })
@@ -232,14 +283,18 @@ impl Index for BlockIndex {
             hits.tip = Some(h);
             prev = h;
         }
-        let evictable = hits
-            .pages
-            .iter()
-            .filter(|pg| self.refcount[pg.index()] == 0)
-            .count();
+        let (mut evictable, mut host) = (0, 0);
+        for &pg in &hits.pages {
+            if self.tier.is_host(pg) {
+                host += 1;
+            } else if self.refcount[pg.index()] == 0 {
+                evictable += 1;
+            }
+        }
         Found {
             matched: hits.pages.len() * p,
             evictable,
+            host,
             at: hits,
         }
     }
@@ -251,7 +306,12 @@ impl Index for BlockIndex {
         pages: &mut Vec<PageId>,
     ) -> BlockExt {
         for &page in &found.at.pages {
-            self.pin_page(page);
+            if self.tier.is_host(page) {
+                // Out of the host tier's reach until it comes back.
+                self.lists.remove(HOST_EVICTABLE, page);
+            } else {
+                self.pin_page(page);
+            }
         }
         pages.extend_from_slice(&found.at.pages);
         BlockExt {
@@ -260,8 +320,26 @@ impl Index for BlockIndex {
         }
     }
 
-    /// Takes never-hashed pages first, then the least recently released cached ones (dropping
-    /// their hashes).
+    /// Each host hit, in chain order, moves into the next of `fresh` (refcount 1 already).
+    fn load(&mut self, _ext: &mut BlockExt, pages: &mut [PageId], fresh: &[PageId]) {
+        let mut fresh = fresh.iter();
+        for page in pages.iter_mut() {
+            if !self.tier.is_host(*page) {
+                continue;
+            }
+            let (h, d) = (
+                *page,
+                *fresh.next().expect("a device page for every host hit"),
+            );
+            self.relocate(h, d);
+            self.lists.push_front(HOST_FREE, h);
+            self.tier.load(h, d);
+            *page = d;
+        }
+    }
+
+    /// Takes never-hashed pages first, then the least recently released cached ones (to the
+    /// host tier, or dropping their hashes).
     fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize {
         let mut evicted = 0;
         for _ in 0..count {
@@ -269,7 +347,7 @@ impl Index for BlockIndex {
                 Some(p) => p,
                 None => {
                     let p = self.lists.pop_front(EVICTABLE).expect("capacity checked");
-                    self.unhash(p);
+                    self.evict_page(p);
                     evicted += 1;
                     p
                 }
@@ -301,6 +379,15 @@ impl Index for BlockIndex {
             self.map.prefetch(key);
             let fresh = next_hash(&prev, tokens);
             let h = match self.find(key, &prev, tokens) {
+                Some((copy, h)) if self.tier.is_host(copy) => {
+                    // The request's page replaces the host copy: no duplicate, no copy.
+                    self.lists.remove(HOST_EVICTABLE, copy);
+                    self.relocate(copy, r.pages[i]);
+                    self.lists.push_front(HOST_FREE, copy);
+                    self.record_stored(r, run_first, run_parent, &mut run);
+                    (run_first, run_parent) = (i + 1, Some(h));
+                    h
+                }
                 Some((copy, h)) => {
                     self.pin_page(copy);
                     r.ext.stored.push((i as u32, copy));
@@ -341,11 +428,40 @@ impl Index for BlockIndex {
             let Some(page) = self.lists.pop_front(EVICTABLE) else {
                 break;
             };
+            self.evict_page(page);
+            self.lists.push_front(FREE, page);
+            done += 1;
+        }
+        done
+    }
+
+    /// Drops HOST_EVICTABLE front to back (each page to HOST_FREE's front), then EVICTABLE front
+    /// to back (each to FREE's front), offloading nothing.
+    fn reset(&mut self) -> usize {
+        while let Some(h) = self.lists.pop_front(HOST_EVICTABLE) {
+            self.unhash(h);
+            self.lists.push_front(HOST_FREE, h);
+            self.tier.dropped += 1;
+        }
+        let mut done = 0;
+        while let Some(page) = self.lists.pop_front(EVICTABLE) {
             self.unhash(page);
             self.lists.push_front(FREE, page);
             done += 1;
         }
         done
+    }
+
+    fn host_free_pages(&self) -> usize {
+        self.lists.len(HOST_FREE)
+    }
+
+    fn tier(&self) -> &Tier {
+        &self.tier
+    }
+
+    fn tier_mut(&mut self) -> &mut Tier {
+        &mut self.tier
     }
 
     fn cursor(&self, namespace: &Namespace) -> Cursor {
@@ -393,6 +509,19 @@ impl Index for BlockIndex {
             d.word(self.lists.len(list) as u64);
             for page in self.lists.iter(list) {
                 d.word(page.0 as u64);
+            }
+        }
+        if self.tier.on() {
+            for list in [HOST_FREE, HOST_EVICTABLE] {
+                d.word(self.lists.len(list) as u64);
+                for page in self.lists.iter(list) {
+                    d.word(page.0 as u64);
+                    if let Some(h) = self.recs.hash(page) {
+                        for w in h.chunks_exact(8) {
+                            d.word(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+                        }
+                    }
+                }
             }
         }
     }
@@ -447,6 +576,12 @@ impl Index for BlockIndex {
                     page.0
                 ));
             }
+        }
+        let total = num_pages + self.tier.host_pages;
+        for page in (0..total as u32).map(PageId) {
+            if self.tier.is_host(page) && !self.lists.is_linked(page) {
+                return corrupt(format!("host page {} is on no list", page.0));
+            }
             if let Some(h) = self.recs.hash(page) {
                 let (parent, tokens) = (self.recs.parent(page), self.recs.tokens(page));
                 if next_hash(&parent, tokens) != h {
@@ -470,9 +605,17 @@ impl Index for BlockIndex {
                 }
             }
         }
-        for (list, hashed, name) in [(FREE, false, "free"), (EVICTABLE, true, "evictable")] {
+        let lists = [
+            (FREE, false, false, "free"),
+            (EVICTABLE, true, false, "evictable"),
+            (HOST_FREE, false, true, "host free"),
+            (HOST_EVICTABLE, true, true, "host evictable"),
+        ];
+        for (list, hashed, host, name) in lists {
             for page in self.lists.iter(list) {
-                if self.recs.is_hashed(page) != hashed || self.refcount[page.index()] != 0 {
+                let pinned = !host && self.refcount.get(page.index()).map_or(true, |&rc| rc != 0);
+                if self.recs.is_hashed(page) != hashed || self.tier.is_host(page) != host || pinned
+                {
                     return corrupt(format!(
                         "page {} does not belong on the {name} list",
                         page.0

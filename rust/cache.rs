@@ -6,6 +6,7 @@ use crate::events::CacheEvent;
 use crate::index::{Cursor, Index};
 use crate::request::{new_cache_id, Namespace, Request, RequestId, RequestView, Requests};
 use crate::stats::{CacheStats, Counters};
+use crate::tier::PageCopy;
 use std::borrow::Cow;
 
 /// A prefix cache over a fixed pool of pages: the operations of the design, for either index.
@@ -69,8 +70,13 @@ pub trait PrefixCache: Send {
     fn match_prefix(&self, tokens: &[u32], namespace: &Namespace) -> Result<usize>;
     /// Evicts up to `num_pages` evictable pages in eviction order; returns how many.
     fn evict(&mut self, num_pages: usize) -> usize;
-    /// Drops every evictable page; returns how many.
+    /// Drops every evictable page, of both tiers; returns how many.
     fn reset(&mut self) -> usize;
+    /// The copies between the tiers decided since the last call, in the order to perform them;
+    /// the log is left empty. Always empty without a host tier.
+    fn drain_copies(&mut self) -> Vec<PageCopy>;
+    /// Pages of the host tier (0: none).
+    fn host_pages(&self) -> usize;
     /// A snapshot of the counters.
     fn stats(&self) -> CacheStats;
     /// Recomputes every invariant from scratch; `Err(Corruption)` names the first broken one.
@@ -187,11 +193,18 @@ pub struct Cache<I: Index> {
 impl<I: Index> Cache<I> {
     /// A cache over `num_pages` pages of `page_size` tokens.
     pub fn new(num_pages: usize, page_size: usize) -> Result<Self> {
+        Self::with_host(num_pages, page_size, 0)
+    }
+
+    /// A cache over `num_pages` device pages of `page_size` tokens and a host tier of
+    /// `host_pages` pages (0: none), where evicted pages go and come back from on a hit.
+    pub fn with_host(num_pages: usize, page_size: usize, host_pages: usize) -> Result<Self> {
         check_pool_args(num_pages, page_size)?;
-        let index = I::new(num_pages, page_size).map_err(|e| {
+        check_host_args(num_pages, page_size, host_pages)?;
+        let index = I::new(num_pages, page_size, host_pages).map_err(|e| {
             invalid(format!(
-                "num_pages={num_pages} with page_size={page_size} is too large for this \
-                 machine: {e}"
+                "num_pages={num_pages} with page_size={page_size} and host_pages={host_pages} \
+                 is too large for this machine: {e}"
             ))
         })?;
         Ok(Cache {
@@ -219,13 +232,22 @@ impl<I: Index> Cache<I> {
         check_prompt(&tokens)?;
         let (p, n) = (self.index.page_size(), tokens.len());
         let found = self.index.lookup(&tokens[..match_limit(n, p)], &namespace);
-        let matched = found.matched;
+        let (matched, host) = (found.matched, found.host);
         let needed = n.div_ceil(p) - matched / p;
-        self.reserve(needed, found.evictable)?;
+        self.reserve(needed + host, found.evictable)?;
         // Nothing below can fail.
         let mut pages = Vec::with_capacity(n.div_ceil(p));
-        let ext = self.index.pin(found, &namespace, &mut pages);
-        self.counters.evicted_pages += self.index.allocate(needed, &mut pages) as u64;
+        let mut ext = self.index.pin(found, &namespace, &mut pages);
+        if host == 0 {
+            self.counters.evicted_pages += self.index.allocate(needed, &mut pages) as u64;
+        } else {
+            // One allocation: the matched host pages come back into its first pages.
+            let mut fresh = Vec::with_capacity(host + needed);
+            self.counters.evicted_pages += self.index.allocate(host + needed, &mut fresh) as u64;
+            self.index.load(&mut ext, &mut pages, &fresh[..host]);
+            pages.extend_from_slice(&fresh[host..]);
+            self.counters.host_hit_tokens += (host * p) as u64;
+        }
         self.counters.record_query(n, matched);
         Ok(self.requests.insert(Request {
             tokens: tokens.into_owned(),
@@ -311,8 +333,10 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn reset(&mut self) -> usize {
         let mark = self.index.events().len();
+        let host_before = self.index.tier().dropped;
         let done = self.index.reset();
         self.counters.evicted_pages += done as u64;
+        let done = done + (self.index.tier().dropped - host_before) as usize;
         // With no live request nothing is pinned: the index is empty now.
         if done > 0 && self.index.events().on && self.requests.is_empty() {
             self.index.events().cleared_since(mark);
@@ -320,10 +344,27 @@ impl<I: Index> PrefixCache for Cache<I> {
         done
     }
 
+    fn drain_copies(&mut self) -> Vec<PageCopy> {
+        self.index.tier_mut().drain()
+    }
+
+    fn host_pages(&self) -> usize {
+        self.index.tier().host_pages
+    }
+
     fn stats(&self) -> CacheStats {
         let (free, evictable) = (self.index.free_pages(), self.index.evictable_pages());
-        self.counters
-            .snapshot(self.num_pages, self.index.page_size(), free, evictable)
+        let tier = self.index.tier();
+        CacheStats {
+            host_pages: tier.host_pages,
+            host_free_pages: self.index.host_free_pages(),
+            offloaded_pages: tier.offloaded,
+            loaded_pages: tier.loaded,
+            host_evicted_pages: tier.dropped,
+            ..self
+                .counters
+                .snapshot(self.num_pages, self.index.page_size(), free, evictable)
+        }
     }
 
     fn check(&self) -> Result<()> {
@@ -340,8 +381,12 @@ impl<I: Index> PrefixCache for Cache<I> {
             }
         }
         self.index.check(&self.requests, self.num_pages)?;
-        if self.counters.hit_tokens > self.counters.query_tokens {
-            return crate::error::corrupt("more hit tokens than query tokens");
+        if self.counters.hit_tokens > self.counters.query_tokens
+            || self.counters.host_hit_tokens > self.counters.hit_tokens
+        {
+            return crate::error::corrupt(
+                "more hit tokens than query tokens, or host hits than hits",
+            );
         }
         Ok(())
     }
@@ -351,7 +396,7 @@ impl<I: Index> PrefixCache for Cache<I> {
     }
 
     fn metadata_bytes(&self) -> usize {
-        self.index.metadata_bytes()
+        self.index.metadata_bytes() + self.index.tier().heap_bytes()
     }
 
     fn page_size(&self) -> usize {
@@ -378,6 +423,12 @@ impl<I: Index> PrefixCache for Cache<I> {
         let mut d = StateDigest::default();
         d.word(self.num_pages as u64);
         d.word(self.index.page_size() as u64);
+        if self.index.tier().on() {
+            // Without a tier the digest is what it was before tiers existed.
+            d.word(self.index.tier().host_pages as u64);
+            d.word(self.index.host_free_pages() as u64);
+            d.word(self.index.tier().pending() as u64);
+        }
         d.word(self.index.free_pages() as u64);
         d.word(self.index.evictable_pages() as u64);
         self.index.digest(&mut d);
@@ -418,6 +469,22 @@ pub(crate) fn check_pool_args(num_pages: usize, page_size: usize) -> Result<()> 
     if !matches!(slots, Some(s) if s <= i64::MAX as usize) {
         return Err(invalid(format!(
             "num_pages * page_size must fit in int64, got {num_pages} * {page_size}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the host tier's size against the pool's.
+fn check_host_args(num_pages: usize, page_size: usize, host_pages: usize) -> Result<()> {
+    if num_pages.saturating_add(host_pages) > i32::MAX as usize {
+        return Err(invalid(format!(
+            "num_pages + host_pages must be below 2**31, got {num_pages} + {host_pages}"
+        )));
+    }
+    let slots = host_pages.checked_mul(page_size);
+    if !matches!(slots, Some(s) if s <= i64::MAX as usize) {
+        return Err(invalid(format!(
+            "host_pages * page_size must fit in int64, got {host_pages} * {page_size}"
         )));
     }
     Ok(())

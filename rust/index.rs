@@ -22,8 +22,12 @@ use crate::request::{Namespace, PageId, Request, Requests};
 pub struct Found<F> {
     /// Tokens matched (whole pages).
     pub matched: usize,
-    /// Of the matched pages, how many are evictable now (pinning them makes them unavailable).
+    /// Of the matched pages, how many are evictable device pages now (pinning them makes them
+    /// unavailable).
     pub evictable: usize,
+    /// Of the matched pages, how many are on the host tier (each needs a device page to come
+    /// back into).
+    pub host: usize,
     /// The index's own record of where the match ended.
     pub at: F,
 }
@@ -55,9 +59,10 @@ pub trait Index: Send + std::fmt::Debug {
     /// Where a lookup ended, handed back to [`Index::pin`].
     type At;
 
-    /// An empty index over `num_pages` pages of `page_size` tokens (arguments checked). Fails,
-    /// rather than aborting, when its per-page records cannot be allocated.
-    fn new(num_pages: usize, page_size: usize) -> crate::error::Result<Self>
+    /// An empty index over `num_pages` pages of `page_size` tokens and a host tier of
+    /// `host_pages` pages (arguments checked). Fails, rather than aborting, when its per-page
+    /// records cannot be allocated.
+    fn new(num_pages: usize, page_size: usize, host_pages: usize) -> crate::error::Result<Self>
     where
         Self: Sized;
     /// Tokens per page.
@@ -68,7 +73,8 @@ pub trait Index: Send + std::fmt::Debug {
     fn evictable_pages(&self) -> usize;
     /// The longest cached prefix of `tokens` (a whole number of pages) in `namespace`.
     fn lookup(&self, tokens: &[u32], namespace: &Namespace) -> Found<Self::At>;
-    /// Pins what `lookup` found, appends its pages to `pages`, and returns the request's state.
+    /// Pins what `lookup` found, appends its pages to `pages` (host pages by their index ids,
+    /// until [`Index::load`]), and returns the request's state.
     fn pin(
         &mut self,
         found: Found<Self::At>,
@@ -78,6 +84,10 @@ pub trait Index: Send + std::fmt::Debug {
     /// Takes `count` pages (the caller checked they are free or evictable), evicting as needed;
     /// appends them to `out` and returns how many cached pages were evicted.
     fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize;
+    /// Brings the host pages among `pages` (just pinned, in prefix order) back into the device
+    /// pages `fresh` (just allocated), one each in order: the index entries move, and the
+    /// loads are logged.
+    fn load(&mut self, ext: &mut Self::Ext, pages: &mut [PageId], fresh: &[PageId]);
     /// Publishes the full pages of `r` from `r.published` up to `upto` tokens, then sets
     /// `r.published = upto`.
     fn publish(&mut self, r: &mut Request<Self::Ext>, upto: usize);
@@ -85,10 +95,15 @@ pub trait Index: Send + std::fmt::Debug {
     fn release(&mut self, r: &Request<Self::Ext>);
     /// Evicts up to `num_pages` evictable pages in eviction order; returns how many.
     fn evict(&mut self, num_pages: usize) -> usize;
-    /// Drops every evictable page; returns how many.
-    fn reset(&mut self) -> usize {
-        self.evict(usize::MAX)
-    }
+    /// Drops every evictable device page (offloading nothing) and every host page; returns how
+    /// many device pages (the host ones count in the tier's `dropped`).
+    fn reset(&mut self) -> usize;
+    /// Host pages holding nothing.
+    fn host_free_pages(&self) -> usize;
+    /// The host tier: its counters and copy log.
+    fn tier(&self) -> &crate::tier::Tier;
+    /// The host tier, mutably (to drain its log).
+    fn tier_mut(&mut self) -> &mut crate::tier::Tier;
     /// A cursor at the start of `namespace`.
     fn cursor(&self, namespace: &Namespace) -> Cursor;
     /// Continues a match over `tokens` (whole pages); see [`crate::PrefixCache::advance`].

@@ -22,6 +22,7 @@
 //!   request ── index ── cache ──┬── radix
 //!                               ├── block
 //!                               └── scheduler ── waiting
+//!   tier (the host tier's copy log, shared by both indexes)
 //!   plan (step plans)           python (the boundary)
 //! ```
 
@@ -42,6 +43,7 @@ mod request;
 mod scheduler;
 mod stats;
 mod table_hash;
+mod tier;
 mod waiting;
 
 #[cfg(feature = "python")]
@@ -59,3 +61,4 @@ pub use radix::RadixCache;
 pub use request::{Namespace, RequestId, RequestView};
 pub use scheduler::{Admitted, Policy, Scheduler};
 pub use stats::CacheStats;
+pub use tier::{CopyKind, PageCopy};

@@ -142,6 +142,16 @@ impl<T: ArenaId> Links<T> {
         self.element(self.links[(self.base() + id.raw()) as usize].next)
     }
 
+    /// The back element of `list`.
+    pub fn back(&self, list: ListId) -> Option<T> {
+        self.element(self.links[list.0 as usize].prev)
+    }
+
+    /// The element before `id` in its list.
+    pub fn prev_of(&self, id: T) -> Option<T> {
+        self.element(self.links[(self.base() + id.raw()) as usize].prev)
+    }
+
     /// Removes and returns the front element of `list`.
     pub fn pop_front(&mut self, list: ListId) -> Option<T> {
         let id = self.front(list)?;

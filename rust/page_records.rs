@@ -140,6 +140,19 @@ impl PageRecords {
         self.count += 1;
     }
 
+    /// Moves hashed `from`'s record to unhashed `to` (`from` is left unhashed).
+    pub fn relocate(&mut self, from: PageId, to: PageId) {
+        debug_assert!(self.is_hashed(from) && !self.is_hashed(to));
+        let (h, prev, key) = (
+            self.hash(from).expect("hashed"),
+            self.parent(from),
+            self.key(from),
+        );
+        let tokens = self.tokens(from).to_vec();
+        self.clear(from);
+        self.set(to, &prev, &tokens, &h, key);
+    }
+
     /// Forgets `page`'s record.
     pub fn clear(&mut self, page: PageId) {
         debug_assert!(self.is_hashed(page), "only hashed pages are cleared");

@@ -15,6 +15,11 @@
 //! least recently used first, so a shared trunk outlives its branches. The evictable leaves sit
 //! in an intrusive list ordered by last use; eviction pops its front, trimming the leaf's tail
 //! page by page so that exactly the pages asked for are freed.
+//!
+//! With a host tier every edge is on one tier, and the device edges form the top of the tree:
+//! device eviction takes the least recently used edge with no child on the device and moves its
+//! tail to the host (splitting the edge where only part goes); the host tier has its own list of
+//! leaves, dropped least recently used first; a match through host edges loads them back whole.
 
 use crate::cache::Cache;
 use crate::error::{corrupt, Result};
@@ -26,6 +31,7 @@ use crate::index::{Cursor, CursorAt, Found, Index};
 use crate::links::{Links, ListId};
 use crate::request::{Namespace, Request, Requests};
 use crate::table_hash::{MixHasher, TokenKeys};
+use crate::tier::Tier;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
@@ -52,6 +58,8 @@ impl ArenaId for NodeId {
 
 const NIL: NodeId = NodeId::NIL;
 const LRU: ListId = ListId(0);
+/// Host edges with no child, least recently used at the front.
+const HOST_LRU: ListId = ListId(1);
 
 type ChildMap = HashMap<u64, NodeId, BuildHasherDefault<MixHasher>>;
 
@@ -66,6 +74,10 @@ struct Node {
     children: ChildMap,
     /// Live requests whose pinned path runs through this node.
     lock: u32,
+    /// Whether the edge's pages are on the host tier (index ids `num_pages..`).
+    host: bool,
+    /// Children on the device (all of them without a host tier).
+    dev_children: u32,
     /// Logical time of the last admission or release through this node.
     time: u64,
     alive: bool,
@@ -82,6 +94,8 @@ impl Default for Node {
             pages: Vec::new(),
             children: ChildMap::default(),
             lock: 0,
+            host: false,
+            dev_children: 0,
             time: 0,
             alive: false,
             ns: None,
@@ -132,9 +146,13 @@ pub struct RadixIndex {
     nodes: Vec<Node>,
     vacant: Vec<NodeId>,
     roots: HashMap<Namespace, NodeId>,
-    /// Unpinned non-root leaves, least recently used at the front.
+    /// `LRU`: unpinned non-root device edges with no child on the device, least recently used
+    /// at the front. `HOST_LRU`: host edges with no child, the same way.
     lru: Links<NodeId>,
     free: FreeSet,
+    /// Free host pages, by host id.
+    host_free: FreeSet,
+    tier: Tier,
     /// Pages held by unpinned nodes.
     evictable: usize,
     clock: u64,
@@ -231,7 +249,7 @@ impl RadixIndex {
         let head_pages = n.pages[..at / p].to_vec();
         n.key = n.key[at..].to_vec();
         n.pages = n.pages[at / p..].to_vec();
-        let (parent, lock, time) = (n.parent, n.lock, n.time);
+        let (parent, lock, time, host) = (n.parent, n.lock, n.time, n.host);
         let tail_key = self.page_key(&self.node(id).key[..p]);
         let head_first = self.page_key(&head_key[..p]);
         let mut children = ChildMap::default();
@@ -242,6 +260,8 @@ impl RadixIndex {
             pages: head_pages,
             children,
             lock,
+            host,
+            dev_children: !host as u32,
             time,
             alive: true,
             ns: None,
@@ -257,9 +277,11 @@ impl RadixIndex {
         while id != NIL {
             let n = &mut self.nodes[id.index()];
             if n.lock == 0 {
-                self.evictable -= n.pages.len();
                 if self.lru.is_linked(id) {
-                    self.lru.remove(LRU, id);
+                    self.lru.remove(if n.host { HOST_LRU } else { LRU }, id);
+                }
+                if !n.host {
+                    self.evictable -= n.pages.len();
                 }
             }
             n.lock += 1;
@@ -277,8 +299,9 @@ impl RadixIndex {
             n.time = now;
             let parent = n.parent;
             if n.lock == 0 {
+                // Pinned edges are on the device.
                 self.evictable += n.pages.len();
-                if parent != NIL && n.children.is_empty() {
+                if parent != NIL && n.dev_children == 0 {
                     self.lru.push_back(LRU, id);
                 }
             }
@@ -301,6 +324,184 @@ impl RadixIndex {
             Some(e) => self.lru.insert_before(LRU, e, id),
             None => self.lru.push_back(LRU, id),
         }
+    }
+
+    /// Links a host edge that just became a host leaf after every host leaf used no later
+    /// (walking from the back: edges come down to the host roughly in order of last use).
+    fn link_host_by_time(&mut self, id: NodeId) {
+        let t = self.node(id).time;
+        let mut at = self.lru.back(HOST_LRU);
+        while let Some(e) = at {
+            if self.node(e).time <= t {
+                break;
+            }
+            at = self.lru.prev_of(e);
+        }
+        match at.and_then(|e| self.lru.next_of(e)) {
+            Some(next) => self.lru.insert_before(HOST_LRU, next, id),
+            None if at.is_some() => self.lru.push_back(HOST_LRU, id),
+            None => self.lru.push_front(HOST_LRU, id),
+        }
+    }
+
+    /// Host page ids (per tier) of index ids.
+    fn host_locals(&self, pages: &[PageId]) -> Vec<PageId> {
+        pages.iter().map(|&pg| self.tier.local(pg)).collect()
+    }
+
+    /// Moves the whole device edge `id` (unpinned, no child on the device) to the host: its
+    /// pages take the smallest free host ids, in page order (the caller made room).
+    fn offload_edge(&mut self, id: NodeId) {
+        let k = self.node(id).pages.len();
+        let mut hosts = Vec::with_capacity(k);
+        self.host_free.pop_many(k, &mut hosts);
+        let device = std::mem::take(&mut self.node_mut(id).pages);
+        let mut moved = Vec::with_capacity(k);
+        for (&d, &h) in device.iter().zip(&hosts) {
+            let h = self.tier.host_id(h);
+            self.tier.offload(d, h);
+            moved.push(h);
+        }
+        self.free.insert_all(&device);
+        self.evictable -= k;
+        let n = self.node_mut(id);
+        n.pages = moved;
+        n.host = true;
+        let (parent, leaf) = (n.parent, n.children.is_empty());
+        self.lru.remove(LRU, id);
+        let par = self.node_mut(parent);
+        par.dev_children -= 1;
+        if par.dev_children == 0 && par.lock == 0 && par.parent != NIL {
+            self.link_by_time(parent);
+        }
+        if leaf {
+            self.link_host_by_time(id);
+        }
+    }
+
+    /// A host edge a request publishes onto (unpinned, all of it matched): the request's own
+    /// device pages `mine` replace its host pages, which are freed.
+    fn promote(&mut self, id: NodeId, mine: &[PageId]) {
+        let host = std::mem::replace(&mut self.node_mut(id).pages, mine.to_vec());
+        let locals = self.host_locals(&host);
+        self.host_free.insert_all(&locals);
+        if self.lru.is_linked(id) {
+            self.lru.remove(HOST_LRU, id);
+        }
+        let n = self.node_mut(id);
+        n.host = false;
+        let parent = n.parent;
+        self.evictable += mine.len();
+        self.node_mut(parent).dev_children += 1;
+    }
+
+    /// Drops up to `want` host pages from the least recently used host leaves; returns how many.
+    fn evict_host(&mut self, want: usize) -> usize {
+        let p = self.page_size;
+        let mut done = 0;
+        while done < want {
+            let Some(leaf) = self.lru.front(HOST_LRU) else {
+                break;
+            };
+            let take = (want - done).min(self.node(leaf).pages.len());
+            if self.events.on {
+                let keys = self.trailing_keys(leaf, take);
+                self.events.removed(keys);
+            }
+            let keep = self.node(leaf).pages.len() - take;
+            let locals = self.host_locals(&self.node(leaf).pages[keep..]);
+            self.host_free.insert_all(&locals);
+            let first = self.page_key(&self.node(leaf).key[..p]);
+            self.tier.dropped += take as u64;
+            let n = self.node_mut(leaf);
+            n.pages.truncate(keep);
+            n.key.truncate(keep * p);
+            done += take;
+            if keep > 0 {
+                continue;
+            }
+            let parent = n.parent;
+            self.lru.remove(HOST_LRU, leaf);
+            self.free_node(leaf);
+            let par = self.node_mut(parent);
+            par.children.remove(&first);
+            if par.parent == NIL {
+                self.drop_root_if_empty(parent);
+            } else if par.host && par.children.is_empty() && par.lock == 0 {
+                self.link_host_by_time(parent);
+            }
+        }
+        done
+    }
+
+    /// Frees up to `want` device pages from the least recently used device leaves, moving them
+    /// to the host tier when `offload` (see SEMANTICS.md); returns how many.
+    fn evict_device(&mut self, want: usize, offload: bool) -> usize {
+        let p = self.page_size;
+        let mut done = 0;
+        while done < want {
+            let Some(leaf) = self.lru.front(LRU) else {
+                break;
+            };
+            let len = self.node(leaf).pages.len();
+            let take = (want - done).min(len);
+            let mut down = 0;
+            if offload {
+                let free = self.host_free.len();
+                if free < take {
+                    self.evict_host(take - free);
+                }
+                down = take.min(self.host_free.len());
+            }
+            let mut drop = take - down;
+            if drop > 0 && !self.node(leaf).children.is_empty() {
+                // Unreachable: the host tier came up short only if it holds no unpinned page,
+                // and nothing below an unpinned edge is pinned.
+                debug_assert!(false, "dropping pages above host edges");
+                drop = 0;
+                if down == 0 {
+                    break;
+                }
+            }
+            if drop > 0 {
+                let first = self.page_key(&self.node(leaf).key[..p]);
+                if self.events.on {
+                    let keys = self.trailing_keys(leaf, drop);
+                    self.events.removed(keys);
+                }
+                let n = &mut self.nodes[leaf.index()];
+                let keep = n.pages.len() - drop;
+                self.free.insert_all(&n.pages[keep..]);
+                n.pages.truncate(keep);
+                n.key.truncate(keep * p);
+                self.evictable -= drop;
+                done += drop;
+                if keep == 0 {
+                    let parent = n.parent;
+                    self.lru.remove(LRU, leaf);
+                    self.free_node(leaf);
+                    let par = self.node_mut(parent);
+                    par.children.remove(&first);
+                    par.dev_children -= 1;
+                    if par.parent == NIL {
+                        self.drop_root_if_empty(parent);
+                    } else if par.dev_children == 0 && par.lock == 0 {
+                        self.link_by_time(parent);
+                    }
+                    continue;
+                }
+            }
+            if down > 0 {
+                let len = self.node(leaf).pages.len();
+                if down < len {
+                    // The head stays: a new unpinned device edge whose only child goes down.
+                    self.split(leaf, (len - down) * p);
+                }
+                self.offload_edge(leaf);
+                done += down;
+            }
+        }
+        done
     }
 
     /// The root of `namespace`, created if missing.
@@ -373,14 +574,16 @@ impl Index for RadixIndex {
     type Ext = RadixExt;
     type At = Walk;
 
-    fn new(num_pages: usize, page_size: usize) -> Result<Self> {
+    fn new(num_pages: usize, page_size: usize, host_pages: usize) -> Result<Self> {
         Ok(RadixIndex {
             page_size,
             nodes: Vec::new(),
             vacant: Vec::new(),
             roots: HashMap::new(),
-            lru: Links::new(1, 0),
+            lru: Links::new(2, 0),
             free: FreeSet::try_full(num_pages)?,
+            host_free: FreeSet::try_full(host_pages)?,
+            tier: Tier::new(num_pages, host_pages),
             evictable: 0,
             clock: 0,
             keys: TokenKeys::random(),
@@ -411,26 +614,28 @@ impl Index for RadixIndex {
             return Found {
                 matched: 0,
                 evictable: 0,
+                host: 0,
                 at,
             };
         };
         let (walk, matched) = self.walk(root, tokens);
-        // Pinning the match takes its unpinned pages out of what eviction may reclaim.
-        let mut evictable: usize = walk
-            .path
-            .iter()
-            .map(|&id| self.node(id))
-            .filter(|n| n.lock == 0)
-            .map(|n| n.pages.len())
-            .sum();
-        if let Some((c, at)) = walk.partial {
-            if self.node(c).lock == 0 {
-                evictable += at / self.page_size;
+        // Pinning the match takes its unpinned device pages out of what eviction may reclaim;
+        // its host pages each need a device page.
+        let (mut evictable, mut host) = (0, 0);
+        let partial = walk.partial.map(|(c, at)| (c, at / self.page_size));
+        let full = walk.path.iter().map(|&id| (id, self.node(id).pages.len()));
+        for (id, pages) in full.chain(partial) {
+            let n = self.node(id);
+            if n.host {
+                host += pages;
+            } else if n.lock == 0 {
+                evictable += pages;
             }
         }
         Found {
             matched,
             evictable,
+            host,
             at: walk,
         }
     }
@@ -455,6 +660,42 @@ impl Index for RadixIndex {
             last,
             dups: Vec::new(),
             key_at: None,
+        }
+    }
+
+    /// The host edges at the bottom of the request's pinned path come to the device whole, top
+    /// down, each page into the next of `fresh`.
+    fn load(&mut self, ext: &mut RadixExt, pages: &mut [PageId], fresh: &[PageId]) {
+        let mut down = Vec::new();
+        let mut id = ext.last;
+        while self.node(id).host {
+            down.push(id);
+            id = self.node(id).parent;
+        }
+        let mut fresh_iter = fresh.iter();
+        for &id in down.iter().rev() {
+            let host = std::mem::take(&mut self.node_mut(id).pages);
+            let mut moved = Vec::with_capacity(host.len());
+            for &h in &host {
+                let d = *fresh_iter
+                    .next()
+                    .expect("a device page for every host page");
+                self.tier.load(h, d);
+                moved.push(d);
+            }
+            let locals = self.host_locals(&host);
+            self.host_free.insert_all(&locals);
+            let n = self.node_mut(id);
+            n.pages = moved;
+            n.host = false;
+            let parent = n.parent;
+            self.node_mut(parent).dev_children += 1;
+        }
+        let mut fresh_iter = fresh.iter();
+        for page in pages.iter_mut().filter(|pg| self.tier.is_host(**pg)) {
+            *page = *fresh_iter
+                .next()
+                .expect("a device page for every host page");
         }
     }
 
@@ -484,11 +725,15 @@ impl Index for RadixIndex {
                         pages,
                         children: ChildMap::default(),
                         lock: 0,
+                        host: false,
+                        dev_children: 0,
                         time: now,
                         alive: true,
                         ns: None,
                     });
-                    self.node_mut(node).children.insert(k, leaf);
+                    let par = self.node_mut(node);
+                    par.children.insert(k, leaf);
+                    par.dev_children += 1;
                     if self.events.on {
                         record_new_leaf(&mut self.events, r, pos, upto, p);
                     }
@@ -505,9 +750,13 @@ impl Index for RadixIndex {
                     } else {
                         c
                     };
-                    r.ext
-                        .dups
-                        .extend_from_slice(&r.pages[pos / p..(pos + common) / p]);
+                    let mine = &r.pages[pos / p..(pos + common) / p];
+                    if self.node(c).host {
+                        // The request's own pages replace the host copy: no duplicate.
+                        self.promote(c, mine);
+                    } else {
+                        r.ext.dups.extend_from_slice(mine);
+                    }
                     node = c;
                     pos += common;
                 }
@@ -532,48 +781,31 @@ impl Index for RadixIndex {
             .insert_all(&r.pages[r.published / self.page_size..]);
     }
 
-    /// Frees up to `want` pages from the least recently used leaves; returns how many.
+    /// Frees up to `want` device pages from the least recently used leaves, to the host tier
+    /// when there is one; returns how many.
     fn evict(&mut self, want: usize) -> usize {
-        let p = self.page_size;
-        let mut done = 0;
-        while done < want {
-            let Some(leaf) = self.lru.front(LRU) else {
-                break;
-            };
-            let first = self.page_key(&self.node(leaf).key[..p]);
-            if self.events.on {
-                let take = (want - done).min(self.node(leaf).pages.len());
-                let keys = self.trailing_keys(leaf, take);
-                self.events.removed(keys);
-            }
-            let n = &mut self.nodes[leaf.index()];
-            let take = (want - done).min(n.pages.len());
-            let keep = n.pages.len() - take;
-            self.free.insert_all(&n.pages[keep..]);
-            n.pages.truncate(keep);
-            n.key.truncate(keep * p);
-            self.evictable -= take;
-            done += take;
-            if keep > 0 {
-                continue;
-            }
-            let parent = n.parent;
-            self.lru.remove(LRU, leaf);
-            self.free_node(leaf);
-            let par = self.node_mut(parent);
-            par.children.remove(&first);
-            if par.parent == NIL {
-                self.drop_root_if_empty(parent);
-            } else if par.children.is_empty() && par.lock == 0 {
-                self.link_by_time(parent);
-            }
-        }
-        done
+        self.evict_device(want, self.tier.on())
     }
 
-    /// Evicts everything evictable; namespace roots left empty go with their last node.
+    /// Drops every host page, then every evictable device page; namespace roots left empty go
+    /// with their last node.
     fn reset(&mut self) -> usize {
-        self.evict(usize::MAX)
+        if self.tier.on() {
+            self.evict_host(usize::MAX);
+        }
+        self.evict_device(usize::MAX, false)
+    }
+
+    fn host_free_pages(&self) -> usize {
+        self.host_free.len()
+    }
+
+    fn tier(&self) -> &Tier {
+        &self.tier
+    }
+
+    fn tier_mut(&mut self) -> &mut Tier {
+        &mut self.tier
     }
 
     fn cursor(&self, namespace: &Namespace) -> Cursor {
@@ -659,6 +891,12 @@ impl Index for RadixIndex {
         for id in self.lru.iter(LRU) {
             d.word(id.0 as u64);
         }
+        if self.tier.on() {
+            d.word(self.lru.len(HOST_LRU) as u64);
+            for id in self.lru.iter(HOST_LRU) {
+                d.word(id.0 as u64);
+            }
+        }
     }
 
     fn metadata_bytes(&self) -> usize {
@@ -682,6 +920,7 @@ impl Index for RadixIndex {
             + self.vacant.capacity() * 4
             + self.lru.heap_bytes()
             + self.free.heap_bytes()
+            + self.host_free.heap_bytes()
     }
 }
 
@@ -718,7 +957,8 @@ fn record_new_leaf(
 /// Recomputes the tree's invariants from scratch (see `PrefixCache::check`).
 fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -> Result<()> {
     let p = t.page_size;
-    let mut owner = vec![0u8; num_pages];
+    let host_pages = t.tier.host_pages;
+    let mut owner = vec![0u8; num_pages + host_pages];
     let mut own = |page: PageId, what: &str| -> Result<()> {
         let slot = owner
             .get_mut(page.index())
@@ -742,7 +982,7 @@ fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -
             ));
         }
     }
-    let mut leaves = 0;
+    let (mut leaves, mut host_leaves) = (0, 0);
     for (id, n) in t.nodes.iter().enumerate() {
         if !n.alive {
             continue;
@@ -780,35 +1020,64 @@ fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -
         }
         for &page in &n.pages {
             own(page, "the tree")?;
+            if t.tier.is_host(page) != n.host {
+                return corrupt(format!(
+                    "node {} on the host: {}, holds page {}",
+                    id.0, n.host, page.0
+                ));
+            }
         }
-        if n.lock == 0 {
+        if n.host && (n.lock > 0 || n.parent == NIL) {
+            return corrupt(format!("node {} is on the host and pinned or a root", id.0));
+        }
+        if !n.host && n.parent != NIL && t.node(n.parent).host {
+            return corrupt(format!("device node {} has a parent on the host", id.0));
+        }
+        let dev_children = n.children.values().filter(|&&c| !t.node(c).host).count();
+        if dev_children != n.dev_children as usize {
+            return corrupt(format!(
+                "node {} counts {} children on the device, has {dev_children}",
+                id.0, n.dev_children
+            ));
+        }
+        if n.lock == 0 && !n.host {
             evictable += n.pages.len();
         }
-        let is_leaf = n.parent != NIL && n.children.is_empty() && n.lock == 0;
-        if is_leaf != t.lru.is_linked(id) {
+        let is_leaf = n.parent != NIL && !n.host && n.dev_children == 0 && n.lock == 0;
+        let is_host_leaf = n.host && n.children.is_empty();
+        if (is_leaf || is_host_leaf) != t.lru.is_linked(id) {
             return corrupt(format!(
-                "node {}: evictable leaf {is_leaf}, in the LRU list {}",
-                id.0, !is_leaf
+                "node {}: evictable leaf {}, in an LRU list {}",
+                id.0,
+                is_leaf || is_host_leaf,
+                !(is_leaf || is_host_leaf)
             ));
         }
         leaves += is_leaf as usize;
+        host_leaves += is_host_leaf as usize;
         if n.lock > 0 && n.parent != NIL && t.node(n.parent).lock < n.lock {
             return corrupt(format!("node {} is pinned more than its parent", id.0));
         }
     }
-    if leaves != t.lru.len(LRU) {
+    if leaves != t.lru.len(LRU) || host_leaves != t.lru.len(HOST_LRU) {
         return corrupt(format!(
-            "LRU list holds {} nodes, {leaves} are evictable leaves",
-            t.lru.len(LRU)
+            "LRU lists hold {} and {} nodes, {leaves} and {host_leaves} are evictable leaves",
+            t.lru.len(LRU),
+            t.lru.len(HOST_LRU)
         ));
     }
-    let mut prev_time = 0;
-    for id in t.lru.iter(LRU) {
-        let time = t.node(id).time;
-        if time < prev_time {
-            return corrupt(format!("LRU list out of order at node {}", id.0));
+    for (list, host) in [(LRU, false), (HOST_LRU, true)] {
+        let mut prev_time = 0;
+        for id in t.lru.iter(list) {
+            let time = t.node(id).time;
+            if time < prev_time || t.node(id).host != host {
+                return corrupt(format!(
+                    "LRU list (host {host}) out of order or on the wrong tier at node {}",
+                    id.0
+                ));
+            }
+            prev_time = time;
         }
-        prev_time = time;
     }
     if evictable != t.evictable {
         return corrupt(format!(
@@ -846,6 +1115,9 @@ fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -
                 ));
             }
         }
+        if let Some(pg) = r.pages.iter().find(|&&pg| t.tier.is_host(pg)) {
+            return corrupt(format!("a request's page table holds host page {}", pg.0));
+        }
         for &page in r.ext.dups.iter().chain(&r.pages[r.published / p..]) {
             own(page, "a request")?;
         }
@@ -866,6 +1138,18 @@ fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -
                 page.0
             ));
         }
+    }
+    for h in (0..host_pages as u32).map(PageId) {
+        let held = owner[t.tier.host_id(h).index()] + t.host_free.contains(h) as u8;
+        if held != 1 {
+            return corrupt(format!(
+                "host page {} is held {held} times (free, tree)",
+                h.0
+            ));
+        }
+    }
+    if t.tier.pending() > 0 && !t.tier.on() {
+        return corrupt("copies logged without a host tier");
     }
     Ok(())
 }

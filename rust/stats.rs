@@ -23,8 +23,20 @@ pub struct CacheStats {
     pub query_tokens: u64,
     /// Tokens served from the cache at admission.
     pub hit_tokens: u64,
-    /// Pages evicted so far (by allocation, `evict` or `reset`).
+    /// Device pages evicted so far (by allocation, `evict` or `reset`), to the host tier or not.
     pub evicted_pages: u64,
+    /// Pages of the host tier (0: none).
+    pub host_pages: usize,
+    /// Host pages holding nothing.
+    pub host_free_pages: usize,
+    /// Of `hit_tokens`, those served from the host tier (loaded back at admission).
+    pub host_hit_tokens: u64,
+    /// Pages moved from the device to the host tier so far.
+    pub offloaded_pages: u64,
+    /// Pages moved from the host tier back to the device so far.
+    pub loaded_pages: u64,
+    /// Host pages dropped so far (to make room for offloads, or by `reset`).
+    pub host_evicted_pages: u64,
 }
 
 impl CacheStats {
@@ -45,6 +57,7 @@ pub(crate) struct Counters {
     pub query_tokens: u64,
     pub hit_tokens: u64,
     pub evicted_pages: u64,
+    pub host_hit_tokens: u64,
 }
 
 impl Counters {
@@ -66,6 +79,8 @@ impl Counters {
             query_tokens: self.query_tokens,
             hit_tokens: self.hit_tokens,
             evicted_pages: self.evicted_pages,
+            host_hit_tokens: self.host_hit_tokens,
+            ..CacheStats::default()
         }
     }
 

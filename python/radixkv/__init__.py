@@ -25,6 +25,8 @@ import importlib
 from typing import Any
 
 from radixkv._radixkv import (
+    COPY_LOAD,
+    COPY_OFFLOAD,
     BlockCache,
     CacheStats,
     CorruptionError,
@@ -58,6 +60,8 @@ _LAZY = {
 _MODULES = {"models", "metrics", "events", "doctor"}
 
 __all__ = [
+    "COPY_LOAD",
+    "COPY_OFFLOAD",
     "BlockCache",
     "CacheStats",
     "CorruptionError",

@@ -8,6 +8,8 @@ import numpy.typing as npt
 from typing_extensions import disjoint_base
 
 __all__ = [
+    "COPY_LOAD",
+    "COPY_OFFLOAD",
     "BlockCache",
     "CacheStats",
     "CorruptionError",
@@ -37,6 +39,9 @@ class OutOfPages(Error):
 class CorruptionError(Error):
     """check() found a broken internal invariant, or an internal error occurred."""
 
+COPY_OFFLOAD: int
+COPY_LOAD: int
+
 class InvalidRequest(Error):
     """The request is closed (finished or aborted) or belongs to another cache."""
 
@@ -64,6 +69,18 @@ class CacheStats:
     def hit_rate(self) -> float: ...
     @property
     def evicted_pages(self) -> int: ...
+    @property
+    def host_pages(self) -> int: ...
+    @property
+    def host_free_pages(self) -> int: ...
+    @property
+    def host_hit_tokens(self) -> int: ...
+    @property
+    def offloaded_pages(self) -> int: ...
+    @property
+    def loaded_pages(self) -> int: ...
+    @property
+    def host_evicted_pages(self) -> int: ...
     def as_dict(self) -> dict[str, float]: ...
 
 @final
@@ -114,6 +131,14 @@ class _Cache:
     def match_prefix(self, tokens: _Tokens, namespace: _Namespace = None) -> int: ...
     def evict(self, num_pages: int) -> int: ...
     def reset(self) -> int: ...
+    def drain_copies(self) -> npt.NDArray[np.int32]:
+        """The copies between the tiers decided since the last call, in order: int32 rows
+        ``(kind, src, dst)``, kind ``COPY_OFFLOAD`` (device ``src`` to host ``dst``) or
+        ``COPY_LOAD`` (host ``src`` to device ``dst``), ids per tier; shape ``[N, 3]``. Empties
+        the log. Perform them in order before the next computation on the pages they name."""
+
+    @property
+    def host_pages(self) -> int: ...
     @property
     def stats(self) -> CacheStats: ...
     def record_events(self, enabled: bool = True) -> None:
@@ -140,13 +165,13 @@ class _Cache:
 class RadixCache(_Cache):
     """A prefix cache indexed by a compressed radix tree over token ids."""
 
-    def __new__(cls, num_pages: int, page_size: int = 1) -> RadixCache: ...
+    def __new__(cls, num_pages: int, page_size: int = 1, host_pages: int = 0) -> RadixCache: ...
 
 @final
 class BlockCache(_Cache):
     """A prefix cache indexed by chained block hashes (full pages only)."""
 
-    def __new__(cls, num_pages: int, page_size: int = 16) -> BlockCache: ...
+    def __new__(cls, num_pages: int, page_size: int = 16, host_pages: int = 0) -> BlockCache: ...
 
 @final
 class Scheduler:

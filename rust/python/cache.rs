@@ -10,7 +10,7 @@ use crate::request::RequestId;
 use crate::request::RequestView;
 use crate::stats::CacheStats;
 use crate::{BlockCache, RadixCache};
-use numpy::PyArray1;
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyResourceWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
@@ -255,9 +255,30 @@ impl PyCache {
         slf.get().with(slf.py(), n >= LONG, |c| Ok(c.evict(n)))
     }
 
-    /// Drops every evictable page (e.g. after a weight update); returns how many.
+    /// Drops every evictable page (e.g. after a weight update), of both tiers; returns how many.
     fn reset(slf: &Bound<'_, Self>) -> PyResult<usize> {
         slf.get().with(slf.py(), true, |c| Ok(c.reset()))
+    }
+
+    /// The copies between the tiers decided since the last call, in the order to perform them,
+    /// as an int32 array ``[N, 3]`` of rows ``(kind, src, dst)``: kind ``COPY_OFFLOAD`` (0,
+    /// device page ``src`` to host page ``dst``) or ``COPY_LOAD`` (1, host page ``src`` to device
+    /// page ``dst``); ids per tier. Empties the log. Perform them in order before the next
+    /// computation that reads or writes a page they name (``KVCache`` does it in ``plan``).
+    fn drain_copies<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let copies = slf.get().with(slf.py(), false, |c| Ok(c.drain_copies()))?;
+        let flat: Vec<i32> = copies
+            .iter()
+            .flat_map(|c| [c.kind as i32, c.src as i32, c.dst as i32])
+            .collect();
+        let n = copies.len();
+        PyArray1::from_vec(slf.py(), flat).reshape([n, 3])
+    }
+
+    /// Pages of the host tier (0: none).
+    #[getter]
+    fn host_pages(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.get().with(slf.py(), false, |c| Ok(c.host_pages()))
     }
 
     /// A snapshot of the page counts and hit counters.
@@ -384,15 +405,17 @@ fn same_len(what: &str, requests: usize, other: usize) -> PyResult<()> {
 fn pool_args(
     num_pages: &Bound<'_, PyAny>,
     page_size: Option<&Bound<'_, PyAny>>,
+    host_pages: &Bound<'_, PyAny>,
     default: usize,
-) -> PyResult<(usize, usize)> {
+) -> PyResult<(usize, usize, usize)> {
     let n = convert::count("num_pages", num_pages)?;
     let p = match page_size {
         Some(p) => convert::count("page_size", p)?,
         None => default,
     };
+    let h = convert::count("host_pages", host_pages)?;
     // The core names a zero or a too-large value; a value past 64 bits was named above.
-    Ok((n, p))
+    Ok((n, p, h))
 }
 
 /// A prefix cache indexed by a compressed radix tree over token ids (SGLang RadixAttention
@@ -403,13 +426,19 @@ pub struct PyRadixCache;
 #[pymethods]
 impl PyRadixCache {
     #[new]
-    #[pyo3(signature = (num_pages, page_size=None), text_signature = "(num_pages, page_size=1)")]
+    #[pyo3(
+        signature = (num_pages, page_size=None, host_pages=None),
+        text_signature = "(num_pages, page_size=1, host_pages=0)"
+    )]
     fn new(
+        py: Python<'_>,
         num_pages: &Bound<'_, PyAny>,
         page_size: Option<&Bound<'_, PyAny>>,
+        host_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let (n, p) = pool_args(num_pages, page_size, 1)?;
-        let core = RadixCache::new(n, p)?;
+        let zero = 0usize.into_pyobject(py)?.into_any();
+        let (n, p, h) = pool_args(num_pages, page_size, host_pages.unwrap_or(&zero), 1)?;
+        let core = RadixCache::with_host(n, p, h)?;
         Ok(
             PyClassInitializer::from(PyCache::from_core(Box::new(core), "RadixCache"))
                 .add_subclass(PyRadixCache),
@@ -425,13 +454,19 @@ pub struct PyBlockCache;
 #[pymethods]
 impl PyBlockCache {
     #[new]
-    #[pyo3(signature = (num_pages, page_size=None), text_signature = "(num_pages, page_size=16)")]
+    #[pyo3(
+        signature = (num_pages, page_size=None, host_pages=None),
+        text_signature = "(num_pages, page_size=16, host_pages=0)"
+    )]
     fn new(
+        py: Python<'_>,
         num_pages: &Bound<'_, PyAny>,
         page_size: Option<&Bound<'_, PyAny>>,
+        host_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let (n, p) = pool_args(num_pages, page_size, 16)?;
-        let core = BlockCache::new(n, p)?;
+        let zero = 0usize.into_pyobject(py)?.into_any();
+        let (n, p, h) = pool_args(num_pages, page_size, host_pages.unwrap_or(&zero), 16)?;
+        let core = BlockCache::with_host(n, p, h)?;
         Ok(
             PyClassInitializer::from(PyCache::from_core(Box::new(core), "BlockCache"))
                 .add_subclass(PyBlockCache),
@@ -610,10 +645,40 @@ impl PyCacheStats {
     fn hit_rate(&self) -> f64 {
         self.0.hit_rate()
     }
-    /// Pages evicted so far.
+    /// Device pages evicted so far (to the host tier or not).
     #[getter]
     fn evicted_pages(&self) -> u64 {
         self.0.evicted_pages
+    }
+    /// Pages of the host tier (0: none).
+    #[getter]
+    fn host_pages(&self) -> usize {
+        self.0.host_pages
+    }
+    /// Host pages holding nothing.
+    #[getter]
+    fn host_free_pages(&self) -> usize {
+        self.0.host_free_pages
+    }
+    /// Of ``hit_tokens``, those served from the host tier.
+    #[getter]
+    fn host_hit_tokens(&self) -> u64 {
+        self.0.host_hit_tokens
+    }
+    /// Pages moved from the device to the host tier so far.
+    #[getter]
+    fn offloaded_pages(&self) -> u64 {
+        self.0.offloaded_pages
+    }
+    /// Pages moved from the host tier back to the device so far.
+    #[getter]
+    fn loaded_pages(&self) -> u64 {
+        self.0.loaded_pages
+    }
+    /// Host pages dropped so far (to make room, or by ``reset``).
+    #[getter]
+    fn host_evicted_pages(&self) -> u64 {
+        self.0.host_evicted_pages
     }
 
     /// The fields as a dict.
@@ -630,6 +695,12 @@ impl PyCacheStats {
         d.set_item("hit_tokens", s.hit_tokens)?;
         d.set_item("hit_rate", s.hit_rate())?;
         d.set_item("evicted_pages", s.evicted_pages)?;
+        d.set_item("host_pages", s.host_pages)?;
+        d.set_item("host_free_pages", s.host_free_pages)?;
+        d.set_item("host_hit_tokens", s.host_hit_tokens)?;
+        d.set_item("offloaded_pages", s.offloaded_pages)?;
+        d.set_item("loaded_pages", s.loaded_pages)?;
+        d.set_item("host_evicted_pages", s.host_evicted_pages)?;
         Ok(d)
     }
 
@@ -642,8 +713,12 @@ impl PyCacheStats {
     fn __repr__(&self) -> String {
         let s = self.0;
         format!(
-            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={})",
-            s.num_pages, s.page_size, s.free_pages, s.evictable_pages, s.used_pages, s.queries, s.query_tokens, s.hit_tokens, s.hit_rate(), s.evicted_pages
+            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={}{})",
+            s.num_pages, s.page_size, s.free_pages, s.evictable_pages, s.used_pages, s.queries, s.query_tokens, s.hit_tokens, s.hit_rate(), s.evicted_pages,
+            if s.host_pages == 0 { String::new() } else {
+                format!(", host_pages={}, host_free_pages={}, host_hit_tokens={}, offloaded_pages={}, loaded_pages={}, host_evicted_pages={}",
+                    s.host_pages, s.host_free_pages, s.host_hit_tokens, s.offloaded_pages, s.loaded_pages, s.host_evicted_pages)
+            }
         )
     }
 }
@@ -701,5 +776,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRequest>()?;
     m.add_class::<PyCacheStats>()?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add("COPY_OFFLOAD", crate::tier::CopyKind::Offload as i32)?;
+    m.add("COPY_LOAD", crate::tier::CopyKind::Load as i32)?;
     Ok(())
 }

@@ -345,6 +345,7 @@ impl<I: NaiveIndex> Model<I> {
             query_tokens: self.c.query_tokens,
             hit_tokens: self.c.hit_tokens,
             evicted_pages: self.c.evicted,
+            ..CacheStats::default()
         }
     }
 }

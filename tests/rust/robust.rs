@@ -7,7 +7,8 @@
 use proptest::collection::vec;
 use proptest::prelude::*;
 use radixkv::{
-    BlockCache, CacheStats, Error, Namespace, Policy, PrefixCache, RadixCache, RequestId, Scheduler,
+    BlockCache, CacheStats, CopyKind, Error, Namespace, Policy, PrefixCache, RadixCache, RequestId,
+    Scheduler,
 };
 use std::collections::{BTreeMap, HashMap};
 
@@ -80,17 +81,85 @@ fn unchanged(before: CacheStats, after: CacheStats, e: &Error) -> Result<(), Tes
     Ok(())
 }
 
+/// The KV a page must hold: a fingerprint of its namespace and every token up to its end.
+fn fingerprint(ns: &Namespace, tokens: &[u32]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ns.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish() | 1
+}
+
+/// Simulated KV of both tiers, one fingerprint a page (0: never written): the copies of the
+/// log are performed on it, requests write their pages as they commit, and every page a
+/// request is served from the cache must hold its prefix's fingerprint.
+struct Pools {
+    dev: Vec<u64>,
+    host: Vec<u64>,
+}
+
+impl Pools {
+    fn new(c: &dyn PrefixCache) -> Self {
+        Pools {
+            dev: vec![0; c.stats().num_pages],
+            host: vec![0; c.host_pages()],
+        }
+    }
+
+    /// Performs the pending copies, in order.
+    fn copy(&mut self, c: &mut dyn PrefixCache) -> Result<(), TestCaseError> {
+        let tier = c.host_pages() > 0;
+        for cp in c.drain_copies() {
+            prop_assert!(tier, "a copy was logged without a host tier");
+            let (s, d) = (cp.src as usize, cp.dst as usize);
+            match cp.kind {
+                CopyKind::Offload => self.host[d] = self.dev[s],
+                CopyKind::Load => self.dev[d] = self.host[s],
+            }
+        }
+        Ok(())
+    }
+
+    /// Every page `r` was served from the cache holds its prefix.
+    fn served(&self, c: &dyn PrefixCache, r: RequestId) -> Result<(), TestCaseError> {
+        let v = c.request(r).unwrap();
+        let p = c.page_size();
+        for i in 0..v.num_cached / p {
+            let want = fingerprint(v.namespace, &v.tokens[..(i + 1) * p]);
+            prop_assert_eq!(
+                self.dev[v.pages[i].0 as usize],
+                want,
+                "cached page {} of a hit",
+                i
+            );
+        }
+        Ok(())
+    }
+
+    /// `r` computes its full pages up to `upto` tokens.
+    fn write(&mut self, c: &dyn PrefixCache, r: RequestId, upto: usize) {
+        let v = c.request(r).unwrap();
+        let p = c.page_size();
+        for k in v.num_computed / p..upto / p {
+            self.dev[v.pages[k].0 as usize] = fingerprint(v.namespace, &v.tokens[..(k + 1) * p]);
+        }
+    }
+}
+
 fn fuzz_cache(c: &mut dyn PrefixCache, ops: &[Op]) -> Result<(), TestCaseError> {
     let mut live: Vec<RequestId> = Vec::new();
+    let mut kv = Pools::new(c);
     let pick = |live: &Vec<RequestId>, i: usize| (!live.is_empty()).then(|| i % live.len());
     let empty = c.metadata_bytes();
     for (step, op) in ops.iter().enumerate() {
         let before = c.stats();
+        let opened = live.len();
         let res: Result<(), Error> = match op {
             Op::Admit { base, len, ns } => c
                 .admit(&prompt(*base, *len), namespace(*ns))
                 .map(|r| live.push(r)),
             Op::Fork(i) => match pick(&live, *i) {
+                // The parent's computed pages are written before the fork reads them.
                 Some(i) => c.fork(live[i]).map(|r| live.push(r)),
                 None => Ok(()),
             },
@@ -102,7 +171,9 @@ fn fuzz_cache(c: &mut dyn PrefixCache, ops: &[Op]) -> Result<(), TestCaseError> 
                 Some(i) => {
                     let v = c.request(live[i]).unwrap();
                     let span = v.num_tokens() - v.num_computed + 1;
-                    c.commit(live[i], v.num_computed + n % span)
+                    let upto = v.num_computed + n % span;
+                    kv.write(c, live[i], upto);
+                    c.commit(live[i], upto)
                 }
                 None => Ok(()),
             },
@@ -112,6 +183,15 @@ fn fuzz_cache(c: &mut dyn PrefixCache, ops: &[Op]) -> Result<(), TestCaseError> 
                     .filter_map(|&i| pick(&live, i))
                     .map(|i| (live[i], c.request(live[i]).unwrap().num_tokens()))
                     .collect();
+                let distinct = batch
+                    .iter()
+                    .map(|b| b.0)
+                    .collect::<std::collections::HashSet<_>>();
+                if distinct.len() == batch.len() {
+                    for &(r, upto) in &batch {
+                        kv.write(c, r, upto);
+                    }
+                }
                 c.commit_many(&batch)
             }
             Op::ExtendMany(is) => {
@@ -163,6 +243,10 @@ fn fuzz_cache(c: &mut dyn PrefixCache, ops: &[Op]) -> Result<(), TestCaseError> 
             Err(e) => return Err(TestCaseError::fail(format!("step {step} ({op:?}): {e}"))),
         }
         checked(c, step, op)?;
+        kv.copy(c)?;
+        if res.is_ok() && matches!(op, Op::Admit { .. } | Op::Fork(_)) && live.len() > opened {
+            kv.served(c, *live.last().unwrap())?;
+        }
     }
     for r in live.drain(..) {
         c.abort(r).unwrap();
@@ -171,6 +255,12 @@ fn fuzz_cache(c: &mut dyn PrefixCache, ops: &[Op]) -> Result<(), TestCaseError> 
     c.check().unwrap();
     let s = c.stats();
     prop_assert_eq!(s.free_pages, s.num_pages, "pages did not all come back");
+    prop_assert_eq!(
+        s.host_free_pages,
+        s.host_pages,
+        "host pages did not all come back"
+    );
+    prop_assert!(s.host_hit_tokens <= s.hit_tokens);
     // Nothing is remembered of namespaces or requests that are gone (the arenas may keep their
     // capacity, never more than the busiest moment needed).
     prop_assert!(c.metadata_bytes() >= empty);
@@ -360,9 +450,10 @@ proptest! {
     fn radix_cache_survives_long_random_sequences(
         p in prop_oneof![Just(1usize), Just(2), Just(4)],
         pool in 6..48usize,
+        host in prop_oneof![Just(0usize), Just(1), 2..16usize, 16..96usize],
         ops in vec(op(), 300..600),
     ) {
-        let mut c = RadixCache::new(pool, p).unwrap();
+        let mut c = RadixCache::with_host(pool, p, host).unwrap();
         fuzz_cache(&mut c, &ops)?;
     }
 
@@ -370,9 +461,10 @@ proptest! {
     fn block_cache_survives_long_random_sequences(
         p in prop_oneof![Just(1usize), Just(2), Just(4)],
         pool in 6..48usize,
+        host in prop_oneof![Just(0usize), Just(1), 2..16usize, 16..96usize],
         ops in vec(op(), 300..600),
     ) {
-        let mut c = BlockCache::new(pool, p).unwrap();
+        let mut c = BlockCache::with_host(pool, p, host).unwrap();
         fuzz_cache(&mut c, &ops)?;
     }
 

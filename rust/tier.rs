@@ -1,0 +1,121 @@
+//! What both indexes share of the host tier: the copy log and its counters.
+//!
+//! With `host_pages > 0` a cached page is on the device or on the host. The index decides
+//! where each page goes; the owner of the KV tensors moves them. Every move is appended to the
+//! log as a [`PageCopy`], and the owner performs the log in order (see `docs/SEMANTICS.md`,
+//! "Host tier").
+//!
+//! Inside an index, host pages share one id space with device pages so that an index entry is
+//! a plain [`PageId`]: device pages are `0..num_pages`, host page `h` is `num_pages + h`. Copies
+//! name pages per tier (`h`, not `num_pages + h`).
+
+use crate::ids::PageId;
+
+/// Which way a [`PageCopy`] goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// Device page `src` to host page `dst`: its KV leaves the device, its entry stays cached.
+    Offload = 0,
+    /// Host page `src` to device page `dst`: a request is about to read it.
+    Load = 1,
+}
+
+/// One copy of a page's KV between the tiers; ids are per tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageCopy {
+    /// Which way.
+    pub kind: CopyKind,
+    /// The page read.
+    pub src: u32,
+    /// The page written.
+    pub dst: u32,
+}
+
+/// An index's host tier: its size, counters and the copies not drained yet.
+#[derive(Debug, Default)]
+pub struct Tier {
+    /// Device pages; host page `h` is `PageId(num_pages + h)` inside the index.
+    num_pages: u32,
+    /// Host pages (0: no tier).
+    pub host_pages: usize,
+    /// Pages moved device -> host so far.
+    pub offloaded: u64,
+    /// Pages moved host -> device so far.
+    pub loaded: u64,
+    /// Host pages dropped so far (to make room, or by `reset`).
+    pub dropped: u64,
+    log: Vec<PageCopy>,
+}
+
+impl Tier {
+    /// A tier of `host_pages` pages behind a pool of `num_pages` device pages.
+    pub fn new(num_pages: usize, host_pages: usize) -> Self {
+        Tier {
+            num_pages: num_pages as u32,
+            host_pages,
+            ..Tier::default()
+        }
+    }
+
+    /// Whether there is a host tier.
+    #[inline]
+    pub fn on(&self) -> bool {
+        self.host_pages > 0
+    }
+
+    /// Whether an index page id names a host page.
+    #[inline]
+    pub fn is_host(&self, page: PageId) -> bool {
+        page.0 >= self.num_pages
+    }
+
+    /// The index id of host page `h`.
+    #[inline]
+    pub fn host_id(&self, h: PageId) -> PageId {
+        PageId(self.num_pages + h.0)
+    }
+
+    /// The host page an index id names.
+    #[inline]
+    pub fn local(&self, page: PageId) -> PageId {
+        debug_assert!(self.is_host(page));
+        PageId(page.0 - self.num_pages)
+    }
+
+    /// Records that device page `d` goes to host page `h` (an index id).
+    pub fn offload(&mut self, d: PageId, h: PageId) {
+        let dst = self.local(h).0;
+        self.log.push(PageCopy {
+            kind: CopyKind::Offload,
+            src: d.0,
+            dst,
+        });
+        self.offloaded += 1;
+    }
+
+    /// Records that host page `h` (an index id) comes back into device page `d`.
+    pub fn load(&mut self, h: PageId, d: PageId) {
+        let src = self.local(h).0;
+        self.log.push(PageCopy {
+            kind: CopyKind::Load,
+            src,
+            dst: d.0,
+        });
+        self.loaded += 1;
+    }
+
+    /// The copies not drained yet, in order; the log is left empty.
+    pub fn drain(&mut self) -> Vec<PageCopy> {
+        std::mem::take(&mut self.log)
+    }
+
+    /// Copies not drained yet.
+    pub fn pending(&self) -> usize {
+        self.log.len()
+    }
+
+    /// Heap bytes of the log.
+    pub fn heap_bytes(&self) -> usize {
+        self.log.capacity() * std::mem::size_of::<PageCopy>()
+    }
+}
