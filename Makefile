@@ -57,7 +57,7 @@ test-oldest:
 	if [ -z "$$py" ]; then echo "test-oldest: skipped: no Python $(OLDEST) (python$(OLDEST) not on PATH, no pyenv $(OLDEST))"; exit 0; fi; \
 	set -ex; $(MAKE) --no-print-directory $(OLDEST_WHEEL); rm -rf $(OLDEST_DIR)/venv; "$$py" -m venv $(OLDEST_DIR)/venv; \
 	$(OLDEST_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check \
-	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|ruff\b|mypy\b)' requirements-dev.txt); \
+	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|accelerate\b|ruff\b|mypy\b)' requirements-dev.txt); \
 	cd $(OLDEST_DIR) && venv/bin/python -c 'import sys, radixkv; assert "torch" not in sys.modules; print(sys.version, radixkv.__file__)'; \
 	cd $(CURDIR) && PYTHONPATH=tests/python $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
 

@@ -28,6 +28,7 @@ from radixkv.hf._support import (
     check_model,
     paged_mode,
     register,
+    tp_group,
 )
 from radixkv.kv.kv_cache import KVCache
 from radixkv.kv.step import Step
@@ -63,7 +64,7 @@ class HFCausalLM(torch.nn.Module):
         return self._forward(step, all_logits)
 
     def _forward(
-        self, step: Step, all_logits: bool = False, calls: list[int] | None = None
+        self, step: Step, all_logits: bool = False, calls: list[tuple[int, int]] | None = None
     ) -> torch.Tensor:
         kwargs: dict[str, Any] = {
             STEP_KWARG: step,
@@ -84,7 +85,8 @@ class HFCausalLM(torch.nn.Module):
 
     def make_kv_cache(self, cache: _Cache) -> KVCache:
         """A :class:`radixkv.KVCache` for ``cache`` shaped from the model's config (layers, KV
-        heads, head dim) in the model's dtype, on its device."""
+        heads, head dim; of a tensor-parallel model, this rank's KV heads) in the model's dtype,
+        on its device."""
         return make_kv_cache(self.spec, cache)
 
     def __repr__(self) -> str:
@@ -124,16 +126,19 @@ def kv_for(spec: ModelSpec, cache: _Cache | KVCache) -> KVCache:
 
 def _probe(adapter: HFCausalLM) -> None:
     """Runs one token through a scratch two-slot pool and checks that the model called
-    radixkv's attention once per layer, with the K/V shape of its config: a model that
-    computes attention (or state) some other way is refused here, not mid-generation."""
+    radixkv's attention once per layer, with the K/V shape of its config and the query heads
+    that config gives this process (of a tensor-parallel model: its shard of the heads, read
+    from the query tensors): a model that computes attention (or state) some other way is
+    refused here, not mid-generation. Collective for a tensor-parallel model (one forward)."""
     spec = adapter.spec
     name = type(adapter.model).__name__
+    per_rank = f" per rank of {spec.tp_size}" if spec.tp_size > 1 else ""
     scratch = radixkv.RadixCache(2, page_size=1)
     kv = KVCache(
         scratch, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device
     )
     req = scratch.admit([0])
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []
     try:
         step = kv.plan([req])
         with torch.inference_mode():
@@ -141,23 +146,63 @@ def _probe(adapter: HFCausalLM) -> None:
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"{name} does not run on radixkv's paged attention as its config describes it "
-            f"({spec.num_layers} layers, {spec.num_kv_heads} KV heads of dim {spec.head_dim}): "
-            f"{e}"
+            f"({spec.num_layers} layers, {spec.num_kv_heads} KV heads{per_rank} of dim "
+            f"{spec.head_dim}): {e}"
         ) from e
     finally:
         scratch.abort(req)
-    if sorted(calls) != list(range(spec.num_layers)):
+    layers = sorted(layer for layer, _ in calls)
+    if layers != list(range(spec.num_layers)):
         raise ValueError(
-            f"{name} called radixkv's attention for layers {sorted(calls)} of "
+            f"{name} called radixkv's attention for layers {layers} of "
             f"{spec.num_layers}: every layer must compute full causal attention through "
             "transformers' AttentionInterface (hybrid, recurrent or custom attention is not "
             "supported)"
+        )
+    heads = sorted({h for _, h in calls})
+    if heads != [spec.num_heads]:
+        raise ValueError(
+            f"{name}'s attention got {heads} query heads, its config gives "
+            f"{spec.num_heads}{per_rank}"
         )
     if tuple(logits.shape) != (1, spec.vocab_size):
         raise ValueError(
             f"{name} returned logits of shape {tuple(logits.shape)} for one token, expected "
             f"(1, {spec.vocab_size})"
         )
+
+
+def _group_for(spec: ModelSpec, model: Any, group: Any) -> Any:
+    """The process group the engine runs its ranks in lockstep over: ``group`` as given for a
+    model that is not tensor-parallel; for one that is, ``group`` checked against the ranks
+    transformers sharded it over (``ValueError`` naming both), or those ranks' group."""
+    if spec.tp_size == 1:
+        return group
+    import torch.distributed as dist
+
+    tp = tp_group(model)
+    if group is None:
+        return tp
+    name = type(model).__name__
+    if not dist.is_initialized():  # pragma: no cover - a sharded model implies it
+        raise ValueError("group= needs torch.distributed initialized")
+    size = dist.get_world_size(group)
+    if size < 1:  # torch's answer for a group this process is not in
+        raise ValueError(
+            f"this process (rank {dist.get_rank()}) is not in group, but {name} is "
+            f"tensor-parallel over tp_size={spec.tp_size} ranks including it"
+        )
+    if size != spec.tp_size:
+        raise ValueError(
+            f"group has {size} ranks but {name} is tensor-parallel over tp_size={spec.tp_size}: "
+            "pass the group transformers sharded it over, or leave group= out to use it"
+        )
+    mine, theirs = dist.get_process_group_ranks(group), dist.get_process_group_ranks(tp)
+    if sorted(mine) != sorted(theirs):
+        raise ValueError(
+            f"group holds ranks {sorted(mine)} but {name} is sharded over ranks {sorted(theirs)}"
+        )
+    return group
 
 
 def engine(model: Any, cache: _Cache | KVCache, token_budget: int = 2048, **kwargs: Any) -> Engine:
@@ -170,9 +215,25 @@ def engine(model: Any, cache: _Cache | KVCache, token_budget: int = 2048, **kwar
     :class:`radixkv.hf.PrefixCache`: pass ``prefix.kv``). ``token_budget`` and the other keyword
     arguments go to :class:`radixkv.Engine`.
 
+    A model loaded with ``from_pretrained(..., tp_plan="auto")`` (tensor-parallel, one process
+    per rank) gets a pool of its own heads: ``num_key_value_heads / tp_size`` KV heads, and
+    its engine runs the ranks in lockstep (see :class:`radixkv.Engine`: rank 0 submits, the
+    others call ``follow()``) over ``group=``, by default the group transformers sharded the
+    model over; a ``group`` of other ranks is refused. Call it on every rank together: it runs
+    one probe forward, and the engine agrees on its settings across ranks.
+
     Raises ``ValueError`` saying why for a model radixkv cannot serve (sliding-window, chunked,
-    hybrid or cross attention, encoder-decoders, composite models) and for bad arguments.
+    hybrid or cross attention, encoder-decoders, composite models, heads that do not divide
+    among the tensor-parallel ranks) and for bad arguments.
     """
+    spec = check_model(model)
+    kwargs["group"] = _group_for(spec, model, kwargs.get("group"))
+    if isinstance(cache, KVCache):
+        check_kv(spec, cache, "cache")
+    elif not isinstance(cache, (radixkv.RadixCache, radixkv.BlockCache)):
+        raise ValueError(
+            f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
+        )
     adapter = HFCausalLM(model)
     kv = kv_for(adapter.spec, cache)
     return Engine(adapter, kv, token_budget=token_budget, **kwargs)

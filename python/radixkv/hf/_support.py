@@ -32,7 +32,8 @@ from radixkv.kv.kv_cache import DTYPES
 ATTENTION = "radixkv_paged"
 #: The keyword argument of the model's forward that carries the step to the attention function.
 STEP_KWARG = "radixkv_step"
-#: The keyword argument of a probe forward: a list each attention call appends its layer to.
+#: The keyword argument of a probe forward: a list each attention call appends its
+#: ``(layer, query heads)`` to.
 CALLS_KWARG = "radixkv_calls"
 #: The oldest transformers whose attention interface and caches this package relies on.
 MIN_TRANSFORMERS = (4, 56)
@@ -84,7 +85,7 @@ def paged_attention(
         )
     calls = kwargs.get(CALLS_KWARG)
     if calls is not None:
-        calls.append(layer)
+        calls.append((layer, query.shape[1]))
     # [1, H, T, D] -> [T, H, D]: views, no copy.
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     out = step.attention(layer, q, k, v, scaling)
@@ -135,6 +136,52 @@ class ModelSpec:
     cache_kwarg: str
     #: Whether forward takes ``logits_to_keep`` (a tensor of row indices).
     logits_to_keep: bool
+    #: Query heads of each attention call in this process (``num_attention_heads`` over
+    #: ``tp_size``); ``num_kv_heads`` is per process too.
+    num_heads: int = 0
+    #: The tensor-parallel degree transformers sharded the model with (``tp_plan=...``), else 1.
+    tp_size: int = 1
+
+
+def tp_size(model: Any) -> int:
+    """The tensor-parallel degree of ``model``: what ``from_pretrained(..., tp_plan="auto")``
+    (or a ``DistributedConfig`` with ``tp_size``) sharded it over, else 1."""
+    size = getattr(model, "tp_size", None)
+    if size is None:  # pragma: no cover - transformers without the property
+        size = getattr(model, "_tp_size", None)
+    if size is None:
+        return 1
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{type(model).__name__}.tp_size must be a positive int, got {size!r}")
+    return size
+
+
+def tp_group(model: Any) -> Any:
+    """The ``torch.distributed`` process group over which transformers sharded ``model``'s
+    heads: the group of its ``"tp"`` device mesh dimension. ``ValueError`` for a model that is
+    not tensor-parallel or whose mesh cannot be found."""
+    name = type(model).__name__
+    if tp_size(model) == 1:
+        raise ValueError(f"{name} is not tensor-parallel (tp_size is 1)")
+    mesh = None
+    manager = getattr(model, "_mesh_manager", None)  # transformers >= 5.x with DistributedConfig
+    if manager is not None:
+        mesh = manager.get_mesh("tp")
+    if mesh is None:  # pragma: no cover - older transformers keep the TP mesh itself
+        mesh = getattr(model, "_device_mesh", None)
+        if mesh is not None and mesh.ndim > 1:
+            mesh = mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
+    if mesh is None:  # pragma: no cover - the mesh of a sharded weight
+        for param in model.parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is not None:
+                break
+    if mesh is None or mesh.ndim != 1:
+        raise ValueError(
+            f"{name} is tensor-parallel (tp_size={tp_size(model)}) but radixkv.hf found no "
+            "one-dimensional 'tp' device mesh on it: pass group= explicitly"
+        )
+    return mesh.get_group()
 
 
 def _positive(config: Any, name: str) -> int | None:
@@ -206,6 +253,14 @@ def check_model(model: Any) -> ModelSpec:
         if hidden is None or hidden % heads:
             raise ValueError(f"{name}'s config gives no head_dim and hidden_size/heads is none")
         head_dim = hidden // heads
+    tp = tp_size(model)
+    if tp > 1:
+        for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if count % tp:
+                raise ValueError(
+                    f"{name} is tensor-parallel over {tp} ranks but config.{what}={count} is not "
+                    f"divisible by {tp}: radixkv.hf needs whole heads on every rank"
+                )
     param = next(model.parameters(), None)
     if param is None:
         raise ValueError(f"{name} has no parameters")
@@ -218,11 +273,13 @@ def check_model(model: Any) -> ModelSpec:
     cache_kwarg = "cache" if "cache" in params else "past_key_values"
     return ModelSpec(
         num_layers=num_layers,
-        num_kv_heads=kv_heads,
+        num_kv_heads=kv_heads // tp,
         head_dim=head_dim,
         vocab_size=vocab,
         dtype=param.dtype,
         device=param.device,
         cache_kwarg=cache_kwarg,
         logits_to_keep="logits_to_keep" in params,
+        num_heads=heads // tp,
+        tp_size=tp,
     )
