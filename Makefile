@@ -62,9 +62,11 @@ test-oldest:
 	cd $(CURDIR) && PYTHONPATH=tests/python $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
 
 # Integration tests against real cluster routers (tests/cluster/): NVIDIA Dynamo's standalone KV
-# indexer consumes radixkv workers' KV events. They pull large packages, so they run in their own
-# virtual environment, target/cluster/venv (never .venv): the radixkv wheel built here, plus
-# requirements-cluster.txt (no torch). `make test` does not collect them (testpaths).
+# indexer consumes radixkv workers' KV events, and examples/ray_serve_router.py serves radixkv
+# Engines as Ray Serve replicas behind a prefix-aware request router. They pull large packages
+# (Ray, torch), so they run in their own virtual environment, target/cluster/venv (never .venv):
+# the radixkv wheel built here, plus requirements-cluster.txt. radixkv itself must still import
+# without torch (checked below). `make test` does not collect them (testpaths).
 CLUSTER := target/cluster
 
 test-cluster: $(DEPS)
@@ -129,13 +131,13 @@ replay: $(EXT)
 lint: $(EXT)
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
-	$(PY) -m ruff check python tests benches
-	$(PY) -m ruff format --check python tests benches
+	$(PY) -m ruff check python tests benches examples
+	$(PY) -m ruff format --check python tests benches examples
 	$(PY) -m mypy.stubtest radixkv._radixkv
 
 fmt: $(DEPS)
 	cargo fmt
-	$(PY) -m ruff format python tests benches
+	$(PY) -m ruff format python tests benches examples
 
 wheel: $(DEPS)
 	$(PY) -m maturin build --release
