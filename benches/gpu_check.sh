@@ -12,7 +12,7 @@ PY=${1:-.venv/bin/python}
 mkdir -p target
 start=$(date +%s)
 timeout 300 "$PY" -m pytest -q -m cuda tests/python/test_attention.py \
-    tests/python/test_attention_backends.py 2>&1 | tail -15
+    tests/python/test_attention_backends.py tests/python/test_host_tier.py 2>&1 | tail -15
 tests_rc=${PIPESTATUS[0]}
 timeout 180 "$PY" benches/bench_attention.py --device cuda --dtypes bfloat16 --repeat 10 \
     --threads 1 2>&1 | tee target/gpu_check_bench.txt

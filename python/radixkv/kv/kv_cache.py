@@ -7,6 +7,21 @@ slots index. Slot ``s`` of layer ``l`` is row ``s`` of ``k[l]`` and ``v[l]``:
   k[l]:  [num_pages * page_size, num_kv_heads, head_dim]      ("NHD", slot-major)
           |-- page 0 --|-- page 1 --| ... one page = page_size consecutive slots
 ```
+
+With a host tier (a cache made with ``host_pages > 0``, and ``KVCache(..., host_device="cpu")``)
+the index moves cached pages between the device pools ``k``/``v`` and the host pools
+``host_k``/``host_v`` (same layout, ``host_pages * page_size`` rows); it only *logs* the copies
+(``cache.drain_copies()``), and this class performs them (:meth:`KVCache.apply_copies`, called by
+every :meth:`KVCache.plan`):
+
+```text
+  offload(d, h):  host_k[l][h*P:(h+1)*P] <- k[l][d*P:(d+1)*P]     (and V; every layer)
+  load(h, d):     k[l][d*P:(d+1)*P]      <- host_k[l][h*P:(h+1)*P]
+```
+
+On CUDA the copies run on a side stream that waits for the compute queued before them; one
+event per layer marks that layer's copies done, and ``Step.attention(layer, ...)`` waits for it
+before it touches the pool, so the attention of layer ``l`` overlaps the copies of later layers.
 """
 
 from __future__ import annotations
@@ -25,6 +40,16 @@ from radixkv.kv.step import Step
 #: Element types the pool may hold.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+#: Kinds of a row of ``cache.drain_copies()`` (``radixkv.COPY_OFFLOAD`` / ``radixkv.COPY_LOAD``).
+COPY_OFFLOAD = 0
+COPY_LOAD = 1
+
+#: One run of copies: ``(kind, segments)``, each segment ``(src_page, dst_page, num_pages)``
+#: copying ``num_pages`` consecutive pages. The segments of a run are independent of each other
+#: (no destination page twice), so they may be performed in any order; runs must be performed in
+#: order.
+CopyRun = tuple[int, list[tuple[int, int, int]]]
+
 
 def _positive(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -37,6 +62,83 @@ def _check_dtype(dtype: torch.dtype) -> torch.dtype:
         names = ", ".join(str(d) for d in DTYPES)
         raise ValueError(f"dtype must be one of {names}, got {dtype!r}")
     return dtype
+
+
+def copy_runs(log: np.ndarray, num_pages: int, host_pages: int) -> list[CopyRun]:
+    """The copies of ``log`` (rows ``(kind, src, dst)`` as ``cache.drain_copies()`` returns
+    them) grouped for performing: consecutive rows of one kind form a run, and a run ends early
+    where a destination page it already wrote comes again (that second write must follow the
+    first). Within a run, a row whose source and destination both continue the previous row's
+    (``+1``) extends that row's segment: pages are contiguous slot ranges, so a segment is one
+    slice copy. Performing the runs in order, and each run's segments in any order, gives what
+    performing the rows one by one in log order gives.
+
+    ``ValueError`` naming the row for a ``log`` not shaped ``[N, 3]``, a kind other than
+    ``COPY_OFFLOAD``/``COPY_LOAD``, or a page id outside its tier (device ids
+    ``0..num_pages``, host ids ``0..host_pages``): checked before anything is grouped.
+    """
+    rows = np.asarray(log)
+    if rows.ndim != 2 or rows.shape[1] != 3:
+        raise ValueError(f"log must be shaped [N, 3] (kind, src, dst), got {rows.shape}")
+    if len(rows) == 0:
+        return []
+    rows = rows.astype(np.int64, copy=False)
+    kind, src, dst = rows[:, 0], rows[:, 1], rows[:, 2]
+    offload = kind == COPY_OFFLOAD
+    src_limit = np.where(offload, num_pages, host_pages)
+    dst_limit = np.where(offload, host_pages, num_pages)
+    bad = ~(offload | (kind == COPY_LOAD)) | (src < 0) | (src >= src_limit)
+    bad |= (dst < 0) | (dst >= dst_limit)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"log row {i} = {rows[i].tolist()} is not a copy (kind {COPY_OFFLOAD} = offload "
+            f"device page < {num_pages} -> host page < {host_pages}, kind {COPY_LOAD} = load "
+            "host page -> device page)"
+        )
+    runs: list[tuple[int, list[list[int]]]] = []
+    segs: list[list[int]] = []
+    written: set[int] = set()
+    last_kind = -1
+    for k, s, d in rows.tolist():
+        if k != last_kind or d in written:
+            segs = [[s, d, 1]]
+            runs.append((k, segs))
+            written = set()
+            last_kind = k
+        else:
+            seg = segs[-1]
+            if s == seg[0] + seg[2] and d == seg[1] + seg[2]:
+                seg[2] += 1
+            else:
+                segs.append([s, d, 1])
+        written.add(d)
+    return [(k, [(s, d, n) for s, d, n in run]) for k, run in runs]
+
+
+def _host_device(host_device: str | torch.device | None, host_pages: int) -> torch.device | None:
+    """The checked ``host_device`` of a ``KVCache`` over a cache with ``host_pages`` host pages."""
+    if host_device is None:
+        if host_pages:
+            raise ValueError(
+                f"the cache has a host tier (host_pages={host_pages}): pass host_device "
+                '(e.g. host_device="cpu") so the KVCache holds the host pool and performs the '
+                "copies between the tiers"
+            )
+        return None
+    if not host_pages:
+        raise ValueError(
+            f"host_device={host_device!r} needs a cache with a host tier, got one with "
+            "host_pages=0 (make it with host_pages > 0, or leave host_device=None)"
+        )
+    if not isinstance(host_device, (str, torch.device)):
+        raise TypeError(
+            f"host_device must be a str or torch.device, got {type(host_device).__name__}"
+        )
+    try:
+        return torch.device(host_device)
+    except RuntimeError as e:
+        raise ValueError(f"host_device={host_device!r} is not a torch device: {e}") from None
 
 
 class KVCache:
@@ -52,6 +154,14 @@ class KVCache:
     ``"flashinfer"`` (CUDA, when installed). A backend unavailable here raises ``ValueError``
     listing the available ones. Call :meth:`warmup` before serving so nothing compiles then.
 
+    Host tier: for a cache made with ``host_pages > 0``, ``host_device`` (normally ``"cpu"``)
+    is required and gets the host pools ``host_k[l]``/``host_v[l]`` (``[host_pages * page_size,
+    num_kv_heads, head_dim]``, zeroed; pinned memory when ``device`` is CUDA and ``host_device``
+    the CPU). Every :meth:`plan` performs the copies the index logged first
+    (:meth:`apply_copies`); code that reads or writes the pools of a request's pages outside a
+    planned step must call :meth:`apply_copies` itself, after the cache call that admitted or
+    extended the request. Without a tier ``host_device`` must be ``None``.
+
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.
     """
@@ -65,12 +175,15 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         attention: str = "auto",
+        host_device: str | torch.device | None = None,
     ) -> None:
         if not isinstance(cache, (radixkv.RadixCache, radixkv.BlockCache)):
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
         if not isinstance(attention, str):
             raise TypeError(f"attention must be a str, got {type(attention).__name__}")
         _backends.check_name(attention, torch.device(device))
+        host_pages = int(getattr(cache, "host_pages", 0))
+        host = _host_device(host_device, host_pages)
         self.attention = attention
         self.cache = cache
         # The cache these pools are sized and indexed for: only its requests may be planned.
@@ -86,6 +199,26 @@ class KVCache:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        #: Host pages of the cache's host tier (0: no tier; every host attribute below empty).
+        self.host_pages = host_pages
+        self.host_device = host
+        self.num_host_slots = host_pages * self.page_size
+        self.host_k: list[torch.Tensor] = []
+        self.host_v: list[torch.Tensor] = []
+        self._copy_stream: Any = None  # torch.cuda.Stream of the copies (CUDA only)
+        self._last_event: Any = None  # torch.cuda.Event of copies not yet waited for
+        self._runs: list[CopyRun] = []  # drained copies not yet performed (after an error)
+        self._run_start = [0] * self.num_layers  # per layer: the first run not yet performed
+        self._pending_rows = 0
+        if host is not None:
+            hshape = (self.num_host_slots, self.num_kv_heads, self.head_dim)
+            pin = self.device.type == "cuda" and host.type == "cpu"
+            for _ in range(self.num_layers):
+                for pools in (self.host_k, self.host_v):
+                    pools.append(torch.zeros(hshape, dtype=dtype, device=host, pin_memory=pin))
+            if self.device.type == "cuda":
+                self._copy_stream = torch.cuda.Stream(device=self.device)
+        self._non_blocking = self.device.type == "cuda"
         self._gather_k: torch.Tensor | None = None
         self._gather_v: torch.Tensor | None = None
         self._backends: dict[str, Any] = {}
@@ -213,12 +346,104 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the K and V pools of every layer (the gather buffers not included)."""
+        """Bytes held by the K and V pools of every layer on ``device`` (the gather buffers and
+        the host pools not included)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes held by the host pools ``host_k``/``host_v`` of every layer (0 without a host
+        tier)."""
+        return sum(t.numel() * t.element_size() for t in (*self.host_k, *self.host_v))
+
+    def apply_copies(self, log: np.ndarray | None = None) -> int:
+        """Performs the copies between the tiers the index has logged (``cache.drain_copies()``),
+        in log order, and returns how many page copies it performed (0 without a host tier).
+
+        :meth:`plan` calls it first; call it yourself before reading or writing the pools of a
+        request's pages outside a planned step (after the ``admit``/``extend`` that gave the
+        request its pages), e.g. to read a cached prefix out of ``k``/``v``. On CUDA the copies
+        run on a side stream and the current stream waits for them before this returns, so
+        work queued on it afterwards sees them (the CPU reading the host pools itself must
+        ``torch.cuda.synchronize()`` first). If a copy raises, the copies not yet performed stay
+        queued for the next call.
+
+        ``log``: rows the caller already drained from the cache itself, performed instead of
+        draining (``ValueError``, performing nothing, for a row that is not a copy of this
+        pool's tiers; see :func:`copy_runs`).
+        """
+        if not self.host_pages and log is None:
+            return 0
+        n, _ = self._apply_copies(overlap=False, log=log)
+        return n
+
+    def _apply_copies(
+        self, overlap: bool, log: np.ndarray | None = None
+    ) -> tuple[int, list[Any] | None]:
+        """Drains the log (or takes ``log``) and performs every queued copy: ``(page copies
+        performed, events)``.
+
+        On CUDA: the side stream first waits for the current stream (an offload reads KV that
+        compute queued earlier wrote), performs layer by layer, and records one event per layer.
+        With ``overlap`` the events are returned for ``Step.attention`` to wait on, layer by
+        layer; otherwise (and whenever no copy was queued) the current stream waits for all
+        copies queued so far and ``None`` is returned."""
+        if log is None:
+            log = self.cache.drain_copies()
+        if len(log):
+            self._runs.extend(copy_runs(log, self.num_pages, self.host_pages))
+            self._pending_rows += len(log)
+        events = None
+        done = 0
+        if self._runs:
+            stream = self._copy_stream
+            if stream is None:
+                self._perform_runs(None)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                events = [torch.cuda.Event() for _ in range(self.num_layers)]
+                with torch.cuda.stream(stream):
+                    self._perform_runs(events)
+                self._last_event = events[-1]
+            done = self._pending_rows
+            self._runs = []
+            self._run_start = [0] * self.num_layers
+            self._pending_rows = 0
+        if self._last_event is not None and (events is None or not overlap):
+            torch.cuda.current_stream(self.device).wait_event(self._last_event)
+            self._last_event = None
+            events = None
+        return done, events
+
+    def _perform_runs(self, events: list[Any] | None) -> None:
+        """Performs the queued runs, layer by layer (K then V of each segment), advancing
+        ``_run_start`` after each run so that an error leaves exactly the rest queued. Records
+        ``events[layer]`` after each layer's copies on the current (side) stream."""
+        ps = self.page_size
+        runs = self._runs
+        nb = self._non_blocking
+        for layer in range(self.num_layers):
+            dev_k, dev_v = self.k[layer], self.v[layer]
+            host_k, host_v = self.host_k[layer], self.host_v[layer]
+            for i in range(self._run_start[layer], len(runs)):
+                kind, segments = runs[i]
+                if kind == COPY_OFFLOAD:
+                    src_k, src_v, dst_k, dst_v = dev_k, dev_v, host_k, host_v
+                else:
+                    src_k, src_v, dst_k, dst_v = host_k, host_v, dev_k, dev_v
+                for src, dst, pages in segments:
+                    a, b, m = src * ps, dst * ps, pages * ps
+                    dst_k[b : b + m].copy_(src_k[a : a + m], non_blocking=nb)
+                    dst_v[b : b + m].copy_(src_v[a : a + m], non_blocking=nb)
+                self._run_start[layer] = i + 1
+            if events is not None:
+                events[layer].record()
 
     def plan(self, requests: Sequence[radixkv.Request]) -> Step:
         """Plans one forward pass over ``requests``: each request's tokens
         ``num_computed:num_tokens``, packed in order. One call into Rust, one host-to-device copy.
+        With a host tier, first performs the copies the index logged (:meth:`apply_copies`; on
+        CUDA overlapped with the step: ``Step.attention`` waits for each layer's copies).
 
         Raises ``ValueError``, before anything is computed, for a request of another cache or
         one named twice; ``TypeError`` for anything but a ``Request``.
@@ -237,8 +462,11 @@ class KVCache:
             j = seen.setdefault(id(r), i)
             if j != i:
                 raise ValueError(f"requests[{i}] repeats requests[{j}]: plan each request once")
+        events = None
+        if self.host_pages:  # the one check the no-tier path pays
+            events = self._apply_copies(overlap=True)[1]
         plan = radixkv.plan_step(requests)
-        return Step(self, requests, plan)
+        return Step(self, requests, plan, copy_events=events)
 
     def commit(self, step: Step) -> None:
         """Marks the KV of every token planned in ``step`` as written (publishing full pages).
@@ -251,5 +479,11 @@ class KVCache:
         return (
             f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, num_slots={self.num_slots}, dtype={self.dtype}, "
-            f"device={self.device}, attention={self.attention!r})"
+            f"device={self.device}, attention={self.attention!r}"
+            + (
+                f", host_pages={self.host_pages}, host_device={self.host_device}"
+                if self.host_pages
+                else ""
+            )
+            + ")"
         )

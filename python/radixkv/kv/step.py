@@ -64,11 +64,23 @@ class Step:
     ``max_q_len``, ``max_kv_len``, ``max_pages``, ``backends`` (the backend name of each group).
 
     Safety rule: a step is valid until :meth:`KVCache.commit` or until any of its requests is
-    extended, finished or aborted; plan a new one after that.
+    extended, finished or aborted; plan a new one after that. With a host tier on CUDA,
+    ``attention(layer, ...)`` first makes the current stream wait for that layer's tier copies
+    (see :meth:`KVCache.plan`): read the pool of a layer only through it, or after
+    :meth:`KVCache.apply_copies`.
     """
 
-    def __init__(self, kv: Pool, requests: list[radixkv.Request], plan: radixkv.StepPlan) -> None:
+    def __init__(
+        self,
+        kv: Pool,
+        requests: list[radixkv.Request],
+        plan: radixkv.StepPlan,
+        copy_events: list[Any] | None = None,
+    ) -> None:
         self.kv = kv
+        # CUDA events, one per layer, of tier copies still running on a side stream: attention
+        # of layer l waits for copy_events[l] before it touches the pool (None: nothing to wait).
+        self._copy_events = copy_events
         self.requests = requests
         q_start = plan.q_start
         kv_len = plan.kv_len
@@ -203,6 +215,8 @@ class Step:
         for name, x in (("k", k), ("v", v)):
             if tuple(x.shape) != (t, hkv, d):
                 raise ValueError(f"{name} must be [{t}, {hkv}, {d}], got {tuple(x.shape)}")
+        if self._copy_events is not None:  # the tier's copies of this layer, on a side stream
+            torch.cuda.current_stream(kv.device).wait_event(self._copy_events[layer])
         pool_k, pool_v = kv.k[layer], kv.v[layer]
         k, v = k.to(pool_k.dtype), v.to(pool_v.dtype)
         pool_k.index_copy_(0, self.write_slots, k)
