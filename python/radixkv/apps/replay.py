@@ -18,6 +18,20 @@ it, for decodes to finish and release theirs; it fits the pool alone, so it neve
 
 Out: hit rate, evictions, tokens computed, queue waits, time to first token.
 
+Host tier (``host_pages > 0``): each cache gets a second pool of host pages (see the host tier
+section of ``docs/SEMANTICS.md``): pages it would evict go down to the host, and a prefix found
+there is copied back at admission. The replay owns no tensors: after every cache call that can
+allocate it drains the cache's copy log (``drain_copies()``) and counts the loads and offloads.
+A batch takes ``loads * page_bytes / host_bandwidth + tokens / prefill_tps`` seconds, where
+``loads`` are the host pages its admissions brought back and ``page_bytes = page_size *
+kv_bytes_per_token``: loading a cached prefix costs ``kv_bytes_per_token / host_bandwidth``
+seconds per token against ``1 / prefill_tps`` to compute it again. The loads are not overlapped
+with the batch's compute (conservative: ``KVCache`` overlaps them layer by layer). Offloads are
+not costed: they go the other way over the link, at most ``prefill_tps * kv_bytes_per_token``
+bytes per second in the long run (6.6 GB/s at the defaults), and ``KVCache`` runs them on a side
+stream beside the compute. With ``host_pages == 0`` none of this runs and every figure is as
+without the tier.
+
 Replicas (:func:`replay_replicas`): K such servers, each with its own cache and pool, behind a
 router that sends each request, at its arrival, to one of them. The servers run side by side in
 simulated time: before a request is routed every server has run up to its arrival, so the router
@@ -59,6 +73,15 @@ ROUTERS = ("round-robin", "prefix", "least-loaded")
 #: prefix is kept while it has at most one batch more of prefill ahead than the least-loaded one.
 DEFAULT_BALANCE_THRESHOLD = 131_072.0
 
+#: Default of ``host_bandwidth``, in bytes per second host to device: 25 GB/s. An assumption, not
+#: a measurement: about what host-to-device copies from pinned memory sustain over a PCIe 4.0 x16
+#: link, whose nominal rate is about 31.5 GB/s per direction (16 GT/s x 16 lanes, 128b/130b).
+DEFAULT_HOST_BANDWIDTH = 25e9
+
+#: Default of ``kv_bytes_per_token``: the KV of one token of Llama-3-8B in bf16, 128 KiB
+#: (32 layers x 8 KV heads x 128 dims x 2 tensors, K and V, x 2 bytes).
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
+
 
 @dataclass
 class ReplayConfig:
@@ -73,6 +96,27 @@ class ReplayConfig:
     decode_tps: float = 50.0
     token_budget: int = 131_072
     max_running: int = 64
+    #: host tier size in pages (0: none); ``host_bandwidth`` (bytes per second host to device)
+    #: and ``kv_bytes_per_token`` cost its loads
+    host_pages: int = 0
+    host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+
+    def __post_init__(self) -> None:
+        hp = self.host_pages
+        if isinstance(hp, bool) or not isinstance(hp, int) or hp < 0:
+            raise ValueError(f"host_pages must be an int >= 0, got {hp!r}")
+        bw = self.host_bandwidth
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf:
+            raise ValueError(f"host_bandwidth must be a finite number > 0, got {bw!r}")
+        kv = self.kv_bytes_per_token
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
+            raise ValueError(f"kv_bytes_per_token must be an int >= 1, got {kv!r}")
+
+    @property
+    def page_load_seconds(self) -> float:
+        """Seconds one page takes to load from the host tier."""
+        return self.page_size * self.kv_bytes_per_token / self.host_bandwidth
 
 
 @dataclass
@@ -81,7 +125,13 @@ class ReplayResult:
 
     ``requests``: requests admitted; ``prompt_tokens``, ``cached_tokens`` and
     ``computed_tokens``: their prompt tokens, those found cached at admission and those computed
-    (``cached + computed == prompt``); ``dropped``: requests the pool could never hold."""
+    (``cached + computed == prompt``); ``dropped``: requests the pool could never hold.
+
+    Host tier (all 0 without one): ``host_hit_tokens``, the cached tokens that were on the host
+    (loaded back; the rest of ``cached_tokens`` were on the device); ``loaded_pages`` and
+    ``offloaded_pages``, the copies drained from the cache's log; ``host_evicted_pages``, pages
+    dropped from the host tier; ``load_seconds``, simulated time batches spent waiting for
+    loads (included in ``ttfts``)."""
 
     config: ReplayConfig
     requests: int = 0
@@ -90,6 +140,11 @@ class ReplayResult:
     cached_tokens: int = 0
     computed_tokens: int = 0
     evicted_pages: int = 0
+    host_hit_tokens: int = 0
+    loaded_pages: int = 0
+    offloaded_pages: int = 0
+    host_evicted_pages: int = 0
+    load_seconds: float = 0.0
     queue_waits: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     #: (simulated time, cumulative hit rate) after each batch
@@ -99,6 +154,16 @@ class ReplayResult:
     def hit_rate(self) -> float:
         """Cached over prompt tokens of the admitted requests."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Prompt tokens found cached on the device, over prompt tokens."""
+        return _rate(self.cached_tokens - self.host_hit_tokens, self.prompt_tokens)
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Prompt tokens found cached on the host (and loaded back), over prompt tokens."""
+        return _rate(self.host_hit_tokens, self.prompt_tokens)
 
     def percentile(self, which: str, q: float) -> float:
         """A percentile (0-100) of ``queue_waits`` or ``ttfts``."""
@@ -121,7 +186,9 @@ class _Server:
 
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, bar) -> None:
         self.requests, self.config, self.bar = requests, config, bar
-        self.cache = make_cache(config.cache, config.num_pages, config.page_size)
+        self.cache = _make_cache(config)
+        self.host = config.host_pages > 0
+        self.loads = 0  # loads drained since the last batch started: it waits for them
         self.sched = radixkv.Scheduler(self.cache, config.policy, config.max_wait)
         self.res = ReplayResult(config)
         self.waiting: dict[int, int] = {}  # scheduler id -> trace index
@@ -191,13 +258,21 @@ class _Server:
         budget = self.config.token_budget - sum(n for _, n in work)
         room = self.config.max_running - len(self.decoding) - len(self.prefilling)
         if not blocked and budget > 0 and room > 0 and self.waiting:
-            for sid, req in self.sched.schedule(budget, room):
+            admitted = self.sched.schedule(budget, room)
+            if self.host:
+                self._drain()
+            for sid, req in admitted:
                 job = self._admit(self.waiting.pop(sid), req, now)
                 work.append((job, job.num_tokens - job.num_computed))
         if not work:
             return None
         tokens = sum(n for _, n in work)
         done = now + tokens / self.config.prefill_tps
+        if self.host:
+            load = self.loads * self.config.page_load_seconds
+            self.loads = 0
+            self.res.load_seconds += load
+            done += load
         self.cache.commit_many([j.req for j, _ in work], [j.num_tokens for j, _ in work])
         self.res.computed_tokens += tokens
         for job, _ in work:
@@ -221,6 +296,8 @@ class _Server:
             budget -= n
         chunks = [self.requests[j.idx].tokens[j.num_tokens : j.num_tokens + n] for j, n in plan]
         grown = self.cache.extend_many([j.req for j, _ in plan], chunks) if plan else 0
+        if self.host and plan:
+            self._drain()
         for job, n in plan[:grown]:
             job.num_tokens += n
         return plan[:grown], grown < len(plan)
@@ -235,6 +312,25 @@ class _Server:
         self.prefilling.append(job)
         return job
 
+    def _drain(self) -> None:
+        """Empties the cache's copy log and counts its loads (the next batch waits for them)
+        and offloads."""
+        kinds = self.cache.drain_copies()[:, 0]
+        loads = int(np.count_nonzero(kinds == radixkv.COPY_LOAD))
+        self.loads += loads
+        self.res.loaded_pages += loads
+        self.res.offloaded_pages += len(kinds) - loads
+
+    def finish(self) -> None:
+        """After the last batch: the cache's own totals into the result; checks the cache."""
+        stats = self.cache.stats
+        self.res.evicted_pages = stats.evicted_pages
+        if self.host:
+            self._drain()
+            self.res.host_hit_tokens = stats.host_hit_tokens
+            self.res.host_evicted_pages = stats.host_evicted_pages
+        self.cache.check()
+
     def _decode(self, job: _Prefill, now: float) -> None:
         """The prompt of ``job`` is computed: first token at ``now``, then decoding."""
         self.prefilling.remove(job)
@@ -248,6 +344,8 @@ class _Server:
                 self.cache.extend(job.req, out)
             except radixkv.OutOfPages:
                 pass  # the pool is full of live requests: decode without a reservation
+            if self.host:
+                self._drain()  # offloads for the reservation
         end = now + r.output_length / self.config.decode_tps
         heapq.heappush(self.decoding, (end, job.idx, job.req))
         self.bar.update(1)
@@ -286,8 +384,7 @@ def _drive(
         servers[route(idx, t)].queue(idx)
     for server in servers:
         server.advance(math.inf)
-        server.res.evicted_pages = server.cache.stats.evicted_pages
-        server.cache.check()
+        server.finish()
 
 
 @dataclass
@@ -348,6 +445,41 @@ class RoutedResult:
     def hit_rate(self) -> float:
         """Cached over prompt tokens, all replicas together."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_tokens(self) -> int:
+        """Cached tokens that were on a host tier, all replicas together."""
+        return self._sum("host_hit_tokens")
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Prompt tokens found cached on a device, over prompt tokens, all replicas together."""
+        return _rate(self.cached_tokens - self.host_hit_tokens, self.prompt_tokens)
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Prompt tokens found cached on a host tier, over prompt tokens, all replicas."""
+        return _rate(self.host_hit_tokens, self.prompt_tokens)
+
+    @property
+    def loaded_pages(self) -> int:
+        """Pages loaded from a host tier, all replicas together."""
+        return self._sum("loaded_pages")
+
+    @property
+    def offloaded_pages(self) -> int:
+        """Pages offloaded to a host tier, all replicas together."""
+        return self._sum("offloaded_pages")
+
+    @property
+    def host_evicted_pages(self) -> int:
+        """Pages dropped from a host tier, all replicas together."""
+        return self._sum("host_evicted_pages")
+
+    @property
+    def load_seconds(self) -> float:
+        """Simulated time batches waited for loads, all replicas together."""
+        return sum(r.load_seconds for r in self.replicas)
 
     @property
     def load_spread(self) -> float:
@@ -435,6 +567,21 @@ def _merged_curve(counts: list[list[tuple[float, int, int]]]) -> list[tuple[floa
         total = sum(prompt)
         curve.append((t, sum(cached) / total if total else 0.0))
     return curve
+
+
+def _rate(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def _make_cache(config: ReplayConfig) -> radixkv.RadixCache | radixkv.BlockCache:
+    """The cache ``config`` names, with its host tier when ``config.host_pages > 0``."""
+    if config.host_pages == 0:
+        return make_cache(config.cache, config.num_pages, config.page_size)
+    if config.cache == "radix":
+        return radixkv.RadixCache(config.num_pages, config.page_size, host_pages=config.host_pages)
+    if config.cache == "block":
+        return radixkv.BlockCache(config.num_pages, config.page_size, host_pages=config.host_pages)
+    raise ValueError(f"cache must be 'radix' or 'block', got {config.cache!r}")
 
 
 def _next_finish(decoding: list[tuple[float, int, radixkv.Request]]) -> float | None:

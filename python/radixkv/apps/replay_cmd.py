@@ -6,6 +6,11 @@ comma list, or all three by default), once per router: a table with one row per 
 rate, time to first token, how evenly the replicas were loaded) and a chart with one line per
 router. ``--router`` with one replica prints the same table (every router alike: a baseline
 for a sweep over K). ``--metrics-port`` then serves the first replica's metrics.
+
+With ``--host-pages N`` each cache has a host tier of N pages: a second table splits the hit
+rate by tier (device hits, host hits loaded back) and counts the copies, and the time to first
+token includes the loads, at ``--host-bandwidth`` GB/s with ``--kv-bytes-per-token`` bytes per
+token (see :mod:`radixkv.apps.replay`). Without it the output is as it always was.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from radixkv.apps.args import (
 )
 from radixkv.apps.replay import (
     DEFAULT_BALANCE_THRESHOLD,
+    DEFAULT_HOST_BANDWIDTH,
+    DEFAULT_KV_BYTES_PER_TOKEN,
     ROUTERS,
     ReplayConfig,
     ReplayResult,
@@ -71,6 +78,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=262_144,
         help="pool size in pages, per replica with --replicas (default: 262144)",
+    )
+    p.add_argument(
+        "--host-pages",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="host tier size in pages of --page-size tokens, like --num-pages (per replica with "
+        "--replicas): pages the pool evicts go there and come back on a hit (default: 0, none)",
+    )
+    p.add_argument(
+        "--host-bandwidth",
+        type=positive_float,
+        default=DEFAULT_HOST_BANDWIDTH / 1e9,
+        metavar="GBPS",
+        help="with --host-pages: GB/s (10^9 bytes/s) of loads from the host tier; a batch waits "
+        "for its loads before computing (default: "
+        f"{DEFAULT_HOST_BANDWIDTH / 1e9:g}, an assumption: about what host-to-device copies "
+        "from pinned memory sustain on PCIe 4.0 x16, nominally 31.5 GB/s per direction)",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=positive_int,
+        default=DEFAULT_KV_BYTES_PER_TOKEN,
+        metavar="BYTES",
+        help="with --host-pages: KV bytes of one token, to cost the loads (default: "
+        f"{DEFAULT_KV_BYTES_PER_TOKEN}, Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 dims "
+        "x 2 (K, V) x 2 bytes)",
     )
     p.add_argument(
         "--policy",
@@ -154,6 +188,11 @@ def run(args: argparse.Namespace) -> int:
     policy = args.policy or (REPLICAS_POLICY if routed else "all")
     policies = _choices(policy, POLICIES, "policy")
     routers = _choices(args.router or "all", ROUTERS, "router") if routed else ()
+    if args.num_pages + args.host_pages >= 2**31:
+        raise UsageError(
+            f"replay: --num-pages {args.num_pages} plus --host-pages {args.host_pages} must "
+            f"stay below 2**31 pages, got {args.num_pages + args.host_pages}"
+        )
     requests = _read(args.trace, args.limit)
     pool = args.num_pages * args.page_size
     shortest = min(len(r.tokens) + max(r.output_length, 1) - 1 for r in requests)
@@ -170,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
         f"{len(requests)} requests, {prompt / 1e6:.1f}M prompt tokens, {replicas}pool "
         f"{pool / 1e6:.2f}M tokens{each} ({args.cache}, page {args.page_size})"
     )
+    if args.host_pages:
+        print(host_line(_config(args, policies[0]), each))
     bound = infinite_bound(requests, args.page_size)
     endpoint = metrics_server.start("replay", args)
     if routed:
@@ -185,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
 
         results.append(replay(requests, cfg, progress=True, on_start=follow))
     print(format_table(results, bound))
+    if args.host_pages:
+        print(format_host_table(results, [r.config.policy for r in results]))
     _note_dropped(results, len(requests), pool)
     if not args.no_chart:
         if have_matplotlib():
@@ -225,6 +268,8 @@ def _run_routed(
                 )
             )
     print(format_router_table(results, bound))
+    if args.host_pages:
+        print(format_host_table(results, [f"{r.router}/{r.config.policy}" for r in results]))
     _note_dropped(results, len(requests), args.num_pages * args.page_size)
     if not args.no_chart:
         if have_matplotlib():
@@ -265,6 +310,9 @@ def _config(args: argparse.Namespace, policy: str) -> ReplayConfig:
         decode_tps=args.decode_tps,
         token_budget=args.token_budget,
         max_running=args.max_running,
+        host_pages=args.host_pages,
+        host_bandwidth=args.host_bandwidth * 1e9,
+        kv_bytes_per_token=args.kv_bytes_per_token,
     )
 
 
@@ -331,6 +379,37 @@ def format_router_table(results: list[RoutedResult], bound: float) -> str:
     rows.append(f"unbounded-cache bound at this page size (one cache for all): {bound:.2%}")
     if any(r.router == "prefix" for r in results):
         rows.append(f"prefix router balance threshold: {results[0].balance_threshold:g} tokens")
+    return "\n".join(rows)
+
+
+def host_line(cfg: ReplayConfig, each: str = "") -> str:
+    """One line on the host tier of ``cfg``: its size and what a page costs to load and to
+    compute again."""
+    tokens = cfg.host_pages * cfg.page_size
+    page_bytes = cfg.page_size * cfg.kv_bytes_per_token
+    return (
+        f"host tier {cfg.host_pages} pages ({tokens / 1e6:.2f}M tokens){each}; loads at "
+        f"{cfg.host_bandwidth / 1e9:g} GB/s, {cfg.kv_bytes_per_token} bytes/token: a page "
+        f"({page_bytes / 2**10:g} KiB) loads in {cfg.page_load_seconds * 1e6:.1f} us, "
+        f"{cfg.page_size / cfg.prefill_tps * 1e6:.1f} us to compute again"
+    )
+
+
+def format_host_table(results: Sequence[ReplayResult | RoutedResult], labels: Sequence[str]) -> str:
+    """One row per result (named by ``labels``): the hit rate split by tier, the copies, and
+    the time batches waited for loads."""
+    head = (
+        f"{'host tier':<24} {'hit rate':>8} {'device':>8} {'host':>8} {'loaded':>10} "
+        f"{'offloaded':>10} {'host evict':>10} {'load time':>10}"
+    )
+    rows = [head, "-" * len(head)]
+    for label, r in zip(labels, results):
+        rows.append(
+            f"{label:<24} {r.hit_rate:>8.2%} {r.device_hit_rate:>8.2%} {r.host_hit_rate:>8.2%} "
+            f"{r.loaded_pages:>10} {r.offloaded_pages:>10} {r.host_evicted_pages:>10} "
+            f"{r.load_seconds:>9.2f}s"
+        )
+    rows.append("hit rate = device + host; the ttft columns above include the load time")
     return "\n".join(rows)
 
 
