@@ -186,3 +186,29 @@ def test_a_full_pool_keeps_the_prompt_and_drops_the_output():
     assert torch.equal(out, plain(model, prompt, 6))
     assert prefix.cache.match_prefix(out[0].numpy()) == 8  # the prompt, not the output
     assert prefix.cache.stats.used_pages == 0
+
+
+@pytest.mark.parametrize(
+    "make_cache",
+    [
+        pytest.param(lambda: radixkv.RadixCache(40, page_size=1, host_pages=64), id="radix-P1"),
+        pytest.param(lambda: radixkv.BlockCache(3, page_size=16, host_pages=4), id="block-P16"),
+    ],
+)
+def test_a_host_tier_serves_evicted_prefixes_exactly(make_cache):
+    """Device pools that hold one conversation at a time: switching between two sends each one
+    to the host and back; every reply still equals plain generate, and hits come from the
+    host."""
+    model = build_model("llama", seed=9)
+    rng = np.random.default_rng(5)
+    prefix = radixkv.hf.PrefixCache(model, make_cache())
+    histories = [ids(rng, 20), ids(rng, 20)]
+    for turn in range(2):
+        for i, history in enumerate(histories):
+            prompt = torch.cat([history, ids(rng, 3)], dim=1)
+            out = prefix.generate(prompt, max_new_tokens=4, do_sample=False)
+            assert torch.equal(out, plain(model, prompt, 4)), (turn, i)
+            histories[i] = out
+    stats = prefix.cache.stats
+    assert stats.host_hit_tokens > 0 and stats.loaded_pages > 0 and stats.offloaded_pages > 0
+    prefix.cache.check()

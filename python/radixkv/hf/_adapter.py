@@ -94,13 +94,20 @@ class HFCausalLM(torch.nn.Module):
 
 
 def make_kv_cache(spec: ModelSpec, cache: _Cache) -> KVCache:
-    """A :class:`radixkv.KVCache` for ``cache`` shaped as ``spec`` says."""
+    """A :class:`radixkv.KVCache` for ``cache`` shaped as ``spec`` says; a cache with a host
+    tier gets its host pools in CPU memory."""
     if not isinstance(cache, (radixkv.RadixCache, radixkv.BlockCache)):
         raise ValueError(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
         )
     return KVCache(
-        cache, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device
+        cache,
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.dtype,
+        spec.device,
+        host_device="cpu" if cache.host_pages else None,
     )
 
 

@@ -100,6 +100,8 @@ class PrefixCache:
         tokens = self._tokens(input_ids, "input_ids")
         req = self.cache.admit(tokens, self.namespace)
         try:
+            # A hit on the host tier is in the pool only once the pending copies are done.
+            self.kv.apply_copies()
             cached = req.num_cached
             past = _new_dynamic_cache(self.model.config)
             if cached:
@@ -167,6 +169,8 @@ class PrefixCache:
                 except radixkv.OutOfPages:
                     length = n  # keep the prompt; the pool has no room for the output
             if length > cached:
+                # Offloads of pages admit/extend handed out read them before they are written.
+                self.kv.apply_copies()
                 slots = self._slots(req, cached, length)
                 for layer, (k, v) in enumerate(layers):
                     self.kv.k[layer].index_copy_(0, slots, _token_major(k, cached, length))

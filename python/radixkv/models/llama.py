@@ -219,9 +219,11 @@ class CausalLM(nn.Module):
         cache: radixkv.RadixCache | radixkv.BlockCache,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        host_device: str | torch.device | None = None,
     ) -> KVCache:
         """A :class:`radixkv.KVCache` shaped for this model (its dtype and device by default);
-        for a shard (:meth:`shard`), for its slice of the KV heads."""
+        for a shard (:meth:`shard`), for its slice of the KV heads. A cache with a host tier
+        (``host_pages > 0``) gets its host pools on ``host_device``, the CPU by default."""
         from radixkv.kv.kv_cache import KVCache
 
         p = self.embed_tokens.weight
@@ -233,6 +235,7 @@ class CausalLM(nn.Module):
             _head_dim(cfg),
             dtype=dtype or p.dtype,
             device=device or p.device,
+            host_device=host_device or ("cpu" if cache.host_pages else None),
         )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
