@@ -164,6 +164,7 @@ impl BlockIndex {
     /// Moves evicted device page `d`'s hash to a host page: HOST_FREE's front, else
     /// HOST_EVICTABLE's front (dropping its hash). Returns false, changing nothing, when every
     /// host page belongs to a load in progress.
+    #[inline(never)]
     fn offload(&mut self, d: PageId) -> bool {
         let h = match self.lists.pop_front(HOST_FREE) {
             Some(h) => h,
@@ -184,6 +185,7 @@ impl BlockIndex {
 
     /// Evicts device page `d` (just taken off EVICTABLE): to the host tier when there is one
     /// with room, else its hash is dropped.
+    #[inline]
     fn evict_page(&mut self, d: PageId) {
         if !(self.tier.on() && self.offload(d)) {
             self.unhash(d);
