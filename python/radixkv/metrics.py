@@ -9,6 +9,12 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   ``radixkv_prefix_cache_hit_tokens_total``: of those, tokens served from the cache.
 - ``radixkv_kv_pages{state="free"|"evictable"|"used"}``, ``radixkv_kv_page_size_tokens``,
   ``radixkv_evicted_pages_total``.
+- With a host tier (``host_pages > 0``; a cache without one exports none of these):
+  ``radixkv_prefix_cache_host_hit_tokens_total`` (of the hit tokens, those loaded back from the
+  host), ``radixkv_kv_host_pages{state="free"|"cached"}`` (host pages holding nothing / holding
+  KV), ``radixkv_kv_offloaded_pages_total`` (device pages whose KV went to the host instead of
+  being dropped), ``radixkv_kv_loaded_pages_total`` (host pages loaded back to the device) and
+  ``radixkv_kv_host_evicted_pages_total`` (pages dropped from the host tier).
 - With a scheduler: ``radixkv_scheduler_waiting`` (requests waiting) and the histogram
   ``radixkv_scheduler_wait_calls`` (schedule calls each admitted request waited through).
 - With an engine: ``radixkv_engine_requests_total`` (finished requests), the histograms
@@ -16,8 +22,11 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   and ``radixkv_engine_{prompt,cached,computed}_tokens_total`` (prompt tokens, those found
   cached at admission, tokens computed until the first token).
 
-The hit rate over a window is ``rate(hit_tokens) / rate(query_tokens)``; ``docs/grafana``
-has a dashboard and an alert rule built on these names.
+The hit rate over a window is ``rate(hit_tokens) / rate(query_tokens)``, the host tier's share
+of it ``rate(host_hit_tokens) / rate(query_tokens)``; ``docs/grafana`` has a dashboard and alert
+rules built on these names. The host families follow the pattern of vLLM's CPU offloading
+metrics (``vllm:simple_kv_offload_load_blocks_total``, ``vllm:simple_kv_offload_used_blocks``):
+counters of pages moved per direction beside a gauge of the host pool.
 """
 
 from __future__ import annotations
@@ -67,7 +76,8 @@ class _Histogram:
         self.sum += x
 
     def buckets(self) -> list[tuple[str, float]]:
-        out, acc = [], 0
+        out: list[tuple[str, float]] = []
+        acc = 0
         for b, c in zip([*self.bounds, float("inf")], self.counts):
             acc += c
             out.append((_le(b), acc))
@@ -85,7 +95,8 @@ class CacheCollector(Collector):
     ``{"worker": "0"}``).
 
     Register it with ``registry.register(CacheCollector(cache))``; everything is read when
-    scraped. Safe to scrape from another thread while the cache and engine run.
+    scraped. Safe to scrape from another thread while the cache and engine run. The host tier's
+    families are exported when the cache has one (``host_tier``, fixed by ``cache.host_pages``).
     """
 
     def __init__(
@@ -118,6 +129,8 @@ class CacheCollector(Collector):
         if scheduler is None and engine is not None:
             scheduler = engine.batcher.scheduler
         self.cache, self.scheduler, self.engine = cache, scheduler, engine
+        # Fixed when the cache is built, so describe() knows the families without a snapshot.
+        self.host_tier = int(getattr(cache, "host_pages", 0) or 0) > 0
         self._names = list(labels)
         self._values = [labels[k] for k in self._names]
         # Engine requests are folded into these as they finish (ids grow from 0).
@@ -194,6 +207,8 @@ class CacheCollector(Collector):
             ):
                 pages.add_metric([*self._values, state], n)
         out.append(pages)
+        if self.host_tier:
+            out.extend(self._host_families(s))
         if self.scheduler is not None:
             out.append(
                 self._gauge(
@@ -218,6 +233,42 @@ class CacheCollector(Collector):
         if self.engine is not None:
             out.extend(self._engine_families(live))
         return out
+
+    def _host_families(self, s: Any) -> list[Any]:
+        """The host tier's families (``s``: a stats snapshot, or None for names only)."""
+        live = s is not None
+        pages = GaugeMetricFamily(
+            "radixkv_kv_host_pages",
+            "Host tier pages by state: free (hold nothing), cached (hold KV offloaded from the "
+            "device).",
+            labels=[*self._names, "state"],
+        )
+        if live:
+            pages.add_metric([*self._values, "free"], s.host_free_pages)
+            pages.add_metric([*self._values, "cached"], s.host_pages - s.host_free_pages)
+        return [
+            self._counter(
+                "radixkv_prefix_cache_host_hit_tokens",
+                "Prompt tokens served from the host tier at admission (also in hit_tokens).",
+                s.host_hit_tokens if live else None,
+            ),
+            pages,
+            self._counter(
+                "radixkv_kv_offloaded_pages",
+                "Device pages whose KV went to the host tier instead of being dropped.",
+                s.offloaded_pages if live else None,
+            ),
+            self._counter(
+                "radixkv_kv_loaded_pages",
+                "Host tier pages loaded back to the device for an admission.",
+                s.loaded_pages if live else None,
+            ),
+            self._counter(
+                "radixkv_kv_host_evicted_pages",
+                "Pages dropped from the host tier (to make room, and by reset).",
+                s.host_evicted_pages if live else None,
+            ),
+        ]
 
     def _fold_engine(self) -> None:
         """Folds the engine's requests that finished since the last scrape into the totals."""

@@ -195,3 +195,155 @@ def test_missing_extra_is_named(tmp_path):
         "radixkv: error: replay: --metrics-port: radixkv.metrics needs prometheus_client"
     )
     assert out.returncode == 2
+
+
+# ---- the host tier --------------------------------------------------------------------------
+
+#: The families a cache exports with no scheduler and no engine (the same with or without a
+#: host tier), and those only a cache with a host tier adds.
+BASE_FAMILIES = {
+    "radixkv_prefix_cache_queries",
+    "radixkv_prefix_cache_query_tokens",
+    "radixkv_prefix_cache_hit_tokens",
+    "radixkv_evicted_pages",
+    "radixkv_kv_page_size_tokens",
+    "radixkv_kv_pages",
+}
+HOST_FAMILIES = {
+    "radixkv_prefix_cache_host_hit_tokens",
+    "radixkv_kv_host_pages",
+    "radixkv_kv_offloaded_pages",
+    "radixkv_kv_loaded_pages",
+    "radixkv_kv_host_evicted_pages",
+}
+
+#: (kind, factory, prompt length): a small device pool under a smaller host tier, so pages go
+#: down, come back and get dropped from the host.
+TIERED = [
+    pytest.param(lambda: radixkv.RadixCache(64, 1, host_pages=48), 40, id="radix"),
+    pytest.param(lambda: radixkv.BlockCache(8, 16, host_pages=6), 48, id="block"),
+]
+
+
+def host_samples(m, labels="worker=w0"):
+    """The host tier's samples of a scrape, by the stats field each must equal."""
+    return {
+        "host_hit_tokens": m[f"radixkv_prefix_cache_host_hit_tokens_total{{{labels}}}"],
+        "host_free_pages": m[f"radixkv_kv_host_pages{{state=free,{labels}}}"],
+        "host_cached_pages": m[f"radixkv_kv_host_pages{{state=cached,{labels}}}"],
+        "offloaded_pages": m[f"radixkv_kv_offloaded_pages_total{{{labels}}}"],
+        "loaded_pages": m[f"radixkv_kv_loaded_pages_total{{{labels}}}"],
+        "host_evicted_pages": m[f"radixkv_kv_host_evicted_pages_total{{{labels}}}"],
+    }
+
+
+def host_stats(s):
+    return {
+        "host_hit_tokens": s.host_hit_tokens,
+        "host_free_pages": s.host_free_pages,
+        "host_cached_pages": s.host_pages - s.host_free_pages,
+        "offloaded_pages": s.offloaded_pages,
+        "loaded_pages": s.loaded_pages,
+        "host_evicted_pages": s.host_evicted_pages,
+    }
+
+
+@pytest.mark.parametrize(("make", "length"), TIERED)
+def test_host_tier_samples_match_the_cache(make, length):
+    cache = make()
+    server = serve(CacheCollector(cache, labels={"worker": "w0"}), 0)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        _, m = scrape(url)
+        assert host_samples(m) == host_stats(cache.stats)
+        assert m["radixkv_kv_host_pages{state=free,worker=w0}"] == cache.host_pages
+        # Six distinct prompts through a pool that holds fewer: the older ones go to the host,
+        # and the host tier, full, drops its least recently used pages.
+        prompts = [np.arange(length, dtype=np.uint32) + 1000 * (i + 1) for i in range(6)]
+        for p in prompts:
+            req = cache.admit(p)
+            cache.commit(req, req.num_tokens)
+            cache.finish(req)
+        # The oldest prompt still cached is on the host: a host hit, its pages loaded back.
+        again = next(p for p in prompts if cache.match_prefix(p) > 0)
+        live = cache.admit(again)
+        assert len(cache.drain_copies()) > 0  # the owner of the tensors would copy these
+        text, m = scrape(url)
+        s = cache.stats
+        assert host_samples(m) == host_stats(s)
+        assert s.host_hit_tokens > 0 and s.loaded_pages > 0 and s.host_evicted_pages > 0
+        assert s.offloaded_pages > s.loaded_pages and 0 < s.host_free_pages < s.host_pages
+        assert m["radixkv_prefix_cache_hit_tokens_total{worker=w0}"] == s.hit_tokens
+        assert m["radixkv_evicted_pages_total{worker=w0}"] == s.evicted_pages
+        for state in ("free", "evictable", "used"):
+            assert m[f"radixkv_kv_pages{{state={state},worker=w0}}"] == getattr(s, f"{state}_pages")
+        assert live.num_tokens == length and s.used_pages > 0
+        types = {f.name: f.type for f in text_string_to_metric_families(text)}
+        assert {types[n] for n in HOST_FAMILIES - {"radixkv_kv_host_pages"}} == {"counter"}
+        assert types["radixkv_kv_host_pages"] == "gauge"
+        # reset empties the host tier: every host page was dropped.
+        cache.finish(live)
+        evicted_before = s.host_evicted_pages
+        cache.reset()
+        _, m = scrape(url)
+        assert host_samples(m) == host_stats(cache.stats)
+        assert m["radixkv_kv_host_pages{state=cached,worker=w0}"] == 0
+        assert m["radixkv_kv_host_evicted_pages_total{worker=w0}"] > evicted_before
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def generate_latest_of(collector):
+    """The text exposition of a registry holding ``collector``."""
+    reg = CollectorRegistry()
+    reg.register(collector)
+    return generate_latest(reg).decode()
+
+
+def family_names(collector):
+    """The families a registry holding ``collector`` exposes, by their exposed name."""
+    return {f.name for f in text_string_to_metric_families(generate_latest_of(collector))}
+
+
+@pytest.mark.parametrize("kind", ["radix", "block"])
+def test_host_families_only_with_a_tier(kind):
+    cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    plain = [cls(32, 4), cls(32, 4, host_pages=0)]
+    for cache in plain:
+        c = CacheCollector(cache)
+        assert family_names(c) == BASE_FAMILIES
+        assert {f.name for f in c.describe()} == BASE_FAMILIES
+        text = generate_latest_of(c)
+        assert not any(w in text for w in ("host", "offloaded", "loaded"))
+    tiered = CacheCollector(cls(32, 4, host_pages=16))
+    assert family_names(tiered) == BASE_FAMILIES | HOST_FAMILIES
+    # describe() (used at registration, without a snapshot) names what collect() emits.
+    assert {f.name for f in tiered.describe()} == BASE_FAMILIES | HOST_FAMILIES
+
+
+def test_dashboard_and_alerts_query_exported_names():
+    """Every radixkv series the Grafana dashboard and the alert rules query is one a collector
+    with a host tier, a scheduler and an engine exports."""
+    pytest.importorskip("torch")
+    yaml = pytest.importorskip("yaml")
+    from pathlib import Path
+
+    from tiny_model import tiny_model
+
+    model = tiny_model(seed=3)
+    cache = radixkv.RadixCache(256, host_pages=64)
+    engine = radixkv.Engine(model, model.make_kv_cache(cache), token_budget=64)
+    text = generate_latest_of(CacheCollector(cache, engine=engine))
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    root = Path(__file__).resolve().parents[2] / "docs" / "grafana"
+    board = json.loads((root / "radixkv.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+    rules = yaml.safe_load((root / "alerts.yml").read_text())
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    queried = {n for e in exprs for n in re.findall(r"\bradixkv_[a-z_]+", e)}
+    assert "radixkv_kv_loaded_pages_total" in queried  # the host tier is on the dashboard
+    assert queried <= exported, sorted(queried - exported)
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
