@@ -12,6 +12,11 @@ before, tokens of page k)`` with the page before named by its page id (or by the
 for ``k == 0``): the index is prefix-closed (only leaves are evicted, and a page is published
 only below pages its request pins), so a page id names its whole prefix while it is indexed, and
 a lookup costs one dict probe per page instead of hashing the whole prefix.
+
+With ``host_pages > 0`` both models add the host tier of SEMANTICS.md ("Host tier"): a second
+pool of host pages, a copy log (``drain_copies``) and six more counters. Host pages get internal
+ids ``num_pages + h`` (a "gid") so that one dict keys the pages of both tiers; the copy log and
+the stats use per-tier ids, as the real caches do.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ __all__ = [
 ]
 
 TOKEN_LIMIT = 1 << 32
+ID_LIMIT = 1 << 31
+OFFLOAD = 0  # radixkv.COPY_OFFLOAD: device page src -> host page dst
+LOAD = 1  # radixkv.COPY_LOAD: host page src -> device page dst
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,11 +107,19 @@ def as_count(value: Any, what: str) -> int:
     return v
 
 
-def check_pool_args(num_pages: int, page_size: int) -> None:
+def check_pool_args(num_pages: int, page_size: int, host_pages: int = 0) -> None:
     if num_pages < 1:
         raise ValueError(f"num_pages must be at least 1, got {num_pages}")
     if page_size < 1:
         raise ValueError(f"page_size must be at least 1, got {page_size}")
+    if isinstance(host_pages, bool) or not isinstance(host_pages, int):
+        raise TypeError(f"host_pages must be an int, got {type(host_pages).__name__}")
+    if host_pages < 0:
+        raise ValueError(f"host_pages must be >= 0, got {host_pages}")
+    if num_pages + host_pages >= ID_LIMIT:
+        raise ValueError(
+            f"num_pages + host_pages must be below 2**31, got {num_pages} + {host_pages}"
+        )
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -159,6 +175,12 @@ class RefStats:
     query_tokens: int
     hit_tokens: int
     evicted_pages: int
+    host_pages: int = 0
+    host_free_pages: int = 0
+    host_hit_tokens: int = 0
+    offloaded_pages: int = 0
+    loaded_pages: int = 0
+    host_evicted_pages: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -239,14 +261,30 @@ class RefRequest:
 class _RefCache:
     """What both models share: argument checks, the request life cycle and the counters."""
 
-    def __init__(self, num_pages: int, page_size: int):
-        check_pool_args(num_pages, page_size)
+    def __init__(self, num_pages: int, page_size: int, host_pages: int = 0):
+        check_pool_args(num_pages, page_size, host_pages)
         self.num_pages = num_pages
         self.page_size = page_size
+        self.host_pages = host_pages
         self.queries = 0
         self.query_tokens = 0
         self.hit_tokens = 0
         self.evicted_pages = 0
+        self.host_hit_tokens = 0
+        self.offloaded_pages = 0
+        self.loaded_pages = 0
+        self.host_evicted_pages = 0
+        # (kind, src, dst) rows not drained yet; ids per tier.
+        self._copies: list[tuple[int, int, int]] = []
+
+    def drain_copies(self) -> np.ndarray:
+        """The copy log as an int32 array of shape [N, 3] (kind, src, dst); empties it."""
+        out = np.array(self._copies, dtype=np.int32).reshape(-1, 3)
+        self._copies = []
+        return out
+
+    def _log(self, kind: int, src: int, dst: int) -> None:
+        self._copies.append((kind, src, dst))
 
     def _own(self, req: Any) -> RefRequest:
         if not isinstance(req, RefRequest) or req.cache is not self:
@@ -268,10 +306,14 @@ class _RefCache:
         r = self._own(req)
         return self._admit(list(r._tokens), r.namespace, r.ns)
 
-    def _record_query(self, num_tokens: int, num_cached: int) -> None:
+    def _record_query(self, num_tokens: int, num_cached: int, host_tokens: int = 0) -> None:
         self.queries += 1
         self.query_tokens += num_tokens
         self.hit_tokens += num_cached
+        self.host_hit_tokens += host_tokens
+
+    def _host_free_count(self) -> int:
+        return 0
 
     def extend(self, req: Any, tokens: Any) -> None:
         toks = as_tokens(tokens, allow_empty=True)
@@ -309,23 +351,31 @@ class _RefCache:
         return len(self._match(toks, as_namespace(namespace))) * self.page_size
 
     def evict(self, num_pages: Any) -> int:
-        k = as_count(num_pages, "num_pages")
+        return self._evict_pages(as_count(num_pages, "num_pages"))
+
+    def _evict_pages(self, k: int) -> int:
+        """Up to ``k`` device evictions (without a host tier: dropped), one page at a time."""
         done = 0
         while done < k and self._evict_one():
             done += 1
         return done
 
     def reset(self) -> int:
-        done = 0
+        """Drops every host page, then every evictable device page (none offloaded)."""
+        done = self._drop_all_host()
         while self._evict_one():
             done += 1
         return done
+
+    def _drop_all_host(self) -> int:
+        return 0
 
     def check(self) -> None:
         """The page-count identity, which every model state satisfies."""
         s = self.stats
         assert s.free_pages + s.evictable_pages + s.used_pages == s.num_pages
         assert 0 <= s.used_pages <= s.num_pages
+        assert 0 <= s.host_free_pages <= s.host_pages
 
     @property
     def stats(self) -> RefStats:
@@ -340,6 +390,12 @@ class _RefCache:
             query_tokens=self.query_tokens,
             hit_tokens=self.hit_tokens,
             evicted_pages=self.evicted_pages,
+            host_pages=self.host_pages,
+            host_free_pages=self._host_free_count(),
+            host_hit_tokens=self.host_hit_tokens,
+            offloaded_pages=self.offloaded_pages,
+            loaded_pages=self.loaded_pages,
+            host_evicted_pages=self.host_evicted_pages,
         )
 
 
@@ -350,18 +406,28 @@ class _RefCache:
 class RefRadixCache(_RefCache):
     """Page-level model of ``radixkv.RadixCache`` (SEMANTICS.md, "RadixCache").
 
-    Pages of the index carry a pin count (live requests whose published prefix covers them), a
-    child count and a last-use time from a logical clock. Free pages form a heap (smallest id
-    first). Eviction takes the evictable leaf page with the smallest ``(time, -depth)``; a lazy
-    heap of candidates, each checked against the current state when popped, finds it.
+    Pages of the index carry a pin count (live requests whose published prefix covers them),
+    counts of child pages per tier and a last-use time from a logical clock. Free pages form a
+    heap (smallest id first). Eviction takes the evictable device leaf page with the smallest
+    ``(time, -depth)``; a lazy heap of candidates, each checked against the current state when
+    popped, finds it.
+
+    The tree's edges matter only with a host tier (a device eviction moves a whole edge's tail at
+    once), so only then ``_next`` links each page to the next page of its edge. A publish makes
+    its new pages one edge; an edge splits where an admission's match or a publish's run ends
+    inside it, where a new branch leaves its middle, and where its tail goes down to the host.
     """
 
-    def __init__(self, num_pages: int, page_size: int = 1):
-        super().__init__(num_pages, page_size)
+    def __init__(self, num_pages: int, page_size: int = 1, host_pages: int = 0):
+        super().__init__(num_pages, page_size, host_pages)
         self._free = list(range(num_pages))  # a sorted list is a heap
+        self._host_free = list(range(host_pages))
         self._child: dict[tuple, int] = {}  # (page before or root, page tokens) -> page
         self._key: dict[int, tuple] = {}  # indexed page -> its key in _child
+        # Child pages on the device and on the host (a host page has host children only).
         self._children: dict[int, int] = {}
+        self._host_children: dict[int, int] = {}
+        self._next: dict[int, int] = {}  # page -> the next page of the same edge
         self._pins: dict[int, int] = {}
         self._time: dict[int, int] = {}
         self._depth: dict[int, int] = {}
@@ -375,12 +441,15 @@ class RefRadixCache(_RefCache):
     def _evictable_count(self) -> int:
         return self._evictable
 
+    def _host_free_count(self) -> int:
+        return len(self._host_free)
+
     def _page_tokens(self, toks: list[int], k: int) -> tuple:
         p = self.page_size
         return tuple(toks[k * p : (k + 1) * p])
 
     def _match(self, toks: list[int], ns: bytes | None) -> list[int]:
-        """Index pages of the longest cached prefix of ``toks`` within the match limit."""
+        """Index pages (of either tier) of the longest cached prefix within the match limit."""
         before: Any = ("root", ns)
         chain = []
         for k in range(match_limit(len(toks), self.page_size) // self.page_size):
@@ -398,7 +467,7 @@ class RefRadixCache(_RefCache):
             self._time[page] = self._clock
 
     def _pin(self, page: int) -> None:
-        if self._pins[page] == 0:
+        if self._pins[page] == 0 and page < self.num_pages:
             self._evictable -= 1
         self._pins[page] += 1
 
@@ -408,67 +477,203 @@ class RefRadixCache(_RefCache):
             self._evictable += 1
             self._maybe_candidate(page)
 
+    def _device_leaf(self, page: int) -> bool:
+        """An unpinned device page with no child page on the device."""
+        n = self.num_pages
+        return page < n and self._pins[page] == 0 and self._children[page] == 0
+
     def _maybe_candidate(self, page: int) -> None:
-        if self._pins[page] == 0 and self._children[page] == 0:
+        if self._device_leaf(page):
             heapq.heappush(self._candidates, (self._time[page], -self._depth[page], page))
 
-    def _evict_one(self) -> bool:
-        """Evicts the evictable leaf page with the smallest last-use time (deeper first)."""
+    def _pop_leaf(self) -> int | None:
+        """The evictable device leaf page with the smallest last-use time (deeper first)."""
         while self._candidates:
             time, neg_depth, page = heapq.heappop(self._candidates)
-            valid = (
+            if (
                 page in self._key
-                and self._pins[page] == 0
-                and self._children[page] == 0
+                and self._device_leaf(page)
                 and self._time[page] == time
                 and self._depth[page] == -neg_depth
-            )
-            if not valid:
-                continue
-            key = self._key.pop(page)
-            del self._child[key]
-            for d in (self._children, self._pins, self._time, self._depth):
-                del d[page]
-            before = key[0]
-            if isinstance(before, int):
-                self._children[before] -= 1
-                self._maybe_candidate(before)
+            ):
+                return page
+        return None
+
+    def _remove(self, page: int) -> None:
+        """Takes a leaf page (of either tier) out of the index; its id is the caller's."""
+        key = self._key.pop(page)
+        del self._child[key], self._pins[page], self._time[page], self._depth[page]
+        children = self._children.pop(page) + self._host_children.pop(page)
+        assert children == 0, "only leaf pages leave the index"
+        device = page < self.num_pages
+        if device:
             self._evictable -= 1
-            heapq.heappush(self._free, page)
-            self.evicted_pages += 1
-            return True
-        return False
+        before = key[0]
+        if isinstance(before, int):
+            (self._children if device else self._host_children)[before] -= 1
+            if self.host_pages:
+                self._next.pop(page, None)
+                if self._next.get(before) == page:
+                    del self._next[before]
+            self._maybe_candidate(before)
+
+    def _move(self, old: int, new: int) -> None:
+        """Renames an index page (it changes tier): its key, its children's keys, its edge."""
+        key = self._key.pop(old)
+        self._key[new] = key
+        self._child[key] = new
+        for c in [c for c, ck in self._key.items() if ck[0] == old]:  # naive: scans the index
+            ck = self._key[c]
+            del self._child[ck]
+            nk = (new, ck[1])
+            self._key[c] = nk
+            self._child[nk] = c
+        for d in (self._pins, self._time, self._depth, self._children, self._host_children):
+            d[new] = d.pop(old)
+        if old in self._next:
+            self._next[new] = self._next.pop(old)
+        before = key[0]
+        if isinstance(before, int):
+            n_dev = self.num_pages
+            if (old < n_dev) != (new < n_dev):
+                step = 1 if new < n_dev else -1
+                self._children[before] += step
+                self._host_children[before] -= step
+            if self._next.get(before) == old:
+                self._next[before] = new
+
+    def _edge_of(self, leaf: int) -> list[int]:
+        """The pages of ``leaf``'s edge, top down (``leaf`` ends it)."""
+        edge = [leaf]
+        while True:
+            before = self._key[edge[0]][0]
+            if isinstance(before, int) and self._next.get(before) == edge[0]:
+                edge.insert(0, before)
+            else:
+                return edge
+
+    def _evict_one(self) -> bool:
+        """Drops the evictable device leaf page with the smallest last-use time (no offload)."""
+        page = self._pop_leaf()
+        if page is None:
+            return False
+        self._remove(page)
+        heapq.heappush(self._free, page)
+        self.evicted_pages += 1
+        return True
+
+    def _evict_pages(self, k: int) -> int:
+        return self._evict_down(k) if self.host_pages else super()._evict_pages(k)
+
+    def _evict_down(self, wanted: int) -> int:
+        """Device eviction with a host tier (SEMANTICS.md, "RadixCache with a host tier")."""
+        n_dev = self.num_pages
+        done = 0
+        while done < wanted:
+            leaf = self._pop_leaf()
+            if leaf is None:
+                break
+            edge = self._edge_of(leaf)
+            n = len(edge)
+            take = min(wanted - done, n)
+            if len(self._host_free) < take:
+                self._drop_host(take - len(self._host_free))
+            k = min(take, len(self._host_free))
+            parent = self._key[edge[0]][0]
+            for page in reversed(edge[n - take + k :]):  # the deepest take - k are dropped
+                assert not self._children[page] and not self._host_children[page]
+                self._remove(page)
+                heapq.heappush(self._free, page)
+                self.evicted_pages += 1
+            if k and n - take:
+                del self._next[edge[n - take - 1]]  # the pages going down form the lower edge
+            hosts = [heapq.heappop(self._host_free) for _ in range(k)]
+            for page, h in zip(edge[n - take : n - take + k], hosts):
+                self._move(page, n_dev + h)
+                self._evictable -= 1
+                heapq.heappush(self._free, page)
+                self._log(OFFLOAD, page, h)
+                self.offloaded_pages += 1
+                self.evicted_pages += 1
+            done += take
+            top = edge[n - take - 1] if n > take else parent
+            if isinstance(top, int):
+                self._maybe_candidate(top)  # it may have become a device leaf
+        return done
+
+    def _drop_host(self, count: int) -> int:
+        """Drops up to ``count`` host leaf pages, least recently used first, none of them being
+        loaded (pinned by the admission in progress)."""
+        n_dev = self.num_pages
+
+        def leaf(g: int) -> bool:
+            return g >= n_dev and not self._host_children[g] and self._pins[g] == 0
+
+        leaves = [(self._time[g], g) for g in self._key if leaf(g)]
+        heapq.heapify(leaves)
+        dropped = 0
+        while dropped < count and leaves:
+            time, page = heapq.heappop(leaves)
+            # Two host leaves never share a last use, so the tie rule never decides.
+            assert not leaves or leaves[0][0] > time, "two host leaves share a last use"
+            parent = self._key[page][0]
+            self._remove(page)
+            heapq.heappush(self._host_free, page - n_dev)
+            self.host_evicted_pages += 1
+            dropped += 1
+            if isinstance(parent, int) and leaf(parent):
+                heapq.heappush(leaves, (self._time[parent], parent))
+        return dropped
+
+    def _drop_all_host(self) -> int:
+        return self._drop_host(self.host_pages)
 
     def _allocate(self, count: int) -> list[int]:
         """Evicts what the free set lacks, then takes the ``count`` smallest free ids."""
-        for _ in range(count - len(self._free)):
-            self._evict_one()
+        short = count - len(self._free)
+        if short > 0 and self.host_pages:
+            self._evict_down(short)
+        else:
+            for _ in range(short):
+                self._evict_one()
         return [heapq.heappop(self._free) for _ in range(count)]
 
     def _admit(self, toks: list[int], namespace: Any, ns: bytes | None) -> RefRequest:
-        p = self.page_size
+        p, n_dev = self.page_size, self.num_pages
         chain = self._match(toks, ns)
+        host = [page for page in chain if page >= n_dev]
         needed = ceil_div(len(toks), p) - len(chain)
-        pinned_by_match = sum(1 for page in chain if self._pins[page] == 0)
+        pinned_by_match = sum(1 for page in chain if page < n_dev and self._pins[page] == 0)
         available = len(self._free) + self._evictable - pinned_by_match
-        if needed > available:
-            raise self._out_of_pages(needed, available)
+        if len(host) + needed > available:
+            raise self._out_of_pages(len(host) + needed, available)
+        if chain and chain[-1] in self._next:  # (edges are tracked with a host tier only)
+            del self._next[chain[-1]]  # a match ending inside an edge splits it
         for page in chain:
             self._pin(page)
+        new = self._allocate(len(host) + needed)
+        for g, d in zip(host, new):
+            self._move(g, d)
+            heapq.heappush(self._host_free, g - n_dev)
+            self._log(LOAD, g - n_dev, d)
+            self.loaded_pages += 1
+        chain = chain[: len(chain) - len(host)] + new[: len(host)]
         self._touch(chain)
-        pages = chain + self._allocate(needed)
+        pages = chain + new[len(host) :]
         req = RefRequest(self, toks, namespace, ns, pages, len(chain) * p)
         req.chain = list(chain)
-        self._record_query(len(toks), req._num_cached)
+        self._record_query(len(toks), req._num_cached, len(host) * p)
         return req
 
     def _publish(self, r: RefRequest, upto: int) -> None:
-        """Publishes pages ``[published/P, upto/P)`` of ``r`` in order; duplicates stay private."""
-        p = self.page_size
+        """Publishes pages ``[published/P, upto/P)`` of ``r`` in order; duplicates of device
+        pages stay private, host copies give way to ``r``'s pages."""
+        p, n_dev = self.page_size, self.num_pages
         first, last = r.published // p, upto // p
         if last <= first:
             return
         before: Any = r.chain[-1] if r.chain else ("root", r.ns)
+        fresh = False  # ``before`` is a page this publish added
         for k in range(first, last):
             key = (before, self._page_tokens(r._tokens, k))
             page = self._child.get(key)
@@ -477,15 +682,32 @@ class RefRadixCache(_RefCache):
                 self._child[key] = page
                 self._key[page] = key
                 self._children[page] = 0
+                self._host_children[page] = 0
                 self._pins[page] = 1  # pinned by r from the start: never evictable in between
                 self._depth[page] = k
                 if isinstance(before, int):
                     self._children[before] += 1
+                    if self.host_pages:  # edges matter only with a host tier
+                        if fresh:
+                            self._next[before] = page
+                        else:
+                            self._next.pop(before, None)  # a branch leaving an edge's middle
+                fresh = True
+            elif page >= n_dev:
+                own = r._pages[k]
+                self._move(page, own)
+                heapq.heappush(self._host_free, page - n_dev)
+                self._pins[own] = 1
+                page = own
+                fresh = False
             else:
                 r.dups.append(r._pages[k])
                 self._pin(page)
+                fresh = False
             r.chain.append(page)
             before = page
+        if not fresh:
+            self._next.pop(before, None)  # the run ended inside an edge: it splits there
         r.published = last * p
         self._touch(r.chain)
 
@@ -499,8 +721,16 @@ class RefRadixCache(_RefCache):
     def check(self) -> None:
         """Recounts the evictable pages from scratch (a self-check of the model)."""
         super().check()
-        assert self._evictable == sum(1 for n in self._pins.values() if n == 0)
-        assert len(self._free) + len(self._key) <= self.num_pages
+        n_dev = self.num_pages
+        device = [g for g in self._key if g < n_dev]
+        assert self._evictable == sum(1 for g in device if self._pins[g] == 0)
+        assert len(self._free) + len(device) <= n_dev
+        assert len(self._host_free) + len(self._key) - len(device) == self.host_pages
+        for g, nxt in self._next.items():
+            assert (g < n_dev) == (nxt < n_dev), "an edge on two tiers"
+        for g in self._key:
+            if g >= n_dev:
+                assert self._pins[g] == 0 and self._children[g] == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,15 +744,20 @@ class RefBlockCache(_RefCache):
     pages sit in FREE or EVICTABLE, ordered dicts used as lists (front = first key). A request
     publishing a page whose hash the map holds already keeps its page private and pins the stored
     copy in its place (``RefRequest.stored``) until it ends.
+
+    With a host tier, host page ``h`` is ``num_pages + h`` in ``_map`` and ``_hash``, and sits
+    in HOST_FREE or HOST_EVICTABLE (least recently offloaded at the front).
     """
 
-    def __init__(self, num_pages: int, page_size: int = 16):
-        super().__init__(num_pages, page_size)
+    def __init__(self, num_pages: int, page_size: int = 16, host_pages: int = 0):
+        super().__init__(num_pages, page_size, host_pages)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._map: dict[bytes, int] = {}
-        self._hash: list[bytes | None] = [None] * num_pages
+        self._hash: list[bytes | None] = [None] * (num_pages + host_pages)
         self._ref = [0] * num_pages
+        self._host_free: OrderedDict[int, None] = OrderedDict.fromkeys(range(host_pages))
+        self._host_evictable: OrderedDict[int, None] = OrderedDict()
 
     def _free_count(self) -> int:
         return len(self._free)
@@ -530,8 +765,12 @@ class RefBlockCache(_RefCache):
     def _evictable_count(self) -> int:
         return len(self._evictable)
 
+    def _host_free_count(self) -> int:
+        return len(self._host_free)
+
     def _match(self, toks: list[int], ns: bytes | None, hashes: list | None = None) -> list[int]:
-        """Pages of the longest run of leading full-page hashes present in the map."""
+        """Pages (device ids, or ``num_pages + h`` for host pages) of the longest run of leading
+        full-page hashes present in the map."""
         p = self.page_size
         prev = root_hash(p, ns)
         hits = []
@@ -546,52 +785,122 @@ class RefBlockCache(_RefCache):
             prev = h
         return hits
 
-    def _unhash(self, page: int) -> None:
-        del self._map[self._hash[page]]
+    def _set_hash(self, page: int, h: bytes) -> None:
+        self._hash[page] = h
+        self._map[h] = page
+
+    def _take_hash(self, page: int) -> bytes:
+        """Clears ``page``'s hash (still in the map: the caller moves or drops it)."""
+        h = self._hash[page]
+        assert h is not None
         self._hash[page] = None
+        return h
+
+    def _down(self, page: int) -> None:
+        """Device page ``page`` (just taken from EVICTABLE) is evicted: its hash goes to a host
+        page (HOST_FREE's front, else HOST_EVICTABLE's front, dropping that one's hash), or is
+        dropped when the host tier has no page to give."""
+        h = self._take_hash(page)
         self.evicted_pages += 1
+        n_dev = self.num_pages
+        if self._host_free:
+            host, _ = self._host_free.popitem(last=False)
+        elif self._host_evictable:
+            host, _ = self._host_evictable.popitem(last=False)
+            del self._map[self._take_hash(n_dev + host)]
+            self.host_evicted_pages += 1
+        else:
+            del self._map[h]
+            return
+        self._set_hash(n_dev + host, h)
+        self._host_evictable[host] = None
+        self._log(OFFLOAD, page, host)
+        self.offloaded_pages += 1
 
     def _allocate(self, count: int) -> list[int]:
-        """FREE's front page, or else EVICTABLE's front page, whose hash is dropped."""
+        """FREE's front page, or else EVICTABLE's front page, whose hash is evicted."""
         out = []
         for _ in range(count):
             if self._free:
                 page, _ = self._free.popitem(last=False)
             else:
                 page, _ = self._evictable.popitem(last=False)
-                self._unhash(page)
+                self._down(page)
             self._ref[page] = 1
             out.append(page)
         return out
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, down: bool = False) -> bool:
+        """EVICTABLE's front page to FREE's front; its hash dropped, or offloaded if ``down``."""
         if not self._evictable:
             return False
         page, _ = self._evictable.popitem(last=False)
-        self._unhash(page)
+        if down:
+            self._down(page)
+        else:
+            del self._map[self._take_hash(page)]
+            self.evicted_pages += 1
         self._free[page] = None
         self._free.move_to_end(page, last=False)
         return True
 
+    def _evict_pages(self, k: int) -> int:
+        done = 0
+        while done < k and self._evict_one(down=True):
+            done += 1
+        return done
+
+    def _drop_all_host(self) -> int:
+        """Drops every host page: HOST_EVICTABLE's front to HOST_FREE's front, one by one."""
+        done = 0
+        while self._host_evictable:
+            host, _ = self._host_evictable.popitem(last=False)
+            del self._map[self._take_hash(self.num_pages + host)]
+            self._host_free[host] = None
+            self._host_free.move_to_end(host, last=False)
+            self.host_evicted_pages += 1
+            done += 1
+        return done
+
+    def _host_to_free(self, host: int) -> None:
+        self._host_free[host] = None
+        self._host_free.move_to_end(host, last=False)
+
     def _admit(self, toks: list[int], namespace: Any, ns: bytes | None) -> RefRequest:
-        p = self.page_size
+        p, n_dev = self.page_size, self.num_pages
         hashes: list[bytes] = []
         hits = self._match(toks, ns, hashes)
+        host = [page for page in hits if page >= n_dev]
         needed = ceil_div(len(toks), p) - len(hits)
-        pinned_by_match = sum(1 for page in hits if self._ref[page] == 0)
+        pinned_by_match = sum(1 for page in hits if page < n_dev and self._ref[page] == 0)
         available = len(self._free) + len(self._evictable) - pinned_by_match
-        if needed > available:
-            raise self._out_of_pages(needed, available)
+        if len(host) + needed > available:
+            raise self._out_of_pages(len(host) + needed, available)
         for page in hits:
-            self._pin(page)
-        pages = hits + self._allocate(needed)
+            if page < n_dev:
+                self._pin(page)
+        for page in host:
+            del self._host_evictable[page - n_dev]
+        new = self._allocate(len(host) + needed)
+        loads = iter(new[: len(host)])
+        pages = []
+        for page in hits:
+            if page >= n_dev:
+                d = next(loads)
+                self._set_hash(d, self._take_hash(page))
+                self._host_to_free(page - n_dev)
+                self._log(LOAD, page - n_dev, d)
+                self.loaded_pages += 1
+                page = d
+            pages.append(page)
+        pages += new[len(host) :]
         req = RefRequest(self, toks, namespace, ns, pages, len(hits) * p)
         req.hashes = hashes
-        self._record_query(len(toks), req._num_cached)
+        self._record_query(len(toks), req._num_cached, len(host) * p)
         return req
 
     def _publish(self, r: RefRequest, upto: int) -> None:
-        p = self.page_size
+        p, n_dev = self.page_size, self.num_pages
         first, last = r.published // p, upto // p
         while len(r.hashes) < last:
             k = len(r.hashes)
@@ -601,8 +910,13 @@ class RefBlockCache(_RefCache):
             h = r.hashes[k]
             copy = self._map.get(h)
             if copy is None:
-                self._map[h] = r._pages[k]
-                self._hash[r._pages[k]] = h
+                self._set_hash(r._pages[k], h)
+            elif copy >= n_dev:
+                # Published again: r's page takes the hash from the host copy (no copy).
+                self._take_hash(copy)
+                del self._host_evictable[copy - n_dev]
+                self._host_to_free(copy - n_dev)
+                self._set_hash(r._pages[k], h)
             else:
                 # r's page stays private (a duplicate); r pins the stored copy in its place.
                 self._pin(copy)
@@ -636,7 +950,15 @@ class RefBlockCache(_RefCache):
         """Hash ownership and list membership agree (a self-check of the model)."""
         super().check()
         assert len(self._map) == sum(1 for h in self._hash if h is not None)
+        for h, page in self._map.items():
+            assert self._hash[page] == h
         for page in self._evictable:
             assert self._ref[page] == 0 and self._hash[page] is not None
         for page in self._free:
             assert self._ref[page] == 0 and self._hash[page] is None
+        n_dev = self.num_pages
+        assert len(self._host_free) + len(self._host_evictable) == self.host_pages
+        for host in self._host_evictable:
+            assert self._hash[n_dev + host] is not None
+        for host in self._host_free:
+            assert self._hash[n_dev + host] is None

@@ -8,6 +8,10 @@ hits, splits, concurrent duplicates, evictions and ``OutOfPages`` all happen oft
 ``num_cached``, the same page tables (page ids included), the same stats; and the real cache's
 ``check()`` must pass. A seeded run in pools of thousands of pages does the same with long
 prompts, so that page ids far from 0 are allocated, evicted and reused.
+
+With a host tier (small device pools; host pools of one page, a few pages, or more than the
+device pool) both sides must also log the same copies: after every operation each side's
+``drain_copies()`` must return the same rows (kind, src, dst) in the same order.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -28,10 +33,19 @@ from hypothesis.stateful import (
 )
 
 import radixkv
+import reference
 from reference import RefBlockCache, RefRadixCache
 
 NAMESPACES = st.sampled_from([None, "a", b"a", "b", ""])
 MAX_LIVE = 12
+HOST_STATS = (
+    "host_pages",
+    "host_free_pages",
+    "host_hit_tokens",
+    "offloaded_pages",
+    "loaded_pages",
+    "host_evicted_pages",
+)
 
 
 class Raised:
@@ -63,9 +77,13 @@ def request_state(req: Any) -> dict[str, Any]:
 
 
 def make_machine(
-    kind: str, page_size: int, trunk_pages: int, pool: tuple[int, int]
+    kind: str,
+    page_size: int,
+    trunk_pages: int,
+    pool: tuple[int, int],
+    host: tuple[int, int] = (0, 0),
 ) -> type[RuleBasedStateMachine]:
-    """A state machine class for one cache kind and page size."""
+    """A state machine class for one cache kind and page size; ``host`` bounds ``host_pages``."""
     real_cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
     ref_cls = RefRadixCache if kind == "radix" else RefBlockCache
     p = page_size
@@ -98,7 +116,19 @@ def make_machine(
                 assert type(getattr(got, "exc", None)) is type(getattr(want, "exc", None)), (
                     f"real {got!r}, reference {want!r}"
                 )
+            self.same_copies()
             return got, want
+
+        def same_copies(self) -> None:
+            """Both sides logged the same copies since the last drain (none without a tier)."""
+            got, want = self.real.drain_copies(), self.ref.drain_copies()
+            assert isinstance(got, np.ndarray) and got.dtype == np.int32, repr(got)
+            assert got.shape == want.shape and got.flags.c_contiguous, (got, want)
+            assert got.tolist() == want.tolist(), (
+                f"real copies {got.tolist()}, reference {want.tolist()}"
+            )
+            if not self.ref.host_pages:
+                assert got.shape == (0, 3)
 
         def pick(self, i: int) -> tuple[Any, Any]:
             return self.live[i % len(self.live)]
@@ -116,10 +146,11 @@ def make_machine(
             self.live.remove(pair)
             self.closed.append(pair)
 
-        @initialize(num_pages=st.integers(*pool))
-        def create(self, num_pages: int) -> None:
-            self.real = real_cls(num_pages, p)
-            self.ref = ref_cls(num_pages, p)
+        @initialize(num_pages=st.integers(*pool), host_pages=st.integers(*host))
+        def create(self, num_pages: int, host_pages: int = 0) -> None:
+            self.real = real_cls(num_pages, p, host_pages=host_pages)
+            self.ref = ref_cls(num_pages, p, host_pages=host_pages)
+            assert self.real.host_pages == host_pages
 
         @precondition(lambda self: len(self.live) < MAX_LIVE)
         @rule(prompt=prompts, ns=NAMESPACES)
@@ -134,6 +165,30 @@ def make_machine(
             self.admitted(got, want)
             if not isinstance(want, Raised):
                 self.both(lambda c, s: c.commit((got, want)[s], len(prompt)))
+
+        @precondition(lambda self: self.seen and len(self.live) < MAX_LIVE)
+        @rule(i=picks)
+        def admit_seen(self, i: int) -> None:
+            """A prompt of a closed request again: after evictions, a hit from the host tier."""
+            tokens, ns = self.seen[i % len(self.seen)]
+            self.admitted(*self.both(lambda c, s: c.admit(tokens, ns)))
+
+        @precondition(lambda self: self.seen and len(self.live) < MAX_LIVE)
+        @rule(i=picks, k=st.integers(1, 16), again=st.booleans())
+        def evict_then_admit_seen(self, i: int, k: int, again: bool) -> None:
+            """Pages go down (to the host, with a tier), then a prompt that had them comes back.
+            With ``again``, the very tokens of a closed request, computed in full: the match limit
+            leaves its last full page out, so that page is published again (over a host copy)."""
+            got, want = self.both(lambda c, s: c.evict(k))
+            assert got == want
+            if not again:
+                self.admit_seen(i)
+                return
+            tokens, ns = self.seen[i % len(self.seen)]
+            got, want = self.both(lambda c, s: c.admit(tokens[:-1], ns))
+            self.admitted(got, want)
+            if not isinstance(want, Raised):
+                self.both(lambda c, s: c.commit((got, want)[s], len(tokens) - 1))
 
         @precondition(lambda self: 0 < len(self.live) < MAX_LIVE)
         @rule(i=picks, tail=tails)
@@ -199,6 +254,8 @@ def make_machine(
         def reset(self) -> None:
             got, want = self.both(lambda c, s: c.reset())
             assert got == want
+            s = self.real.stats
+            assert s.host_free_pages == s.host_pages, "reset keeps no host page"
 
         @precondition(lambda self: self.closed)
         @rule(
@@ -219,12 +276,15 @@ def make_machine(
             self.real.check()
             self.ref.check()
             assert self.real.stats.as_dict() == self.ref.stats.as_dict()
+            assert set(HOST_STATS) <= self.real.stats.as_dict().keys()
             for got, want in self.live:
                 assert request_state(got) == request_state(want)
             for tokens, ns in self.seen:
                 assert self.real.match_prefix(tokens, ns) == self.ref.match_prefix(tokens, ns)
 
-    Machine.__name__ = f"{kind.title()}P{p}Machine"
+    Machine.__name__ = (
+        f"{kind.title()}P{p}Host{host[1]}Machine" if host[1] else f"{kind.title()}P{p}Machine"
+    )
     return Machine
 
 
@@ -246,17 +306,44 @@ TestBlockP4.settings = SETTINGS
 TestBlockP16 = make_machine("block", 16, trunk_pages=4, pool=(8, 20)).TestCase
 TestBlockP16.settings = SETTINGS
 
+# With a host tier: small device pools so that pages go down and come back all the time; host
+# pools of one page (every offload evicts the last one), a few pages, and more than the device.
+HOST_SETTINGS = settings(SETTINGS, max_examples=300)
 
-LARGE = [("radix", 1, 4500), ("radix", 16, 600), ("block", 4, 5000)]
+
+def host_case(kind: str, p: int, trunk_pages: int, pool: tuple[int, int], host: tuple[int, int]):
+    """The TestCase of a machine with a host tier, under ``HOST_SETTINGS``."""
+    case = make_machine(kind, p, trunk_pages=trunk_pages, pool=pool, host=host).TestCase
+    case.settings = HOST_SETTINGS
+    return case
 
 
-@pytest.mark.parametrize("kind,p,num_pages", LARGE, ids=[f"{k}-p{p}" for k, p, _ in LARGE])
-def test_large_pool_against_the_reference(kind, p, num_pages):
+TestRadixP1Host1 = host_case("radix", 1, 8, pool=(4, 12), host=(1, 1))
+TestRadixP1HostLarge = host_case("radix", 1, 8, pool=(4, 12), host=(6, 40))
+TestRadixP2HostSmall = host_case("radix", 2, 6, pool=(4, 12), host=(1, 6))
+TestRadixP4HostSmall = host_case("radix", 4, 4, pool=(4, 10), host=(1, 4))
+TestRadixP4HostLarge = host_case("radix", 4, 4, pool=(4, 10), host=(10, 30))
+TestBlockP4Host1 = host_case("block", 4, 4, pool=(4, 10), host=(1, 1))
+TestBlockP4HostSmall = host_case("block", 4, 4, pool=(4, 12), host=(1, 6))
+TestBlockP16HostLarge = host_case("block", 16, 3, pool=(4, 10), host=(8, 30))
+
+
+LARGE = [("radix", 1, 4500, 0), ("radix", 16, 600, 0), ("block", 4, 5000, 0)]
+LARGE_HOST = [("radix", 4, 900, 300), ("block", 4, 900, 300)]
+
+
+@pytest.mark.parametrize(
+    "kind,p,num_pages,host_pages",
+    LARGE + LARGE_HOST,
+    ids=[f"{k}-p{p}" + (f"-host{h}" if h else "") for k, p, _, h in LARGE + LARGE_HOST],
+)
+def test_large_pool_against_the_reference(kind, p, num_pages, host_pages):
     """Long prompts in a pool of thousands of pages: page ids far from 0 (past the first 4096 at
-    P=1) are allocated, evicted and reused in the same order as the reference model's."""
-    rng = random.Random(f"{kind}-{p}")
+    P=1) are allocated, evicted and reused in the same order as the reference model's; with a
+    host tier, hundreds of pages go down and come back with the same copies."""
+    rng = random.Random(f"{kind}-{p}-{host_pages}")
     machine = make_machine(kind, p, trunk_pages=1, pool=(num_pages, num_pages))()
-    machine.create(num_pages=num_pages)
+    machine.create(num_pages=num_pages, host_pages=host_pages)
     span = num_pages * p // 3
     trunks = [[rng.randrange(1 << 32) for _ in range(span)] for _ in range(3)]
 
@@ -279,6 +366,7 @@ def test_large_pool_against_the_reference(kind, p, num_pages):
                 "abort",
                 "match_prefix",
                 "evict",
+                "again",
             ]
         )
         live = bool(machine.live)
@@ -299,8 +387,33 @@ def test_large_pool_against_the_reference(kind, p, num_pages):
             machine.closing(i, op)
         elif op == "match_prefix":
             machine.match_prefix(prompt(), None)
+        elif op == "again" and machine.seen and len(machine.live) < MAX_LIVE:
+            machine.admit_seen(i)
         elif op == "evict":
             machine.evict(rng.randint(0, 6) * rng.choice([1, 100]))
         machine.agree()
-    assert machine.real.stats.evicted_pages > 0
-    assert machine.real.stats.hit_tokens > 0
+    s = machine.real.stats
+    assert s.evicted_pages > 0
+    assert s.hit_tokens > 0
+    if host_pages:
+        assert s.offloaded_pages > 0 and s.loaded_pages > 0 and s.host_hit_tokens > 0
+
+
+def test_copy_kinds_are_the_module_constants():
+    """The models log the kinds that ``drain_copies`` documents."""
+    assert (reference.OFFLOAD, reference.LOAD) == (radixkv.COPY_OFFLOAD, radixkv.COPY_LOAD)
+    assert (radixkv.COPY_OFFLOAD, radixkv.COPY_LOAD) == (0, 1)
+
+
+@pytest.mark.parametrize("kind", ["radix", "block"])
+@pytest.mark.parametrize("host_pages", [-1, 2**31 - 4, 1.5, True])
+def test_bad_host_pages_are_refused_alike(kind, host_pages):
+    """A bad ``host_pages`` raises the same error, with the same message naming the value."""
+    real_cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    ref_cls = RefRadixCache if kind == "radix" else RefBlockCache
+    with pytest.raises((TypeError, ValueError)) as want:
+        ref_cls(4, 4, host_pages=host_pages)
+    with pytest.raises(want.type) as got:
+        real_cls(4, 4, host_pages=host_pages)
+    assert str(got.value) == str(want.value)
+    assert repr(host_pages) in str(want.value) or type(host_pages).__name__ in str(want.value)

@@ -13,6 +13,12 @@ tokens[:i+1])``, which is what the real KV of a causal model depends on. Then:
 
 Random multi-turn sessions over shared system prompts, in several namespaces (the same tokens in
 each), with chunked prefill, decoding, forks, aborts and a pool too small for them all.
+
+With a host tier the simulated pool has a host array too. After every cache call the oracle
+drains the copy log and performs it in order, as the owner of the tensors must (an offload copies
+the device page's slots to the host page's, a load the other way), then poisons the page it
+copied from: the cache hands that page out again at once, so serving it without the copy
+(a missing or misordered load or offload) shows up as KV of another prefix.
 """
 
 from __future__ import annotations
@@ -52,20 +58,43 @@ def fingerprints(namespace: Any, tokens: list[int]) -> list[int]:
     return out
 
 
+OFFLOAD, LOAD = radixkv.COPY_OFFLOAD, radixkv.COPY_LOAD
+POISON = -2  # what a page holds once its KV went to the other tier
+
+
 class Oracle:
-    """The simulated KV pool and the requests writing into it."""
+    """The simulated KV pool (device and host) and the requests writing into it."""
 
     def __init__(self, cache: Any):
         s = cache.stats
         self.cache = cache
+        self.page_size = s.page_size
         self.kv = np.full(s.num_pages * s.page_size, -1, dtype=np.int64)
+        self.host = np.full(s.host_pages * s.page_size, -1, dtype=np.int64)
         self.live: list[tuple[Any, list[int]]] = []
+        self.copies = {OFFLOAD: 0, LOAD: 0}
+
+    def sync(self) -> None:
+        """Performs the cache's copy log in order, then poisons each page copied from."""
+        log = self.cache.drain_copies()
+        assert log.dtype == np.int32 and log.ndim == 2 and log.shape[1] == 3, log
+        p = self.page_size
+        for kind, src, dst in log.tolist():
+            if kind == OFFLOAD:
+                self.host[dst * p : (dst + 1) * p] = self.kv[src * p : (src + 1) * p]
+                self.kv[src * p : (src + 1) * p] = POISON
+            else:
+                assert kind == LOAD, f"unknown copy kind {kind}"
+                self.kv[dst * p : (dst + 1) * p] = self.host[src * p : (src + 1) * p]
+                self.host[src * p : (src + 1) * p] = POISON
+            self.copies[kind] += 1
 
     def fp(self, req: Any) -> list[int]:
         return next(f for r, f in self.live if r is req)
 
     def admitted(self, req: Any) -> None:
         """The cached prefix of a new request holds the KV of that prefix in its namespace."""
+        self.sync()
         fps = fingerprints(req.namespace, [int(t) for t in req.tokens])
         c = req.num_cached
         got = self.kv[np.asarray(req.slots[:c], dtype=np.int64)]
@@ -79,18 +108,22 @@ class Oracle:
         start = req.num_computed
         self.kv[np.asarray(req.slots[start:upto], dtype=np.int64)] = fps[start:upto]
         self.cache.commit(req, upto)
+        self.sync()
 
     def extend(self, req: Any, tokens: list[int]) -> None:
         self.cache.extend(req, tokens)
+        self.sync()
         i = next(i for i, (r, _) in enumerate(self.live) if r is req)
         self.live[i] = (req, fingerprints(req.namespace, [int(t) for t in req.tokens]))
 
     def close(self, req: Any, how: str) -> None:
         getattr(self.cache, how)(req)
+        self.sync()
         self.live = [(r, f) for r, f in self.live if r is not req]
 
     def verify(self) -> None:
         """Every live request's computed KV is still its own."""
+        self.sync()
         for req, fps in self.live:
             c = req.num_computed
             got = self.kv[np.asarray(req.slots[:c], dtype=np.int64)]
@@ -171,7 +204,12 @@ def run_sessions(cache: Any, seed: int, steps: int = 300) -> dict:
         elif op == "reset":
             counts["evicted"] += cache.reset()
         oracle.verify()
-    counts["evicted"] = cache.stats.evicted_pages
+    s = cache.stats
+    counts["evicted"] = s.evicted_pages
+    counts["host_hit_tokens"] = s.host_hit_tokens
+    counts["offloads"] = oracle.copies[OFFLOAD]
+    counts["loads"] = oracle.copies[LOAD]
+    assert counts["offloads"] == s.offloaded_pages and counts["loads"] == s.loaded_pages, counts
     return counts
 
 
@@ -209,6 +247,38 @@ def test_cached_kv_is_always_the_prefix_kv(kind, p, num_pages, seed):
     assert counts["forks"] > 0, counts
     assert counts["evicted"] > 0, counts
     assert counts["out_of_pages"] > 0, counts
+
+
+# (kind, page size, device pages, host pages): host tiers from one page to several times the
+# device pool, all under heavy eviction.
+HOST_CONFIGS = [
+    ("radix", 1, 16, 1),
+    ("radix", 1, 20, 12),
+    ("radix", 4, 10, 3),
+    ("radix", 4, 10, 40),
+    ("radix", 16, 10, 6),
+    ("block", 4, 12, 1),
+    ("block", 4, 10, 5),
+    ("block", 16, 10, 30),
+]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(
+    "kind,p,num_pages,host_pages",
+    HOST_CONFIGS,
+    ids=[f"{k}-p{p}-d{n}-h{h}" for k, p, n, h in HOST_CONFIGS],
+)
+def test_cached_kv_is_the_prefix_kv_on_either_tier(kind, p, num_pages, host_pages, seed):
+    """With a host tier, performing the copy log keeps every hit exact, from either tier."""
+    cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    cache = cls(num_pages, p, host_pages=host_pages)
+    counts = run_sessions(cache, seed)
+    assert counts["hits"] > 10, counts
+    assert counts["evicted"] > 0 and counts["out_of_pages"] > 0, counts
+    # Pages went down and came back, and hits were served from the host.
+    assert counts["offloads"] > 0 and counts["loads"] > 0, counts
+    assert counts["host_hit_tokens"] > 0, counts
 
 
 def test_oracle_detects_a_slot_holding_another_namespaces_kv():
@@ -282,6 +352,37 @@ class ForgetfulRefcountCache(RefBlockCache):
 
     def check(self) -> None:
         """Its own bookkeeping is wrong by design; only the oracle judges it."""
+
+
+class SkippedLoadCache(RefRadixCache):
+    """Broken on purpose: loads are not logged, so host hits are served from stale pages."""
+
+    def _log(self, kind: int, src: int, dst: int) -> None:
+        if kind != LOAD:
+            super()._log(kind, src, dst)
+
+
+class MisorderedCopiesCache(RefBlockCache):
+    """Broken on purpose: a call's loads are logged before its offloads, so a page handed out
+    again is overwritten before its KV went down."""
+
+    def drain_copies(self) -> np.ndarray:
+        self._copies.sort(key=lambda row: -row[0])
+        return super().drain_copies()
+
+
+def test_the_traffic_catches_a_missing_load():
+    """Run on a model that forgets its loads, the oracle sees host hits holding stale KV."""
+    with pytest.raises(AssertionError, match="another prefix"):
+        for seed in range(5):
+            run_sessions(SkippedLoadCache(16, 1, host_pages=8), seed)
+
+
+def test_the_traffic_catches_misordered_copies():
+    """Run on a model that loads into a page before offloading it, the oracle sees it."""
+    with pytest.raises(AssertionError, match="another prefix"):
+        for seed in range(5):
+            run_sessions(MisorderedCopiesCache(10, 4, host_pages=6), seed)
 
 
 def test_the_traffic_catches_a_namespace_leak():
