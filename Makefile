@@ -94,7 +94,7 @@ bench-cache: $(EXT)
 	$(PY) benches/bench_boundary.py $(BENCH_ARGS)
 
 bench-rust:
-	cargo bench --bench cache --bench scheduler --bench scale
+	cargo bench --bench cache --bench scheduler --bench scale --bench tier
 
 bench-python: bench-cache
 	$(PY) benches/bench_scheduler.py
@@ -107,6 +107,8 @@ bench-smoke: $(EXT)
 	cargo bench --no-run --quiet
 	RADIXKV_SCALE_QUICK=1 cargo bench --quiet --bench scale > target/bench-smoke-scale.log 2>&1 \
 	    || { tail -n 40 target/bench-smoke-scale.log; exit 1; }
+	RADIXKV_TIER_QUICK=1 cargo bench --quiet --bench tier > target/bench-smoke-tier.log 2>&1 \
+	    || { tail -n 40 target/bench-smoke-tier.log; exit 1; }
 	@mkdir -p target/bench-smoke; status=0; \
 	for b in $(sort $(wildcard benches/bench_*.py)) "benches/bench_admit.py --only hash --core-from-criterion"; do \
 	    log=target/bench-smoke/$$(echo $$b | tr -c 'a-z0-9_\n' _).log; t0=$$(date +%s%N); \
