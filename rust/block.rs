@@ -46,6 +46,9 @@ const EVICTABLE: ListId = ListId(1);
 const HOST_FREE: ListId = ListId(2);
 const HOST_EVICTABLE: ListId = ListId(3);
 
+/// Pages whose map slots and records `publish` loads together, that many pages ahead.
+const AHEAD: usize = 16;
+
 /// The block cache's own part of a request.
 #[derive(Debug, Clone)]
 pub struct BlockExt {
@@ -74,6 +77,8 @@ pub struct BlockIndex {
     keys: TokenKeys,
     events: EventLog,
     tier: Tier,
+    /// `publish`'s ring of the hashes and content keys of the pages ahead, kept between calls.
+    scratch: Vec<(BlockHash, u64)>,
     /// Unit tests set this to give every page the same content key, so that the paths where
     /// several contents share a key run.
     #[cfg(test)]
@@ -112,6 +117,41 @@ impl BlockIndex {
     ) {
         self.map.insert(key, page);
         self.recs.set(page, prev, tokens, &h, key);
+    }
+
+    /// The hash and content key of page `i` of `r`, after the hash `prev`; `prev` becomes the
+    /// page's hash.
+    #[inline]
+    fn hash_and_key(
+        &self,
+        r: &Request<BlockExt>,
+        i: usize,
+        prev: &mut BlockHash,
+    ) -> (BlockHash, u64) {
+        let p = self.page_size;
+        let tokens = &r.tokens[i * p..(i + 1) * p];
+        let key = self.key(prev, tokens);
+        *prev = next_hash(prev, tokens);
+        (*prev, key)
+    }
+
+    /// Loads the map slots and the records of pages `first + k` of `r` for `k` in `ks`, whose
+    /// hashes and keys are `todo[k % todo.len()]`.
+    #[inline]
+    fn prefetch_batch(
+        &self,
+        r: &Request<BlockExt>,
+        todo: &[(BlockHash, u64)],
+        first: usize,
+        ks: std::ops::Range<usize>,
+    ) {
+        if ks.is_empty() {
+            return;
+        }
+        self.map
+            .prefetch(ks.clone().map(|k| todo[k % todo.len()].1));
+        self.recs
+            .prefetch(&r.pages[first + ks.start..first + ks.end]);
     }
 
     /// The hashed page holding the content `(prev, tokens)`, whose content key is `key`, and its
@@ -252,6 +292,7 @@ impl Index for BlockIndex {
             keys: TokenKeys::random(),
             events: EventLog::default(),
             tier: Tier::new(num_pages, host_pages),
+            scratch: Vec::new(),
             #[cfg(test)]
             collide: false,
         })
@@ -372,42 +413,56 @@ impl Index for BlockIndex {
         // its first index, the hash before it and its hashes (collected only when recording).
         let (mut run_first, mut run_parent, mut run) = (first, r.ext.tip, Vec::new());
         let root = root_hash(p, &r.namespace);
-        for i in first..last {
+        // Pages are hashed (blake3, one after the other: no memory traffic) `2 * AHEAD` pages
+        // ahead of the page entered, and their map slots and records are loaded `AHEAD` pages
+        // at a time, `AHEAD` pages before they are needed. In a large index each load is a cache
+        // miss, and loaded together their latencies overlap instead of adding up page after
+        // page; and the map work of a page overlaps the blake3 of a later one. A published page
+        // is nearly always new, and a stored copy of it has the same hash anyway.
+        let n = last - first;
+        let mut todo = std::mem::take(&mut self.scratch);
+        todo.resize(2 * AHEAD, ([0; 32], 0));
+        let mut ahead = r.ext.tip.unwrap_or(root);
+        for k in 0..n.min(2 * AHEAD) {
+            todo[k] = self.hash_and_key(r, first + k, &mut ahead);
+        }
+        self.prefetch_batch(r, &todo, first, 0..n.min(AHEAD));
+        for k in 0..n {
+            if k % AHEAD == 0 {
+                self.prefetch_batch(r, &todo, first, k + AHEAD..n.min(k + 2 * AHEAD));
+            }
+            let i = first + k;
+            let (h, key) = todo[k % (2 * AHEAD)];
+            if k + 2 * AHEAD < n {
+                todo[k % (2 * AHEAD)] = self.hash_and_key(r, i + 2 * AHEAD, &mut ahead);
+            }
             let prev = r.ext.tip.unwrap_or(root);
             let tokens = &r.tokens[i * p..(i + 1) * p];
-            let key = self.key(&prev, tokens);
-            // A published page is nearly always new: its blake3 runs while the map's slot loads
-            // (a cache miss in a large index). A stored copy has the same hash anyway.
-            self.map.prefetch(key);
-            let fresh = next_hash(&prev, tokens);
-            let h = match self.find(key, &prev, tokens) {
-                Some((copy, h)) if self.tier.is_host(copy) => {
+            match self.find(key, &prev, tokens) {
+                Some((copy, _)) if self.tier.is_host(copy) => {
                     // The request's page replaces the host copy: no duplicate, no copy.
                     self.lists.remove(HOST_EVICTABLE, copy);
                     self.relocate(copy, r.pages[i]);
                     self.lists.push_front(HOST_FREE, copy);
                     self.record_stored(r, run_first, run_parent, &mut run);
                     (run_first, run_parent) = (i + 1, Some(h));
-                    h
                 }
-                Some((copy, h)) => {
+                Some((copy, _)) => {
                     self.pin_page(copy);
                     r.ext.stored.push((i as u32, copy));
                     self.record_stored(r, run_first, run_parent, &mut run);
                     (run_first, run_parent) = (i + 1, Some(h));
-                    h
                 }
                 None => {
-                    let h = fresh;
                     self.hash_page(r.pages[i], &prev, tokens, h, key);
                     if self.events.on {
                         run.push(h);
                     }
-                    h
                 }
-            };
+            }
             r.ext.tip = Some(h);
         }
+        self.scratch = todo;
         self.record_stored(r, run_first, run_parent, &mut run);
         r.published = last * p;
     }
@@ -705,6 +760,44 @@ mod tests {
         assert!(e.to_string().contains("cannot allocate"), "{e}");
         let e = crate::error::try_vec(usize::MAX / 2, 0u64).unwrap_err();
         assert!(e.to_string().contains("bytes"), "{e}");
+    }
+
+    /// One publish of 150 pages (several of `publish`'s look-ahead windows) that meets stored
+    /// device copies (pages 0..30), host copies (30..60) and new pages (60..150): the stored
+    /// events name exactly the new pages under their spec hashes, and every page is found.
+    #[test]
+    fn long_publishes_over_stored_and_host_copies() {
+        use crate::events::CacheEvent;
+        let tokens: Vec<u32> = (0..150).map(|t| t * 7 + 1).collect();
+        let hashes = crate::hash::block_hashes(&tokens, 1, &None);
+        let mut c = BlockCache::with_host(300, 1, 64).unwrap();
+        let late = c.admit(&tokens, None).unwrap();
+        let early = c.admit(&tokens[..60], None).unwrap();
+        c.commit(early, 60).unwrap();
+        c.finish(early).unwrap();
+        assert_eq!(c.evict(30), 30, "pages 30..60 go to the host tier");
+        assert_eq!(c.index().host_free_pages(), 64 - 30);
+        c.record_events(true);
+        c.commit(late, 150).unwrap();
+        c.check().unwrap();
+        let events = c.drain_events();
+        let want = CacheEvent::Stored {
+            namespace: None,
+            parent: Some(hashes[59]),
+            hashes: hashes[60..].to_vec(),
+            tokens: tokens[60..].to_vec(),
+        };
+        assert_eq!(events, vec![want]);
+        assert_eq!(c.index().host_free_pages(), 64, "host copies were replaced");
+        c.finish(late).unwrap();
+        c.check().unwrap();
+        assert_eq!(c.match_prefix(&tokens, &None).unwrap(), 149);
+        let mut prev = root_hash(1, &None);
+        for (i, h) in hashes.iter().enumerate() {
+            let found = c.index().cached(&prev, &tokens[i..i + 1]);
+            assert_eq!(found.map(|(_, got)| got), Some(*h), "page {i}");
+            prev = *h;
+        }
     }
 
     /// Two caches draw different seeds, and still make the same decisions.

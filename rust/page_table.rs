@@ -84,11 +84,15 @@ impl PageTable {
         }
     }
 
-    /// Starts loading `key`'s home slot, so that a caller with other work to do (a blake3 call)
-    /// does it while the line comes in from memory, and the `find` after it hits the cache.
+    /// Loads the home slots of `keys`, all at once, so that the `find`s and `insert`s after it
+    /// hit the cache: the loads are independent, so their misses overlap.
     #[inline]
-    pub fn prefetch(&self, key: u64) {
-        std::hint::black_box(self.slots[self.home(tag_of(key))]);
+    pub fn prefetch(&self, keys: impl Iterator<Item = u64>) {
+        let mut acc = 0;
+        for key in keys {
+            acc ^= self.slots[self.home(tag_of(key))];
+        }
+        std::hint::black_box(acc);
     }
 
     /// Adds `page` under `key`. The caller keeps within the capacity (one entry a pool page).
