@@ -15,11 +15,15 @@
 //! first, so a chain's tail is evicted before its head. Eviction is lazy: a cached page loses its
 //! hash only when allocation reuses it (or on `evict`/`reset`).
 //!
-//! The map is one hash table of 64-bit content keys of `(h_{i-1}, tokens of page i)`
-//! (seeded per cache), to pages; each hashed page records its key `h_i`, its parent `h_{i-1}` and
-//! its tokens, and a table hit is compared against them exactly. Since `h_i` is a function of
-//! `(h_{i-1}, tokens)`, this is the map from block hash to page, reached without running blake3:
-//! a lookup costs one probe a page, and blake3 runs only for pages published for the first time.
+//! The map is one hash table of 64-bit content keys to pages. Content keys are chained like the
+//! block hashes, but with a fast keyed hash seeded per cache: `k_i = K(k_{i-1}, tokens of page i)`,
+//! `k_{-1}` the first 8 bytes of `h_root`; so `k_i`, like `h_i`, is a function of the namespace and
+//! every token up to page `i`. Each hashed page records its hash `h_i`, its parent `h_{i-1}`, its
+//! tokens and its key, and a table hit is compared against the parent hash and tokens exactly.
+//! Since `h_i` is a function of `(h_{i-1}, tokens)`, this is the map from block hash to page,
+//! reached without running blake3: a lookup costs one probe a page, and blake3 runs only for
+//! pages published for the first time. And since a prompt's keys need no hash of the map's, a
+//! lookup computes them a window of pages ahead and loads their slots together.
 //!
 //! A host tier adds host pages to the same records, map and lists (ids `num_pages..`), in two
 //! more lists, HOST_FREE and HOST_EVICTABLE: an evicted page's record moves to a host page, and
@@ -49,6 +53,9 @@ const HOST_EVICTABLE: ListId = ListId(3);
 /// Pages whose map slots and records `publish` loads together, that many pages ahead.
 const AHEAD: usize = 16;
 
+/// The most pages whose map slots a lookup loads together.
+const WALK_WINDOW: usize = 32;
+
 /// The block cache's own part of a request.
 #[derive(Debug, Clone)]
 pub struct BlockExt {
@@ -56,6 +63,8 @@ pub struct BlockExt {
     /// the parent of the next page it publishes. Pages are published in order, so this is all
     /// of its chain a request keeps (32 bytes, not 32 a page).
     tip: Option<BlockHash>,
+    /// The content key of the same page (`k_{-1}` before any).
+    lead: u64,
     /// `(position, stored page)` where this request computed a page that another request had
     /// published first: its own copy stays private, and it pins the stored one instead, so that
     /// the chain through its published pages stays whole (and reachable by `fork`) while it lives.
@@ -69,11 +78,10 @@ pub struct BlockIndex {
     refcount: Vec<u32>,
     /// Of each hashed page: its hash `h_i`, its parent hash `h_{i-1}` and its tokens.
     recs: PageRecords,
-    /// The content key of `(parent, tokens)` -> the hashed page with that parent and those
-    /// tokens. Holds every hashed page, once.
+    /// The content key of a prefix -> the hashed page ending it. Holds every hashed page, once.
     map: PageTable,
     lists: Links<PageId>,
-    /// Random per cache: the content keys, `keys.key(first 8 bytes of h_{i-1}, tokens)`.
+    /// Random per cache: the content keys, `k_i = keys.key(k_{i-1}, tokens of page i)`.
     keys: TokenKeys,
     events: EventLog,
     tier: Tier,
@@ -86,13 +94,19 @@ pub struct BlockIndex {
 }
 
 impl BlockIndex {
-    fn key(&self, prev: &BlockHash, tokens: &[u32]) -> u64 {
+    /// The content key of a page of `tokens` after the page whose key is `lead`.
+    #[inline]
+    fn key(&self, lead: u64, tokens: &[u32]) -> u64 {
         #[cfg(test)]
         if self.collide {
             return 7;
         }
-        let lead = u64::from_le_bytes(prev[..8].try_into().expect("8 bytes"));
         self.keys.key(lead, tokens)
+    }
+
+    /// `k_{-1}`: the lead of a namespace's first page, from its root hash.
+    fn root_lead(root: &BlockHash) -> u64 {
+        u64::from_le_bytes(root[..8].try_into().expect("8 bytes"))
     }
 
     /// Unhashes a page that allocation or eviction takes back.
@@ -119,20 +133,19 @@ impl BlockIndex {
         self.recs.set(page, prev, tokens, &h, key);
     }
 
-    /// The hash and content key of page `i` of `r`, after the hash `prev`; `prev` becomes the
-    /// page's hash.
+    /// The hash and content key of page `i` of `r`, after the page whose hash and key are
+    /// `prev`; `prev` becomes the page's.
     #[inline]
     fn hash_and_key(
         &self,
         r: &Request<BlockExt>,
         i: usize,
-        prev: &mut BlockHash,
+        prev: &mut (BlockHash, u64),
     ) -> (BlockHash, u64) {
         let p = self.page_size;
         let tokens = &r.tokens[i * p..(i + 1) * p];
-        let key = self.key(prev, tokens);
-        *prev = next_hash(prev, tokens);
-        (*prev, key)
+        *prev = (next_hash(&prev.0, tokens), self.key(prev.1, tokens));
+        *prev
     }
 
     /// Loads the map slots and the records of pages `first + k` of `r` for `k` in `ks`, whose
@@ -165,9 +178,39 @@ impl BlockIndex {
         Some((page, hash.expect("found pages hold the content")))
     }
 
-    /// The cached page holding `(prev, tokens)`, and its hash `H(prev, tokens)`.
-    fn cached(&self, prev: &BlockHash, tokens: &[u32]) -> Option<(PageId, BlockHash)> {
-        self.find(self.key(prev, tokens), prev, tokens)
+    /// Walks the pages of `tokens` after the page whose hash and key are `at` while the map
+    /// holds them, calling `hit` with each page found; `at` becomes the last one's. Keys are
+    /// computed a window ahead (cheap, and needing nothing from the map) and the window's slots
+    /// loaded together, so that in a large index their cache misses overlap; the window starts
+    /// small, as a miss usually comes at the first page.
+    #[inline]
+    fn walk(&self, tokens: &[u32], at: &mut (BlockHash, u64), mut hit: impl FnMut(PageId)) {
+        let p = self.page_size;
+        let mut keys = [0u64; WALK_WINDOW];
+        let mut pages = tokens.chunks_exact(p);
+        let mut window = 2;
+        loop {
+            let mut n = 0;
+            let mut lead = at.1;
+            for page in pages.clone().take(window) {
+                lead = self.key(lead, page);
+                keys[n] = lead;
+                n += 1;
+            }
+            if n == 0 {
+                return;
+            }
+            self.map.prefetch(keys[..n].iter().copied());
+            for &key in &keys[..n] {
+                let page = pages.next().expect("counted above");
+                let Some((pg, h)) = self.find(key, &at.0, page) else {
+                    return;
+                };
+                hit(pg);
+                *at = (h, key);
+            }
+            window = (window * 4).min(WALK_WINDOW);
+        }
     }
 
     /// Records that the pages `first..first + hashes.len()` of `r`, hashed `hashes`, entered
@@ -261,6 +304,7 @@ impl BlockIndex {
 pub struct Hits {
     pages: Vec<PageId>,
     tip: Option<BlockHash>,
+    lead: u64,
 }
 
 impl Index for BlockIndex {
@@ -313,19 +357,15 @@ impl Index for BlockIndex {
     /// Hashes page by page until the first page the map does not hold.
     fn lookup(&self, tokens: &[u32], namespace: &Namespace) -> Found<Hits> {
         let p = self.page_size;
-        let mut hits = Hits {
-            pages: Vec::new(),
-            tip: None,
+        let root = root_hash(p, namespace);
+        let mut at = (root, Self::root_lead(&root));
+        let mut pages = Vec::new();
+        self.walk(tokens, &mut at, |pg| pages.push(pg));
+        let hits = Hits {
+            tip: (!pages.is_empty()).then_some(at.0),
+            lead: at.1,
+            pages,
         };
-        let mut prev = root_hash(p, namespace);
-        for page in tokens.chunks_exact(p) {
-            let Some((pg, h)) = self.cached(&prev, page) else {
-                break;
-            };
-            hits.pages.push(pg);
-            hits.tip = Some(h);
-            prev = h;
-        }
         let (mut evictable, mut host) = (0, 0);
         for &pg in &hits.pages {
             if self.tier.is_host(pg) {
@@ -359,6 +399,7 @@ impl Index for BlockIndex {
         pages.extend_from_slice(&found.at.pages);
         BlockExt {
             tip: found.at.tip,
+            lead: found.at.lead,
             stored: Vec::new(),
         }
     }
@@ -422,7 +463,7 @@ impl Index for BlockIndex {
         let n = last - first;
         let mut todo = std::mem::take(&mut self.scratch);
         todo.resize(2 * AHEAD, ([0; 32], 0));
-        let mut ahead = r.ext.tip.unwrap_or(root);
+        let mut ahead = (r.ext.tip.unwrap_or(root), r.ext.lead);
         for k in 0..n.min(2 * AHEAD) {
             todo[k] = self.hash_and_key(r, first + k, &mut ahead);
         }
@@ -460,7 +501,7 @@ impl Index for BlockIndex {
                     }
                 }
             }
-            r.ext.tip = Some(h);
+            (r.ext.tip, r.ext.lead) = (Some(h), key);
         }
         self.scratch = todo;
         self.record_stored(r, run_first, run_parent, &mut run);
@@ -522,27 +563,23 @@ impl Index for BlockIndex {
     }
 
     fn cursor(&self, namespace: &Namespace) -> Cursor {
+        let root = root_hash(self.page_size, namespace);
         Cursor {
             matched: 0,
-            at: CursorAt::Hash(root_hash(self.page_size, namespace)),
+            at: CursorAt::Hash(root, Self::root_lead(&root)),
         }
     }
 
     fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
-        let CursorAt::Hash(mut h) = cursor.at else {
+        let CursorAt::Hash(h, lead) = cursor.at else {
             return false;
         };
-        let mut all = true;
-        for page in tokens.chunks_exact(self.page_size) {
-            let Some((_, next)) = self.cached(&h, page) else {
-                all = false;
-                break;
-            };
-            h = next;
-            cursor.matched += page.len();
-        }
-        cursor.at = CursorAt::Hash(h);
-        all
+        let mut at = (h, lead);
+        let mut found = 0;
+        self.walk(tokens, &mut at, |_| found += 1);
+        cursor.matched += found * self.page_size;
+        cursor.at = CursorAt::Hash(at.0, at.1);
+        found == tokens.len() / self.page_size
     }
 
     /// Each page in id order: its refcount and, when hashed, its block hash (a function of the
@@ -591,6 +628,26 @@ impl Index for BlockIndex {
             let hashes = crate::hash::block_hashes(&r.tokens[..r.published], p, &r.namespace);
             if hashes.last() != r.ext.tip.as_ref() {
                 return corrupt("a request's tip hash differs from its published tokens'");
+            }
+            // The content keys along its published pages, and the recorded keys of the pages
+            // that hold them (its own, or the stored copies it pins).
+            let mut lead = Self::root_lead(&crate::hash::root_hash(p, &r.namespace));
+            let mut stored = r.ext.stored.iter().peekable();
+            for (i, page) in r.tokens[..r.published].chunks_exact(p).enumerate() {
+                lead = self.key(lead, page);
+                let holder = match stored.next_if(|(at, _)| *at as usize == i) {
+                    Some(&(_, copy)) => copy,
+                    None => r.pages[i],
+                };
+                if self.recs.is_hashed(holder) && self.recs.key(holder) != lead {
+                    return corrupt(format!(
+                        "page {}: its recorded content key is not its prefix's",
+                        holder.0
+                    ));
+                }
+            }
+            if lead != r.ext.lead {
+                return corrupt("a request's tip key differs from its published tokens'");
             }
             for (i, &page) in r.pages.iter().enumerate() {
                 let Some(rc) = refs.get_mut(page.index()) else {
@@ -647,13 +704,7 @@ impl Index for BlockIndex {
                         page.0
                     ));
                 }
-                let key = self.key(&parent, tokens);
-                if self.recs.key(page) != key {
-                    return corrupt(format!(
-                        "page {}: its recorded content key is not its content's",
-                        page.0
-                    ));
-                }
+                let key = self.recs.key(page);
                 if self.map.find(key, |q| q == page) != Some(page) {
                     return corrupt(format!(
                         "page {} is hashed but the map does not point to it",
@@ -792,12 +843,8 @@ mod tests {
         c.finish(late).unwrap();
         c.check().unwrap();
         assert_eq!(c.match_prefix(&tokens, &None).unwrap(), 149);
-        let mut prev = root_hash(1, &None);
-        for (i, h) in hashes.iter().enumerate() {
-            let found = c.index().cached(&prev, &tokens[i..i + 1]);
-            assert_eq!(found.map(|(_, got)| got), Some(*h), "page {i}");
-            prev = *h;
-        }
+        let found = c.index().lookup(&tokens, &None);
+        assert_eq!((found.matched, found.at.tip), (150, Some(hashes[149])));
     }
 
     /// Two caches draw different seeds, and still make the same decisions.
