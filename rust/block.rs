@@ -85,6 +85,8 @@ pub struct BlockIndex {
     keys: TokenKeys,
     events: EventLog,
     tier: Tier,
+    /// `h_root` of the namespace `None`, the common case.
+    root_none: BlockHash,
     /// `publish`'s ring of the hashes and content keys of the pages ahead, kept between calls.
     scratch: Vec<(BlockHash, u64)>,
     /// Unit tests set this to give every page the same content key, so that the paths where
@@ -102,6 +104,14 @@ impl BlockIndex {
             return 7;
         }
         self.keys.key(lead, tokens)
+    }
+
+    /// `h_root` of `namespace`.
+    fn root(&self, namespace: &Namespace) -> BlockHash {
+        match namespace {
+            None => self.root_none,
+            Some(_) => root_hash(self.page_size, namespace),
+        }
     }
 
     /// `k_{-1}`: the lead of a namespace's first page, from its root hash.
@@ -336,6 +346,7 @@ impl Index for BlockIndex {
             keys: TokenKeys::random(),
             events: EventLog::default(),
             tier: Tier::new(num_pages, host_pages),
+            root_none: root_hash(page_size, &None),
             scratch: Vec::new(),
             #[cfg(test)]
             collide: false,
@@ -357,7 +368,7 @@ impl Index for BlockIndex {
     /// Hashes page by page until the first page the map does not hold.
     fn lookup(&self, tokens: &[u32], namespace: &Namespace) -> Found<Hits> {
         let p = self.page_size;
-        let root = root_hash(p, namespace);
+        let root = self.root(namespace);
         let mut at = (root, Self::root_lead(&root));
         let mut pages = Vec::new();
         self.walk(tokens, &mut at, |pg| pages.push(pg));
@@ -453,7 +464,7 @@ impl Index for BlockIndex {
         // The run of pages entered into the map since the last stored copy, for the event log:
         // its first index, the hash before it and its hashes (collected only when recording).
         let (mut run_first, mut run_parent, mut run) = (first, r.ext.tip, Vec::new());
-        let root = root_hash(p, &r.namespace);
+        let root = self.root(&r.namespace);
         // Pages are hashed (blake3, one after the other: no memory traffic) `2 * AHEAD` pages
         // ahead of the page entered, and their map slots and records are loaded `AHEAD` pages
         // at a time, `AHEAD` pages before they are needed. In a large index each load is a cache
@@ -563,7 +574,7 @@ impl Index for BlockIndex {
     }
 
     fn cursor(&self, namespace: &Namespace) -> Cursor {
-        let root = root_hash(self.page_size, namespace);
+        let root = self.root(namespace);
         Cursor {
             matched: 0,
             at: CursorAt::Hash(root, Self::root_lead(&root)),

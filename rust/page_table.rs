@@ -120,6 +120,8 @@ impl PageTable {
             }
         }
         // Backward shift: move later entries of the run into the hole when their home allows.
+        // Whether an entry moves is a coin toss for the branch predictor, so both outcomes are
+        // computed and selected (the hole is rewritten with its own value when it does not).
         let mut hole = i;
         let mut j = i;
         loop {
@@ -130,10 +132,12 @@ impl PageTable {
             }
             let home = self.home((slot >> 32) as u32);
             // The entry at j may fill the hole when its home is not cyclically in (hole, j].
-            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.slots[hole] = slot;
-                hole = j;
-            }
+            let moves = (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask);
+            // All ones when it moves, else zero: a select written as masks.
+            let m = (moves as usize).wrapping_neg();
+            let kept = self.slots[hole];
+            self.slots[hole] = (slot & m as u64) | (kept & !(m as u64));
+            hole = (j & m) | (hole & !m);
         }
         self.slots[hole] = 0;
         self.len -= 1;
