@@ -53,6 +53,9 @@ const HOST_EVICTABLE: ListId = ListId(3);
 /// Pages whose map slots and records `publish` loads together, that many pages ahead.
 const AHEAD: usize = 16;
 
+/// Pages whose map slots an allocation loads together before evicting them.
+const EVICT_BATCH: usize = 16;
+
 /// The most pages whose map slots a lookup loads together.
 const WALK_WINDOW: usize = 32;
 
@@ -436,19 +439,33 @@ impl Index for BlockIndex {
     /// Takes never-hashed pages first, then the least recently released cached ones (to the
     /// host tier, or dropping their hashes).
     fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize {
-        let mut evicted = 0;
-        for _ in 0..count {
-            let page = match self.lists.pop_front(FREE) {
-                Some(p) => p,
-                None => {
-                    let p = self.lists.pop_front(EVICTABLE).expect("capacity checked");
-                    self.evict_page(p);
-                    evicted += 1;
-                    p
-                }
+        let mut left = count;
+        while left > 0 {
+            let Some(page) = self.lists.pop_front(FREE) else {
+                break;
             };
             self.refcount[page.index()] = 1;
             out.push(page);
+            left -= 1;
+        }
+        // FREE is empty now, and evicting adds nothing to it. Cached pages leave EVICTABLE a
+        // batch at a time, and the map slots of their keys are loaded together before the batch
+        // is evicted: in a large pool each is a cache miss, and together they overlap.
+        let evicted = left;
+        let mut batch = [PageId(0); EVICT_BATCH];
+        while left > 0 {
+            let n = left.min(EVICT_BATCH);
+            for slot in &mut batch[..n] {
+                *slot = self.lists.pop_front(EVICTABLE).expect("capacity checked");
+            }
+            self.map
+                .prefetch(batch[..n].iter().map(|&page| self.recs.key(page)));
+            for &page in &batch[..n] {
+                self.evict_page(page);
+                self.refcount[page.index()] = 1;
+                out.push(page);
+            }
+            left -= n;
         }
         evicted
     }
