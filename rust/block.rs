@@ -15,11 +15,15 @@
 //! first, so a chain's tail is evicted before its head. Eviction is lazy: a cached page loses its
 //! hash only when allocation reuses it (or on `evict`/`reset`).
 //!
-//! The map is one hash table of 64-bit content keys of `(h_{i-1}, tokens of page i)`
-//! (seeded per cache), to pages; each hashed page records its key `h_i`, its parent `h_{i-1}` and
-//! its tokens, and a table hit is compared against them exactly. Since `h_i` is a function of
-//! `(h_{i-1}, tokens)`, this is the map from block hash to page, reached without running blake3:
-//! a lookup costs one probe a page, and blake3 runs only for pages published for the first time.
+//! The map is one hash table of 64-bit content keys to pages. Content keys are chained like the
+//! block hashes, but with a fast keyed hash seeded per cache: `k_i = K(k_{i-1}, tokens of page i)`,
+//! `k_{-1}` the first 8 bytes of `h_root`; so `k_i`, like `h_i`, is a function of the namespace and
+//! every token up to page `i`. Each hashed page records its hash `h_i`, its parent `h_{i-1}`, its
+//! tokens and its key, and a table hit is compared against the parent hash and tokens exactly.
+//! Since `h_i` is a function of `(h_{i-1}, tokens)`, this is the map from block hash to page,
+//! reached without running blake3: a lookup costs one probe a page, and blake3 runs only for
+//! pages published for the first time. And since a prompt's keys need no hash of the map's, a
+//! lookup computes them a window of pages ahead and loads their slots together.
 //!
 //! A host tier adds host pages to the same records, map and lists (ids `num_pages..`), in two
 //! more lists, HOST_FREE and HOST_EVICTABLE: an evicted page's record moves to a host page, and
@@ -46,6 +50,15 @@ const EVICTABLE: ListId = ListId(1);
 const HOST_FREE: ListId = ListId(2);
 const HOST_EVICTABLE: ListId = ListId(3);
 
+/// Pages whose map slots and records `publish` loads together, that many pages ahead.
+const AHEAD: usize = 16;
+
+/// Pages whose map slots an allocation loads together before evicting them.
+const EVICT_BATCH: usize = 16;
+
+/// The most pages whose map slots a lookup loads together.
+const WALK_WINDOW: usize = 32;
+
 /// The block cache's own part of a request.
 #[derive(Debug, Clone)]
 pub struct BlockExt {
@@ -53,6 +66,8 @@ pub struct BlockExt {
     /// the parent of the next page it publishes. Pages are published in order, so this is all
     /// of its chain a request keeps (32 bytes, not 32 a page).
     tip: Option<BlockHash>,
+    /// The content key of the same page (`k_{-1}` before any).
+    lead: u64,
     /// `(position, stored page)` where this request computed a page that another request had
     /// published first: its own copy stays private, and it pins the stored one instead, so that
     /// the chain through its published pages stays whole (and reachable by `fork`) while it lives.
@@ -66,14 +81,17 @@ pub struct BlockIndex {
     refcount: Vec<u32>,
     /// Of each hashed page: its hash `h_i`, its parent hash `h_{i-1}` and its tokens.
     recs: PageRecords,
-    /// The content key of `(parent, tokens)` -> the hashed page with that parent and those
-    /// tokens. Holds every hashed page, once.
+    /// The content key of a prefix -> the hashed page ending it. Holds every hashed page, once.
     map: PageTable,
     lists: Links<PageId>,
-    /// Random per cache: the content keys, `keys.key(first 8 bytes of h_{i-1}, tokens)`.
+    /// Random per cache: the content keys, `k_i = keys.key(k_{i-1}, tokens of page i)`.
     keys: TokenKeys,
     events: EventLog,
     tier: Tier,
+    /// `h_root` of the namespace `None`, the common case.
+    root_none: BlockHash,
+    /// `publish`'s ring of the hashes and content keys of the pages ahead, kept between calls.
+    scratch: Vec<(BlockHash, u64)>,
     /// Unit tests set this to give every page the same content key, so that the paths where
     /// several contents share a key run.
     #[cfg(test)]
@@ -81,13 +99,27 @@ pub struct BlockIndex {
 }
 
 impl BlockIndex {
-    fn key(&self, prev: &BlockHash, tokens: &[u32]) -> u64 {
+    /// The content key of a page of `tokens` after the page whose key is `lead`.
+    #[inline]
+    fn key(&self, lead: u64, tokens: &[u32]) -> u64 {
         #[cfg(test)]
         if self.collide {
             return 7;
         }
-        let lead = u64::from_le_bytes(prev[..8].try_into().expect("8 bytes"));
         self.keys.key(lead, tokens)
+    }
+
+    /// `h_root` of `namespace`.
+    fn root(&self, namespace: &Namespace) -> BlockHash {
+        match namespace {
+            None => self.root_none,
+            Some(_) => root_hash(self.page_size, namespace),
+        }
+    }
+
+    /// `k_{-1}`: the lead of a namespace's first page, from its root hash.
+    fn root_lead(root: &BlockHash) -> u64 {
+        u64::from_le_bytes(root[..8].try_into().expect("8 bytes"))
     }
 
     /// Unhashes a page that allocation or eviction takes back.
@@ -114,6 +146,40 @@ impl BlockIndex {
         self.recs.set(page, prev, tokens, &h, key);
     }
 
+    /// The hash and content key of page `i` of `r`, after the page whose hash and key are
+    /// `prev`; `prev` becomes the page's.
+    #[inline]
+    fn hash_and_key(
+        &self,
+        r: &Request<BlockExt>,
+        i: usize,
+        prev: &mut (BlockHash, u64),
+    ) -> (BlockHash, u64) {
+        let p = self.page_size;
+        let tokens = &r.tokens[i * p..(i + 1) * p];
+        *prev = (next_hash(&prev.0, tokens), self.key(prev.1, tokens));
+        *prev
+    }
+
+    /// Loads the map slots and the records of pages `first + k` of `r` for `k` in `ks`, whose
+    /// hashes and keys are `todo[k % todo.len()]`.
+    #[inline]
+    fn prefetch_batch(
+        &self,
+        r: &Request<BlockExt>,
+        todo: &[(BlockHash, u64)],
+        first: usize,
+        ks: std::ops::Range<usize>,
+    ) {
+        if ks.is_empty() {
+            return;
+        }
+        self.map
+            .prefetch(ks.clone().map(|k| todo[k % todo.len()].1));
+        self.recs
+            .prefetch(&r.pages[first + ks.start..first + ks.end]);
+    }
+
     /// The hashed page holding the content `(prev, tokens)`, whose content key is `key`, and its
     /// hash.
     fn find(&self, key: u64, prev: &BlockHash, tokens: &[u32]) -> Option<(PageId, BlockHash)> {
@@ -125,9 +191,39 @@ impl BlockIndex {
         Some((page, hash.expect("found pages hold the content")))
     }
 
-    /// The cached page holding `(prev, tokens)`, and its hash `H(prev, tokens)`.
-    fn cached(&self, prev: &BlockHash, tokens: &[u32]) -> Option<(PageId, BlockHash)> {
-        self.find(self.key(prev, tokens), prev, tokens)
+    /// Walks the pages of `tokens` after the page whose hash and key are `at` while the map
+    /// holds them, calling `hit` with each page found; `at` becomes the last one's. Keys are
+    /// computed a window ahead (cheap, and needing nothing from the map) and the window's slots
+    /// loaded together, so that in a large index their cache misses overlap; the window starts
+    /// small, as a miss usually comes at the first page.
+    #[inline]
+    fn walk(&self, tokens: &[u32], at: &mut (BlockHash, u64), mut hit: impl FnMut(PageId)) {
+        let p = self.page_size;
+        let mut keys = [0u64; WALK_WINDOW];
+        let mut pages = tokens.chunks_exact(p);
+        let mut window = 2;
+        loop {
+            let mut n = 0;
+            let mut lead = at.1;
+            for page in pages.clone().take(window) {
+                lead = self.key(lead, page);
+                keys[n] = lead;
+                n += 1;
+            }
+            if n == 0 {
+                return;
+            }
+            self.map.prefetch(keys[..n].iter().copied());
+            for &key in &keys[..n] {
+                let page = pages.next().expect("counted above");
+                let Some((pg, h)) = self.find(key, &at.0, page) else {
+                    return;
+                };
+                hit(pg);
+                *at = (h, key);
+            }
+            window = (window * 4).min(WALK_WINDOW);
+        }
     }
 
     /// Records that the pages `first..first + hashes.len()` of `r`, hashed `hashes`, entered
@@ -221,6 +317,7 @@ impl BlockIndex {
 pub struct Hits {
     pages: Vec<PageId>,
     tip: Option<BlockHash>,
+    lead: u64,
 }
 
 impl Index for BlockIndex {
@@ -252,6 +349,8 @@ impl Index for BlockIndex {
             keys: TokenKeys::random(),
             events: EventLog::default(),
             tier: Tier::new(num_pages, host_pages),
+            root_none: root_hash(page_size, &None),
+            scratch: Vec::new(),
             #[cfg(test)]
             collide: false,
         })
@@ -272,19 +371,15 @@ impl Index for BlockIndex {
     /// Hashes page by page until the first page the map does not hold.
     fn lookup(&self, tokens: &[u32], namespace: &Namespace) -> Found<Hits> {
         let p = self.page_size;
-        let mut hits = Hits {
-            pages: Vec::new(),
-            tip: None,
+        let root = self.root(namespace);
+        let mut at = (root, Self::root_lead(&root));
+        let mut pages = Vec::new();
+        self.walk(tokens, &mut at, |pg| pages.push(pg));
+        let hits = Hits {
+            tip: (!pages.is_empty()).then_some(at.0),
+            lead: at.1,
+            pages,
         };
-        let mut prev = root_hash(p, namespace);
-        for page in tokens.chunks_exact(p) {
-            let Some((pg, h)) = self.cached(&prev, page) else {
-                break;
-            };
-            hits.pages.push(pg);
-            hits.tip = Some(h);
-            prev = h;
-        }
         let (mut evictable, mut host) = (0, 0);
         for &pg in &hits.pages {
             if self.tier.is_host(pg) {
@@ -318,6 +413,7 @@ impl Index for BlockIndex {
         pages.extend_from_slice(&found.at.pages);
         BlockExt {
             tip: found.at.tip,
+            lead: found.at.lead,
             stored: Vec::new(),
         }
     }
@@ -343,19 +439,33 @@ impl Index for BlockIndex {
     /// Takes never-hashed pages first, then the least recently released cached ones (to the
     /// host tier, or dropping their hashes).
     fn allocate(&mut self, count: usize, out: &mut Vec<PageId>) -> usize {
-        let mut evicted = 0;
-        for _ in 0..count {
-            let page = match self.lists.pop_front(FREE) {
-                Some(p) => p,
-                None => {
-                    let p = self.lists.pop_front(EVICTABLE).expect("capacity checked");
-                    self.evict_page(p);
-                    evicted += 1;
-                    p
-                }
+        let mut left = count;
+        while left > 0 {
+            let Some(page) = self.lists.pop_front(FREE) else {
+                break;
             };
             self.refcount[page.index()] = 1;
             out.push(page);
+            left -= 1;
+        }
+        // FREE is empty now, and evicting adds nothing to it. Cached pages leave EVICTABLE a
+        // batch at a time, and the map slots of their keys are loaded together before the batch
+        // is evicted: in a large pool each is a cache miss, and together they overlap.
+        let evicted = left;
+        let mut batch = [PageId(0); EVICT_BATCH];
+        while left > 0 {
+            let n = left.min(EVICT_BATCH);
+            for slot in &mut batch[..n] {
+                *slot = self.lists.pop_front(EVICTABLE).expect("capacity checked");
+            }
+            self.map
+                .prefetch(batch[..n].iter().map(|&page| self.recs.key(page)));
+            for &page in &batch[..n] {
+                self.evict_page(page);
+                self.refcount[page.index()] = 1;
+                out.push(page);
+            }
+            left -= n;
         }
         evicted
     }
@@ -371,43 +481,57 @@ impl Index for BlockIndex {
         // The run of pages entered into the map since the last stored copy, for the event log:
         // its first index, the hash before it and its hashes (collected only when recording).
         let (mut run_first, mut run_parent, mut run) = (first, r.ext.tip, Vec::new());
-        let root = root_hash(p, &r.namespace);
-        for i in first..last {
+        let root = self.root(&r.namespace);
+        // Pages are hashed (blake3, one after the other: no memory traffic) `2 * AHEAD` pages
+        // ahead of the page entered, and their map slots and records are loaded `AHEAD` pages
+        // at a time, `AHEAD` pages before they are needed. In a large index each load is a cache
+        // miss, and loaded together their latencies overlap instead of adding up page after
+        // page; and the map work of a page overlaps the blake3 of a later one. A published page
+        // is nearly always new, and a stored copy of it has the same hash anyway.
+        let n = last - first;
+        let mut todo = std::mem::take(&mut self.scratch);
+        todo.resize(2 * AHEAD, ([0; 32], 0));
+        let mut ahead = (r.ext.tip.unwrap_or(root), r.ext.lead);
+        for k in 0..n.min(2 * AHEAD) {
+            todo[k] = self.hash_and_key(r, first + k, &mut ahead);
+        }
+        self.prefetch_batch(r, &todo, first, 0..n.min(AHEAD));
+        for k in 0..n {
+            if k % AHEAD == 0 {
+                self.prefetch_batch(r, &todo, first, k + AHEAD..n.min(k + 2 * AHEAD));
+            }
+            let i = first + k;
+            let (h, key) = todo[k % (2 * AHEAD)];
+            if k + 2 * AHEAD < n {
+                todo[k % (2 * AHEAD)] = self.hash_and_key(r, i + 2 * AHEAD, &mut ahead);
+            }
             let prev = r.ext.tip.unwrap_or(root);
             let tokens = &r.tokens[i * p..(i + 1) * p];
-            let key = self.key(&prev, tokens);
-            // A published page is nearly always new: its blake3 runs while the map's slot loads
-            // (a cache miss in a large index). A stored copy has the same hash anyway.
-            self.map.prefetch(key);
-            let fresh = next_hash(&prev, tokens);
-            let h = match self.find(key, &prev, tokens) {
-                Some((copy, h)) if self.tier.is_host(copy) => {
+            match self.find(key, &prev, tokens) {
+                Some((copy, _)) if self.tier.is_host(copy) => {
                     // The request's page replaces the host copy: no duplicate, no copy.
                     self.lists.remove(HOST_EVICTABLE, copy);
                     self.relocate(copy, r.pages[i]);
                     self.lists.push_front(HOST_FREE, copy);
                     self.record_stored(r, run_first, run_parent, &mut run);
                     (run_first, run_parent) = (i + 1, Some(h));
-                    h
                 }
-                Some((copy, h)) => {
+                Some((copy, _)) => {
                     self.pin_page(copy);
                     r.ext.stored.push((i as u32, copy));
                     self.record_stored(r, run_first, run_parent, &mut run);
                     (run_first, run_parent) = (i + 1, Some(h));
-                    h
                 }
                 None => {
-                    let h = fresh;
                     self.hash_page(r.pages[i], &prev, tokens, h, key);
                     if self.events.on {
                         run.push(h);
                     }
-                    h
                 }
-            };
-            r.ext.tip = Some(h);
+            }
+            (r.ext.tip, r.ext.lead) = (Some(h), key);
         }
+        self.scratch = todo;
         self.record_stored(r, run_first, run_parent, &mut run);
         r.published = last * p;
     }
@@ -467,27 +591,23 @@ impl Index for BlockIndex {
     }
 
     fn cursor(&self, namespace: &Namespace) -> Cursor {
+        let root = self.root(namespace);
         Cursor {
             matched: 0,
-            at: CursorAt::Hash(root_hash(self.page_size, namespace)),
+            at: CursorAt::Hash(root, Self::root_lead(&root)),
         }
     }
 
     fn advance(&self, cursor: &mut Cursor, tokens: &[u32]) -> bool {
-        let CursorAt::Hash(mut h) = cursor.at else {
+        let CursorAt::Hash(h, lead) = cursor.at else {
             return false;
         };
-        let mut all = true;
-        for page in tokens.chunks_exact(self.page_size) {
-            let Some((_, next)) = self.cached(&h, page) else {
-                all = false;
-                break;
-            };
-            h = next;
-            cursor.matched += page.len();
-        }
-        cursor.at = CursorAt::Hash(h);
-        all
+        let mut at = (h, lead);
+        let mut found = 0;
+        self.walk(tokens, &mut at, |_| found += 1);
+        cursor.matched += found * self.page_size;
+        cursor.at = CursorAt::Hash(at.0, at.1);
+        found == tokens.len() / self.page_size
     }
 
     /// Each page in id order: its refcount and, when hashed, its block hash (a function of the
@@ -536,6 +656,26 @@ impl Index for BlockIndex {
             let hashes = crate::hash::block_hashes(&r.tokens[..r.published], p, &r.namespace);
             if hashes.last() != r.ext.tip.as_ref() {
                 return corrupt("a request's tip hash differs from its published tokens'");
+            }
+            // The content keys along its published pages, and the recorded keys of the pages
+            // that hold them (its own, or the stored copies it pins).
+            let mut lead = Self::root_lead(&crate::hash::root_hash(p, &r.namespace));
+            let mut stored = r.ext.stored.iter().peekable();
+            for (i, page) in r.tokens[..r.published].chunks_exact(p).enumerate() {
+                lead = self.key(lead, page);
+                let holder = match stored.next_if(|(at, _)| *at as usize == i) {
+                    Some(&(_, copy)) => copy,
+                    None => r.pages[i],
+                };
+                if self.recs.is_hashed(holder) && self.recs.key(holder) != lead {
+                    return corrupt(format!(
+                        "page {}: its recorded content key is not its prefix's",
+                        holder.0
+                    ));
+                }
+            }
+            if lead != r.ext.lead {
+                return corrupt("a request's tip key differs from its published tokens'");
             }
             for (i, &page) in r.pages.iter().enumerate() {
                 let Some(rc) = refs.get_mut(page.index()) else {
@@ -592,13 +732,7 @@ impl Index for BlockIndex {
                         page.0
                     ));
                 }
-                let key = self.key(&parent, tokens);
-                if self.recs.key(page) != key {
-                    return corrupt(format!(
-                        "page {}: its recorded content key is not its content's",
-                        page.0
-                    ));
-                }
+                let key = self.recs.key(page);
                 if self.map.find(key, |q| q == page) != Some(page) {
                     return corrupt(format!(
                         "page {} is hashed but the map does not point to it",
@@ -705,6 +839,40 @@ mod tests {
         assert!(e.to_string().contains("cannot allocate"), "{e}");
         let e = crate::error::try_vec(usize::MAX / 2, 0u64).unwrap_err();
         assert!(e.to_string().contains("bytes"), "{e}");
+    }
+
+    /// One publish of 150 pages (several of `publish`'s look-ahead windows) that meets stored
+    /// device copies (pages 0..30), host copies (30..60) and new pages (60..150): the stored
+    /// events name exactly the new pages under their spec hashes, and every page is found.
+    #[test]
+    fn long_publishes_over_stored_and_host_copies() {
+        use crate::events::CacheEvent;
+        let tokens: Vec<u32> = (0..150).map(|t| t * 7 + 1).collect();
+        let hashes = crate::hash::block_hashes(&tokens, 1, &None);
+        let mut c = BlockCache::with_host(300, 1, 64).unwrap();
+        let late = c.admit(&tokens, None).unwrap();
+        let early = c.admit(&tokens[..60], None).unwrap();
+        c.commit(early, 60).unwrap();
+        c.finish(early).unwrap();
+        assert_eq!(c.evict(30), 30, "pages 30..60 go to the host tier");
+        assert_eq!(c.index().host_free_pages(), 64 - 30);
+        c.record_events(true);
+        c.commit(late, 150).unwrap();
+        c.check().unwrap();
+        let events = c.drain_events();
+        let want = CacheEvent::Stored {
+            namespace: None,
+            parent: Some(hashes[59]),
+            hashes: hashes[60..].to_vec(),
+            tokens: tokens[60..].to_vec(),
+        };
+        assert_eq!(events, vec![want]);
+        assert_eq!(c.index().host_free_pages(), 64, "host copies were replaced");
+        c.finish(late).unwrap();
+        c.check().unwrap();
+        assert_eq!(c.match_prefix(&tokens, &None).unwrap(), 149);
+        let found = c.index().lookup(&tokens, &None);
+        assert_eq!((found.matched, found.at.tip), (150, Some(hashes[149])));
     }
 
     /// Two caches draw different seeds, and still make the same decisions.

@@ -47,8 +47,8 @@ pub struct Cursor {
 pub(crate) enum CursorAt {
     /// Radix: `offset` tokens into the edge of `node` (`None`: the namespace has no root).
     Node { node: Option<u32>, offset: usize },
-    /// Block: the hash of the prefix matched so far.
-    Hash(BlockHash),
+    /// Block: the hash and the content key of the prefix matched so far.
+    Hash(BlockHash, u64),
 }
 
 /// The part of a prefix cache that differs between a radix tree and a block-hash map. Every

@@ -108,6 +108,25 @@ impl PageRecords {
         (parent == prev && toks == tokens).then(|| from_words(hash))
     }
 
+    /// Loads the records of `pages` (those allocated so far), all at once, so that the writes
+    /// or reads after it hit the cache.
+    #[inline]
+    pub fn prefetch(&self, pages: &[PageId]) {
+        let s = self.stride();
+        let mut acc = 0;
+        for page in pages {
+            let at = page.index() * s;
+            if let Some(rec) = self.words.get(at..at + s) {
+                // One word of each cache line of the record.
+                for w in rec.iter().step_by(16) {
+                    acc ^= w;
+                }
+                acc ^= rec[s - 1];
+            }
+        }
+        std::hint::black_box(acc);
+    }
+
     /// A hash as the record stores it, for [`PageRecords::holds`].
     pub fn words_of(h: &BlockHash) -> [u32; HASH_WORDS] {
         to_words(h)

@@ -84,11 +84,15 @@ impl PageTable {
         }
     }
 
-    /// Starts loading `key`'s home slot, so that a caller with other work to do (a blake3 call)
-    /// does it while the line comes in from memory, and the `find` after it hits the cache.
+    /// Loads the home slots of `keys`, all at once, so that the `find`s and `insert`s after it
+    /// hit the cache: the loads are independent, so their misses overlap.
     #[inline]
-    pub fn prefetch(&self, key: u64) {
-        std::hint::black_box(self.slots[self.home(tag_of(key))]);
+    pub fn prefetch(&self, keys: impl Iterator<Item = u64>) {
+        let mut acc = 0;
+        for key in keys {
+            acc ^= self.slots[self.home(tag_of(key))];
+        }
+        std::hint::black_box(acc);
     }
 
     /// Adds `page` under `key`. The caller keeps within the capacity (one entry a pool page).
@@ -116,6 +120,8 @@ impl PageTable {
             }
         }
         // Backward shift: move later entries of the run into the hole when their home allows.
+        // Whether an entry moves is a coin toss for the branch predictor, so both outcomes are
+        // computed and selected (the hole is rewritten with its own value when it does not).
         let mut hole = i;
         let mut j = i;
         loop {
@@ -126,10 +132,12 @@ impl PageTable {
             }
             let home = self.home((slot >> 32) as u32);
             // The entry at j may fill the hole when its home is not cyclically in (hole, j].
-            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.slots[hole] = slot;
-                hole = j;
-            }
+            let moves = (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask);
+            // All ones when it moves, else zero: a select written as masks.
+            let m = (moves as usize).wrapping_neg();
+            let kept = self.slots[hole];
+            self.slots[hole] = (slot & m as u64) | (kept & !(m as u64));
+            hole = (j & m) | (hole & !m);
         }
         self.slots[hole] = 0;
         self.len -= 1;
