@@ -427,7 +427,6 @@ impl<I: Index> PrefixCache for Cache<I> {
             // Without a tier the digest is what it was before tiers existed.
             d.word(self.index.tier().host_pages as u64);
             d.word(self.index.host_free_pages() as u64);
-            d.word(self.index.tier().pending() as u64);
         }
         d.word(self.index.free_pages() as u64);
         d.word(self.index.evictable_pages() as u64);
