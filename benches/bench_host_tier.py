@@ -4,6 +4,7 @@ device), for both caches.
 
 Usage: .venv/bin/python benches/bench_host_tier.py [--quick] [--requests N] [--device-pages P]
 [--page-size S] [--host-bandwidth GBPS] [--kv-bytes-per-token B] [--json PATH]
+[--chart PATH | --no-chart]
 
 Each setup is one ``radixkv replay`` simulation (``radixkv.apps.replay``, policy lpm, its
 default batch and prefill rates) over the first N requests of the trace. Printed per setup: the
@@ -14,8 +15,14 @@ against both device-only pools. The last column is the wall time of each simulat
 core's work, not a figure of the model), with the tiered one's ratio to the D device-only one.
 
 Defaults: the whole trace (12,031 requests), D = 262,144 pages of 16 tokens (4.19M tokens; host
-16.8M, 5D 21.0M), about 35 s. ``--quick``: the first 2,000 requests, D = 32,768 pages (524k
+16.8M, 5D 21.0M), about 15 s. ``--quick``: the first 2,000 requests, D = 32,768 pages (524k
 tokens), a few seconds.
+
+The chart (``--chart``, default ``out/host_tier.png``; needs matplotlib, skipped with a note
+without it): the three setups' cumulative token hit rate over simulated time for the radix
+cache, with the unbounded-cache bound; the legend gives each setup's final hit rate and, for the
+tiered one, the part served from the host. The block cache's curves are drawn too if they differ
+from the radix cache's; the title says when they are identical.
 """
 
 from __future__ import annotations
@@ -25,12 +32,14 @@ import json
 import time
 from pathlib import Path
 
-from common import MOONCAKE, pin_one_core, table
+from common import MOONCAKE, ROOT, pin_one_core, table
+from radixkv.apps.args import NO_CHART, have_matplotlib
 from radixkv.apps.replay import (
     DEFAULT_HOST_BANDWIDTH,
     DEFAULT_KV_BYTES_PER_TOKEN,
     ReplayConfig,
     ReplayResult,
+    infinite_bound,
     replay,
 )
 from radixkv.apps.trace import read_trace
@@ -38,6 +47,7 @@ from radixkv.apps.trace import read_trace
 CACHES = ("radix", "block")
 HOST_FACTOR = 4  # host tier of 4D, compared with a device pool of (1 + 4)D
 TARGET = 0.9  # tiered hit rate over the 5D device-only one
+CHART = ROOT / "out" / "host_tier.png"  # out/ is git-ignored
 
 
 def run_setup(requests, cache: str, device: int, host: int, args) -> tuple[ReplayResult, float]:
@@ -77,6 +87,13 @@ def main() -> int:
         help=f"default: {DEFAULT_KV_BYTES_PER_TOKEN} (Llama-3-8B, bf16)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument(
+        "--chart",
+        type=Path,
+        default=CHART,
+        help="PNG of the hit rate over simulated time (default: out/host_tier.png)",
+    )
+    ap.add_argument("--no-chart", action="store_true", help="do not draw the chart")
     args = ap.parse_args()
     limit = args.requests or (2000 if args.quick else None)
     device = args.device_pages or (32_768 if args.quick else 262_144)
@@ -176,7 +193,82 @@ def main() -> int:
         figures[cache]["hit_rate_ratio_tiered_over_5d"] = ratio
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
+    if not args.no_chart:
+        if have_matplotlib():
+            bound = infinite_bound(requests, args.page_size)
+            heading = (
+                f"Mooncake trace, {len(requests)} requests, lpm; D = {tok / 1e6:.2f}M tokens "
+                f"(pages of {args.page_size})"
+            )
+            path = chart(dict(out), [name for name, _, _ in setups], bound, args.chart, heading)
+            print(f"chart: {path}")
+        else:
+            print(NO_CHART)
     return 0
+
+
+def chart(
+    got: dict[str, dict[str, tuple[ReplayResult, float]]],
+    names: list[str],
+    bound: float,
+    path: Path,
+    heading: str,
+) -> Path:
+    """Draws the setups' cumulative hit rate over simulated time to ``path``: the radix cache's
+    three curves (the block cache's too where any of its curves differs from the radix one's)
+    and the unbounded-cache bound; ``heading`` is the title's first line. The tiered curve is
+    dashed and drawn on top, as it mostly lies on the device-only 5D one. Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    same = all(got["radix"][n][0].hit_curve == got["block"][n][0].hit_curve for n in names)
+    shown = ["radix"] if same else list(CACHES)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = ("tab:blue", "tab:orange", "tab:green")
+    styles = {  # (line style, width, z-order) per setup: tiered on top, dashed
+        names[0]: ("-", 1.5, 2),
+        names[1]: ("--", 1.5, 3),
+        names[2]: ("-", 3.0, 1),
+    }
+    for cache in shown:
+        for name, color in zip(names, colors):
+            r = got[cache][name][0]
+            if not r.hit_curve:
+                continue
+            label = f"{name}: {r.hit_rate:.1%}"
+            if r.host_hit_tokens:
+                label += f" ({r.host_hit_rate:.1%} from host)"
+            style, width, z = styles[name]
+            t, h = zip(*r.hit_curve)
+            ax.plot(
+                [x / 60 for x in t],
+                [100 * y for y in h],
+                label=label if same else f"{cache} {label}",
+                color=color,
+                linestyle=style if cache == "radix" else ":",
+                linewidth=width,
+                zorder=z,
+                alpha=0.6 if width > 2 else 1.0,
+            )
+    ax.axhline(
+        100 * bound, color="gray", linestyle="--", lw=1, label=f"unbounded cache: {bound:.1%}"
+    )
+    top = max([bound] + [h for c in shown for n in names for _, h in got[c][n][0].hit_curve])
+    ax.set_ylim(0, min(100.0, 100 * top * 1.12) or 1.0)
+    ax.set_xlabel("simulated time (minutes)")
+    ax.set_ylabel("cumulative token hit rate (%)")
+    note = "block cache: identical curves" if same else "radix and block caches differ"
+    ax.set_title(f"{heading}\n{'radix cache' if same else 'both caches'} ({note})")
+    # Below the axes, so it never covers a curve whatever the pool size.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def _x(value: float, base: ReplayResult, q: float) -> str:
