@@ -124,6 +124,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             make_engine(model, "radix-p1", group=one)
         except ValueError as e:
             report["other_group"] = str(e)
+        # PrefixCache is for one process: refused, naming the engine to use instead.
+        try:
+            radixkv.hf.PrefixCache(model, radixkv.RadixCache(64))
+        except ValueError as e:
+            report["prefix_cache"] = str(e)
         # One KV head over two ranks: transformers splits it, radixkv refuses it.
         try:
             make_engine(load("mqa"), "radix-p1")
@@ -175,6 +180,7 @@ def test_tp_plan_auto_ranks_match_one_process_and_transformers_generate(tmp_path
         assert "tp_size=2" in rep["other_group"], f"rank {r}: {rep['other_group']}"
         assert ("group has 1 ranks" if r == 0 else "not in group") in rep["other_group"]
         assert "num_key_value_heads=1" in rep["mqa"] and "2 ranks" in rep["mqa"], rep["mqa"]
+        assert "tp_size=2" in rep["prefix_cache"] and "hf.engine" in rep["prefix_cache"], rep
 
     for cache in CACHES:
         single = make_engine(full, cache)

@@ -71,6 +71,12 @@ class PrefixCache:
         namespace: str | bytes | None = None,
     ) -> None:
         self.spec = check_model(model)
+        if self.spec.tp_size > 1:
+            raise ValueError(
+                f"radixkv.hf.PrefixCache serves one process; this model is tensor-parallel "
+                f"(tp_size={self.spec.tp_size}): use radixkv.hf.engine(model, cache), which runs "
+                f"the ranks in lockstep"
+            )
         if namespace is not None and not isinstance(namespace, (str, bytes)):
             raise ValueError(
                 f"namespace must be None, a str or bytes, got {namespace!r} "
