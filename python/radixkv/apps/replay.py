@@ -55,6 +55,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -119,8 +120,37 @@ class ReplayConfig:
         return self.page_size * self.kv_bytes_per_token / self.host_bandwidth
 
 
+class _HitRates:
+    """The hit rates of a result that has ``prompt_tokens``, ``cached_tokens`` and
+    ``host_hit_tokens``."""
+
+    if TYPE_CHECKING:  # fields of ReplayResult, sums over replicas of RoutedResult
+
+        @property
+        def prompt_tokens(self) -> int: ...
+        @property
+        def cached_tokens(self) -> int: ...
+        @property
+        def host_hit_tokens(self) -> int: ...
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached over prompt tokens of the admitted requests."""
+        return _rate(self.cached_tokens, self.prompt_tokens)
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Prompt tokens found cached on the device, over prompt tokens."""
+        return _rate(self.cached_tokens - self.host_hit_tokens, self.prompt_tokens)
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Prompt tokens found cached on the host (and loaded back), over prompt tokens."""
+        return _rate(self.host_hit_tokens, self.prompt_tokens)
+
+
 @dataclass
-class ReplayResult:
+class ReplayResult(_HitRates):
     """What one replay measured. Times in seconds of simulated time.
 
     ``requests``: requests admitted; ``prompt_tokens``, ``cached_tokens`` and
@@ -149,21 +179,6 @@ class ReplayResult:
     ttfts: list[float] = field(default_factory=list)
     #: (simulated time, cumulative hit rate) after each batch
     hit_curve: list[tuple[float, float]] = field(default_factory=list)
-
-    @property
-    def hit_rate(self) -> float:
-        """Cached over prompt tokens of the admitted requests."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def device_hit_rate(self) -> float:
-        """Prompt tokens found cached on the device, over prompt tokens."""
-        return _rate(self.cached_tokens - self.host_hit_tokens, self.prompt_tokens)
-
-    @property
-    def host_hit_rate(self) -> float:
-        """Prompt tokens found cached on the host (and loaded back), over prompt tokens."""
-        return _rate(self.host_hit_tokens, self.prompt_tokens)
 
     def percentile(self, which: str, q: float) -> float:
         """A percentile (0-100) of ``queue_waits`` or ``ttfts``."""
@@ -388,7 +403,7 @@ def _drive(
 
 
 @dataclass
-class RoutedResult:
+class RoutedResult(_HitRates):
     """What one replay over replicas measured: one :class:`ReplayResult` per replica, and where
     each request went.
 
@@ -442,24 +457,9 @@ class RoutedResult:
         return self._sum("evicted_pages")
 
     @property
-    def hit_rate(self) -> float:
-        """Cached over prompt tokens, all replicas together."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
     def host_hit_tokens(self) -> int:
         """Cached tokens that were on a host tier, all replicas together."""
         return self._sum("host_hit_tokens")
-
-    @property
-    def device_hit_rate(self) -> float:
-        """Prompt tokens found cached on a device, over prompt tokens, all replicas together."""
-        return _rate(self.cached_tokens - self.host_hit_tokens, self.prompt_tokens)
-
-    @property
-    def host_hit_rate(self) -> float:
-        """Prompt tokens found cached on a host tier, over prompt tokens, all replicas."""
-        return _rate(self.host_hit_tokens, self.prompt_tokens)
 
     @property
     def loaded_pages(self) -> int:

@@ -40,9 +40,9 @@ from radixkv.kv.step import Step
 #: Element types the pool may hold.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: Kinds of a row of ``cache.drain_copies()`` (``radixkv.COPY_OFFLOAD`` / ``radixkv.COPY_LOAD``).
-COPY_OFFLOAD = 0
-COPY_LOAD = 1
+#: Kinds of a row of ``cache.drain_copies()``, as the core defines them.
+COPY_OFFLOAD = radixkv.COPY_OFFLOAD
+COPY_LOAD = radixkv.COPY_LOAD
 
 #: One run of copies: ``(kind, segments)``, each segment ``(src_page, dst_page, num_pages)``
 #: copying ``num_pages`` consecutive pages. The segments of a run are independent of each other
@@ -182,7 +182,7 @@ class KVCache:
         if not isinstance(attention, str):
             raise TypeError(f"attention must be a str, got {type(attention).__name__}")
         _backends.check_name(attention, torch.device(device))
-        host_pages = int(getattr(cache, "host_pages", 0))
+        host_pages = cache.host_pages
         host = _host_device(host_device, host_pages)
         self.attention = attention
         self.cache = cache
