@@ -12,11 +12,8 @@ written as JSON, ``os._exit`` after a barrier, a watchdog.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -30,6 +27,7 @@ pytest.importorskip("transformers")
 import radixkv
 import radixkv.hf
 from hf_models import VOCAB, build_model, greedy_reference, save_model
+from ranks import end_rank, run_ranks
 
 pytestmark = [
     pytest.mark.skipif(
@@ -43,7 +41,6 @@ pytestmark = [
     ),
 ]
 
-WATCHDOG_S = 120
 WORLD = 2
 CACHES = {
     "radix-p1": lambda: radixkv.RadixCache(160, page_size=1),
@@ -136,35 +133,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             report["mqa"] = str(e)
     except BaseException:  # the test reads it
         report["crash"] = traceback.format_exc()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    if "crash" not in report and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # both reports are written
-    # No teardown (see test_tp.py): the operating system closes the sockets.
-    os._exit(0)
-
-
-def run_ranks(tmp_path: Path) -> list[dict]:
-    """Starts the ranks and returns their reports; fails if they hang."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = torch.multiprocessing.spawn(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + WATCHDOG_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the tensor-parallel ranks hung for {WATCHDOG_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for r, rep in enumerate(reports):
-        assert "crash" not in rep, f"rank {r} crashed:\n{rep['crash']}"
-    return reports
-
-
-# ---- tests ---------------------------------------------------------------------------------
+    end_rank(rank, out_dir, report)
 
 
 def test_tp_plan_auto_ranks_match_one_process_and_transformers_generate(tmp_path):
@@ -172,7 +141,7 @@ def test_tp_plan_auto_ranks_match_one_process_and_transformers_generate(tmp_path
     full = build_model("llama", seed=5)  # 4 query heads over 2 KV heads
     save_model(full, tmp_path / "gqa")
     save_model(build_model("llama", seed=6, num_key_value_heads=1), tmp_path / "mqa")
-    reports = run_ranks(tmp_path)
+    reports = run_ranks(_worker, (str(tmp_path),), tmp_path, WORLD, "the tensor-parallel ranks")
 
     for r, rep in enumerate(reports):
         assert rep["backend"] == "gloo" and rep["tp_size"] == WORLD, rep

@@ -9,9 +9,6 @@ a watchdog kills them if they hang.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import sys
 import time
 import traceback
@@ -24,13 +21,13 @@ import torch
 
 import radixkv
 from radixkv.engine import agree_num_pages
+from ranks import WATCHDOG_S, end_rank, run_ranks
 from tiny_model import VOCAB, tiny_model
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
 )
 
-WATCHDOG_S = 120
 POLICIES = ["fcfs", "lpm", "dfs-weight"]
 # Pools of 64 tokens: every request fits alone, the workload does not fit at once.
 CACHES = {
@@ -73,7 +70,7 @@ def outputs(eng: radixkv.Engine) -> dict[str, list]:
 # ---- the processes -------------------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
+def _worker(rank: int, port: int, world: int, out_dir: str, job: str) -> None:
     """One rank: runs ``job`` and writes what it saw to ``out_dir/rank<r>.json``."""
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -94,13 +91,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
             _diverge_job(rank, model, group, report)
     except BaseException:  # the test reads it
         report["crash"] = traceback.format_exc()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    if "crash" not in report and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # both reports are written
-    # No teardown: gloo's process group, destroyed while the other rank exits, sometimes aborts
-    # the process from a background thread (about 1 run in 20 here). The test reads the reports;
-    # the operating system closes the sockets.
-    os._exit(0)
+    end_rank(rank, out_dir, report)
 
 
 def _equal_job(rank: int, model, group, report: dict) -> None:
@@ -150,27 +141,9 @@ def _diverge_job(rank: int, model, group, report: dict) -> None:
         report["again"] = str(e)
 
 
-def run_ranks(tmp_path: Path, job: str) -> list[dict]:
-    """Starts 2 ranks on ``job`` and returns their reports; fails if they hang."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = torch.multiprocessing.spawn(
-        _worker, args=(2, port, str(tmp_path), job), nprocs=2, join=False
-    )
-    deadline = time.monotonic() + WATCHDOG_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the ranks of job {job!r} hung for {WATCHDOG_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for r, rep in enumerate(reports):
-        assert "crash" not in rep, f"rank {r} crashed:\n{rep['crash']}"
-    return reports
+def ranks_of(tmp_path: Path, job: str) -> list[dict]:
+    """Runs ``job`` on 2 ranks and returns their reports."""
+    return run_ranks(_worker, (2, str(tmp_path), job), tmp_path, 2, f"the ranks of job {job!r}")
 
 
 # ---- tests ---------------------------------------------------------------------------------
@@ -179,7 +152,7 @@ def run_ranks(tmp_path: Path, job: str) -> list[dict]:
 def test_ranks_match_one_process_for_every_cache_and_policy(tmp_path):
     torch.set_num_threads(1)
     full = tiny_model(seed=3, dtype=torch.float32)
-    rank0, rank1 = run_ranks(tmp_path, "equal")
+    rank0, rank1 = ranks_of(tmp_path, "equal")
     assert "rank 0" in rank1["refused"] and "follow" in rank1["refused"]
     for cache, policy in SCENARIOS:
         single = make_engine(cache, policy, full)
@@ -200,7 +173,7 @@ def test_ranks_match_one_process_for_every_cache_and_policy(tmp_path):
 
 
 def test_a_diverging_rank_raises_on_every_rank(tmp_path):
-    reports = run_ranks(tmp_path, "diverge")
+    reports = ranks_of(tmp_path, "diverge")
     for r, rep in enumerate(reports):
         assert "DivergedError" in rep.get("error", ""), f"rank {r}: {rep}"
         assert "cache state digest" in rep["error"], rep["error"]

@@ -1,0 +1,59 @@
+"""Ranks of a multi-process test: started with ``torch.multiprocessing.spawn`` on a free local
+port, each writing a JSON report that the test reads (shared by ``test_tp.py`` and
+``test_hf_tp.py``).
+
+A worker is ``worker(rank, port, *args)``; it fills a report dict (``"crash"``: the traceback of
+whatever it raised) and ends with :func:`end_rank`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+import torch
+
+#: Seconds the ranks may take before the test fails (and the process group times out).
+WATCHDOG_S = 120
+
+
+def run_ranks(
+    worker: Callable[..., None], args: tuple[Any, ...], out_dir: Path, nprocs: int, what: str
+) -> list[dict]:
+    """Starts ``nprocs`` ranks of ``worker(rank, port, *args)`` and returns their reports (from
+    ``out_dir``); fails the test if they hang past :data:`WATCHDOG_S` or one crashed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = torch.multiprocessing.spawn(worker, args=(port, *args), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + WATCHDOG_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what} hung for {WATCHDOG_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    reports = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+    for r, rep in enumerate(reports):
+        assert "crash" not in rep, f"rank {r} crashed:\n{rep['crash']}"
+    return reports
+
+
+def end_rank(rank: int, out_dir: str, report: dict) -> NoReturn:
+    """Writes ``report`` to ``out_dir/rank<rank>.json``, waits for the other ranks' (unless this
+    one crashed) and exits the process."""
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    if "crash" not in report and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every report is written
+    # No teardown: gloo's process group, destroyed while another rank exits, sometimes aborts
+    # the process from a background thread (about 1 run in 20 here). The test reads the reports;
+    # the operating system closes the sockets.
+    os._exit(0)
