@@ -65,52 +65,6 @@ impl Config {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn fmt_ns(ns: f64) -> String {
-    if ns < 1e3 {
-        format!("{ns:.0} ns")
-    } else if ns < 1e6 {
-        format!("{:.2} us", ns / 1e3)
-    } else if ns < 1e9 {
-        format!("{:.2} ms", ns / 1e6)
-    } else {
-        format!("{:.3} s", ns / 1e9)
-    }
-}
-
-/// Nanoseconds per call of `f`, over a batch long enough to read a clock around (median of runs).
-fn per_call(runs: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f(); // warm-up: caches, branch predictors, the first growth of any table
-    }
-    let mut batch = 1;
-    loop {
-        let t0 = Instant::now();
-        for _ in 0..batch {
-            f();
-        }
-        if t0.elapsed().as_millis() >= 20 || batch >= 1 << 20 {
-            break;
-        }
-        batch *= 2;
-    }
-    median(
-        (0..runs)
-            .map(|_| {
-                let t0 = Instant::now();
-                for _ in 0..batch {
-                    f();
-                }
-                t0.elapsed().as_nanos() as f64 / batch as f64
-            })
-            .collect(),
-    )
-}
-
 /// A pool of `tokens` tokens filled with distinct cached 2k-token prompts (all evictable).
 fn filled(make: Make, p: usize, tokens: usize, seed: u64) -> Box<dyn PrefixCache> {
     let mut c = make(tokens / p);

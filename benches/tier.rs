@@ -1,7 +1,8 @@
 //! What the host tier costs the index (`cargo bench --bench tier`; no criterion, no Python).
 //!
 //! Per request (admit + commit + finish, or admit + abort), median of `RADIXKV_TIER_RUNS` runs
-//! (default 5), each figure printed beside its baseline measured in the same run:
+//! (default 5) of a batch long enough to time, each figure printed beside its baseline measured
+//! in the same run:
 //!
 //! | row           | measures                                                | baseline                  |
 //! |---------------|---------------------------------------------------------|---------------------------|
@@ -19,7 +20,6 @@ mod inputs;
 use inputs::*;
 use radixkv::{BlockCache, PrefixCache, RadixCache};
 use std::hint::black_box;
-use std::time::Instant;
 
 /// Tokens of each prompt.
 const N: usize = 2048;
@@ -37,37 +37,6 @@ const CACHES_TIERED: [(&str, usize, MakeTiered); 3] = [
         Box::new(BlockCache::with_host(n, 16, h).unwrap())
     }),
 ];
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn fmt_ns(ns: f64) -> String {
-    if ns < 1e3 {
-        format!("{ns:.0} ns")
-    } else {
-        format!("{:.2} us", ns / 1e3)
-    }
-}
-
-/// Nanoseconds per call of `f` (median of `runs` batches of `batch` calls, after a warm-up).
-fn per_call(runs: usize, batch: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..batch {
-        f();
-    }
-    median(
-        (0..runs)
-            .map(|_| {
-                let t0 = Instant::now();
-                for _ in 0..batch {
-                    f();
-                }
-                t0.elapsed().as_nanos() as f64 / batch as f64
-            })
-            .collect(),
-    )
-}
 
 /// A new prompt each call (its first token changes), computed and finished in a full pool.
 fn miss(c: &mut dyn PrefixCache, seed: u64) -> impl FnMut() + '_ {
@@ -108,8 +77,7 @@ fn main() {
             .unwrap_or(5usize)
             .max(1)
     };
-    let batch = if quick { 20 } else { 400 };
-    println!("== tier: per request, median of {runs} runs of {batch} (copy log drained each time)");
+    println!("== tier: per request, median of {runs} runs (copy log drained each time)");
     for (name, p, make) in CACHES_TIERED {
         // A pool of 32 prompts; the tier holds 32 more.
         let pages = 32 * N / p;
@@ -119,8 +87,8 @@ fn main() {
             publish(&mut *plain, &stream(100 + k, 0, N));
             publish(&mut *tiered, &stream(100 + k, 0, N));
         }
-        let base = per_call(runs, batch, miss(&mut *plain, 7));
-        let tier = per_call(runs, batch, miss(&mut *tiered, 7));
+        let base = per_call(runs, miss(&mut *plain, 7));
+        let tier = per_call(runs, miss(&mut *tiered, 7));
         let s = tiered.stats();
         assert!(s.offloaded_pages > 0 && s.host_evicted_pages > 0);
         println!(
@@ -133,8 +101,8 @@ fn main() {
         let one = N / p + 1;
         let mut both = make(2 * one + 2, 0);
         let mut host = make(one + 1, 2 * one);
-        let device = per_call(runs, batch, alternate(&mut *both));
-        let loads = per_call(runs, batch, alternate(&mut *host));
+        let device = per_call(runs, alternate(&mut *both));
+        let loads = per_call(runs, alternate(&mut *host));
         let s = host.stats();
         assert!(s.loaded_pages > 0 && s.host_hit_tokens > 0);
         assert_eq!(both.stats().loaded_pages, 0);

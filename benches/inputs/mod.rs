@@ -7,6 +7,7 @@
 use radixkv::{BlockCache, PrefixCache, RadixCache};
 use std::io::Read;
 use std::path::Path;
+use std::time::Instant;
 
 // ---------------------------------------------------------------------------------------------
 // Deterministic inputs (mirrored in benches/common.py)
@@ -234,4 +235,54 @@ pub fn prompts(n: usize) -> Prompts {
     let mut half = hit[..n / 2].to_vec();
     half.extend_from_slice(&miss[n / 2..]);
     Prompts { hit, half, miss }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing (the benches with a plain `main`)
+// ---------------------------------------------------------------------------------------------
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn fmt_ns(ns: f64) -> String {
+    if ns < 1e3 {
+        format!("{ns:.0} ns")
+    } else if ns < 1e6 {
+        format!("{:.2} us", ns / 1e3)
+    } else if ns < 1e9 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.3} s", ns / 1e9)
+    }
+}
+
+/// Nanoseconds per call of `f`, over a batch long enough to read a clock around (median of runs).
+pub fn per_call(runs: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f(); // warm-up: caches, branch predictors, the first growth of any table
+    }
+    let mut batch = 1;
+    loop {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            f();
+        }
+        if t0.elapsed().as_millis() >= 20 || batch >= 1 << 20 {
+            break;
+        }
+        batch *= 2;
+    }
+    median(
+        (0..runs)
+            .map(|_| {
+                let t0 = Instant::now();
+                for _ in 0..batch {
+                    f();
+                }
+                t0.elapsed().as_nanos() as f64 / batch as f64
+            })
+            .collect(),
+    )
 }
