@@ -5,7 +5,7 @@
 //! already hold the KV of its prefix and which pages its new tokens are written to.
 //!
 //! The request life cycle is written once, in [`Cache`], over an index that answers only how
-//! prefixes are found, pinned, published and evicted (the `Index` trait in `index.rs`). Two
+//! prefixes are found, pinned, published and evicted (the `Index` trait in `cache/index.rs`). Two
 //! indexes implement it:
 //!
 //! - [`RadixCache`]: a compressed radix tree over token ids (SGLang's RadixAttention style),
@@ -16,49 +16,42 @@
 //! [`Scheduler`] admits waiting requests into either in a cache-aware order. The PyO3 glue lives
 //! in `python/` behind the `python` cargo feature.
 //!
+//! The folders are the layers, each using only those above it in this picture:
+//!
 //! ```text
-//!   error  ids  stats  hash  links  freeset  table_hash  page_table  page_records   (leaves)
-//!   events (what a cache records for routers, when asked to)
-//!   request ── index ── cache ──┬── radix
-//!                               ├── block
-//!                               └── scheduler ── waiting
-//!   tier (the host tier's copy log, shared by both indexes)
-//!   plan (step plans)           python (the boundary)
+//!   error                 the one error type
+//!   arena/                ids, intrusive links, table hashing: storage with no cache policy
+//!   wire/                 formats read outside the crate: block hashes (with namespaces), events
+//!   cache/                the request life cycle and the contract an index fulfils: Cache<I>,
+//!                         Index, requests, stats, the host tier's copy log, the state digest
+//!   radix/   block/       the two indexes, each with its invariant checker and private tables
+//!   sched/                the cache-aware scheduler and its waiting trie
+//!   plan                  step plans over live requests
+//!   python/               the one PyO3 boundary
 //! ```
 
+mod arena;
 mod block;
 mod cache;
 mod error;
-mod events;
-mod freeset;
-mod hash;
-mod ids;
-mod index;
-mod links;
-mod page_records;
-mod page_table;
 mod plan;
 mod radix;
-mod request;
-mod scheduler;
-mod stats;
-mod table_hash;
-mod tier;
-mod waiting;
+mod sched;
+mod wire;
 
 #[cfg(feature = "python")]
 mod python;
 
+pub use arena::ids::PageId;
 pub use block::BlockCache;
+pub use cache::index::{Cursor, Index};
+pub use cache::request::{RequestId, RequestView};
+pub use cache::stats::CacheStats;
+pub use cache::tier::{CopyKind, PageCopy};
 pub use cache::{Cache, PrefixCache};
 pub use error::{Error, Result};
-pub use events::CacheEvent;
-pub use hash::{block_hashes, sha256_cbor, BlockHash};
-pub use ids::PageId;
-pub use index::{Cursor, Index};
 pub use plan::{plan_step, StepPlan};
 pub use radix::RadixCache;
-pub use request::{Namespace, RequestId, RequestView};
-pub use scheduler::{Admitted, Policy, Scheduler};
-pub use stats::CacheStats;
-pub use tier::{CopyKind, PageCopy};
+pub use sched::{Admitted, Policy, Scheduler};
+pub use wire::events::CacheEvent;
+pub use wire::hash::{block_hashes, sha256_cbor, BlockHash, Namespace};

@@ -17,7 +17,7 @@
 //! offsets are `i32` there, as attention kernels take them; a backend that wants one slot per key
 //! derives it (`block_table[b, i / P] * P + i % P`).
 
-use crate::request::RequestView;
+use crate::cache::request::RequestView;
 
 /// Everything a step's layers share, as flat arrays (lengths in the field docs).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -104,7 +104,7 @@ pub fn plan_step(requests: &[RequestView<'_>]) -> std::result::Result<StepPlan, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::PageId;
+    use crate::arena::ids::PageId;
 
     #[test]
     fn packs_suffixes_and_pads_slots() {

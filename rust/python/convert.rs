@@ -1,6 +1,6 @@
 //! Python values in: token ids and namespaces, checked with messages that name the bad value.
 
-use crate::request::Namespace;
+use crate::wire::hash::Namespace;
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;

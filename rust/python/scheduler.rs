@@ -2,7 +2,7 @@
 
 use super::cache::{PyCache, PyRequest};
 use super::convert;
-use crate::scheduler::{Policy, Scheduler, WAIT_BOUNDS};
+use crate::sched::{Policy, Scheduler, WAIT_BOUNDS};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use std::collections::HashMap;

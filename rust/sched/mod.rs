@@ -2,7 +2,7 @@
 //!
 //! SGLang orders its waiting queue by longest cached prefix (LPM) in Python and falls back to
 //! arrival order once more than 128 requests wait; it has no aging. This scheduler is native:
-//! the waiting prompts live in a chunk trie ([`crate::waiting`]), so ranking probes the cache once
+//! the waiting prompts live in a chunk trie ([`crate::sched::waiting`]), so ranking probes the cache once
 //! per shared chunk rather than once per request, and the policy stays on at any queue length.
 //!
 //! Order of service, for every policy:
@@ -25,14 +25,16 @@
 //! request stops the call (nothing behind it takes its pages), which bounds its wait. `add`
 //! refuses a request that could never fit the pool.
 
+use crate::cache::request::RequestId;
 use crate::cache::{match_limit, PrefixCache};
 use crate::error::{invalid, Error, Result};
-use crate::request::Namespace;
-use crate::request::RequestId;
-use crate::waiting::WaitingTrie;
+use crate::wire::hash::Namespace;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Arc;
+use waiting::WaitingTrie;
+
+mod waiting;
 
 /// Sort key of a waiting request: starved first (oldest first among them), then higher
 /// priority, then the policy's two keys, then arrival.

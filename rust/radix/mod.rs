@@ -21,19 +21,24 @@
 //! tail to the host (splitting the edge where only part goes); the host tier has its own list of
 //! leaves, dropped least recently used first; a match through host edges loads them back whole.
 
+use crate::arena::ids::{ArenaId, PageId};
+use crate::arena::links::{Links, ListId};
+use crate::arena::table_hash::{MixHasher, TokenKeys};
+use crate::cache::index::{Cursor, CursorAt, Found, Index};
+use crate::cache::request::{Request, Requests};
+use crate::cache::tier::Tier;
 use crate::cache::Cache;
 use crate::error::{corrupt, Result};
-use crate::events::EventLog;
-use crate::freeset::FreeSet;
-use crate::hash::{block_hashes, next_hash, root_hash, BlockHash};
-use crate::ids::{ArenaId, PageId};
-use crate::index::{Cursor, CursorAt, Found, Index};
-use crate::links::{Links, ListId};
-use crate::request::{Namespace, Request, Requests};
-use crate::table_hash::{MixHasher, TokenKeys};
-use crate::tier::Tier;
+use crate::wire::events::EventLog;
+use crate::wire::hash::Namespace;
+use crate::wire::hash::{block_hashes, next_hash, root_hash, BlockHash};
+use freeset::FreeSet;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
+
+mod check;
+mod evict;
+mod freeset;
 
 /// A prefix cache indexed by a compressed radix tree over token ids.
 pub type RadixCache = Cache<RadixIndex>;
@@ -307,201 +312,6 @@ impl RadixIndex {
             }
             id = parent;
         }
-    }
-
-    /// Links an unpinned node that just became a leaf at its place by last use. Its time is at
-    /// least that of the leaf just evicted below it (the front), so the walk is short.
-    fn link_by_time(&mut self, id: NodeId) {
-        let t = self.node(id).time;
-        let mut at = self.lru.front(LRU);
-        while let Some(e) = at {
-            if self.node(e).time > t {
-                break;
-            }
-            at = self.lru.next_of(e);
-        }
-        match at {
-            Some(e) => self.lru.insert_before(LRU, e, id),
-            None => self.lru.push_back(LRU, id),
-        }
-    }
-
-    /// Links a host edge that just became a host leaf after every host leaf used no later
-    /// (walking from the back: edges come down to the host roughly in order of last use).
-    fn link_host_by_time(&mut self, id: NodeId) {
-        let t = self.node(id).time;
-        let mut at = self.lru.back(HOST_LRU);
-        while let Some(e) = at {
-            if self.node(e).time <= t {
-                break;
-            }
-            at = self.lru.prev_of(e);
-        }
-        match at.and_then(|e| self.lru.next_of(e)) {
-            Some(next) => self.lru.insert_before(HOST_LRU, next, id),
-            None if at.is_some() => self.lru.push_back(HOST_LRU, id),
-            None => self.lru.push_front(HOST_LRU, id),
-        }
-    }
-
-    /// Host page ids (per tier) of index ids.
-    fn host_locals(&self, pages: &[PageId]) -> Vec<PageId> {
-        pages.iter().map(|&pg| self.tier.local(pg)).collect()
-    }
-
-    /// Moves the whole device edge `id` (unpinned, no child on the device) to the host: its
-    /// pages take the smallest free host ids, in page order (the caller made room).
-    fn offload_edge(&mut self, id: NodeId) {
-        let k = self.node(id).pages.len();
-        let mut hosts = Vec::with_capacity(k);
-        self.host_free.pop_many(k, &mut hosts);
-        let device = std::mem::take(&mut self.node_mut(id).pages);
-        let mut moved = Vec::with_capacity(k);
-        for (&d, &h) in device.iter().zip(&hosts) {
-            let h = self.tier.host_id(h);
-            self.tier.offload(d, h);
-            moved.push(h);
-        }
-        self.free.insert_all(&device);
-        self.evictable -= k;
-        let n = self.node_mut(id);
-        n.pages = moved;
-        n.host = true;
-        let (parent, leaf) = (n.parent, n.children.is_empty());
-        self.lru.remove(LRU, id);
-        let par = self.node_mut(parent);
-        par.dev_children -= 1;
-        if par.dev_children == 0 && par.lock == 0 && par.parent != NIL {
-            self.link_by_time(parent);
-        }
-        if leaf {
-            self.link_host_by_time(id);
-        }
-    }
-
-    /// A host edge a request publishes onto (unpinned, all of it matched): the request's own
-    /// device pages `mine` replace its host pages, which are freed.
-    fn promote(&mut self, id: NodeId, mine: &[PageId]) {
-        let host = std::mem::replace(&mut self.node_mut(id).pages, mine.to_vec());
-        let locals = self.host_locals(&host);
-        self.host_free.insert_all(&locals);
-        if self.lru.is_linked(id) {
-            self.lru.remove(HOST_LRU, id);
-        }
-        let n = self.node_mut(id);
-        n.host = false;
-        let parent = n.parent;
-        self.evictable += mine.len();
-        self.node_mut(parent).dev_children += 1;
-    }
-
-    /// Drops up to `want` host pages from the least recently used host leaves; returns how many.
-    fn evict_host(&mut self, want: usize) -> usize {
-        let p = self.page_size;
-        let mut done = 0;
-        while done < want {
-            let Some(leaf) = self.lru.front(HOST_LRU) else {
-                break;
-            };
-            let take = (want - done).min(self.node(leaf).pages.len());
-            if self.events.on {
-                let keys = self.trailing_keys(leaf, take);
-                self.events.removed(keys);
-            }
-            let keep = self.node(leaf).pages.len() - take;
-            let locals = self.host_locals(&self.node(leaf).pages[keep..]);
-            self.host_free.insert_all(&locals);
-            let first = self.page_key(&self.node(leaf).key[..p]);
-            self.tier.dropped += take as u64;
-            let n = self.node_mut(leaf);
-            n.pages.truncate(keep);
-            n.key.truncate(keep * p);
-            done += take;
-            if keep > 0 {
-                continue;
-            }
-            let parent = n.parent;
-            self.lru.remove(HOST_LRU, leaf);
-            self.free_node(leaf);
-            let par = self.node_mut(parent);
-            par.children.remove(&first);
-            if par.parent == NIL {
-                self.drop_root_if_empty(parent);
-            } else if par.host && par.children.is_empty() && par.lock == 0 {
-                self.link_host_by_time(parent);
-            }
-        }
-        done
-    }
-
-    /// Frees up to `want` device pages from the least recently used device leaves, moving them
-    /// to the host tier when `offload` (see SEMANTICS.md); returns how many.
-    fn evict_device(&mut self, want: usize, offload: bool) -> usize {
-        let p = self.page_size;
-        let mut done = 0;
-        while done < want {
-            let Some(leaf) = self.lru.front(LRU) else {
-                break;
-            };
-            let len = self.node(leaf).pages.len();
-            let take = (want - done).min(len);
-            let mut down = 0;
-            if offload {
-                let free = self.host_free.len();
-                if free < take {
-                    self.evict_host(take - free);
-                }
-                down = take.min(self.host_free.len());
-            }
-            let mut drop = take - down;
-            if drop > 0 && !self.node(leaf).children.is_empty() {
-                // Unreachable: the host tier came up short only if it holds no unpinned page,
-                // and nothing below an unpinned edge is pinned.
-                debug_assert!(false, "dropping pages above host edges");
-                drop = 0;
-                if down == 0 {
-                    break;
-                }
-            }
-            if drop > 0 {
-                let first = self.page_key(&self.node(leaf).key[..p]);
-                if self.events.on {
-                    let keys = self.trailing_keys(leaf, drop);
-                    self.events.removed(keys);
-                }
-                let n = &mut self.nodes[leaf.index()];
-                let keep = n.pages.len() - drop;
-                self.free.insert_all(&n.pages[keep..]);
-                n.pages.truncate(keep);
-                n.key.truncate(keep * p);
-                self.evictable -= drop;
-                done += drop;
-                if keep == 0 {
-                    let parent = n.parent;
-                    self.lru.remove(LRU, leaf);
-                    self.free_node(leaf);
-                    let par = self.node_mut(parent);
-                    par.children.remove(&first);
-                    par.dev_children -= 1;
-                    if par.parent == NIL {
-                        self.drop_root_if_empty(parent);
-                    } else if par.dev_children == 0 && par.lock == 0 {
-                        self.link_by_time(parent);
-                    }
-                    continue;
-                }
-            }
-            if down > 0 {
-                let len = self.node(leaf).pages.len();
-                if down < len {
-                    // The head stays: a new unpinned device edge whose only child goes down.
-                    self.split(leaf, (len - down) * p);
-                }
-                self.offload_edge(leaf);
-                done += down;
-            }
-        }
-        done
     }
 
     /// The root of `namespace`, created if missing.
@@ -857,7 +667,7 @@ impl Index for RadixIndex {
     }
 
     fn check(&self, requests: &Requests<RadixExt>, num_pages: usize) -> Result<()> {
-        check_tree(self, requests, num_pages)
+        check::check_tree(self, requests, num_pages)
     }
 
     fn events(&mut self) -> &mut EventLog {
@@ -869,7 +679,7 @@ impl Index for RadixIndex {
     /// root's namespace; then the logical clock and the LRU list front to back. Child maps are
     /// left out: their keys are seeded per cache and their order is the map's, and the parent
     /// links say the same. O(nodes + cached tokens).
-    fn digest(&self, d: &mut crate::cache::StateDigest) {
+    fn digest(&self, d: &mut crate::cache::digest::StateDigest) {
         d.word(self.nodes.len() as u64);
         for (id, n) in self.nodes.iter().enumerate() {
             if !n.alive {
@@ -954,210 +764,24 @@ fn record_new_leaf(
     events.stored_keys(&r.namespace, parent, hashes, r.tokens[from..upto].to_vec());
 }
 
-/// Recomputes the tree's invariants from scratch (see `PrefixCache::check`).
-fn check_tree(t: &RadixIndex, requests: &Requests<RadixExt>, num_pages: usize) -> Result<()> {
-    let p = t.page_size;
-    let host_pages = t.tier.host_pages;
-    let mut owner = vec![0u8; num_pages + host_pages];
-    let mut own = |page: PageId, what: &str| -> Result<()> {
-        let slot = owner
-            .get_mut(page.index())
-            .ok_or(())
-            .or_else(|_| corrupt(format!("{what} holds page {}, outside the pool", page.0)))?;
-        *slot += 1;
-        Ok(())
-    };
-    // Structure, and pages held by the tree.
-    let mut evictable = 0;
-    let mut locks = vec![0u32; t.nodes.len()];
-    for (ns, &root) in &t.roots {
-        let r = t.node(root);
-        if !r.alive || r.parent != NIL || !r.key.is_empty() || r.ns.as_deref() != Some(ns) {
-            return corrupt(format!("root {} of namespace {ns:?} is malformed", root.0));
-        }
-        if r.lock == 0 && r.children.is_empty() {
-            return corrupt(format!(
-                "root {} of namespace {ns:?} is empty and unpinned, yet kept",
-                root.0
-            ));
-        }
-    }
-    let (mut leaves, mut host_leaves) = (0, 0);
-    for (id, n) in t.nodes.iter().enumerate() {
-        if !n.alive {
-            continue;
-        }
-        let id = NodeId(id as u32);
-        if n.parent == NIL {
-            if !t.roots.values().any(|&r| r == id) {
-                return corrupt(format!(
-                    "node {} has no parent and is no namespace root",
-                    id.0
-                ));
-            }
-        } else {
-            let par = t.node(n.parent);
-            if n.key.is_empty() || n.key.len() % p != 0 || n.pages.len() * p != n.key.len() {
-                return corrupt(format!(
-                    "node {} has {} tokens and {} pages",
-                    id.0,
-                    n.key.len(),
-                    n.pages.len()
-                ));
-            }
-            if !par.alive || par.children.get(&t.page_key(&n.key[..p])) != Some(&id) {
-                return corrupt(format!("node {} is not its parent's child", id.0));
-            }
-        }
-        for (&k, &ch) in &n.children {
-            let child = t.node(ch);
-            if !child.alive || child.parent != id || t.page_key(&child.key[..p]) != k {
-                return corrupt(format!(
-                    "child {} of node {} has a wrong key or parent",
-                    ch.0, id.0
-                ));
-            }
-        }
-        for &page in &n.pages {
-            own(page, "the tree")?;
-            if t.tier.is_host(page) != n.host {
-                return corrupt(format!(
-                    "node {} on the host: {}, holds page {}",
-                    id.0, n.host, page.0
-                ));
-            }
-        }
-        if n.host && (n.lock > 0 || n.parent == NIL) {
-            return corrupt(format!("node {} is on the host and pinned or a root", id.0));
-        }
-        if !n.host && n.parent != NIL && t.node(n.parent).host {
-            return corrupt(format!("device node {} has a parent on the host", id.0));
-        }
-        let dev_children = n.children.values().filter(|&&c| !t.node(c).host).count();
-        if dev_children != n.dev_children as usize {
-            return corrupt(format!(
-                "node {} counts {} children on the device, has {dev_children}",
-                id.0, n.dev_children
-            ));
-        }
-        if n.lock == 0 && !n.host {
-            evictable += n.pages.len();
-        }
-        let is_leaf = n.parent != NIL && !n.host && n.dev_children == 0 && n.lock == 0;
-        let is_host_leaf = n.host && n.children.is_empty();
-        if (is_leaf || is_host_leaf) != t.lru.is_linked(id) {
-            return corrupt(format!(
-                "node {}: evictable leaf {}, in an LRU list {}",
-                id.0,
-                is_leaf || is_host_leaf,
-                !(is_leaf || is_host_leaf)
-            ));
-        }
-        leaves += is_leaf as usize;
-        host_leaves += is_host_leaf as usize;
-        if n.lock > 0 && n.parent != NIL && t.node(n.parent).lock < n.lock {
-            return corrupt(format!("node {} is pinned more than its parent", id.0));
-        }
-    }
-    if leaves != t.lru.len(LRU) || host_leaves != t.lru.len(HOST_LRU) {
-        return corrupt(format!(
-            "LRU lists hold {} and {} nodes, {leaves} and {host_leaves} are evictable leaves",
-            t.lru.len(LRU),
-            t.lru.len(HOST_LRU)
-        ));
-    }
-    for (list, host) in [(LRU, false), (HOST_LRU, true)] {
-        let mut prev_time = 0;
-        for id in t.lru.iter(list) {
-            let time = t.node(id).time;
-            if time < prev_time || t.node(id).host != host {
-                return corrupt(format!(
-                    "LRU list (host {host}) out of order or on the wrong tier at node {}",
-                    id.0
-                ));
-            }
-            prev_time = time;
-        }
-    }
-    if evictable != t.evictable {
-        return corrupt(format!(
-            "evictable count {} but unpinned nodes hold {evictable}",
-            t.evictable
-        ));
-    }
-    // Requests: pins, private pages, and paths that spell their published tokens.
-    for r in requests.iter() {
-        let mut id = r.ext.last;
-        if !t.node(id).alive {
-            return corrupt(format!("a request pins dead node {}", id.0));
-        }
-        while id != NIL {
-            locks[id.index()] += 1;
-            id = t.node(id).parent;
-        }
-        let path = t.path_to(r.ext.last);
-        let spelled: Vec<u32> = path
-            .iter()
-            .flat_map(|&n| t.node(n).key.iter().copied())
-            .collect();
-        if spelled[..] != r.tokens[..r.published] {
-            return corrupt("a request's pinned path does not spell its published tokens");
-        }
-        let tree_pages: Vec<PageId> = path
-            .iter()
-            .flat_map(|&n| t.node(n).pages.iter().copied())
-            .collect();
-        for (i, (&mine, &tree)) in r.pages.iter().zip(&tree_pages).enumerate() {
-            if mine != tree && !r.ext.dups.contains(&mine) {
-                return corrupt(format!(
-                    "request page {i} is {}, the tree holds {} there",
-                    mine.0, tree.0
-                ));
-            }
-        }
-        if let Some(pg) = r.pages.iter().find(|&&pg| t.tier.is_host(pg)) {
-            return corrupt(format!("a request's page table holds host page {}", pg.0));
-        }
-        for &page in r.ext.dups.iter().chain(&r.pages[r.published / p..]) {
-            own(page, "a request")?;
-        }
-    }
-    for (id, n) in t.nodes.iter().enumerate() {
-        if n.alive && n.lock != locks[id] {
-            return corrupt(format!(
-                "node {id} is pinned {} times, live requests pin it {}",
-                n.lock, locks[id]
-            ));
-        }
-    }
-    for page in (0..num_pages as u32).map(PageId) {
-        let held = owner[page.index()] + t.free.contains(page) as u8;
-        if held != 1 {
-            return corrupt(format!(
-                "page {} is held {held} times (free, tree, requests)",
-                page.0
-            ));
-        }
-    }
-    for h in (0..host_pages as u32).map(PageId) {
-        let held = owner[t.tier.host_id(h).index()] + t.host_free.contains(h) as u8;
-        if held != 1 {
-            return corrupt(format!(
-                "host page {} is held {held} times (free, tree)",
-                h.0
-            ));
-        }
-    }
-    if t.tier.pending() > 0 && !t.tier.on() {
-        return corrupt("copies logged without a host tier");
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cache::PrefixCache;
+
+    /// Two caches' child keys are seeded apart, so equal digests (cache/digest.rs) prove the
+    /// digest reads no per-cache secret.
+    #[test]
+    fn child_keys_are_seeded_per_cache() {
+        let (a, b) = (
+            RadixCache::new(4, 4).unwrap(),
+            RadixCache::new(4, 4).unwrap(),
+        );
+        assert_ne!(
+            a.index().keys.key(0, &[1, 2, 3, 4]),
+            b.index().keys.key(0, &[1, 2, 3, 4])
+        );
+    }
 
     /// A cache whose child keys all collide.
     fn colliding(num_pages: usize, page_size: usize) -> RadixCache {
@@ -1221,117 +845,6 @@ mod tests {
                 c.match_prefix(&[&a[..], &[9]].concat(), &None).unwrap(),
                 2 * p
             );
-        }
-    }
-}
-
-/// `state_digest` of both caches (the same driver for each).
-#[cfg(test)]
-mod digest_tests {
-    use crate::cache::PrefixCache;
-    use crate::request::Namespace;
-    use crate::{BlockCache, RadixCache};
-
-    type Make = fn() -> Box<dyn PrefixCache>;
-
-    fn makers() -> [(&'static str, Make); 2] {
-        [
-            ("radix", || Box::new(RadixCache::new(12, 2).unwrap())),
-            ("block", || Box::new(BlockCache::new(12, 2).unwrap())),
-        ]
-    }
-
-    fn ns(name: &str) -> Namespace {
-        Some(name.as_bytes().into())
-    }
-
-    fn run(c: &mut dyn PrefixCache, tokens: &[u32], namespace: Namespace) {
-        let r = c.admit(tokens, namespace).unwrap();
-        c.commit(r, tokens.len()).unwrap();
-        c.finish(r).unwrap();
-    }
-
-    /// Shared prefixes, two namespaces, a live request, and eviction by allocation and by call.
-    fn script(c: &mut dyn PrefixCache) {
-        run(c, &[1, 2, 3, 4, 5, 6, 7], None);
-        run(c, &[1, 2, 3, 4, 9, 9, 9], None);
-        run(c, &[1, 2, 3, 4, 5], ns("a"));
-        let live = c.admit(&[1, 2, 3, 4, 8, 8, 1], None).unwrap();
-        c.commit(live, 4).unwrap();
-        run(c, &[20, 21, 22, 23, 24], None);
-        assert_eq!(c.evict(1), 1);
-        c.check().unwrap();
-    }
-
-    #[test]
-    fn equal_for_caches_driven_alike_whatever_their_secrets() {
-        for (kind, make) in makers() {
-            let (mut a, mut b) = (make(), make());
-            assert_eq!(a.state_digest(), b.state_digest(), "{kind}: empty");
-            script(&mut *a);
-            script(&mut *b);
-            let d = a.state_digest();
-            assert_eq!(d, b.state_digest(), "{kind}");
-            // Reading changes nothing.
-            a.match_prefix(&[1, 2, 3, 4, 5, 6, 7], &None).unwrap();
-            assert_eq!(
-                a.state_digest(),
-                d,
-                "{kind}: match_prefix changed the digest"
-            );
-            assert_ne!(
-                d,
-                make().state_digest(),
-                "{kind}: a driven cache digests as empty"
-            );
-        }
-        // The radix tree's child keys really are seeded apart.
-        let (a, b) = (
-            RadixCache::new(4, 4).unwrap(),
-            RadixCache::new(4, 4).unwrap(),
-        );
-        assert_ne!(
-            a.index().keys.key(0, &[1, 2, 3, 4]),
-            b.index().keys.key(0, &[1, 2, 3, 4])
-        );
-    }
-
-    #[test]
-    fn differs_after_any_decision_differs() {
-        // Each variant makes one decision differently after the same script.
-        type Variant = fn(&mut dyn PrefixCache);
-        let variants: [(&str, Variant); 6] = [
-            ("evict one more page", |c| assert_eq!(c.evict(1), 1)),
-            // Only the LRU order moves: no page changes hands.
-            ("touch a cached prompt", |c| {
-                let r = c.admit(&[1, 2, 3, 4, 5], ns("a")).unwrap();
-                c.abort(r).unwrap();
-            }),
-            ("pin a cached prefix", |c| {
-                c.admit(&[1, 2, 3, 4, 5], ns("a")).unwrap();
-            }),
-            ("same tokens, other namespace", |c| {
-                run(c, &[30, 31, 32, 33, 1], ns("b"))
-            }),
-            ("other tokens, same shape", |c| {
-                run(c, &[30, 31, 34, 33, 1], ns("c"))
-            }),
-            ("reset", |c| assert!(c.reset() > 0)),
-        ];
-        for (kind, make) in makers() {
-            let mut base = make();
-            script(&mut *base);
-            run(&mut *base, &[30, 31, 32, 33, 1], ns("c"));
-            let mut seen = vec![base.state_digest()];
-            for (name, variant) in variants {
-                let mut c = make();
-                script(&mut *c);
-                variant(&mut *c);
-                c.check().unwrap();
-                let d = c.state_digest();
-                assert!(!seen.contains(&d), "{kind}: {name} left the digest equal");
-                seen.push(d);
-            }
         }
     }
 }

@@ -4,8 +4,8 @@
 //! prefix, in its namespace), the same for both indexes. Recording is off by default; off, each
 //! hook is one branch on [`EventLog::on`].
 
-use crate::hash::{block_hashes, BlockHash};
-use crate::request::Namespace;
+use crate::wire::hash::Namespace;
+use crate::wire::hash::{block_hashes, BlockHash};
 
 /// One thing a cache did to its set of cached blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! Caching.
 //!
 //! Every full page of a request has a key, `h_i = H(h_{i-1}, tokens of page i)` (see
-//! [`crate::hash`]), so a page's key names its whole prefix. Lookups walk a prompt's hashes until
+//! [`crate::wire::hash`]), so a page's key names its whole prefix. Lookups walk a prompt's hashes until
 //! the first miss. Pages are refcounted one by one. Unpinned pages sit in one of two intrusive
 //! lists threaded through the page records:
 //!
@@ -29,18 +29,23 @@
 //! more lists, HOST_FREE and HOST_EVICTABLE: an evicted page's record moves to a host page, and
 //! a hit on a host page moves it back to a device page.
 
+use crate::arena::ids::{ArenaId, PageId};
+use crate::arena::links::{Links, ListId};
+use crate::arena::table_hash::TokenKeys;
+use crate::cache::index::{Cursor, CursorAt, Found, Index};
+use crate::cache::request::{Request, Requests};
+use crate::cache::tier::Tier;
 use crate::cache::Cache;
 use crate::error::{corrupt, try_vec, Result};
-use crate::events::EventLog;
-use crate::hash::{next_hash, root_hash, BlockHash};
-use crate::ids::{ArenaId, PageId};
-use crate::index::{Cursor, CursorAt, Found, Index};
-use crate::links::{Links, ListId};
-use crate::page_records::PageRecords;
-use crate::page_table::PageTable;
-use crate::request::{Namespace, Request, Requests};
-use crate::table_hash::TokenKeys;
-use crate::tier::Tier;
+use crate::wire::events::EventLog;
+use crate::wire::hash::Namespace;
+use crate::wire::hash::{next_hash, root_hash, BlockHash};
+use content_map::ContentMap;
+use page_records::PageRecords;
+
+mod check;
+mod content_map;
+mod page_records;
 
 /// A prefix cache indexed by chained block hashes.
 pub type BlockCache = Cache<BlockIndex>;
@@ -82,7 +87,7 @@ pub struct BlockIndex {
     /// Of each hashed page: its hash `h_i`, its parent hash `h_{i-1}` and its tokens.
     recs: PageRecords,
     /// The content key of a prefix -> the hashed page ending it. Holds every hashed page, once.
-    map: PageTable,
+    map: ContentMap,
     lists: Links<PageId>,
     /// Random per cache: the content keys, `k_i = keys.key(k_{i-1}, tokens of page i)`.
     keys: TokenKeys,
@@ -339,7 +344,7 @@ impl Index for BlockIndex {
             lists.push_back(HOST_FREE, PageId(page));
         }
         // At most one entry a page: sized for them all, the map never rehashes.
-        let map = PageTable::try_new(total)?;
+        let map = ContentMap::try_new(total)?;
         Ok(BlockIndex {
             page_size,
             refcount,
@@ -614,7 +619,7 @@ impl Index for BlockIndex {
     /// namespace and every token up to it, keyed by nothing per cache); then the free list and
     /// the evictable list front to back. The content map is left out: its layout follows the
     /// per-cache keys, and it holds exactly the hashed pages. O(num_pages).
-    fn digest(&self, d: &mut crate::cache::StateDigest) {
+    fn digest(&self, d: &mut crate::cache::digest::StateDigest) {
         d.word(self.refcount.len() as u64);
         for (i, &rc) in self.refcount.iter().enumerate() {
             match self.recs.hash(PageId(i as u32)) {
@@ -649,124 +654,7 @@ impl Index for BlockIndex {
     }
 
     fn check(&self, requests: &Requests<BlockExt>, num_pages: usize) -> Result<()> {
-        let p = self.page_size;
-        let mut refs = vec![0u32; num_pages];
-        for r in requests.iter() {
-            // Straight from the spec (not the map), so a wrong entry cannot vouch for itself.
-            let hashes = crate::hash::block_hashes(&r.tokens[..r.published], p, &r.namespace);
-            if hashes.last() != r.ext.tip.as_ref() {
-                return corrupt("a request's tip hash differs from its published tokens'");
-            }
-            // The content keys along its published pages, and the recorded keys of the pages
-            // that hold them (its own, or the stored copies it pins).
-            let mut lead = Self::root_lead(&crate::hash::root_hash(p, &r.namespace));
-            let mut stored = r.ext.stored.iter().peekable();
-            for (i, page) in r.tokens[..r.published].chunks_exact(p).enumerate() {
-                lead = self.key(lead, page);
-                let holder = match stored.next_if(|(at, _)| *at as usize == i) {
-                    Some(&(_, copy)) => copy,
-                    None => r.pages[i],
-                };
-                if self.recs.is_hashed(holder) && self.recs.key(holder) != lead {
-                    return corrupt(format!(
-                        "page {}: its recorded content key is not its prefix's",
-                        holder.0
-                    ));
-                }
-            }
-            if lead != r.ext.lead {
-                return corrupt("a request's tip key differs from its published tokens'");
-            }
-            for (i, &page) in r.pages.iter().enumerate() {
-                let Some(rc) = refs.get_mut(page.index()) else {
-                    return corrupt(format!("a request holds page {}, outside the pool", page.0));
-                };
-                *rc += 1;
-                if i < r.num_cached / p && self.recs.hash(page) != Some(hashes[i]) {
-                    return corrupt(format!(
-                        "page {}, a cache hit, no longer holds its prefix",
-                        page.0
-                    ));
-                }
-            }
-            for &(at, copy) in &r.ext.stored {
-                let at = at as usize;
-                let stands_for = at < r.published / p
-                    && self.recs.hash(copy) == Some(hashes[at])
-                    && !self.recs.is_hashed(r.pages[at]);
-                if !stands_for {
-                    return corrupt(format!(
-                        "request position {at}: stored copy {} does not stand for its private page",
-                        copy.0
-                    ));
-                }
-                refs[copy.index()] += 1;
-            }
-        }
-        for page in (0..num_pages as u32).map(PageId) {
-            let (rc, held) = (self.refcount[page.index()], refs[page.index()]);
-            if rc != held {
-                return corrupt(format!(
-                    "page {} has refcount {rc}, live requests hold it {held} times",
-                    page.0
-                ));
-            }
-            let linked = self.lists.is_linked(page);
-            if linked != (rc == 0) {
-                return corrupt(format!(
-                    "page {} with refcount {rc} is linked: {linked}",
-                    page.0
-                ));
-            }
-        }
-        let total = num_pages + self.tier.host_pages;
-        for page in (0..total as u32).map(PageId) {
-            if self.tier.is_host(page) && !self.lists.is_linked(page) {
-                return corrupt(format!("host page {} is on no list", page.0));
-            }
-            if let Some(h) = self.recs.hash(page) {
-                let (parent, tokens) = (self.recs.parent(page), self.recs.tokens(page));
-                if next_hash(&parent, tokens) != h {
-                    return corrupt(format!(
-                        "page {}: its parent hash and tokens do not hash to its key",
-                        page.0
-                    ));
-                }
-                let key = self.recs.key(page);
-                if self.map.find(key, |q| q == page) != Some(page) {
-                    return corrupt(format!(
-                        "page {} is hashed but the map does not point to it",
-                        page.0
-                    ));
-                }
-            }
-        }
-        let lists = [
-            (FREE, false, false, "free"),
-            (EVICTABLE, true, false, "evictable"),
-            (HOST_FREE, false, true, "host free"),
-            (HOST_EVICTABLE, true, true, "host evictable"),
-        ];
-        for (list, hashed, host, name) in lists {
-            for page in self.lists.iter(list) {
-                let pinned = !host && self.refcount.get(page.index()).map_or(true, |&rc| rc != 0);
-                if self.recs.is_hashed(page) != hashed || self.tier.is_host(page) != host || pinned
-                {
-                    return corrupt(format!(
-                        "page {} does not belong on the {name} list",
-                        page.0
-                    ));
-                }
-            }
-        }
-        let hashed = self.recs.count();
-        if hashed != self.map.len() {
-            return corrupt(format!(
-                "{hashed} pages are hashed, the map holds {}",
-                self.map.len()
-            ));
-        }
-        Ok(())
+        check::check_index(self, requests, num_pages)
     }
 
     fn events(&mut self) -> &mut EventLog {
@@ -846,9 +734,9 @@ mod tests {
     /// events name exactly the new pages under their spec hashes, and every page is found.
     #[test]
     fn long_publishes_over_stored_and_host_copies() {
-        use crate::events::CacheEvent;
+        use crate::wire::events::CacheEvent;
         let tokens: Vec<u32> = (0..150).map(|t| t * 7 + 1).collect();
-        let hashes = crate::hash::block_hashes(&tokens, 1, &None);
+        let hashes = crate::wire::hash::block_hashes(&tokens, 1, &None);
         let mut c = BlockCache::with_host(300, 1, 64).unwrap();
         let late = c.admit(&tokens, None).unwrap();
         let early = c.admit(&tokens[..60], None).unwrap();

@@ -13,8 +13,8 @@
 //! Whether a page is hashed, and its content key in the block map (so that eviction finds its
 //! entry without reading the record), sit in two small arrays reserved for the pool.
 
-use crate::hash::BlockHash;
-use crate::ids::{ArenaId, PageId};
+use crate::arena::ids::{ArenaId, PageId};
+use crate::wire::hash::BlockHash;
 
 /// Records of the hashed pages of a pool of `num_pages` pages of `page_size` tokens.
 #[derive(Debug)]

@@ -12,10 +12,11 @@
 //! | `release`  | unlock the path, free private pages        | unpin the chain tail first              |
 //! | `evict`    | least recently used leaf, page by page     | least recently released page            |
 
+use crate::cache::request::{PageId, Request, Requests};
 use crate::error::Result;
-use crate::events::EventLog;
-use crate::hash::BlockHash;
-use crate::request::{Namespace, PageId, Request, Requests};
+use crate::wire::events::EventLog;
+use crate::wire::hash::BlockHash;
+use crate::wire::hash::Namespace;
 
 /// The longest cached prefix a lookup found, before anything is pinned.
 #[derive(Debug)]
@@ -101,9 +102,9 @@ pub trait Index: Send + std::fmt::Debug {
     /// Host pages holding nothing.
     fn host_free_pages(&self) -> usize;
     /// The host tier: its counters and copy log.
-    fn tier(&self) -> &crate::tier::Tier;
+    fn tier(&self) -> &crate::cache::tier::Tier;
     /// The host tier, mutably (to drain its log).
-    fn tier_mut(&mut self) -> &mut crate::tier::Tier;
+    fn tier_mut(&mut self) -> &mut crate::cache::tier::Tier;
     /// A cursor at the start of `namespace`.
     fn cursor(&self, namespace: &Namespace) -> Cursor;
     /// Continues a match over `tokens` (whole pages); see [`crate::PrefixCache::advance`].
@@ -115,5 +116,5 @@ pub trait Index: Send + std::fmt::Debug {
     /// The index's event log (recording off unless turned on).
     fn events(&mut self) -> &mut EventLog;
     /// Feeds the index's decision-relevant state into `d` (see [`crate::PrefixCache::state_digest`]).
-    fn digest(&self, d: &mut crate::cache::StateDigest);
+    fn digest(&self, d: &mut crate::cache::digest::StateDigest);
 }

@@ -4,13 +4,11 @@
 //! A [`RequestId`] names its cache and a slot's generation, so a closed request or a request of
 //! another cache is detected and refused, never silently aliased to whatever reuses the slot.
 
+pub use crate::arena::ids::PageId;
 use crate::error::{Error, Result};
-pub use crate::ids::PageId;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-/// A namespace: `None`, or the bytes of a str (utf-8) or bytes value. Requests in different
-/// namespaces never share pages.
-pub type Namespace = Option<Box<[u8]>>;
+use crate::wire::hash::Namespace;
 
 /// A read-only view of one live request.
 #[derive(Debug, Clone, Copy)]

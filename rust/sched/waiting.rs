@@ -12,9 +12,9 @@
 //! whose key another chunk holds ends its request's path there, and the rest of that prompt is
 //! matched token by token, so a collision costs speed, never a wrong estimate.
 
+use crate::cache::index::Cursor;
 use crate::cache::PrefixCache;
-use crate::index::Cursor;
-use crate::request::Namespace;
+use crate::wire::hash::Namespace;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 

@@ -8,7 +8,9 @@
 //! ```
 //! Only full pages have a hash.
 
-use crate::request::Namespace;
+/// A namespace: `None`, or the bytes of a str (utf-8) or bytes value. Requests in different
+/// namespaces never share pages.
+pub type Namespace = Option<Box<[u8]>>;
 
 /// A 32-byte block hash.
 pub type BlockHash = [u8; 32];
@@ -272,7 +274,7 @@ pub mod sha256_cbor {
     pub fn block_hashes(
         tokens: &[u32],
         page_size: usize,
-        namespace: &crate::request::Namespace,
+        namespace: &super::Namespace,
         seed: &str,
     ) -> Vec<BlockHash> {
         let mut prev = none_hash(seed);

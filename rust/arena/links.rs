@@ -10,7 +10,7 @@
 //!   sentinel.next = front (least recently pushed to the back), sentinel.prev = back
 //! ```
 
-use crate::ids::ArenaId;
+use crate::arena::ids::ArenaId;
 use std::marker::PhantomData;
 
 const UNLINKED: u32 = u32::MAX;
@@ -173,7 +173,7 @@ impl<T: ArenaId> Links<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::PageId;
+    use crate::arena::ids::PageId;
 
     const A: ListId = ListId(0);
     const B: ListId = ListId(1);

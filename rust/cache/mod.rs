@@ -1,13 +1,22 @@
 //! The request life cycle, written once: [`Cache`] over any [`Index`], and [`PrefixCache`], the
 //! object-safe interface the scheduler and the Python boundary use.
 
+use crate::cache::index::{Cursor, Index};
+use crate::cache::request::{new_cache_id, Request, RequestId, RequestView, Requests};
+use crate::cache::stats::{CacheStats, Counters};
+use crate::cache::tier::PageCopy;
 use crate::error::{invalid, Error, Result};
-use crate::events::CacheEvent;
-use crate::index::{Cursor, Index};
-use crate::request::{new_cache_id, Namespace, Request, RequestId, RequestView, Requests};
-use crate::stats::{CacheStats, Counters};
-use crate::tier::PageCopy;
+use crate::wire::events::CacheEvent;
+use crate::wire::hash::Namespace;
 use std::borrow::Cow;
+
+pub(crate) mod digest;
+pub(crate) mod index;
+pub(crate) mod request;
+pub(crate) mod stats;
+pub(crate) mod tier;
+
+use digest::StateDigest;
 
 /// A prefix cache over a fixed pool of pages: the operations of the design, for either index.
 ///
@@ -109,75 +118,6 @@ pub trait PrefixCache: Send {
     /// requests' pages; about 1 ms for 65k cached pages of 16 tokens (a million tokens) on
     /// either index, on one CPU core. Changes nothing.
     fn state_digest(&self) -> u64;
-}
-
-/// An ordered 64-bit digest with fixed keys: the same words give the same value in every
-/// process (unlike the per-cache keys of the hash tables).
-#[derive(Debug, Clone)]
-pub struct StateDigest {
-    h: u64,
-}
-
-impl Default for StateDigest {
-    fn default() -> Self {
-        StateDigest {
-            h: 0x243F_6A88_85A3_08D3,
-        }
-    }
-}
-
-impl StateDigest {
-    const K0: u64 = 0x9E37_79B9_7F4A_7C15;
-    const K1: u64 = 0xBF58_476D_1CE4_E5B9;
-
-    /// Mixes in one word.
-    #[inline]
-    pub fn word(&mut self, w: u64) {
-        let p = ((self.h ^ w ^ Self::K0) as u128) * (Self::K1 as u128);
-        self.h = (p as u64) ^ ((p >> 64) as u64) ^ w.rotate_left(17);
-    }
-
-    /// Mixes in a length-prefixed run of tokens, two a word.
-    pub fn tokens(&mut self, tokens: &[u32]) {
-        self.word(tokens.len() as u64);
-        for pair in tokens.chunks(2) {
-            let hi = pair.get(1).map_or(u32::MAX as u64, |&t| t as u64);
-            self.word((pair[0] as u64) << 32 | hi);
-        }
-    }
-
-    /// Mixes in a length-prefixed run of bytes, eight a word.
-    pub fn bytes(&mut self, bytes: &[u8]) {
-        self.word(bytes.len() as u64);
-        for chunk in bytes.chunks(8) {
-            let mut w = [0u8; 8];
-            w[..chunk.len()].copy_from_slice(chunk);
-            self.word(u64::from_le_bytes(w));
-        }
-    }
-
-    /// Mixes in a namespace (none and empty differ).
-    pub fn namespace(&mut self, ns: &Namespace) {
-        match ns {
-            None => self.word(u64::MAX),
-            Some(b) => self.bytes(b),
-        }
-    }
-
-    /// Mixes in a length-prefixed run of page ids.
-    pub fn pages(&mut self, pages: &[crate::ids::PageId]) {
-        self.word(pages.len() as u64);
-        for pair in pages.chunks(2) {
-            let hi = pair.get(1).map_or(u32::MAX as u64, |p| p.0 as u64);
-            self.word((pair[0].0 as u64) << 32 | hi);
-        }
-    }
-
-    /// The digest so far.
-    pub fn finish(&self) -> u64 {
-        let p = ((self.h ^ Self::K1) as u128) * (Self::K0 as u128);
-        (p as u64) ^ ((p >> 64) as u64)
-    }
 }
 
 /// A prefix cache: the life cycle of requests over the index `I`, a pool of `num_pages` pages,

@@ -1,4 +1,4 @@
-//! `PageTable`: a hash table from 64-bit content keys to pages, one cache line a probe.
+//! `ContentMap`: a hash table from 64-bit content keys to pages, one cache line a probe.
 //!
 //! The block index asks it one question a page: which cached page holds this content? At a
 //! million pages a general-purpose map (control bytes in one array, entries in another) costs two
@@ -14,15 +14,15 @@
 //! to the caller, who compares the content exactly. Deletion shifts the probe run back (no
 //! tombstones), so a table that sees a billion inserts and removes stays as fast as a fresh one.
 
+use crate::arena::ids::{ArenaId, PageId};
 use crate::error::{invalid, Result};
-use crate::ids::{ArenaId, PageId};
 
 /// Fibonacci hashing's multiplier (2^64 / golden ratio).
 const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// Content key -> pages, for at most `capacity` pages at once.
 #[derive(Debug)]
-pub struct PageTable {
+pub struct ContentMap {
     slots: Vec<u64>,
     bits: u32,
     len: usize,
@@ -32,7 +32,7 @@ fn tag_of(key: u64) -> u32 {
     (key >> 32) as u32
 }
 
-impl PageTable {
+impl ContentMap {
     /// A table for up to `capacity` entries, at most half full.
     pub fn try_new(capacity: usize) -> Result<Self> {
         let size = capacity.max(8).saturating_mul(2).next_power_of_two();
@@ -44,7 +44,7 @@ impl PageTable {
             )));
         }
         slots.resize(size, 0);
-        Ok(PageTable {
+        Ok(ContentMap {
             slots,
             bits: size.trailing_zeros(),
             len: 0,
@@ -159,7 +159,7 @@ mod tests {
     /// small set so that runs, equal tags and wrap-around at the table's end all happen.
     #[test]
     fn agrees_with_a_map_under_churn() {
-        let mut t = PageTable::try_new(64).unwrap();
+        let mut t = ContentMap::try_new(64).unwrap();
         let mut model: HashMap<PageId, u64> = HashMap::new();
         let mut x = 0x1234_5678_9abc_def0u64;
         let mut rand = || {
@@ -199,7 +199,7 @@ mod tests {
 
     #[test]
     fn missing_entries_are_not_removed() {
-        let mut t = PageTable::try_new(4).unwrap();
+        let mut t = ContentMap::try_new(4).unwrap();
         t.insert(5 << 32, PageId(1));
         assert!(!t.remove(5 << 32, PageId(2)));
         assert!(!t.remove(6 << 32, PageId(1)));
@@ -212,7 +212,7 @@ mod tests {
 
     #[test]
     fn impossible_sizes_are_errors() {
-        let e = PageTable::try_new(usize::MAX / 4).unwrap_err();
+        let e = ContentMap::try_new(usize::MAX / 4).unwrap_err();
         assert!(e.to_string().contains("block map"), "{e}");
     }
 }

@@ -9,7 +9,7 @@
 //! a plain [`PageId`]: device pages are `0..num_pages`, host page `h` is `num_pages + h`. Copies
 //! name pages per tier (`h`, not `num_pages + h`).
 
-use crate::ids::PageId;
+use crate::arena::ids::PageId;
 
 /// Which way a [`PageCopy`] goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

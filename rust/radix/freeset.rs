@@ -4,7 +4,7 @@
 //! almost nothing next to the 8 bytes a cached token takes in the tree. `pop` hands out the
 //! lowest free id, which keeps page ids deterministic and dense.
 
-use crate::ids::PageId;
+use crate::arena::ids::PageId;
 
 /// A set of page ids `0..capacity` with O(1) insert and an amortized O(1) `pop` of the smallest
 /// member.
