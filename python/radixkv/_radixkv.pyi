@@ -19,6 +19,7 @@ __all__ = [
     "RadixCache",
     "Request",
     "Scheduler",
+    "StaleStepError",
     "StepPlan",
     "_Cache",
     "block_hashes",
@@ -44,6 +45,10 @@ COPY_LOAD: int
 
 class InvalidRequest(Error):
     """The request is closed (finished or aborted) or belongs to another cache."""
+
+class StaleStepError(InvalidRequest):
+    """A step was used after one of its requests was committed, extended, finished or aborted:
+    plan a new step."""
 
 @final
 class CacheStats:
@@ -150,6 +155,9 @@ class _Cache:
         parent, keys, tokens)``, ``("removed", keys)`` and ``("cleared",)``."""
 
     def check(self) -> None: ...
+    def _panic_for_test(self) -> None:
+        """Test hook: panics inside the core, as an internal error would; the cache is broken
+        (every later call raises ``CorruptionError``) after it."""
     def state_digest(self) -> int:
         """A 64-bit digest of the decision-relevant state, equal for caches driven alike in any
         process whatever their per-cache keys; one pass over the index."""
@@ -283,6 +291,9 @@ class StepPlan:
     def max_kv_len(self) -> int: ...
     @property
     def max_q_len(self) -> int: ...
+    def check_current(self) -> None:
+        """Raises ``StaleStepError`` unless every request of the step is as it was planned:
+        open, with the same ``num_computed`` and ``num_tokens``."""
 
 def plan_step(requests: Sequence[Request]) -> StepPlan:
     """Plans one step over ``requests`` (all of one cache, each named once, each with tokens

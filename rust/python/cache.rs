@@ -2,13 +2,13 @@
 
 use super::convert;
 use super::CorruptionError;
+use crate::cache::request::RequestId;
+use crate::cache::request::RequestView;
+use crate::cache::stats::CacheStats;
 use crate::cache::PrefixCache;
 use crate::error::Result as CoreResult;
-use crate::events::CacheEvent;
-use crate::hash;
-use crate::request::RequestId;
-use crate::request::RequestView;
-use crate::stats::CacheStats;
+use crate::wire::events::CacheEvent;
+use crate::wire::hash;
 use crate::{BlockCache, RadixCache};
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyResourceWarning, PyTypeError, PyValueError};
@@ -30,6 +30,8 @@ pub struct PyCache {
     /// next call that takes it (a drop never waits for the mutex).
     orphans: Mutex<Vec<RequestId>>,
     has_orphans: AtomicBool,
+    /// Set when a call panicked: the core may be half-changed, so every later call is refused.
+    broken: AtomicBool,
 }
 
 impl PyCache {
@@ -39,6 +41,7 @@ impl PyCache {
             kind,
             orphans: Mutex::new(Vec::new()),
             has_orphans: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
         }
     }
 
@@ -59,6 +62,9 @@ impl PyCache {
     /// the GIL held, and may run inside a call that holds the mutex already); returns whether
     /// it was open. When the mutex is taken, the abort is left to the next call that takes it.
     fn abort_dropped(&self, id: RequestId) -> bool {
+        if self.broken.load(Ordering::Acquire) {
+            return false; // nothing more runs on a core that may be half-changed
+        }
         let mut guard = match self.inner.try_lock() {
             Ok(g) => g,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -77,13 +83,15 @@ impl PyCache {
     }
 
     /// Runs `f` on the core under the mutex, with the GIL released when `long`. A panic inside
-    /// becomes a `CorruptionError` rather than crossing into Python.
+    /// becomes a `CorruptionError` rather than crossing into Python, and marks the cache broken:
+    /// the core may have been left half-changed, so every later call raises too.
     pub fn with<R: Send>(
         &self,
         py: Python<'_>,
         long: bool,
         f: impl FnOnce(&mut dyn PrefixCache) -> CoreResult<R> + Send,
     ) -> PyResult<R> {
+        self.refuse_if_broken()?;
         let run = || {
             let mut guard = self
                 .inner
@@ -103,26 +111,36 @@ impl PyCache {
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_default();
-                Err(CorruptionError::new_err(format!("internal error: {msg}")))
+                self.broken.store(true, Ordering::Release);
+                Err(CorruptionError::new_err(format!(
+                    "internal error: {msg}; this {} is broken from now on (its state may be \
+                     half-changed): every later call raises, make a new cache",
+                    self.kind
+                )))
             }
         }
     }
 
+    /// `CorruptionError` once a call has panicked (see [`PyCache::with`]).
+    fn refuse_if_broken(&self) -> PyResult<()> {
+        if self.broken.load(Ordering::Acquire) {
+            return Err(CorruptionError::new_err(format!(
+                "this {} is broken: an earlier call failed with an internal error and may have \
+                 left it half-changed; make a new cache",
+                self.kind
+            )));
+        }
+        Ok(())
+    }
+
     /// Reads a live request under the mutex (GIL held: views are short reads).
     pub fn view<R>(&self, id: RequestId, f: impl FnOnce(RequestView<'_>) -> R) -> PyResult<R> {
+        self.refuse_if_broken()?;
         let guard = self
             .inner
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         Ok(f(guard.request(id)?))
-    }
-}
-
-fn new_request(slf: &Bound<'_, PyCache>, id: RequestId, namespace: PyObject) -> PyRequest {
-    PyRequest {
-        cache: slf.clone().unbind(),
-        id,
-        namespace,
     }
 }
 
@@ -142,7 +160,7 @@ impl PyCache {
         let long = toks.len() >= LONG;
         let id = slf.get().with(py, long, |c| c.admit_owned(toks, ns))?;
         let ns_obj = namespace.map_or_else(|| py.None(), |o| o.clone().unbind());
-        Ok(new_request(slf, id, ns_obj))
+        Ok(PyRequest::new(slf, id, ns_obj))
     }
 
     /// Appends ``tokens`` to ``req`` (e.g. the sampled token), allocating pages as needed.
@@ -217,7 +235,7 @@ impl PyCache {
     fn fork(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<PyRequest> {
         let id = req.get().id; // another cache's id is refused by the core
         let new = slf.get().with(slf.py(), false, |c| c.fork(id))?;
-        Ok(new_request(
+        Ok(PyRequest::new(
             slf,
             new,
             req.get().namespace.clone_ref(slf.py()),
@@ -306,7 +324,7 @@ impl PyCache {
     fn drain_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let py = slf.py();
         let events = slf.get().with(py, false, |c| Ok(c.drain_events()))?;
-        let keys = |hs: &[crate::hash::BlockHash]| -> Vec<Bound<'py, PyBytes>> {
+        let keys = |hs: &[crate::wire::hash::BlockHash]| -> Vec<Bound<'py, PyBytes>> {
             hs.iter().map(|h| PyBytes::new(py, h)).collect()
         };
         events
@@ -327,6 +345,14 @@ impl PyCache {
                 CacheEvent::Cleared => ("cleared",).into_pyobject(py),
             })
             .collect()
+    }
+
+    /// Test hook: panics inside the core's mutex, as an internal error would; the cache is broken
+    /// after it (every later call raises ``CorruptionError``).
+    fn _panic_for_test(slf: &Bound<'_, Self>) -> PyResult<()> {
+        slf.get().with(slf.py(), false, |_| -> CoreResult<()> {
+            panic!("forced by _panic_for_test")
+        })
     }
 
     /// Verifies every internal invariant; raises ``CorruptionError`` naming the first broken one.
@@ -776,7 +802,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRequest>()?;
     m.add_class::<PyCacheStats>()?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
-    m.add("COPY_OFFLOAD", crate::tier::CopyKind::Offload as i32)?;
-    m.add("COPY_LOAD", crate::tier::CopyKind::Load as i32)?;
+    m.add("COPY_OFFLOAD", crate::cache::tier::CopyKind::Offload as i32)?;
+    m.add("COPY_LOAD", crate::cache::tier::CopyKind::Load as i32)?;
     Ok(())
 }

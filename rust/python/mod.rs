@@ -32,6 +32,13 @@ create_exception!(
     "The request is closed (finished or aborted) or belongs to another cache."
 );
 
+create_exception!(
+    _radixkv,
+    StaleStepError,
+    InvalidRequest,
+    "A step was used after one of its requests was committed, extended, finished or aborted: plan a new step."
+);
+
 impl From<CoreError> for PyErr {
     fn from(e: CoreError) -> PyErr {
         let msg = e.to_string();
@@ -51,6 +58,7 @@ fn _radixkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutOfPages", py.get_type::<OutOfPages>())?;
     m.add("CorruptionError", py.get_type::<CorruptionError>())?;
     m.add("InvalidRequest", py.get_type::<InvalidRequest>())?;
+    m.add("StaleStepError", py.get_type::<StaleStepError>())?;
     cache::register(m)?;
     plan::register(m)?;
     scheduler::register(m)?;

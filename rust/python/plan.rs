@@ -1,6 +1,9 @@
 //! `plan_step`: the index arithmetic of one forward pass, as a typed `StepPlan`.
 
 use super::cache::{PyCache, PyRequest};
+use super::StaleStepError;
+use crate::cache::request::RequestId;
+use crate::cache::PrefixCache;
 use crate::plan::{plan_step as plan_core, StepPlan};
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -16,7 +19,12 @@ use pyo3::prelude::*;
 /// (``1..page_size``); ints ``batch_size``, ``num_tokens``, ``max_pages``, ``max_kv_len``,
 /// ``max_q_len``.
 #[pyclass(name = "StepPlan", module = "radixkv._radixkv", frozen)]
-pub struct PyStepPlan(StepPlan);
+pub struct PyStepPlan {
+    plan: StepPlan,
+    cache: Py<PyCache>,
+    /// Each request's id, `num_computed` and `num_tokens` when the step was planned.
+    stamps: Vec<(RequestId, usize, usize)>,
+}
 
 fn arr<'py, T: numpy::Element + Copy>(py: Python<'py>, v: &[T]) -> Bound<'py, PyArray1<T>> {
     PyArray1::from_slice(py, v)
@@ -27,96 +35,107 @@ impl PyStepPlan {
     /// int64 ``[T]``: token ids of the new tokens, packed request after request.
     #[getter]
     fn input_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        arr(py, &self.0.input_ids)
+        arr(py, &self.plan.input_ids)
     }
     /// int64 ``[T]``: absolute position of each new token.
     #[getter]
     fn positions<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        arr(py, &self.0.positions)
+        arr(py, &self.plan.positions)
     }
     /// int64 ``[T]``: slot each new token's K/V is written to.
     #[getter]
     fn write_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        arr(py, &self.0.write_slots)
+        arr(py, &self.plan.write_slots)
     }
     /// int64 ``[B+1]``: packed row offsets of each request's queries.
     #[getter]
     fn q_start<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        arr(py, &self.0.q_start)
+        arr(py, &self.plan.q_start)
     }
     /// int64 ``[B]``: keys each request attends to (its ``num_tokens``).
     #[getter]
     fn kv_len<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        arr(py, &self.0.kv_len)
+        arr(py, &self.plan.kv_len)
     }
     /// int64 ``[B]``: packed row of each request's last token.
     #[getter]
     fn last_token_index<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        arr(py, &self.0.last_token_index)
+        arr(py, &self.plan.last_token_index)
     }
     /// int32 ``[B, max_pages]``: request ``b``'s pages, then page 0 as padding.
     #[getter]
     fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        arr(py, &self.0.block_table).reshape([self.0.kv_len.len(), self.0.max_pages])
+        arr(py, &self.plan.block_table).reshape([self.plan.kv_len.len(), self.plan.max_pages])
     }
     /// int32 ``[B]``: keys each request attends to.
     #[getter]
     fn seq_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        arr(py, &self.0.seq_lens)
+        arr(py, &self.plan.seq_lens)
     }
     /// int32 ``[B+1]``: query offsets.
     #[getter]
     fn qo_indptr<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        arr(py, &self.0.qo_indptr)
+        arr(py, &self.plan.qo_indptr)
     }
     /// int32 ``[B+1]``: offsets of each request's pages in ``paged_kv_indices``.
     #[getter]
     fn paged_kv_indptr<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        arr(py, &self.0.paged_kv_indptr)
+        arr(py, &self.plan.paged_kv_indptr)
     }
     /// int32: every request's pages, one request after the other.
     #[getter]
     fn paged_kv_indices<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        arr(py, &self.0.paged_kv_indices)
+        arr(py, &self.plan.paged_kv_indices)
     }
     /// int32 ``[B]``: keys in each request's last page, ``1..page_size``.
     #[getter]
     fn paged_kv_last_page_len<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        arr(py, &self.0.paged_kv_last_page_len)
+        arr(py, &self.plan.paged_kv_last_page_len)
     }
     /// Requests in the step (B).
     #[getter]
     fn batch_size(&self) -> usize {
-        self.0.kv_len.len()
+        self.plan.kv_len.len()
     }
     /// New tokens in the step (T).
     #[getter]
     fn num_tokens(&self) -> usize {
-        self.0.input_ids.len()
+        self.plan.input_ids.len()
     }
     /// Columns of ``block_table``.
     #[getter]
     fn max_pages(&self) -> usize {
-        self.0.max_pages
+        self.plan.max_pages
     }
     /// Longest ``kv_len``.
     #[getter]
     fn max_kv_len(&self) -> usize {
-        self.0.max_kv_len
+        self.plan.max_kv_len
     }
     /// Longest query run.
     #[getter]
     fn max_q_len(&self) -> usize {
-        self.0.max_q_len
+        self.plan.max_q_len
+    }
+    /// Raises ``StaleStepError`` unless every request of the step is as it was planned: open,
+    /// with the same ``num_computed`` and ``num_tokens``. A stale step's slots may belong to
+    /// pages published since (a commit) or handed to another request (a finish or abort):
+    /// writing them would corrupt KV the cache serves. One call under the cache's mutex.
+    fn check_current(&self, py: Python<'_>) -> PyResult<()> {
+        let stamps = &self.stamps;
+        match self.cache.get().with(py, false, |c| Ok(stale(c, stamps)))? {
+            None => Ok(()),
+            Some(msg) => Err(StaleStepError::new_err(msg)),
+        }
     }
     fn __repr__(&self) -> String {
         format!(
             "StepPlan(batch_size={}, num_tokens={}, max_q_len={}, max_kv_len={}, max_pages={})",
-            self.0.kv_len.len(),
-            self.0.input_ids.len(),
-            self.0.max_q_len,
-            self.0.max_kv_len,
-            self.0.max_pages
+            self.plan.kv_len.len(),
+            self.plan.input_ids.len(),
+            self.plan.max_q_len,
+            self.plan.max_kv_len,
+            self.plan.max_pages
         )
     }
 }
@@ -145,18 +164,53 @@ fn plan_step<'py>(py: Python<'py>, requests: Vec<Bound<'py, PyRequest>>) -> PyRe
             )));
         }
     }
-    let plan: StepPlan = cache.get().with(py, false, |c| {
+    let (plan, stamps) = cache.get().with(py, false, |c| {
         let views = ids
             .iter()
             .map(|&id| c.request(id))
             .collect::<crate::Result<Vec<_>>>()?;
-        plan_core(&views).map_err(|b| {
+        let plan: StepPlan = plan_core(&views).map_err(|b| {
             crate::Error::InvalidArgument(format!(
                 "requests[{b}] has no tokens left to compute (num_computed == num_tokens)"
             ))
-        })
+        })?;
+        let stamps = ids
+            .iter()
+            .zip(&views)
+            .map(|(&id, r)| (id, r.num_computed, r.num_tokens()))
+            .collect();
+        Ok((plan, stamps))
     })?;
-    Ok(PyStepPlan(plan))
+    Ok(PyStepPlan {
+        plan,
+        cache,
+        stamps,
+    })
+}
+
+/// What makes a step stale, or `None` when every request is as it was planned.
+fn stale(c: &dyn PrefixCache, stamps: &[(RequestId, usize, usize)]) -> Option<String> {
+    for (i, &(id, computed, tokens)) in stamps.iter().enumerate() {
+        let Ok(r) = c.request(id) else {
+            return Some(format!(
+                "requests[{i}] was finished or aborted after the step was planned"
+            ));
+        };
+        if r.num_computed != computed {
+            return Some(format!(
+                "requests[{i}] was committed after the step was planned (num_computed {computed} \
+                 -> {})",
+                r.num_computed
+            ));
+        }
+        if r.num_tokens() != tokens {
+            return Some(format!(
+                "requests[{i}] was extended after the step was planned (num_tokens {tokens} -> {})",
+                r.num_tokens()
+            ));
+        }
+    }
+    None
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

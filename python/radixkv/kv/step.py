@@ -19,15 +19,13 @@ block mask) and shares it with every layer.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+import radixkv
 from radixkv.kv.backends import Group, slot_matrix
-
-if TYPE_CHECKING:
-    import radixkv
 
 
 class Pool(Protocol):
@@ -64,7 +62,10 @@ class Step:
     ``max_q_len``, ``max_kv_len``, ``max_pages``, ``backends`` (the backend name of each group).
 
     Safety rule: a step is valid until :meth:`KVCache.commit` or until any of its requests is
-    extended, finished or aborted; plan a new one after that. With a host tier on CUDA,
+    extended, committed, finished or aborted; plan a new one after that. ``attention`` and
+    ``KVCache.commit`` enforce it: on a stale step they raise :class:`radixkv.StaleStepError`
+    and write nothing (a stale step's slots may hold KV published since, or pages handed to
+    another request). With a host tier on CUDA,
     ``attention(layer, ...)`` first makes the current stream wait for that layer's tier copies
     (see :meth:`KVCache.plan`): read the pool of a layer only through it, or after
     :meth:`KVCache.apply_copies`.
@@ -78,6 +79,7 @@ class Step:
         copy_events: list[Any] | None = None,
     ) -> None:
         self.kv = kv
+        self._plan = plan  # checks, on every use, that the requests are as planned
         # CUDA events, one per layer, of tier copies still running on a side stream: attention
         # of layer l waits for copy_events[l] before it touches the pool (None: nothing to wait).
         self._copy_events = copy_events
@@ -215,6 +217,7 @@ class Step:
         for name, x in (("k", k), ("v", v)):
             if tuple(x.shape) != (t, hkv, d):
                 raise ValueError(f"{name} must be [{t}, {hkv}, {d}], got {tuple(x.shape)}")
+        self.check_current()
         if self._copy_events is not None:  # the tier's copies of this layer, on a side stream
             torch.cuda.current_stream(kv.device).wait_event(self._copy_events[layer])
         pool_k, pool_v = kv.k[layer], kv.v[layer]
@@ -235,6 +238,14 @@ class Step:
             o = backend.attend(self, g, layer, q[rows], k[rows], v[rows], scale)
             out.index_copy_(0, rows, o)
         return out.to(out_dtype)
+
+    def check_current(self) -> None:
+        """Raises :class:`radixkv.StaleStepError`, naming this step and the request, unless every
+        request is still as planned (open, same ``num_computed`` and ``num_tokens``)."""
+        try:
+            self._plan.check_current()
+        except radixkv.StaleStepError as e:
+            raise radixkv.StaleStepError(f"{self!r} is stale: {e}; plan a new step") from None
 
     def __repr__(self) -> str:
         return (
