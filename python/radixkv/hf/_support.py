@@ -193,6 +193,41 @@ def _positive(config: Any, name: str) -> int | None:
     return value
 
 
+#: RoPE types whose rotation transformers computes from the length of the whole forward pass
+#: (its ``dynamic_rope_update``): dynamic NTK scaling (any type with "dynamic" in its name) and
+#: LongRoPE (short or long factors, switching past ``original_max_position_embeddings``).
+#: Served through radixkv, a token's rotation would depend on what it was batched with and on
+#: the length of the pass that cached its prefix, so these models are refused. Every other
+#: type in ``ROPE_INIT_FUNCTIONS`` fixes its frequencies at load time and is served exactly.
+def length_dependent_rope(rope_type: str) -> bool:
+    """Whether transformers recomputes ``rope_type``'s frequencies from each forward's length."""
+    return "dynamic" in rope_type or rope_type == "longrope"
+
+
+def rope_types(model: Any) -> set[str]:
+    """Every RoPE type ``model`` uses: its rotary modules' ``rope_type`` (a str, or a dict by
+    layer type), and its config's ``rope_parameters`` (5.x) or ``rope_scaling`` (4.x)."""
+    found: set[str] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, str):
+            found.add(value)
+        elif isinstance(value, dict):
+            kind = value.get("rope_type", value.get("type"))
+            if isinstance(kind, str):
+                found.add(kind)
+            else:  # per layer type: {"full_attention": {...}, "sliding_attention": {...}}
+                for sub in value.values():
+                    add(sub)
+
+    for module in model.modules():
+        add(getattr(module, "rope_type", None))
+    config = model.config
+    for attr in ("rope_parameters", "rope_scaling"):
+        add(getattr(config, attr, None))
+    return found
+
+
 def check_model(model: Any) -> ModelSpec:
     """The :class:`ModelSpec` of ``model``, a transformers causal LM every layer of which uses
     full causal self-attention; ``ValueError`` saying why for anything else (sliding-window,
@@ -236,6 +271,15 @@ def check_model(model: Any) -> ModelSpec:
                 f"{name} has config.{attr}={getattr(config, attr)!r} (chunked or hybrid "
                 "attention): radixkv.hf serves full causal attention only"
             )
+    dynamic = sorted(t for t in rope_types(model) if length_dependent_rope(t))
+    if dynamic:
+        raise ValueError(
+            f"{name} uses rope_type={dynamic[0]!r}, whose rotation transformers computes from the "
+            "length of the whole forward pass: a token's KV would depend on its batch-mates and "
+            "on the pass that cached its prefix, so radixkv.hf refuses it (rope types with "
+            "frequencies fixed at load time, such as 'default', 'linear', 'yarn' and 'llama3', "
+            "are served exactly)"
+        )
     if model.training:
         raise ValueError(f"{name} is in training mode: call model.eval() first")
 
