@@ -245,7 +245,8 @@ def block_hashes(
 ) -> list[bytes]:
     """Block hashes of every full page of ``tokens``, 32 bytes each: ``"blake3"``, the keys
     ``BlockCache`` uses; ``"sha256_cbor"``, vLLM's default block hashes (first block chained
-    from vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=hash_seed``, salted with ``namespace``)."""
+    from vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=hash_seed``, salted with ``namespace``).
+    ``hash_seed`` seeds ``sha256_cbor`` only: another seed with ``blake3`` raises ``ValueError``."""
 
 @final
 class StepPlan:

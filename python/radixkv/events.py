@@ -173,7 +173,13 @@ class ZmqPublisher:
     ``bind`` overrides). ``replay_endpoint``: a ROUTER address for replay requests (always bound),
     or None. ``topic``: the first frame of every message. ``block_hash``: ``"radixkv"`` or
     ``"sha256_cbor"``; ``hash_seed``: vLLM's ``PYTHONHASHSEED`` for ``sha256_cbor`` (vLLM workers
-    must run with the same value for hashes to match). ``buffer_steps``: batches kept for replay.
+    must run with the same value for hashes to match; with ``"radixkv"``, whose keys take no
+    seed, only the default ``"0"`` is accepted). ``buffer_steps``: batches kept for replay.
+    ``data_parallel_rank`` (an int >= 0, or None), ``medium`` (a str such as vLLM's ``"GPU"``
+    or ``"CPU"``, or None) and ``int_hashes`` (a bool) go into every batch as vLLM's
+    ``KVEventBatch``/``BlockStored``/``BlockRemoved`` define them; ``hwm``: the PUB socket's
+    high-water mark (an int >= 0, 0: no limit). Every argument is checked before anything is
+    opened (``ValueError`` or ``TypeError`` naming it and the value).
 
     Creating it turns event recording on in ``cache`` (blocks cached before that are not
     announced). :meth:`publish` sends what the cache recorded since the last call as one batch;
@@ -189,7 +195,7 @@ class ZmqPublisher:
         topic: str = "",
         block_hash: str = "radixkv",
         replay_endpoint: str | None = None,
-        data_parallel_rank: int = 0,
+        data_parallel_rank: int | None = 0,
         medium: str | None = "GPU",
         hash_seed: str = "0",
         int_hashes: bool = False,
@@ -214,6 +220,36 @@ class ZmqPublisher:
             raise ValueError(f"buffer_steps must be a positive int, got {buffer_steps!r}")
         if not isinstance(hash_seed, str):
             raise TypeError(f"hash_seed must be a str (vLLM's PYTHONHASHSEED), got {hash_seed!r}")
+        if block_hash == "radixkv" and hash_seed != "0":
+            raise ValueError(
+                f"hash_seed={hash_seed!r} has no effect with block_hash='radixkv' (radixkv's "
+                "blake3 block keys take no seed): it seeds block_hash='sha256_cbor' only"
+            )
+        if data_parallel_rank is not None and (
+            isinstance(data_parallel_rank, bool)
+            or not isinstance(data_parallel_rank, int)
+            or data_parallel_rank < 0
+        ):
+            raise ValueError(
+                f"data_parallel_rank must be an int >= 0 or None, got {data_parallel_rank!r}"
+            )
+        if medium is not None and not isinstance(medium, str):
+            raise ValueError(
+                f"medium must be a str (as vLLM's, e.g. 'GPU' or 'CPU') or None, got {medium!r}"
+            )
+        if not isinstance(int_hashes, bool):
+            raise ValueError(f"int_hashes must be a bool, got {int_hashes!r}")
+        if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
+            raise ValueError(f"hwm must be an int >= 0 (0: no limit), got {hwm!r}")
+        if bind is not None and not isinstance(bind, bool):
+            raise ValueError(f"bind must be a bool or None, got {bind!r}")
+        if replay_endpoint is not None and (
+            not isinstance(replay_endpoint, str) or "://" not in replay_endpoint
+        ):
+            raise ValueError(
+                "replay_endpoint must be a ZeroMQ address like 'tcp://*:5558' or None, got "
+                f"{replay_endpoint!r}"
+            )
         types = event_types(layout)
         self._stored, self._removed = types["BlockStored"], types["BlockRemoved"]
         self._cleared, self._batch = types["AllBlocksCleared"], types["KVEventBatch"]

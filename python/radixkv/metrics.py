@@ -97,6 +97,13 @@ class CacheCollector(Collector):
     Register it with ``registry.register(CacheCollector(cache))``; everything is read when
     scraped. Safe to scrape from another thread while the cache and engine run. The host tier's
     families are exported when the cache has one (``host_tier``, fixed by ``cache.host_pages``).
+
+    The engine families count each request once, when it is seen finished: every request
+    submitted after the collector was made, and every one the engine still holds
+    (``engine.sequences``) when it was made, finished or not, so a collector attached late
+    (after the engine released requests, or after it ran some without releasing them) counts
+    those still held and everything after. Requests released before it was made are gone and
+    never counted; the engine's ``release_hooks`` let it count the others before their release.
     """
 
     def __init__(
@@ -133,7 +140,9 @@ class CacheCollector(Collector):
         self.host_tier = int(getattr(cache, "host_pages", 0) or 0) > 0
         self._names = list(labels)
         self._values = [labels[k] for k in self._names]
-        # Engine requests are folded into these as they finish (ids grow from 0).
+        # Engine requests are folded into these as they finish. Ids grow as requests are
+        # submitted, but released ones leave gaps anywhere below the newest: _next_id is one
+        # past the newest id seen, _pending the ids seen and not yet counted.
         self._lock = threading.Lock()
         self._next_id = 0
         self._pending: set[int] = set()
@@ -273,12 +282,20 @@ class CacheCollector(Collector):
     def _fold_engine(self) -> None:
         """Folds the engine's requests that finished since the last scrape into the totals."""
         seqs = self.engine.sequences
-        while (seq := seqs.get(self._next_id)) is not None:
-            self._pending.add(self._next_id)
-            self._next_id += 1
+        # A snapshot of the ids (one C call, so the engine thread cannot resize the dict under
+        # it); any id past the newest seen is new, whatever was released below it.
+        ids = list(seqs)
+        for i in ids:
+            if i >= self._next_id:
+                self._pending.add(i)
+        if ids:
+            self._next_id = max(self._next_id, max(ids) + 1)
         for i in sorted(self._pending):
             seq = seqs.get(i)
-            if seq is None or not seq.done:
+            if seq is None:  # released without the hook (or dropped unqueued): never coming back
+                self._pending.discard(i)
+                continue
+            if not seq.done:
                 continue
             self._pending.discard(i)
             r = seq.result()

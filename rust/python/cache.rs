@@ -755,7 +755,8 @@ impl PyCacheStats {
 /// design). ``algorithm="sha256_cbor"``: vLLM's default block hashes (sha256 over canonical CBOR
 /// of ``(parent_hash, token_ids, extra_keys)``), the first block chained from vLLM's
 /// ``NONE_HASH`` for ``PYTHONHASHSEED=hash_seed`` and salted with ``namespace`` as vLLM salts
-/// with ``cache_salt``; ``hash_seed`` is used by ``sha256_cbor`` only.
+/// with ``cache_salt``; ``hash_seed`` is used by ``sha256_cbor`` only (another seed with
+/// ``blake3`` raises ``ValueError``).
 #[pyfunction]
 #[pyo3(
     signature = (tokens, page_size=None, namespace=None, algorithm="blake3", hash_seed="0"),
@@ -775,6 +776,12 @@ fn block_hashes<'py>(
     };
     crate::cache::check_pool_args(1, page_size)?;
     let sha = match algorithm {
+        "blake3" if hash_seed != "0" => {
+            return Err(PyValueError::new_err(format!(
+                "hash_seed='{hash_seed}' has no effect with algorithm='blake3' (blake3 block keys \
+                 take no seed): it seeds algorithm='sha256_cbor' only"
+            )))
+        }
         "blake3" => false,
         "sha256_cbor" => true,
         other => {

@@ -27,7 +27,7 @@ before it touches the pool, so the attention of layer ``l`` overlaps the copies 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,58 @@ def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def _log_error(i: int, row: Any, num_pages: int, host_pages: int, why: str = "") -> ValueError:
+    """The error for row ``i`` of a copy log (``why``: what is wrong besides the ranges)."""
+    return ValueError(
+        f"log row {i} = {list(row)} is not a copy ({why}kind {COPY_OFFLOAD} = offload "
+        f"device page < {num_pages} -> host page < {host_pages}, kind {COPY_LOAD} = load "
+        "host page -> device page)"
+    )
+
+
+def _check_log(log: Any, num_pages: int, host_pages: int) -> np.ndarray:
+    """``log`` as checked int64 rows ``[N, 3]`` (see :func:`copy_runs` for what is refused)."""
+    try:
+        rows = np.asarray(log)
+        if rows.dtype.kind not in "iu" and not isinstance(log, np.ndarray):
+            # Ints numpy cannot hold in int64 (or that it turned into floats): keep them exact.
+            rows = np.array(log, dtype=object)
+    except (ValueError, TypeError) as e:  # ragged rows
+        raise ValueError(f"log must be shaped [N, 3] (kind, src, dst): {e}") from None
+    if rows.ndim == 1 and rows.size == 0:
+        rows = rows.reshape(0, 3)  # [] or (): an empty log
+    if rows.ndim != 2 or rows.shape[1] != 3:
+        raise ValueError(f"log must be shaped [N, 3] (kind, src, dst), got {rows.shape}")
+    if len(rows) == 0:
+        return np.zeros((0, 3), np.int64)
+    if rows.dtype.kind in "iu":
+        wide = rows.astype(np.int64, copy=False)
+        if rows.dtype == np.uint64:  # ids past int64 would wrap to negative ones
+            too_big = np.asarray(rows > np.iinfo(np.int64).max).any(axis=1, keepdims=True)
+            wide = np.where(too_big, -1, wide)
+        kind, src, dst = wide[:, 0], wide[:, 1], wide[:, 2]
+        offload = kind == COPY_OFFLOAD
+        src_limit = np.where(offload, num_pages, host_pages)
+        dst_limit = np.where(offload, host_pages, num_pages)
+        bad = ~(offload | (kind == COPY_LOAD)) | (src < 0) | (src >= src_limit)
+        bad |= (dst < 0) | (dst >= dst_limit)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise _log_error(i, rows[i].tolist(), num_pages, host_pages)
+        return wide
+    # Not an integer array: only an object array of Python/numpy ints passes, row by row.
+    for i, row in enumerate(rows.tolist()):
+        for x in row:
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                why = f"its values must be integers, got {x!r} ({type(x).__name__}); "
+                raise _log_error(i, row, num_pages, host_pages, why)
+        k, s, d = (int(x) for x in row)
+        lim_s, lim_d = (num_pages, host_pages) if k == COPY_OFFLOAD else (host_pages, num_pages)
+        if k not in (COPY_OFFLOAD, COPY_LOAD) or not (0 <= s < lim_s and 0 <= d < lim_d):
+            raise _log_error(i, [k, s, d], num_pages, host_pages)
+    return rows.astype(np.int64)
+
+
 def copy_runs(log: np.ndarray, num_pages: int, host_pages: int) -> list[CopyRun]:
     """The copies of ``log`` (rows ``(kind, src, dst)`` as ``cache.drain_copies()`` returns
     them) grouped for performing: consecutive rows of one kind form a run, and a run ends early
@@ -73,29 +125,15 @@ def copy_runs(log: np.ndarray, num_pages: int, host_pages: int) -> list[CopyRun]
     slice copy. Performing the runs in order, and each run's segments in any order, gives what
     performing the rows one by one in log order gives.
 
-    ``ValueError`` naming the row for a ``log`` not shaped ``[N, 3]``, a kind other than
-    ``COPY_OFFLOAD``/``COPY_LOAD``, or a page id outside its tier (device ids
-    ``0..num_pages``, host ids ``0..host_pages``): checked before anything is grouped.
+    ``ValueError`` for a ``log`` not shaped ``[N, 3]`` (an empty sequence is an empty log), and
+    naming the row for one that is not integers (floats are refused, not truncated), a kind
+    other than ``COPY_OFFLOAD``/``COPY_LOAD``, or a page id outside its tier (device ids
+    ``0..num_pages``, host ids ``0..host_pages``; however large): checked before anything is
+    grouped.
     """
-    rows = np.asarray(log)
-    if rows.ndim != 2 or rows.shape[1] != 3:
-        raise ValueError(f"log must be shaped [N, 3] (kind, src, dst), got {rows.shape}")
+    rows = _check_log(log, num_pages, host_pages)
     if len(rows) == 0:
         return []
-    rows = rows.astype(np.int64, copy=False)
-    kind, src, dst = rows[:, 0], rows[:, 1], rows[:, 2]
-    offload = kind == COPY_OFFLOAD
-    src_limit = np.where(offload, num_pages, host_pages)
-    dst_limit = np.where(offload, host_pages, num_pages)
-    bad = ~(offload | (kind == COPY_LOAD)) | (src < 0) | (src >= src_limit)
-    bad |= (dst < 0) | (dst >= dst_limit)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"log row {i} = {rows[i].tolist()} is not a copy (kind {COPY_OFFLOAD} = offload "
-            f"device page < {num_pages} -> host page < {host_pages}, kind {COPY_LOAD} = load "
-            "host page -> device page)"
-        )
     runs: list[tuple[int, list[list[int]]]] = []
     segs: list[list[int]] = []
     written: set[int] = set()
@@ -136,9 +174,19 @@ def _host_device(host_device: str | torch.device | None, host_pages: int) -> tor
             f"host_device must be a str or torch.device, got {type(host_device).__name__}"
         )
     try:
-        return torch.device(host_device)
+        dev = torch.device(host_device)
     except RuntimeError as e:
         raise ValueError(f"host_device={host_device!r} is not a torch device: {e}") from None
+    if dev.type != "cpu":
+        # The tier is host memory: "meta" has no storage to copy KV into (the first load of a
+        # plan would fail), and a pool on an accelerator is device memory, which the device
+        # pool itself would use better (more pages, no copies).
+        why = "a meta device has no storage" if dev.type == "meta" else "it is not host memory"
+        raise ValueError(
+            f"host_device={host_device!r} cannot hold the host tier ({why}): the host pool lives "
+            'in CPU memory, pass host_device="cpu"'
+        )
+    return dev
 
 
 class KVCache:
@@ -154,8 +202,9 @@ class KVCache:
     ``"flashinfer"`` (CUDA, when installed). A backend unavailable here raises ``ValueError``
     listing the available ones. Call :meth:`warmup` before serving so nothing compiles then.
 
-    Host tier: for a cache made with ``host_pages > 0``, ``host_device`` (normally ``"cpu"``)
-    is required and gets the host pools ``host_k[l]``/``host_v[l]`` (``[host_pages * page_size,
+    Host tier: for a cache made with ``host_pages > 0``, ``host_device`` (a CPU device:
+    ``"cpu"``; ``ValueError`` naming it for any other, ``"meta"`` included, whatever ``device``
+    is) is required and gets the host pools ``host_k[l]``/``host_v[l]`` (``[host_pages * page_size,
     num_kv_heads, head_dim]``, zeroed; pinned memory when ``device`` is CUDA and ``host_device``
     the CPU). Every :meth:`plan` performs the copies the index logged first
     (:meth:`apply_copies`); code that reads or writes the pools of a request's pages outside a
@@ -256,7 +305,7 @@ class KVCache:
     def warmup(
         self,
         num_heads: int,
-        batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+        batch_sizes: Iterable[int] = (1, 2, 4, 8, 16, 32),
         scale: float | None = None,
     ) -> list[int]:
         """Compiles ahead what decode steps of ``batch_sizes`` requests will run, for queries of
@@ -264,13 +313,27 @@ class KVCache:
         ``1/sqrt(head_dim)``), so serving never compiles on the hot path. Only flex compiles
         (``"flex"``, and ``"auto"`` where flex is the measured choice); returns the batch
         buckets (powers of two) compiled now or before, empty where nothing compiles. Reads
-        the pool, writes nothing."""
+        the pool, writes nothing. ``ValueError`` naming the argument for a ``batch_sizes``
+        that is not an iterable of positive ints (a single int included) and for a ``scale``
+        that is not a positive finite number, checked before anything compiles."""
         heads = _positive("num_heads", num_heads)
         if heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads must be a multiple of num_kv_heads={self.num_kv_heads}, got {heads}"
             )
-        sizes = [_positive("batch_sizes[]", b) for b in batch_sizes]
+        if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable):
+            raise ValueError(
+                f"batch_sizes must be an iterable of positive ints (e.g. (1, 2, 4)), got "
+                f"{batch_sizes!r}"
+            )
+        sizes = [_positive(f"batch_sizes[{i}]", b) for i, b in enumerate(batch_sizes)]
+        if scale is not None and (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float, np.integer, np.floating))
+            or not math.isfinite(scale)
+            or scale <= 0
+        ):
+            raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
         name = self.attention
         if name == "auto":
             name = _backends.auto_choice(self.device, self.dtype, True)
@@ -369,8 +432,9 @@ class KVCache:
         queued for the next call.
 
         ``log``: rows the caller already drained from the cache itself, performed instead of
-        draining (``ValueError``, performing nothing, for a row that is not a copy of this
-        pool's tiers; see :func:`copy_runs`).
+        draining (``ValueError`` naming the row, performing nothing, for a ``log`` not shaped
+        ``[N, 3]`` or a row that is not integers or not a copy of this pool's tiers; see
+        :func:`copy_runs`).
         """
         if not self.host_pages and log is None:
             return 0
@@ -390,9 +454,14 @@ class KVCache:
         copies queued so far and ``None`` is returned."""
         if log is None:
             log = self.cache.drain_copies()
-        if len(log):
-            self._runs.extend(copy_runs(log, self.num_pages, self.host_pages))
-            self._pending_rows += len(log)
+            if len(log):
+                self._runs.extend(copy_runs(log, self.num_pages, self.host_pages))
+                self._pending_rows += len(log)
+        else:  # the caller's rows: checked whatever they are, an empty log included
+            rows = _check_log(log, self.num_pages, self.host_pages)
+            if len(rows):
+                self._runs.extend(copy_runs(rows, self.num_pages, self.host_pages))
+                self._pending_rows += len(rows)
         events = None
         done = 0
         if self._runs:
