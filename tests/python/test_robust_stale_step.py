@@ -93,6 +93,25 @@ def test_a_step_is_current_until_its_requests_change():
         cache.finish(r)
 
 
+def test_committing_a_step_twice_or_after_a_change_raises():
+    cache, kv = setup()
+    r = cache.admit([1, 2, 3, 4])
+    step = kv.plan([r])
+    write(kv, step)
+    kv.commit(step)
+    with pytest.raises(radixkv.StaleStepError, match="was committed"):
+        kv.commit(step)
+    step = kv.plan([r]) if r.num_computed < r.num_tokens else None
+    assert step is None  # nothing left to plan: the one commit counted once
+    cache.extend(r, [5])
+    step = kv.plan([r])
+    cache.extend(r, [6])
+    with pytest.raises(radixkv.StaleStepError, match="was extended"):
+        kv.commit(step)
+    assert r.num_computed == 4
+    cache.abort(r)
+
+
 def test_a_panic_in_the_core_breaks_the_cache_for_every_later_call():
     cache, kv = setup()
     live = cache.admit([1, 2, 3])

@@ -539,9 +539,12 @@ class KVCache:
 
     def commit(self, step: Step) -> None:
         """Marks the KV of every token planned in ``step`` as written (publishing full pages).
-        One call into Rust for the whole step (``commit_many``: all requests or none)."""
+        One call into Rust for the whole step (``commit_many``: all requests or none). A stale
+        step (committed already, or a request changed since it was planned) raises
+        :class:`radixkv.StaleStepError` and commits nothing."""
         if step.kv is not self:
             raise ValueError("step was planned by another KVCache")
+        step.check_current()
         self.cache.commit_many(step.requests, step.kv_len_list)
 
     def __repr__(self) -> str:
