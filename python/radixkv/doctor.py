@@ -109,41 +109,135 @@ class ChatRequest:
     session: str
 
 
+#: The deepest nesting of lists and objects a logged request may have: rendering, comparing and
+#: canonicalizing tools recurse, and real requests (JSON schemas included) stay far shallower.
+MAX_DEPTH = 100
+
+
+def _show(value: Any, width: int = 60) -> str:
+    """``value`` as it reads in JSON (``null``, ``5``, ``"x"``), clipped to ``width``
+    characters, on one printable line, for error messages."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError):
+        text = type(value).__name__
+    if len(text) > width:
+        text = text[: width - 3] + "..."
+    # One line, whatever the value holds: "\x85", "\u2028" and lone surrogates escaped.
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def _load(raw: str, where: str) -> Any:
+    """The JSON value on a line; ``ValueError`` naming the line when it is not JSON, nests
+    deeper than :data:`MAX_DEPTH` or holds a string that is not valid unicode."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to read") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ValueError(f"{where}: JSON the doctor cannot take ({e})") from None
+    _check_tree(obj, where)
+    return obj
+
+
+def _check_tree(obj: Any, where: str) -> None:
+    """``ValueError`` when ``obj`` nests lists and objects deeper than :data:`MAX_DEPTH` or holds
+    a string (value or key) with a lone surrogate (JSON's ``"\\ud800"``, which has no utf-8).
+    Iterative: no recursion, whatever the depth."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, where)
+            continue
+        if not isinstance(value, (list, dict)):
+            continue
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{where}: nested deeper than {MAX_DEPTH} levels of lists and objects")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_unicode(k, where)
+                stack.append((v, depth + 1))
+        else:
+            stack.extend((v, depth + 1) for v in value)
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """``ValueError`` when ``text`` holds a lone surrogate, named with its neighbourhood."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where}: a string is not valid unicode (a lone surrogate at character {e.start} of "
+            f"{_show(text, 40)})"
+        ) from None
+
+
+def _check_message(m: dict[str, Any], i: int, where: str) -> None:
+    """``ValueError`` naming the field of message ``i`` that has the wrong type: ``role`` a
+    string, ``content`` a string, a list of parts (strings or objects, a part's ``text`` a
+    string) or null, ``tool_calls`` a list or null."""
+    at = f"{where}: 'messages'[{i}]"
+    if "role" in m and not isinstance(m["role"], str):
+        raise ValueError(f"{at}.role must be a string, got {_show(m['role'])}")
+    content = m.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise ValueError(
+            f"{at}.content must be a string, a list of parts or null, got {_show(content)}"
+        )
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        if not isinstance(part, (str, dict)):
+            raise ValueError(f"{at}.content[{j}] must be a string or an object, got {_show(part)}")
+        if isinstance(part, dict) and "text" in part and not isinstance(part["text"], str):
+            raise ValueError(f"{at}.content[{j}].text must be a string, got {_show(part['text'])}")
+    calls = m.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise ValueError(f"{at}.tool_calls must be a list or null, got {_show(calls)}")
+
+
+def _request(obj: Any, n: int, where: str) -> ChatRequest:
+    """Line ``n`` (its JSON value ``obj``) as a request; ``ValueError`` naming the line and the
+    field that is missing or has the wrong type."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: must be a JSON object, got {_show(obj)}")
+    # Logs of a proxy often wrap the body: {"request": {...}} or {"body": {...}}.
+    for key in ("request", "body"):
+        if isinstance(obj.get(key), dict) and "messages" not in obj:
+            obj = {**obj[key], **{k: v for k, v in obj.items() if k == "session"}}
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+        got = "no 'messages'" if msgs is None else _show(msgs)
+        raise ValueError(f"{where}: needs a non-empty 'messages' list of objects, got {got}")
+    for i, m in enumerate(msgs):
+        _check_message(m, i, where)
+    tools = obj.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"{where}: 'tools' must be a list, got {_show(tools)}")
+    for i, tool in enumerate(tools or ()):
+        if not isinstance(tool, dict):
+            raise ValueError(f"{where}: 'tools'[{i}] must be an object, got {_show(tool)}")
+    session = obj.get("session")
+    if session is None:
+        first_user = next((m for m in msgs if m.get("role") == "user"), msgs[0])
+        session = "~" + _text(first_user.get("content"))[:40]
+    elif isinstance(session, bool) or not isinstance(session, (str, int)):
+        raise ValueError(f"{where}: 'session' must be a string or an integer, got {_show(session)}")
+    return ChatRequest(n, msgs, tools or None, str(session))
+
+
 def read_requests(path: str | Path) -> list[ChatRequest]:
     """Reads a JSONL log of chat requests. A line is ``{"messages": [...]}`` with optional
     ``tools`` and ``session`` (requests without one are grouped by their first user message).
-    Raises ``ValueError`` naming the line of a malformed request."""
+    Raises ``ValueError`` naming the line, and the field, of a malformed request."""
     out = []
     with open(path, encoding="utf-8") as f:
         for n, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {n}: not JSON ({e.msg})") from None
-            # Logs of a proxy often wrap the body: {"request": {...}} or {"body": {...}}.
-            for key in ("request", "body"):
-                if (
-                    isinstance(obj, dict)
-                    and isinstance(obj.get(key), dict)
-                    and "messages" not in obj
-                ):
-                    obj = {**obj[key], **{k: v for k, v in obj.items() if k == "session"}}
-            msgs = obj.get("messages") if isinstance(obj, dict) else None
-            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-                raise ValueError(
-                    f"{path}: line {n}: needs a non-empty 'messages' list of objects, got "
-                    f"{type(msgs).__name__ if msgs is not None else 'none'}"
-                )
-            tools = obj.get("tools")
-            if tools is not None and not isinstance(tools, list):
-                raise ValueError(f"{path}: line {n}: 'tools' must be a list, got {tools!r:.60}")
-            session = obj.get("session")
-            if session is None:
-                first_user = next((m for m in msgs if m.get("role") == "user"), msgs[0])
-                session = "~" + _text(first_user.get("content"))[:40]
-            out.append(ChatRequest(n, msgs, tools or None, str(session)))
+            where = f"{path}: line {n}"
+            out.append(_request(_load(raw, where), n, where))
     return out
 
 
@@ -409,6 +503,9 @@ def _compare(prev: ChatRequest, cur: ChatRequest) -> tuple[str, str, list] | Non
             return "tools changed", "tools: added or removed", []
         if la != lb:
             return "history rewritten", f"{la} -> {lb}: messages removed or reordered", []
+        if sa[2] == sb[2]:  # same text, another role: "system" -> "developer"
+            cause = "system prompt edited" if la == "system prompt" else "history rewritten"
+            return cause, f"{la}: role {sa[1]!r} -> {sb[1]!r}", []
         return _classify_text(la, sa[2], sb[2])
     return None  # cur extends prev, or is a prefix of it (a retry): served in full
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.apps.args import UsageError
+from radixkv.apps.trace import emptiness, input_problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,17 +43,17 @@ def run(args: argparse.Namespace) -> int:
     from radixkv.doctor import diagnose, read_requests
 
     path = args.requests
-    if not Path(path).is_file():
-        what = "is a directory" if Path(path).is_dir() else "does not exist"
-        raise UsageError(f"doctor: requests file {path!r} {what}")
+    problem = input_problem(path)
+    if problem is not None:
+        raise UsageError(f"doctor: requests file {path!r} {problem}")
     try:
         requests = read_requests(path)
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"doctor: cannot read requests file {path!r}: {e}") from None
-    except ValueError as e:  # a malformed line, named by read_requests
+    except ValueError as e:  # a malformed line, named with its field by read_requests
         raise UsageError(f"doctor: {e}") from None
     if not requests:
-        raise UsageError(f"doctor: no requests in {path}")
+        raise UsageError(f"doctor: no requests in {path}: {emptiness(path)}")
     render = _renderer(args.tokenizer) if args.tokenizer else None
     report = diagnose(requests, render)
     if report.findings:

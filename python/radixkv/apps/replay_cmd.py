@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from radixkv.apps.replay import (
     replay,
     replay_replicas,
 )
-from radixkv.apps.trace import TraceRequest, read_trace
+from radixkv.apps.trace import TraceRequest, emptiness, input_problem, read_trace
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")
 #: The admission policy replayed with ``--replicas`` > 1 when ``--policy`` is not given.
@@ -327,18 +328,18 @@ def _note_dropped(results: Sequence[ReplayResult | RoutedResult], total: int, po
 
 def _read(path: str, limit: int | None) -> list[TraceRequest]:
     """The requests of the trace at ``path``; a :class:`UsageError` for a file that is missing,
-    unreadable, malformed or empty."""
-    if not Path(path).is_file():
-        what = "is a directory" if Path(path).is_dir() else "does not exist"
-        raise UsageError(f"replay: trace file {path!r} {what}")
+    unreadable, malformed (naming the line and the field) or empty."""
+    problem = input_problem(path)
+    if problem is not None:
+        raise UsageError(f"replay: trace file {path!r} {problem}")
     try:
         requests = list(read_trace(path, limit=limit))
-    except (OSError, UnicodeDecodeError, EOFError) as e:
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:
         raise UsageError(f"replay: cannot read trace {path!r}: {e}") from None
-    except ValueError as e:
+    except ValueError as e:  # a TraceError: the line, the field and the bad value
         raise UsageError(f"replay: {path}: {e}") from None
     if not requests:
-        raise UsageError(f"replay: no requests in {path}")
+        raise UsageError(f"replay: no requests in {path}: {emptiness(path)}")
     return requests
 
 
