@@ -33,7 +33,7 @@ from common import (
 
 
 class EvictBench(Bench):
-    sections: ClassVar = {"evict": "evict"}
+    sections: ClassVar = {"evict": "evict", "events": "events"}
 
     def evict(self) -> None:
         print(
@@ -103,6 +103,29 @@ class EvictBench(Bench):
             rows,
             self.hide,
         )
+
+    def events(self) -> None:
+        """With KV events on, an eviction records the block key of every page it drops: each
+        radix edge keeps its pages' keys, so that costs a copy per page, not a re-hash of the
+        whole path (which was 32,768 hashes for one page of a 32k-token leaf at page size 1)."""
+        print("== evict one page of a 32k-token leaf, KV events off and on (RadixCache P=1)")
+        tokens = stream(23, 0, 1 << 15)
+        rows = []
+        times = {}
+        for on in (False, True):
+
+            def leaf(on=on):
+                c = RADIX1.make(len(tokens) + 16)
+                c.record_events(on)
+                publish(c, tokens)
+                c.drain_events()
+                return c
+
+            times[on] = self.timer.batched(leaf, lambda c: c.evict(1))
+            self.results[f"evict_1_of_32k_leaf/events_{'on' if on else 'off'}"] = {"ns": times[on]}
+            rows.append(["on" if on else "off", fmt_ns(times[on])])
+        rows.append(["on / off", fmt_x(div(times[True], times[False]))])
+        table(["events", "evict 1 page"], rows, self.hide)
 
     def summary(self) -> None:
         targets = Targets()

@@ -60,6 +60,14 @@ pub(super) fn check_tree(
             if !par.alive || par.children.get(&t.page_key(&n.key[..p])) != Some(&id) {
                 return corrupt(format!("node {} is not its parent's child", id.0));
             }
+            if !n.block_keys.is_empty() && !block_keys_hold(t, id) {
+                return corrupt(format!(
+                    "node {} holds {} block keys for {} pages, or keys not of its path",
+                    id.0,
+                    n.block_keys.len(),
+                    n.pages.len()
+                ));
+            }
         }
         for (&k, &ch) in &n.children {
             let child = t.node(ch);
@@ -204,4 +212,37 @@ pub(super) fn check_tree(
         return corrupt("copies logged without a host tier");
     }
     Ok(())
+}
+
+/// Whether `id`'s recorded block keys chain from its parent's path over its own pages. The key
+/// its parent ends with is that parent's own recorded last key (checked on its turn), or hashed
+/// down from the nearest ancestor that records keys (or from the namespace root).
+fn block_keys_hold(t: &RadixIndex, id: NodeId) -> bool {
+    let p = t.page_size;
+    let n = t.node(id);
+    if n.block_keys.len() != n.pages.len() {
+        return false;
+    }
+    let mut above = Vec::new();
+    let mut m = n.parent;
+    let mut prev = loop {
+        let nd = t.node(m);
+        if nd.parent == NIL {
+            break root_hash(p, nd.ns.as_deref().expect("a root holds its namespace"));
+        }
+        if let Some(&k) = nd.block_keys.last() {
+            break k;
+        }
+        above.push(m);
+        m = nd.parent;
+    };
+    for &a in above.iter().rev() {
+        for page in t.node(a).key.chunks_exact(p) {
+            prev = next_hash(&prev, page);
+        }
+    }
+    n.key.chunks_exact(p).zip(&n.block_keys).all(|(page, &k)| {
+        prev = next_hash(&prev, page);
+        prev == k
+    })
 }

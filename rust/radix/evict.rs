@@ -127,6 +127,7 @@ impl RadixIndex {
         let n = self.node_mut(leaf);
         n.pages.truncate(keep);
         n.key.truncate(keep * p);
+        n.block_keys.truncate(keep);
         if keep > 0 {
             return;
         }

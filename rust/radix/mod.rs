@@ -89,6 +89,11 @@ struct Node {
     /// Of a namespace root: its namespace (the key of `roots`), so that the root can leave the
     /// map when its last node goes.
     ns: Option<Box<Namespace>>,
+    /// The block key of each page of the edge, for the event log: empty until events need them
+    /// (filled when a publish records the edge, or on first eviction with events on), else one
+    /// a page. Splits and trims keep it exact, so evicting costs a hash per page evicted, not
+    /// one per page of the path.
+    block_keys: Vec<BlockHash>,
 }
 
 impl Default for Node {
@@ -104,6 +109,7 @@ impl Default for Node {
             time: 0,
             alive: false,
             ns: None,
+            block_keys: Vec::new(),
         }
     }
 }
@@ -254,6 +260,11 @@ impl RadixIndex {
         let head_pages = n.pages[..at / p].to_vec();
         n.key = n.key[at..].to_vec();
         n.pages = n.pages[at / p..].to_vec();
+        let head_keys = if n.block_keys.is_empty() {
+            Vec::new()
+        } else {
+            n.block_keys.drain(..at / p).collect()
+        };
         let (parent, lock, time, host) = (n.parent, n.lock, n.time, n.host);
         let tail_key = self.page_key(&self.node(id).key[..p]);
         let head_first = self.page_key(&head_key[..p]);
@@ -270,6 +281,7 @@ impl RadixIndex {
             time,
             alive: true,
             ns: None,
+            block_keys: head_keys,
         });
         self.node_mut(id).parent = mid;
         self.node_mut(parent).children.insert(head_first, mid);
@@ -348,24 +360,49 @@ impl RadixIndex {
         }
     }
 
-    /// The block keys of the last `count` pages of `node`'s path (for the event log): the path's
-    /// tokens hashed from its namespace's root.
-    fn trailing_keys(&self, node: NodeId, count: usize) -> Vec<BlockHash> {
-        let path = self.path_to(node);
-        let root = self.node(path[0]).parent;
-        let ns = self
-            .roots
-            .iter()
-            .find(|(_, &r)| r == root)
-            .map(|(ns, _)| ns.clone())
-            .expect("every path starts at a namespace root");
-        let tokens: Vec<u32> = path
-            .iter()
-            .flat_map(|&n| self.node(n).key.iter().copied())
-            .collect();
-        let mut keys = block_hashes(&tokens, self.page_size, &ns);
-        keys.drain(..keys.len() - count);
-        keys
+    /// The block keys of the last `count` pages of `node`'s edge (for the event log), filling
+    /// in the edge's keys, and those of the edges above it that lack theirs, on first need.
+    fn trailing_keys(&mut self, node: NodeId, count: usize) -> Vec<BlockHash> {
+        self.fill_block_keys(node);
+        let keys = &self.node(node).block_keys;
+        keys[keys.len() - count..].to_vec()
+    }
+
+    /// Gives `node` and every edge above it their `block_keys`: hashed down from the deepest
+    /// ancestor that has them (or from the namespace root), so each page is hashed once.
+    fn fill_block_keys(&mut self, node: NodeId) {
+        let p = self.page_size;
+        let mut todo = Vec::new();
+        let mut n = node;
+        let mut prev = loop {
+            let parent = self.node(n).parent;
+            if parent == NIL {
+                let ns = self
+                    .node(n)
+                    .ns
+                    .as_deref()
+                    .expect("a root holds its namespace");
+                break root_hash(p, ns);
+            }
+            let nd = self.node(n);
+            if nd.block_keys.len() == nd.pages.len() {
+                break *nd.block_keys.last().expect("a non-root edge has a page");
+            }
+            todo.push(n);
+            n = parent;
+        };
+        for &m in todo.iter().rev() {
+            let keys: Vec<BlockHash> = self
+                .node(m)
+                .key
+                .chunks_exact(p)
+                .map(|page| {
+                    prev = next_hash(&prev, page);
+                    prev
+                })
+                .collect();
+            self.node_mut(m).block_keys = keys;
+        }
     }
 
     /// Nodes on the way from the namespace root (excluded) to `node`, top down.
@@ -540,12 +577,14 @@ impl Index for RadixIndex {
                         time: now,
                         alive: true,
                         ns: None,
+                        block_keys: Vec::new(),
                     });
                     let par = self.node_mut(node);
                     par.children.insert(k, leaf);
                     par.dev_children += 1;
                     if self.events.on {
-                        record_new_leaf(&mut self.events, r, pos, upto, p);
+                        let keys = record_new_leaf(&mut self.events, r, pos, upto, p);
+                        self.node_mut(leaf).block_keys = keys;
                     }
                     node = leaf;
                     pos = upto;
@@ -735,14 +774,14 @@ impl Index for RadixIndex {
 }
 
 /// Records that `r.tokens[from..upto]` entered the tree as a new leaf, hashing from the key the
-/// request's last publish left (`key_at`) when it is there.
+/// request's last publish left (`key_at`) when it is there; returns the leaf's block keys.
 fn record_new_leaf(
     events: &mut EventLog,
     r: &mut Request<RadixExt>,
     from: usize,
     upto: usize,
     p: usize,
-) {
+) -> Vec<BlockHash> {
     let mut prev = match r.ext.key_at {
         Some((at, key)) if at == from => key,
         _ => {
@@ -761,7 +800,13 @@ fn record_new_leaf(
         })
         .collect();
     r.ext.key_at = Some((upto, prev));
-    events.stored_keys(&r.namespace, parent, hashes, r.tokens[from..upto].to_vec());
+    events.stored_keys(
+        &r.namespace,
+        parent,
+        hashes.clone(),
+        r.tokens[from..upto].to_vec(),
+    );
+    hashes
 }
 
 #[cfg(test)]
