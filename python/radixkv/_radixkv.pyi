@@ -22,6 +22,8 @@ __all__ = [
     "StaleStepError",
     "StepPlan",
     "_Cache",
+    "_sha256_cbor_chain",
+    "_sha256_cbor_none_hash",
     "block_hashes",
     "plan_step",
 ]
@@ -235,6 +237,19 @@ class Scheduler:
     @property
     def policy(self) -> str: ...
     def __len__(self) -> int: ...
+
+def _sha256_cbor_chain(
+    parent: bytes | None,
+    tokens: _Tokens,
+    page_size: int,
+    salt: str | bytes | None = None,
+    seed: str = "0",
+) -> list[bytes]:
+    """vLLM's ``sha256_cbor`` hashes of every full page of ``tokens``, chained from ``parent``
+    (``NONE_HASH`` for ``seed`` when None), the first salted with ``salt``."""
+
+def _sha256_cbor_none_hash(seed: str) -> bytes:
+    """vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed``."""
 
 def block_hashes(
     tokens: _Tokens,

@@ -30,7 +30,6 @@ chain (see ``docs/EVENTS.md``), so an indexer that hashes prompts the vLLM way f
 blocks. For a ``RadixCache`` a block is a ``page_size`` group of tokens along a published path.
 """
 
-import hashlib
 import threading
 import time
 from collections import deque
@@ -44,6 +43,8 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
         "radixkv.events needs pyzmq and msgspec: pip install 'radixkv[events]' "
         "(or pip install pyzmq msgspec)"
     ) from e
+
+from radixkv._radixkv import _sha256_cbor_chain, _sha256_cbor_none_hash
 
 __all__ = [
     "END_SEQ",
@@ -116,41 +117,21 @@ AllBlocksCleared = _ARRAY["AllBlocksCleared"]
 
 
 # ---- vLLM's sha256_cbor, for the publisher's chains -------------------------------------------
-
-
-def _head(major: int, n: int) -> bytes:
-    m = major << 5
-    if n < 24:
-        return bytes([m | n])
-    for extra, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if n < 1 << (8 * size):
-            return bytes([m | extra]) + n.to_bytes(size, "big")
-    raise ValueError(f"CBOR integer too large: {n}")
-
-
-def _string(s: str | bytes) -> bytes:
-    if isinstance(s, bytes):
-        try:
-            s = s.decode("utf-8")
-        except UnicodeDecodeError:
-            return _head(2, len(s)) + s
-    b = s.encode("utf-8")
-    return _head(3, len(b)) + b
+# One implementation, the core's (radixkv.block_hashes(algorithm="sha256_cbor") uses it too).
 
 
 def cbor_block_hash(parent: bytes, tokens: Any, salt: str | bytes | None = None) -> bytes:
     """vLLM's ``hash_block_tokens`` with ``sha256_cbor``:
     ``sha256(cbor([parent, [tokens...], [salt] or null]))`` in canonical CBOR."""
     toks = [int(t) for t in tokens]
-    parts = [b"\x83", _head(2, len(parent)), parent, _head(4, len(toks))]
-    parts.extend(_head(0, t) for t in toks)
-    parts.append(b"\x81" + _string(salt) if salt else b"\xf6")
-    return hashlib.sha256(b"".join(parts)).digest()
+    if not toks:
+        raise ValueError("tokens must hold at least one token (vLLM hashes no empty block)")
+    return _sha256_cbor_chain(parent, toks, len(toks), salt or None)[0]
 
 
 def none_hash(seed: str) -> bytes:
     """vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed`` under ``sha256_cbor``."""
-    return hashlib.sha256(_string(seed)).digest()
+    return _sha256_cbor_none_hash(seed)
 
 
 # ---- the publisher ------------------------------------------------------------------------------
@@ -309,12 +290,9 @@ class ZmqPublisher:
                 if sha:
                     prev = self._none_hash if parent is None else self._sha[parent]
                     parent_out: bytes | None = None if parent is None else prev
-                    hashes = []
-                    for i, key in enumerate(keys):
-                        salt = ns if (parent is None and i == 0) else None
-                        prev = cbor_block_hash(prev, tokens[i * p : (i + 1) * p], salt)
-                        self._sha[key] = prev
-                        hashes.append(prev)
+                    salt = ns if parent is None and ns else None
+                    hashes = _sha256_cbor_chain(prev, tokens[: len(keys) * p], p, salt)
+                    self._sha.update(zip(keys, hashes))
                 else:
                     parent_out, hashes = parent, list(keys)
                 if parent is None and ns:  # the namespace salts the first block (cache_salt)

@@ -749,6 +749,40 @@ impl PyCacheStats {
     }
 }
 
+/// vLLM's ``sha256_cbor`` block hashes of every full page of ``tokens``, the first chained
+/// from the 32-byte ``parent`` (vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed`` when None)
+/// and salted with ``salt`` (str or bytes, None for none): the one implementation, which
+/// ``radixkv.events`` uses too.
+#[pyfunction]
+#[pyo3(signature = (parent, tokens, page_size, salt=None, seed="0"))]
+fn _sha256_cbor_chain<'py>(
+    py: Python<'py>,
+    parent: Option<&[u8]>,
+    tokens: &Bound<'py, PyAny>,
+    page_size: &Bound<'py, PyAny>,
+    salt: Option<&Bound<'py, PyAny>>,
+    seed: &str,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let page_size = convert::count("page_size", page_size)?;
+    crate::cache::check_pool_args(1, page_size)?;
+    let prev: hash::BlockHash = match parent {
+        None => hash::sha256_cbor::none_hash(seed),
+        Some(p) => p.try_into().map_err(|_| {
+            PyValueError::new_err(format!("parent must be 32 bytes, got {}", p.len()))
+        })?,
+    };
+    let toks = convert::tokens("tokens", tokens)?;
+    let salt = convert::namespace(salt)?;
+    let hashes = hash::sha256_cbor::chain(prev, &toks, page_size, salt.as_deref());
+    Ok(hashes.iter().map(|h| PyBytes::new(py, h)).collect())
+}
+
+/// vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed``: ``sha256(cbor(seed))``.
+#[pyfunction]
+fn _sha256_cbor_none_hash<'py>(py: Python<'py>, seed: &str) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &hash::sha256_cbor::none_hash(seed))
+}
+
 /// Block hashes of every full page of ``tokens``, 32 bytes each.
 ///
 /// ``algorithm="blake3"``: the keys ``BlockCache`` uses (spec ``radixkv.block.v1`` in the
@@ -809,6 +843,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRequest>()?;
     m.add_class::<PyCacheStats>()?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(_sha256_cbor_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(_sha256_cbor_none_hash, m)?)?;
     m.add("COPY_OFFLOAD", crate::cache::tier::CopyKind::Offload as i32)?;
     m.add("COPY_LOAD", crate::cache::tier::CopyKind::Load as i32)?;
     Ok(())

@@ -277,13 +277,22 @@ pub mod sha256_cbor {
         namespace: &super::Namespace,
         seed: &str,
     ) -> Vec<BlockHash> {
-        let mut prev = none_hash(seed);
+        chain(none_hash(seed), tokens, page_size, namespace.as_deref())
+    }
+
+    /// The hashes of every full page of `tokens`, the first chained from `prev` and salted
+    /// with `first_salt` (a chain continued from a block already hashed has none).
+    pub fn chain(
+        mut prev: BlockHash,
+        tokens: &[u32],
+        page_size: usize,
+        first_salt: Option<&[u8]>,
+    ) -> Vec<BlockHash> {
         tokens
             .chunks_exact(page_size)
             .enumerate()
             .map(|(i, page)| {
-                let salt = if i == 0 { namespace.as_deref() } else { None };
-                prev = next_hash(&prev, page, salt);
+                prev = next_hash(&prev, page, if i == 0 { first_salt } else { None });
                 prev
             })
             .collect()
