@@ -80,7 +80,7 @@ class Session:
 class Workload:
     """The generator of turns: each turn is a generator that makes one cache call per step."""
 
-    cache: radixkv.RadixCache | radixkv.BlockCache
+    cache: radixkv.Cache
     rng: random.Random
     nprng: np.random.Generator
     systems: list[np.ndarray] = field(default_factory=list)

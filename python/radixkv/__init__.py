@@ -6,6 +6,8 @@ core; this package owns the tensors. Two indexes behind one interface:
 - :class:`RadixCache`: a radix tree over token ids (token-exact reuse at ``page_size=1``).
 - :class:`BlockCache`: chained block hashes over full pages (``page_size=16`` by default).
 
+Both derive from :class:`Cache` (``isinstance(c, radixkv.Cache)`` holds for either).
+
 The package, by layer (each subpackage imports only the ones above it):
 
 - ``radixkv._radixkv``: the Rust core (caches, ``Scheduler``, ``plan_step``), re-exported here.
@@ -28,6 +30,7 @@ from radixkv._radixkv import (
     COPY_LOAD,
     COPY_OFFLOAD,
     BlockCache,
+    Cache,
     CacheStats,
     CorruptionError,
     Error,
@@ -64,6 +67,7 @@ __all__ = [
     "COPY_LOAD",
     "COPY_OFFLOAD",
     "BlockCache",
+    "Cache",
     "CacheStats",
     "CorruptionError",
     "Engine",

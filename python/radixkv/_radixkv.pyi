@@ -11,6 +11,7 @@ __all__ = [
     "COPY_LOAD",
     "COPY_OFFLOAD",
     "BlockCache",
+    "Cache",
     "CacheStats",
     "CorruptionError",
     "Error",
@@ -21,7 +22,6 @@ __all__ = [
     "Scheduler",
     "StaleStepError",
     "StepPlan",
-    "_Cache",
     "_sha256_cbor_chain",
     "_sha256_cbor_none_hash",
     "block_hashes",
@@ -113,10 +113,10 @@ class Request:
     @property
     def closed(self) -> bool: ...
     @property
-    def cache(self) -> _Cache: ...
+    def cache(self) -> Cache: ...
 
 @disjoint_base
-class _Cache:
+class Cache:
     """Common base of RadixCache and BlockCache."""
 
     def admit(self, tokens: _Tokens, namespace: _Namespace = None) -> Request: ...
@@ -172,13 +172,13 @@ class _Cache:
     def metadata_bytes(self) -> int: ...
 
 @final
-class RadixCache(_Cache):
+class RadixCache(Cache):
     """A prefix cache indexed by a compressed radix tree over token ids."""
 
     def __new__(cls, num_pages: int, page_size: int = 1, host_pages: int = 0) -> RadixCache: ...
 
 @final
-class BlockCache(_Cache):
+class BlockCache(Cache):
     """A prefix cache indexed by chained block hashes (full pages only)."""
 
     def __new__(cls, num_pages: int, page_size: int = 16, host_pages: int = 0) -> BlockCache: ...
@@ -193,7 +193,7 @@ class Scheduler:
     cache order (``0`` turns the bound off). Higher ``priority`` goes first within every policy.
     """
 
-    def __new__(cls, cache: _Cache, policy: str = "lpm", max_wait: int = 256) -> Scheduler: ...
+    def __new__(cls, cache: Cache, policy: str = "lpm", max_wait: int = 256) -> Scheduler: ...
     def add(
         self,
         tokens: _Tokens,

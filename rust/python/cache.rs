@@ -21,8 +21,9 @@ use std::sync::{Mutex, TryLockError};
 /// Inputs at least this long are handled with the GIL released.
 const LONG: usize = 4096;
 
-/// Common base of `RadixCache` and `BlockCache`: one core cache behind a mutex.
-#[pyclass(name = "_Cache", module = "radixkv._radixkv", subclass, frozen)]
+/// `Cache`, the common base of `RadixCache` and `BlockCache` (``isinstance(c, radixkv.Cache)``
+/// for either): one core cache behind a mutex.
+#[pyclass(name = "Cache", module = "radixkv._radixkv", subclass, frozen)]
 pub struct PyCache {
     inner: Mutex<Box<dyn PrefixCache>>,
     kind: &'static str,

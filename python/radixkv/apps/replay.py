@@ -201,7 +201,7 @@ class _Server:
 
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, bar) -> None:
         self.requests, self.config, self.bar = requests, config, bar
-        self.cache = _make_cache(config)
+        self.cache = make_cache(config.cache, config.num_pages, config.page_size, config.host_pages)
         self.host = config.host_pages > 0
         self.loads = 0  # loads drained since the last batch started: it waits for them
         self.sched = radixkv.Scheduler(self.cache, config.policy, config.max_wait)
@@ -370,8 +370,7 @@ def replay(
     requests: Sequence[TraceRequest],
     config: ReplayConfig,
     progress: bool = False,
-    on_start: Callable[[radixkv.RadixCache | radixkv.BlockCache, radixkv.Scheduler], None]
-    | None = None,
+    on_start: Callable[[radixkv.Cache, radixkv.Scheduler], None] | None = None,
 ) -> ReplayResult:
     """Simulates ``config`` over ``requests`` and returns the figures. ``on_start(cache,
     scheduler)`` is called once the simulated server's cache and scheduler exist (to watch
@@ -502,8 +501,7 @@ def replay_replicas(
     router: str = "prefix",
     balance_threshold: float = DEFAULT_BALANCE_THRESHOLD,
     progress: bool = False,
-    on_start: Callable[[radixkv.RadixCache | radixkv.BlockCache, radixkv.Scheduler], None]
-    | None = None,
+    on_start: Callable[[radixkv.Cache, radixkv.Scheduler], None] | None = None,
 ) -> RoutedResult:
     """Simulates ``replicas`` servers, each configured by ``config`` (its own cache of
     ``config.num_pages`` pages), behind ``router`` (one of :data:`ROUTERS`; see the module
@@ -571,17 +569,6 @@ def _merged_curve(counts: list[list[tuple[float, int, int]]]) -> list[tuple[floa
 
 def _rate(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
-
-
-def _make_cache(config: ReplayConfig) -> radixkv.RadixCache | radixkv.BlockCache:
-    """The cache ``config`` names, with its host tier when ``config.host_pages > 0``."""
-    if config.host_pages == 0:
-        return make_cache(config.cache, config.num_pages, config.page_size)
-    if config.cache == "radix":
-        return radixkv.RadixCache(config.num_pages, config.page_size, host_pages=config.host_pages)
-    if config.cache == "block":
-        return radixkv.BlockCache(config.num_pages, config.page_size, host_pages=config.host_pages)
-    raise ValueError(f"cache must be 'radix' or 'block', got {config.cache!r}")
 
 
 def _next_finish(decoding: list[tuple[float, int, radixkv.Request]]) -> float | None:

@@ -63,7 +63,7 @@ class Batcher:
 
     def __init__(
         self,
-        cache: radixkv.RadixCache | radixkv.BlockCache,
+        cache: radixkv.Cache,
         token_budget: int,
         max_batch: int,
         prefix_caching: bool = True,

@@ -33,8 +33,6 @@ from radixkv.hf._support import (
 from radixkv.kv.kv_cache import KVCache
 from radixkv.kv.step import Step
 
-_Cache = radixkv.RadixCache | radixkv.BlockCache
-
 
 class HFCausalLM(torch.nn.Module):
     """radixkv's model interface over a transformers causal LM (the ``model`` attribute):
@@ -83,7 +81,7 @@ class HFCausalLM(torch.nn.Module):
             logits = logits[keep]
         return logits.float()
 
-    def make_kv_cache(self, cache: _Cache) -> KVCache:
+    def make_kv_cache(self, cache: radixkv.Cache) -> KVCache:
         """A :class:`radixkv.KVCache` for ``cache`` shaped from the model's config (layers, KV
         heads, head dim; of a tensor-parallel model, this rank's KV heads) in the model's dtype,
         on its device."""
@@ -93,10 +91,10 @@ class HFCausalLM(torch.nn.Module):
         return f"HFCausalLM({type(self.model).__name__}, {self.spec})"
 
 
-def make_kv_cache(spec: ModelSpec, cache: _Cache) -> KVCache:
+def make_kv_cache(spec: ModelSpec, cache: radixkv.Cache) -> KVCache:
     """A :class:`radixkv.KVCache` for ``cache`` shaped as ``spec`` says; a cache with a host
     tier gets its host pools in CPU memory."""
-    if not isinstance(cache, (radixkv.RadixCache, radixkv.BlockCache)):
+    if not isinstance(cache, radixkv.Cache):
         raise ValueError(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
         )
@@ -122,7 +120,7 @@ def check_kv(spec: ModelSpec, kv: KVCache, name: str) -> None:
         )
 
 
-def kv_for(spec: ModelSpec, cache: _Cache | KVCache) -> KVCache:
+def kv_for(spec: ModelSpec, cache: radixkv.Cache | KVCache) -> KVCache:
     """The :class:`KVCache` to use: ``cache`` itself when it is one (checked against the
     model), else a new one over the index ``cache``."""
     if isinstance(cache, KVCache):
@@ -212,7 +210,9 @@ def _group_for(spec: ModelSpec, model: Any, group: Any) -> Any:
     return group
 
 
-def engine(model: Any, cache: _Cache | KVCache, token_budget: int = 2048, **kwargs: Any) -> Engine:
+def engine(
+    model: Any, cache: radixkv.Cache | KVCache, token_budget: int = 2048, **kwargs: Any
+) -> Engine:
     """A :class:`radixkv.Engine` (continuous batching, sessions, ``branch``, the scheduler)
     over the transformers causal LM ``model``.
 
@@ -237,7 +237,7 @@ def engine(model: Any, cache: _Cache | KVCache, token_budget: int = 2048, **kwar
     kwargs["group"] = _group_for(spec, model, kwargs.get("group"))
     if isinstance(cache, KVCache):
         check_kv(spec, cache, "cache")
-    elif not isinstance(cache, (radixkv.RadixCache, radixkv.BlockCache)):
+    elif not isinstance(cache, radixkv.Cache):
         raise ValueError(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
         )

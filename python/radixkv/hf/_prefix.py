@@ -67,7 +67,7 @@ class PrefixCache:
     def __init__(
         self,
         model: Any,
-        cache: radixkv.RadixCache | radixkv.BlockCache | KVCache,
+        cache: radixkv.Cache | KVCache,
         namespace: str | bytes | None = None,
     ) -> None:
         self.spec = check_model(model)

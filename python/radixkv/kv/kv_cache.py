@@ -217,7 +217,7 @@ class KVCache:
 
     def __init__(
         self,
-        cache: radixkv.RadixCache | radixkv.BlockCache,
+        cache: radixkv.Cache,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
@@ -226,7 +226,7 @@ class KVCache:
         attention: str = "auto",
         host_device: str | torch.device | None = None,
     ) -> None:
-        if not isinstance(cache, (radixkv.RadixCache, radixkv.BlockCache)):
+        if not isinstance(cache, radixkv.Cache):
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
         if not isinstance(attention, str):
             raise TypeError(f"attention must be a str, got {type(attention).__name__}")

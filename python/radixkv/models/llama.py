@@ -216,7 +216,7 @@ class CausalLM(nn.Module):
 
     def make_kv_cache(
         self,
-        cache: radixkv.RadixCache | radixkv.BlockCache,
+        cache: radixkv.Cache,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         host_device: str | torch.device | None = None,
