@@ -88,6 +88,9 @@ pub trait PrefixCache: Send {
     fn host_pages(&self) -> usize;
     /// A snapshot of the counters.
     fn stats(&self) -> CacheStats;
+    /// `stats().evicted_pages` alone, without building the snapshot (the scheduler reads it per
+    /// ranked candidate).
+    fn evicted_pages(&self) -> u64;
     /// Recomputes every invariant from scratch; `Err(Corruption)` names the first broken one.
     fn check(&self) -> Result<()>;
     /// A view of a live request.
@@ -290,6 +293,10 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn host_pages(&self) -> usize {
         self.index.tier().host_pages
+    }
+
+    fn evicted_pages(&self) -> u64 {
+        self.counters.evicted_pages
     }
 
     fn stats(&self) -> CacheStats {

@@ -179,7 +179,7 @@ impl Scheduler {
         let limit = match_limit(tokens.len(), self.page_size);
         let path = self
             .trie
-            .insert(id, &tokens, &namespace, limit / self.trie.chunk);
+            .insert(id, &tokens, &namespace, limit / self.trie.chunk());
         let arrived = self.calls;
         self.waiting.insert(
             id,
@@ -209,7 +209,7 @@ impl Scheduler {
 
     /// Namespaces of the waiting requests (each costs a trie root while a request uses it).
     pub fn num_namespaces(&self) -> usize {
-        self.trie.roots.len()
+        self.trie.num_roots()
     }
 
     /// Number of waiting requests.
@@ -234,17 +234,8 @@ impl Scheduler {
 
     /// Cached prefix of a waiting request as ranked in pass `stamp` (after `match_all`).
     fn estimate(&self, cache: &dyn PrefixCache, id: u64, w: &Waiting, stamp: u64) -> usize {
-        if let Some(&est) = self.trie.settled.get(&id) {
-            return est;
-        }
-        let f = self.trie.frontier(&w.path, stamp);
-        let node = &self.trie.nodes[w.path[f] as usize];
-        let mut cur = node.cursor.expect("probed nodes hold a cursor");
-        if node.full && f + 1 == w.path.len() {
-            let start = (w.path.len() - 1) * self.trie.chunk;
-            cache.advance(&mut cur, &w.tokens[start..w.limit]);
-        }
-        cur.matched
+        self.trie
+            .estimate(cache, id, &w.path, &w.tokens[..w.limit], stamp)
     }
 
     fn starved(&self, w: &Waiting) -> bool {
@@ -312,8 +303,8 @@ impl Scheduler {
             return out;
         }
         let mut ranked = self.rank(cache);
-        let chunk = self.trie.chunk;
-        let evicted_at_rank = cache.stats().evicted_pages;
+        let chunk = self.trie.chunk();
+        let evicted_at_rank = cache.evicted_pages();
         let mut budget = token_budget;
         while let Some(Reverse((key, est))) = ranked.pop() {
             let id = key.5;
@@ -323,20 +314,20 @@ impl Scheduler {
             let w = &self.waiting[&id];
             let stops = self.starved(w) || self.policy == Policy::Fcfs;
             // Admissions never add cached pages, so `est` stays exact unless pages were evicted.
-            let cached =
-                if self.policy == Policy::Fcfs || cache.stats().evicted_pages != evicted_at_rank {
-                    match cache.match_prefix(&w.tokens, &w.namespace) {
-                        Ok(m) => m,
-                        Err(_) => continue,
-                    }
-                } else {
-                    est
-                };
+            let cached = if self.policy == Policy::Fcfs || cache.evicted_pages() != evicted_at_rank
+            {
+                match cache.match_prefix(&w.tokens, &w.namespace) {
+                    Ok(m) => m,
+                    Err(_) => continue,
+                }
+            } else {
+                est
+            };
             let uncached_chunks = (cached / chunk + 1).min(w.path.len())..w.path.len();
             let shared_with_batch = !stops
-                && w.path[uncached_chunks.clone()]
-                    .iter()
-                    .any(|&nd| self.trie.nodes[nd as usize].claimed == stamp);
+                && self
+                    .trie
+                    .any_claimed(&w.path[uncached_chunks.clone()], stamp);
             if shared_with_batch {
                 continue;
             }
@@ -348,9 +339,7 @@ impl Scheduler {
                 Err(_) => continue,
             };
             budget -= take;
-            for &nd in &w.path[uncached_chunks] {
-                self.trie.nodes[nd as usize].claimed = stamp;
-            }
+            self.trie.claim(&w.path[uncached_chunks], stamp);
             let w = self.waiting.remove(&id).expect("ranked ids are waiting");
             self.trie.remove(id, &w.path, &w.namespace);
             self.waits.record(stamp - w.arrived - 1);

@@ -22,24 +22,24 @@ pub(crate) const NIL: u32 = u32::MAX;
 
 #[derive(Debug, Default)]
 pub(crate) struct TrieNode {
-    pub parent: u32,
+    parent: u32,
     /// Chunk tokens: `src[offset..offset + C]` (shared with the request that brought it).
     src: Option<Arc<[u32]>>,
     offset: usize,
-    pub children: HashMap<u64, u32>,
+    children: HashMap<u64, u32>,
     /// Waiting requests whose path runs through (or ends at) this node.
-    pub weight: u32,
+    weight: u32,
     /// Sum of the ids of those requests: when `weight` is 1 it is that request's id, so a
     /// depth-first walk can stop at a subtree of one request.
-    pub id_sum: u64,
+    id_sum: u64,
     /// Waiting requests whose path ends here, by id (= arrival order).
-    pub ending: BTreeSet<u64>,
+    ending: BTreeSet<u64>,
     /// Pass in which `cursor` was computed, and whether the chunk matched in full then.
-    pub stamp: u64,
-    pub cursor: Option<Cursor>,
-    pub full: bool,
+    stamp: u64,
+    cursor: Option<Cursor>,
+    full: bool,
     /// Pass in which a request admitted by that pass claimed this (uncached) chunk.
-    pub claimed: u64,
+    claimed: u64,
     /// Id of the request that created the node: the tie-break between equal weights.
     created_by: u64,
 }
@@ -60,18 +60,65 @@ fn chunk_key(chunk: &[u32]) -> u64 {
 /// The trie of waiting prompts.
 #[derive(Debug)]
 pub(crate) struct WaitingTrie {
-    pub chunk: usize,
-    pub nodes: Vec<TrieNode>,
+    chunk: usize,
+    nodes: Vec<TrieNode>,
     vacant: Vec<u32>,
-    pub roots: HashMap<Namespace, u32>,
+    roots: HashMap<Namespace, u32>,
     /// Cached prefix of requests whose match `match_all` settled on its own (the only request
     /// below a partially matched chunk), by id; the rest are looked up along their paths.
-    pub settled: HashMap<u64, usize>,
+    settled: HashMap<u64, usize>,
     /// Child key of a chunk (`chunk_key`; tests swap in a colliding one).
     pub key: fn(&[u32]) -> u64,
 }
 
 impl WaitingTrie {
+    /// Tokens per chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Namespaces with a root (each while a waiting request uses it).
+    pub fn num_roots(&self) -> usize {
+        self.roots.len()
+    }
+
+    /// Cached prefix of the waiting request `id` (its chunk `path`, its prompt up to its match
+    /// limit `tokens`) as ranked in pass `stamp`, after `match_all`.
+    pub fn estimate(
+        &self,
+        cache: &dyn PrefixCache,
+        id: u64,
+        path: &[u32],
+        tokens: &[u32],
+        stamp: u64,
+    ) -> usize {
+        if let Some(&est) = self.settled.get(&id) {
+            return est;
+        }
+        let f = self.frontier(path, stamp);
+        let node = &self.nodes[path[f] as usize];
+        let mut cur = node.cursor.expect("probed nodes hold a cursor");
+        if node.full && f + 1 == path.len() {
+            let start = (path.len() - 1) * self.chunk;
+            cache.advance(&mut cur, &tokens[start..]);
+        }
+        cur.matched
+    }
+
+    /// Whether a request admitted in pass `stamp` claimed any of the chunks `nodes`.
+    pub fn any_claimed(&self, nodes: &[u32], stamp: u64) -> bool {
+        nodes
+            .iter()
+            .any(|&nd| self.nodes[nd as usize].claimed == stamp)
+    }
+
+    /// Claims the (uncached) chunks `nodes` for a request admitted in pass `stamp`.
+    pub fn claim(&mut self, nodes: &[u32], stamp: u64) {
+        for &nd in nodes {
+            self.nodes[nd as usize].claimed = stamp;
+        }
+    }
+
     pub fn new(chunk: usize) -> Self {
         WaitingTrie {
             chunk,
