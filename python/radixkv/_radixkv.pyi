@@ -311,6 +311,6 @@ class StepPlan:
         """Raises ``StaleStepError`` unless every request of the step is as it was planned:
         open, with the same ``num_computed`` and ``num_tokens``."""
 
-def plan_step(requests: Sequence[Request]) -> StepPlan:
-    """Plans one step over ``requests`` (all of one cache, each named once, each with tokens
-    left to compute)."""
+def plan_step(requests: Sequence[Request], cache: Cache | None = None) -> StepPlan:
+    """Plans one step over ``requests`` (each a ``Request`` of one cache, ``cache`` when given,
+    each named once, each with tokens left to compute)."""

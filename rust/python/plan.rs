@@ -6,7 +6,7 @@ use crate::cache::request::RequestId;
 use crate::cache::PrefixCache;
 use crate::plan::{plan_step as plan_core, StepPlan};
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 /// One planned step (built by ``plan_step``): numpy arrays, each a fresh copy on every read.
@@ -140,22 +140,46 @@ impl PyStepPlan {
     }
 }
 
-/// Plans one step over ``requests`` (all of one cache, each named once, each with tokens left to
-/// compute): a ``StepPlan``.
+/// Plans one step over ``requests`` (each a ``Request`` of one cache, ``cache`` when given,
+/// each named once, each with tokens left to compute): a ``StepPlan``. The one place these are
+/// checked: ``KVCache.plan`` passes its own cache.
 #[pyfunction]
-fn plan_step<'py>(py: Python<'py>, requests: Vec<Bound<'py, PyRequest>>) -> PyResult<PyStepPlan> {
-    let Some(first) = requests.first() else {
+#[pyo3(signature = (requests, cache=None))]
+fn plan_step<'py>(
+    py: Python<'py>,
+    requests: &Bound<'py, PyAny>,
+    cache: Option<&Bound<'py, PyCache>>,
+) -> PyResult<PyStepPlan> {
+    let mut reqs: Vec<Bound<'py, PyRequest>> = Vec::new();
+    for (i, r) in requests.try_iter()?.enumerate() {
+        let r = r?;
+        match r.downcast_into::<PyRequest>() {
+            Ok(r) => reqs.push(r),
+            Err(e) => {
+                return Err(PyTypeError::new_err(format!(
+                    "requests[{i}] must be a Request, got {}",
+                    e.into_inner().get_type().name()?
+                )))
+            }
+        }
+    }
+    let Some(first) = reqs.first() else {
         return Err(PyValueError::new_err(
             "requests must hold at least one request, got none",
         ));
     };
-    let cache: Py<PyCache> = first.get().cache.clone_ref(py);
-    let ids: Vec<_> = requests.iter().map(|r| r.get().id).collect();
+    let (cache, than): (Py<PyCache>, &str) = match cache {
+        Some(c) => (c.clone().unbind(), "the cache planned for"),
+        None => (first.get().cache.clone_ref(py), "requests[0]"),
+    };
+    let ids: Vec<_> = reqs.iter().map(|r| r.get().id).collect();
     let mut seen = std::collections::HashMap::new();
-    for (i, r) in requests.iter().enumerate() {
+    for (i, r) in reqs.iter().enumerate() {
         if !r.get().cache.is(&cache) {
+            // Its slots index another pool: writing them here would overwrite KV that cache
+            // has published and still serves.
             return Err(PyValueError::new_err(format!(
-                "requests[{i}] belongs to another cache than requests[0]"
+                "requests[{i}] belongs to another cache than {than}"
             )));
         }
         if let Some(j) = seen.insert(r.get().id, i) {

@@ -518,23 +518,11 @@ class KVCache:
         one named twice; ``TypeError`` for anything but a ``Request``.
         """
         requests = list(requests)
-        if len(requests) == 0:
-            raise ValueError("requests must hold at least one request, got none")
-        seen: dict[int, int] = {}
-        for i, r in enumerate(requests):
-            if not isinstance(r, radixkv.Request):
-                raise TypeError(f"requests[{i}] must be a Request, got {type(r).__name__}")
-            if r.cache is not self._owner:
-                # Its slots index another pool: writing them here would overwrite KV this
-                # cache has published and still serves.
-                raise ValueError(f"requests[{i}] belongs to another cache than this KVCache's")
-            j = seen.setdefault(id(r), i)
-            if j != i:
-                raise ValueError(f"requests[{i}] repeats requests[{j}]: plan each request once")
+        # Checked here before the copies run, by plan_step's own checks (the one owner of them).
+        plan = radixkv.plan_step(requests, self._owner)
         events = None
         if self.host_pages:  # the one check the no-tier path pays
             events = self._apply_copies(overlap=True)[1]
-        plan = radixkv.plan_step(requests)
         return Step(self, requests, plan, copy_events=events)
 
     def commit(self, step: Step) -> None:
