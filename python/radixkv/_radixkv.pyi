@@ -206,6 +206,8 @@ class Scheduler:
         never fit the pool: ``ceil((len(tokens) + max(max_new_tokens, 1) - 1) / page_size) >
         num_pages``."""
 
+    def check_fits(self, num_tokens: int, max_new_tokens: int, name: str = "a request") -> None:
+        """``ValueError`` when such a request could never fit the pool (the rule of ``add``)."""
     def cancel(self, id: int) -> bool:
         """Drops a waiting request; returns whether it was waiting. ``ValueError`` naming ``id``
         when it is negative or beyond 64 bits."""

@@ -119,6 +119,24 @@ impl PyScheduler {
         Ok(id?)
     }
 
+    /// Raises ``ValueError`` (``"{name} of N tokens ... could never run"``) when a request of
+    /// ``num_tokens`` prompt tokens and ``max_new_tokens`` could never fit the pool: the rule
+    /// ``add`` enforces, for callers that check before queueing anything.
+    #[pyo3(signature = (num_tokens, max_new_tokens, name="a request"))]
+    fn check_fits(
+        &self,
+        num_tokens: &Bound<'_, PyAny>,
+        max_new_tokens: &Bound<'_, PyAny>,
+        name: &str,
+    ) -> PyResult<()> {
+        let n = convert::count("num_tokens", num_tokens)?;
+        let m = convert::count("max_new_tokens", max_new_tokens)?;
+        let m = u32::try_from(m).map_err(|_| {
+            PyValueError::new_err(format!("max_new_tokens must be below 2**32, got {m}"))
+        })?;
+        Ok(self.lock().core.check_fits(name, n, m)?)
+    }
+
     /// Drops a waiting request; returns whether it was waiting. ``id`` is an int ``>= 0``
     /// (``ValueError`` naming it otherwise).
     fn cancel(&self, id: &Bound<'_, PyAny>) -> PyResult<bool> {

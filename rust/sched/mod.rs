@@ -147,9 +147,25 @@ impl Scheduler {
         }
     }
 
+    /// The pool-fit rule, written once (the engine checks it with this before queueing): a
+    /// request of `num_tokens` prompt tokens could never run when its prompt and every
+    /// generated token but the last, `ceil((num_tokens + max(max_new_tokens, 1) - 1) /
+    /// page_size)` pages, exceed the pool. `name` says what the error is about.
+    pub fn check_fits(&self, name: &str, num_tokens: usize, max_new_tokens: u32) -> Result<()> {
+        let written = num_tokens + (max_new_tokens.max(1) as usize) - 1;
+        let pages = written.div_ceil(self.page_size);
+        if pages > self.num_pages {
+            return Err(invalid(format!(
+                "{name} of {num_tokens} tokens with max_new_tokens={max_new_tokens} needs {pages} \
+                 pages of {} tokens, but the pool has only {} pages: it could never run",
+                self.page_size, self.num_pages
+            )));
+        }
+        Ok(())
+    }
+
     /// Queues a prompt; returns its id (ids grow with arrival). Refuses a request that could
-    /// never fit the pool: its prompt and every generated token but the last need
-    /// `ceil((len + max(max_new_tokens, 1) - 1) / page_size)` pages.
+    /// never fit the pool ([`Scheduler::check_fits`]).
     pub fn add(
         &mut self,
         tokens: &[u32],
@@ -162,17 +178,7 @@ impl Scheduler {
                 "tokens must hold at least one token, got an empty sequence",
             ));
         }
-        let written = tokens.len() + (max_new_tokens.max(1) as usize) - 1;
-        let pages = written.div_ceil(self.page_size);
-        if pages > self.num_pages {
-            return Err(invalid(format!(
-                "a request of {} tokens with max_new_tokens={max_new_tokens} needs {pages} pages \
-                 of {} tokens, but the pool has only {} pages: it could never run",
-                tokens.len(),
-                self.page_size,
-                self.num_pages
-            )));
-        }
+        self.check_fits("a request", tokens.len(), max_new_tokens)?;
         let id = self.next_id;
         self.next_id += 1;
         let tokens: Arc<[u32]> = tokens.into();

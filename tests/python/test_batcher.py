@@ -94,9 +94,9 @@ def counted_engine(monkeypatch, tokens: int, budget: int):
     eng.batcher.scheduler = Counting(eng.batcher.scheduler, calls)
     plan_step = radixkv.plan_step
 
-    def counted_plan(requests):
+    def counted_plan(requests, cache=None):
         calls["plan_step"] += 1
-        return plan_step(requests)
+        return plan_step(requests, cache)
 
     monkeypatch.setattr(radixkv, "plan_step", counted_plan)
     return eng, calls
@@ -120,5 +120,7 @@ def test_a_step_calls_into_rust_a_fixed_number_of_times(monkeypatch, tokens):
     assert calls["finish"] == n and calls["abort"] == pre
     per_request = {"extend", "commit", "admit", "fork", "match_prefix"}
     assert not per_request & set(calls), calls
-    # Decodes of 24 sequences over 10+ steps: per-request calls would be in the hundreds.
-    assert sum(calls.values()) <= 4 * steps + 2 * n + 3 * pre
+    # Per request at submit: check_fits (the pool-fit rule, the core's) and add; at the end,
+    # finish. Decodes of 24 sequences over 10+ steps: per-request calls would be in the hundreds.
+    assert calls["check_fits"] == n
+    assert sum(calls.values()) <= 4 * steps + 3 * n + 3 * pre

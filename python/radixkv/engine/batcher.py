@@ -87,21 +87,15 @@ class Batcher:
         self._waiting: dict[int, Sequence] = {}  # scheduler id -> sequence
         self._sid: dict[int, int] = {}  # sequence id -> scheduler id
         self._private = itertools.count()
-        self._page_size, self._num_pages = cache.page_size, cache.num_pages
 
     # ---- the queue --------------------------------------------------------------------------
 
     def check_fits(self, name: str, num_tokens: int, max_new_tokens: int) -> None:
         """Raises ``ValueError`` when a request of ``num_tokens`` prompt tokens could never run:
         its prompt and every generated token but the last need more pages than the pool has
-        (the rule ``Scheduler.add`` enforces, checked before anything is queued)."""
-        pages = -(-(num_tokens + max(max_new_tokens, 1) - 1) // self._page_size)
-        if pages > self._num_pages:
-            raise ValueError(
-                f"{name} of {num_tokens} tokens with max_new_tokens={max_new_tokens} needs "
-                f"{pages} pages of {self._page_size} tokens, but the pool has only "
-                f"{self._num_pages} pages: it could never run"
-            )
+        (``Scheduler.check_fits``, the rule ``Scheduler.add`` enforces, checked before anything
+        is queued)."""
+        self.scheduler.check_fits(num_tokens, max_new_tokens, name)
 
     def queue(self, seq: Sequence, again: bool = False) -> None:
         """Queues ``seq``'s whole target in the scheduler (``again``: after a preemption, with
