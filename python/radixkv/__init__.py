@@ -53,6 +53,7 @@ _LAZY = {
     "Step": "radixkv.kv",
     "Engine": "radixkv.engine",
     "Session": "radixkv.engine",
+    "StreamEvent": "radixkv.engine",
     "models": "radixkv.models",
     # Modules with optional dependencies: radixkv[metrics], radixkv[events]; doctor needs none.
     "metrics": "radixkv.metrics",
@@ -82,6 +83,7 @@ __all__ = [
     "StaleStepError",
     "Step",
     "StepPlan",
+    "StreamEvent",
     "block_hashes",
     "models",
     "plan_step",

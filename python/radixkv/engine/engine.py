@@ -32,6 +32,18 @@ steps in a row, every unfinished request ends with ``finish_reason="error"`` and
 scheduler's last exception as its ``__cause__``), so :meth:`Engine.run` returns instead of
 spinning.
 
+Sampling, text and streaming: the knobs of :meth:`Engine.submit` (``top_p``, ``top_k``,
+``min_p``, the penalties, ``logprobs``; see :mod:`radixkv.engine.sampling`) cost nothing to a
+request that leaves them off. With ``Engine(tokenizer=...)`` every request's output is
+detokenized as it grows (:mod:`radixkv.engine.detok`): ``Result.text``, and ``stop_strings``,
+which end a request as soon as its text holds one (the text cut before it,
+``finish_reason="stop"``). ``on_token`` gets a :class:`~radixkv.engine.sequence.StreamEvent`
+per sampled token on the thread that runs :meth:`Engine.step` (the final one with
+``finish_reason``; a request cancelled or failed gets a final event too, from
+:meth:`Engine.cancel` or the step that failed it). An exception raised by ``on_token`` ends
+that request alone with ``finish_reason="error"`` and the exception in ``Result.error``; it is
+not called again for that request. :meth:`Engine.stream` yields one request's events.
+
 Tensor parallelism (``group=``): one engine per rank, each over its shard of the model
 (:meth:`radixkv.models.CausalLM.shard`) and its own ``KVCache``. Rank 0 takes the calls and
 steps; the other ranks call :meth:`Engine.follow`, which replays rank 0's calls (broadcast at
@@ -42,12 +54,13 @@ same decisions (``docs/DETERMINISM.md``), so ids and results agree; mismatches a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -56,9 +69,10 @@ import torch
 
 import radixkv
 from radixkv.engine.batcher import PRIORITY_MAX, Batcher
-from radixkv.engine.lockstep import DivergedError, Lockstep, check_same_config
-from radixkv.engine.sampling import sample_tokens, to_token_array
-from radixkv.engine.sequence import Result, Sequence, Status
+from radixkv.engine.detok import CONTEXT_TOKENS, Detokenizer
+from radixkv.engine.lockstep import LeaderClosedError, Lockstep, check_same_config
+from radixkv.engine.sampling import OFF, Sampling, check_sampling, sample_tokens, to_token_array
+from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent
 from radixkv.kv.kv_cache import KVCache
 
 
@@ -109,6 +123,12 @@ class Engine:
     :meth:`follow`. ``digest_every``: every that many steps the ranks compare their caches'
     ``state_digest()`` (0: never; the step number and batch shape are compared every step).
     ``check_tokens``: compare the sampled token ids after every step too.
+
+    ``stop_tokens``: the token ids a request stops at when ``submit`` is given no ``stop``.
+    ``tokenizer``: the model's tokenizer (a transformers tokenizer, or any object with its
+    ``decode(ids, skip_special_tokens=...)``), for ``Result.text`` and ``stop_strings`` (see
+    the module docstring); nothing else needs it. Under tensor parallelism rank 0's is used
+    (rank 0 decides where a stop string ends a request and tells the other ranks).
     """
 
     #: Steps in a row that may compute nothing and end no request while requests are pending
@@ -128,7 +148,14 @@ class Engine:
         group: object | None = None,
         digest_every: int = 16,
         check_tokens: bool = False,
+        tokenizer: object | None = None,
+        stop_tokens: Iterable[int] = (),
     ) -> None:
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(
+                "tokenizer must be None or have a decode(ids, skip_special_tokens=...) method "
+                f"(a transformers tokenizer), got {type(tokenizer).__name__}"
+            )
         for name, value in (("token_budget", token_budget), ("max_batch", max_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -149,6 +176,12 @@ class Engine:
         self.vocab_size: int = model.config.vocab_size
         self.token_budget, self.max_batch = token_budget, max_batch
         self.prefix_caching = bool(prefix_caching)
+        self.tokenizer = tokenizer
+        #: What a request stops at when its ``stop`` is left out (None): the model's
+        #: end-of-sequence ids for ``radixkv.hf.engine``; ``stop=()`` stops at nothing.
+        self.stop_tokens = _check_params(
+            0, 0.0, stop_tokens, None, 0, 0, self.vocab_size, name="stop_tokens"
+        ).stop
         self.batcher = Batcher(
             kv.cache, token_budget, max_batch, self.prefix_caching, policy, max_wait
         )
@@ -173,6 +206,9 @@ class Engine:
                     "cache kind": type(kv.cache).__name__,
                     "num_pages": stats.num_pages,
                     "page_size": stats.page_size,
+                    "host_pages": kv.cache.host_pages,
+                    "num_layers": kv.num_layers,
+                    "KV dtype": str(kv.dtype),
                     "vocab_size": self.vocab_size,
                     "token_budget": token_budget,
                     "max_batch": max_batch,
@@ -181,7 +217,8 @@ class Engine:
                     "max_wait": max_wait,
                     "digest_every": digest_every,
                     "check_tokens": bool(check_tokens),
-                    "empty cache": stats.used_pages == 0,
+                    "max_stalled_steps": self.max_stalled_steps,
+                    "cache state digest": kv.cache.state_digest(),
                 },
             )
 
@@ -223,39 +260,72 @@ class Engine:
             self._cancel(*args)
         elif kind == "release":
             self._drop([self._get(i) for i in args[0]])
+        elif kind == "end":
+            self._end(*args)
         else:
             raise radixkv.Error(f"rank {self.rank}: unknown call {kind!r} from rank 0")
 
     def follow(self) -> int:
         """Ranks other than 0: replays rank 0's calls and steps in lockstep with it until rank
         0 calls :meth:`close`; returns the number of steps taken. Afterwards ``result(id)``
-        gives what rank 0's does. Raises ``radixkv.Error`` when the ranks diverge (rank 0
-        raises it too)."""
+        gives what rank 0's does. Raises ``radixkv.Error`` when the ranks diverge or a rank's
+        step fails (rank 0 raises it too; see :mod:`radixkv.engine.lockstep`), and
+        ``LeaderClosedError`` at once once rank 0 closed."""
         if self.lockstep is None or self.lockstep.rank == 0:
             raise radixkv.Error("Engine.follow is for ranks other than 0 of an engine's group")
         if self._broken is not None:
             raise self._broken
+        if self._closed:
+            raise LeaderClosedError(
+                f"Engine.follow on rank {self.rank}: rank 0 closed this engine (Engine.close()), "
+                "it sends no more steps"
+            )
         steps = 0
-        while True:
-            calls, close = self.lockstep.receive()
-            for call in calls:
-                self._replay(call)
-            if close:
-                self._closed = True
-                return steps
-            self._step()
-            steps += 1
+        try:
+            while True:
+                calls, close = self.lockstep.receive()
+                for call in calls:
+                    self._replay(call)
+                if close:
+                    self._closed = True
+                    self.lockstep.check_close()
+                    return steps
+                self._step_once()
+                steps += 1
+        except BaseException as e:
+            err = self._leave(e)
+            if err is e:
+                raise
+            raise err from e
 
     def close(self) -> None:
         """Rank 0: sends the calls taken since the last step (a release, say) and ends the other
-        ranks' :meth:`follow`; the engine takes no more calls. A no-op without a group, on
-        other ranks, and when closed already."""
+        ranks' :meth:`follow`, whose last check it waits for (``DivergedError`` if a rank's
+        last forward pass failed alone); the engine takes no more calls. A no-op without a
+        group, on other ranks, and when closed already."""
         if self.lockstep is None or self._closed:
             return
         self._closed = True
         if self.lockstep.rank == 0 and self._broken is None:
             calls, self._calls = self._calls, []
-            self.lockstep.send(calls, close=True)
+            try:
+                self.lockstep.send(calls, close=True)
+                self.lockstep.check_close()
+            except BaseException as e:
+                err = self._leave(e)
+                if err is e:
+                    raise
+                raise err from e
+
+    def _leave(self, error: BaseException) -> BaseException:
+        """With a group: ``error`` left this rank's step, ``follow`` or ``close``. The lockstep
+        ends on every rank (:meth:`Lockstep.abandon`: the others raise ``DivergedError``) and
+        later calls raise it; returns what to raise (``error`` itself when it is the lockstep's
+        error, or not an ``Exception``: an interrupt)."""
+        assert self.lockstep is not None
+        err = self.lockstep.abandon(error)
+        self._broken = err
+        return error if err is error or not isinstance(error, Exception) else err
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -264,37 +334,110 @@ class Engine:
         prompt: Seq[int] | np.ndarray | torch.Tensor,
         max_new_tokens: int = 16,
         temperature: float = 0.0,
-        stop: Iterable[int] = (),
+        stop: Iterable[int] | None = None,
         namespace: str | bytes | None = None,
         seed: int = 0,
         priority: int = 0,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: bool = False,
+        stop_strings: Iterable[str] = (),
+        on_token: Callable[[StreamEvent], object] | None = None,
     ) -> int:
         """Queues one request; returns its id. ``temperature=0`` is greedy; generation ends at a
-        token of ``stop`` (kept in the output) or after ``max_new_tokens`` (0: prefill only).
+        token of ``stop`` (kept in the output; left out, the engine's ``stop_tokens``, which
+        ``radixkv.hf.engine`` sets to the model's end-of-sequence ids; ``()`` for none) or after
+        ``max_new_tokens`` (0: prefill only).
         Higher ``priority`` is admitted first. Raises ``ValueError`` for bad arguments and for a
-        request the pool could never hold (prompt and output together, but the last token)."""
+        request the pool could never hold (prompt and output together, but the last token).
+
+        Sampling knobs (all off by default; see :mod:`radixkv.engine.sampling`): ``top_p`` in
+        (0, 1], ``top_k`` (0: off), ``min_p`` in [0, 1), ``repetition_penalty`` > 0 (1: off;
+        over prompt and output), ``presence_penalty`` and ``frequency_penalty`` in [-2, 2]
+        (over the output). ``logprobs``: fill ``Result.logprobs``. ``stop_strings``: end the
+        request as soon as its text holds one (needs ``Engine(tokenizer=...)``; the text is cut
+        before it). ``on_token``: called with a :class:`StreamEvent` per token and at the end,
+        on the thread that steps the engine (see the module docstring)."""
         self._lead("submit")
         arr, params = self._check_submit(
-            prompt, max_new_tokens, temperature, stop, namespace, seed, priority
+            prompt,
+            max_new_tokens,
+            temperature,
+            stop,
+            namespace,
+            seed,
+            priority,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logprobs=logprobs,
+            stop_strings=stop_strings,
+            on_token=on_token,
         )
-        seq_id = self._register(arr, params).id
+        seq_id = self._register(arr, params, on_token).id
         self._record(("submit", arr, params))
         return seq_id
 
     def _check_submit(
-        self, prompt, max_new_tokens, temperature, stop, namespace, seed, priority, name="prompt"
+        self,
+        prompt,
+        max_new_tokens,
+        temperature,
+        stop,
+        namespace,
+        seed,
+        priority,
+        name="prompt",
+        on_token=None,
+        **knobs,
     ) -> tuple[np.ndarray, _Params]:
-        """Everything :meth:`submit` checks, registering nothing."""
+        """Everything :meth:`submit` checks, registering nothing (``knobs``: its sampling
+        keywords)."""
         arr = to_token_array(prompt, name, self.vocab_size)
         params = _check_params(
-            max_new_tokens, temperature, stop, namespace, seed, priority, self.vocab_size
+            max_new_tokens,
+            temperature,
+            self.stop_tokens if stop is None else stop,
+            namespace,
+            seed,
+            priority,
+            self.vocab_size,
+            sampling=self._check_knobs(on_token, knobs),
         )
         self.batcher.check_fits(name, len(arr), params.max_new_tokens)
         return arr, params
 
-    def _register(self, prompt: np.ndarray, params: _Params) -> Sequence:
-        """Registers and queues one checked request."""
+    def _check_knobs(self, on_token, knobs: dict) -> Sampling:
+        """The sampling keywords of :meth:`submit` checked (``on_token`` too)."""
+        if on_token is not None and not callable(on_token):
+            raise ValueError(
+                f"on_token must be None or callable, got {on_token!r} ({type(on_token).__name__})"
+            )
+        sampling = check_sampling(**knobs)
+        if sampling.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                "stop_strings need a tokenizer to decode the output: make the engine with "
+                "Engine(..., tokenizer=...) or radixkv.hf.engine(..., tokenizer=...)"
+            )
+        return sampling
+
+    def _register(
+        self,
+        prompt: np.ndarray,
+        params: _Params,
+        on_token: Callable[[StreamEvent], object] | None = None,
+    ) -> Sequence:
+        """Registers and queues one checked request (``on_token``: rank 0's callback)."""
         seq = self._new(prompt, params)
+        seq.on_token = on_token
         try:
             self.batcher.queue(seq)
         except BaseException:
@@ -308,15 +451,27 @@ class Engine:
         suffixes: Seq[Seq[int] | np.ndarray],
         max_new_tokens: int = 16,
         temperature: float = 0.0,
-        stop: Iterable[int] = (),
+        stop: Iterable[int] | None = None,
         namespace: str | bytes | None = None,
         seed: int = 0,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: bool = False,
+        stop_strings: Iterable[str] = (),
+        on_token: Callable[[StreamEvent], object] | None = None,
     ) -> list[int]:
         """N branches (sub-agents, samples) from one context: branch ``i`` is the request
         ``context + suffixes[i]`` (an empty suffix samples from the context itself), with seed
         ``seed + i``. The context is computed once and held; the branches are then admitted
         and find every full page of it cached. Returns the branch ids. Checks every branch
-        (as :meth:`submit` does) before queueing anything."""
+        (as :meth:`submit` does) before queueing anything. The sampling keywords are
+        :meth:`submit`'s, for every branch; ``on_token`` gets every branch's events (each
+        event's ``id`` is its branch's)."""
         self._lead("branch")
         ctx = to_token_array(context, "context", self.vocab_size)
         if isinstance(suffixes, (str, bytes, bytearray, np.ndarray, torch.Tensor)) or not (
@@ -328,27 +483,48 @@ class Engine:
         suffixes = list(suffixes)
         if len(suffixes) == 0:
             raise ValueError("suffixes must hold at least one branch, got none")
+        sampling = self._check_knobs(
+            on_token,
+            dict(
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                repetition_penalty=repetition_penalty,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                logprobs=logprobs,
+                stop_strings=stop_strings,
+            ),
+        )
         params = _check_params(
             max_new_tokens,
             temperature,
-            stop,
+            self.stop_tokens if stop is None else stop,
             namespace,
             seed,
             0,
             self.vocab_size,
             num_seeds=len(suffixes),
+            sampling=sampling,
         )
         prompts = []
         for i, s in enumerate(suffixes):
             part = to_token_array(s, f"suffixes[{i}]", self.vocab_size, allow_empty=True)
             prompts.append(np.concatenate([ctx, part]))
             self.batcher.check_fits(f"branch {i}", len(prompts[-1]), params.max_new_tokens)
-        ids = self._branch(ctx, prompts, params)
+        ids = self._branch(ctx, prompts, params, on_token)
         self._record(("branch", ctx, prompts, params))
         return ids
 
-    def _branch(self, ctx: np.ndarray, prompts: list[np.ndarray], params: _Params) -> list[int]:
-        """Registers the checked branches of :meth:`branch`; returns their ids."""
+    def _branch(
+        self,
+        ctx: np.ndarray,
+        prompts: list[np.ndarray],
+        params: _Params,
+        on_token: Callable[[StreamEvent], object] | None = None,
+    ) -> list[int]:
+        """Registers the checked branches of :meth:`branch` (``on_token``: rank 0's callback,
+        for each branch); returns their ids."""
         parent = None
         if self.prefix_caching:
             ctx_params = _Params(0, 0.0, frozenset(), params.namespace, params.seed, 0)
@@ -357,9 +533,10 @@ class Engine:
         for i, prompt in enumerate(prompts):
             own = dataclasses.replace(params, seed=params.seed + i)
             if parent is None:
-                seq = self._register(prompt, own)
+                seq = self._register(prompt, own, on_token)
             else:
                 seq = self._new(prompt, own)
+                seq.on_token = on_token
                 seq.parent = parent  # queued once the context is computed
                 parent.children.append(seq)
             ids.append(seq.id)
@@ -378,6 +555,7 @@ class Engine:
         if seq.done:
             return False
         self.batcher.finish(seq, "cancelled")
+        self._notify_end(seq)
         return True
 
     def result(self, seq_id: int) -> Result:
@@ -420,12 +598,44 @@ class Engine:
         """Submits every prompt with ``params`` (as :meth:`submit`) and runs them to the end
         (``release``: as :meth:`run`). Every prompt is checked before any is queued."""
         self._lead("generate")
-        checked = [self._check_submit(p, **_submit_defaults(params)) for p in prompts]
+        full = _submit_defaults(params)
+        checked = [self._check_submit(p, **full) for p in prompts]
         ids = []
         for arr, ps in checked:
-            ids.append(self._register(arr, ps).id)
+            ids.append(self._register(arr, ps, full["on_token"]).id)
             self._record(("submit", arr, ps))
         return self.run(ids, release=release)
+
+    def stream(
+        self, prompt: Seq[int] | np.ndarray | torch.Tensor, **params
+    ) -> Iterator[StreamEvent]:
+        """Submits ``prompt`` with ``params`` (as :meth:`submit`, but ``on_token``) and returns
+        an iterator of its :class:`StreamEvent`: it steps the engine (every other request
+        included) while it waits, and ends after the final event. For single-threaded use;
+        bad arguments raise here, before anything is queued. Closing the iterator early
+        cancels the request. The request stays readable (``result(event.id)``) until released.
+        """
+        self._lead("stream")
+        if "on_token" in params:
+            raise TypeError("stream() takes no on_token: it yields the events itself")
+        events: collections.deque[StreamEvent] = collections.deque()
+        seq_id = self.submit(prompt, on_token=events.append, **params)
+        return self._stream(self.sequences[seq_id], events)
+
+    def _stream(self, seq: Sequence, events: collections.deque) -> Iterator[StreamEvent]:
+        try:
+            while True:
+                while events:
+                    event = events.popleft()
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+                if seq.done:  # ended without a final event: its callback was dropped
+                    return
+                self.step()
+        finally:
+            if not seq.done and self.sequences.get(seq.id) is seq and self._broken is None:
+                self.cancel(seq.id)
 
     def release(self, ids: Iterable[int]) -> None:
         """Forgets the finished requests ``ids`` (their results must have been read: ``result``
@@ -463,19 +673,19 @@ class Engine:
         failed while it was packed included). With a group: rank 0 only; it first broadcasts
         the calls taken since the last step."""
         self._lead("step")
-        if self.lockstep is not None:
+        if self.lockstep is None:
+            return self._step_once()
+        try:
             t = time.perf_counter()
             calls, self._calls = self._calls, []
             self.lockstep.send(calls)
             self.lockstep.send_s += time.perf_counter() - t
-        return self._step()
-
-    def _step(self) -> list[Result]:
-        try:
             return self._step_once()
-        except DivergedError as e:
-            self._broken = e
-            raise
+        except BaseException as e:
+            err = self._leave(e)
+            if err is e:
+                raise
+            raise err from e
 
     def _check_step(self, batch: list[Sequence]) -> None:
         """With a group: the ranks compare their batch (and every ``digest_every`` steps their
@@ -504,16 +714,26 @@ class Engine:
             stalled = self._stalled(self.batcher.num_ended != ended)
             return self._with_failed(stalled)
         self._stalled_steps = 0
+        lock = self.lockstep
         try:
+            if lock is not None:
+                lock.forward_begins()
             step = self.kv.plan([s.req for s in batch])
             t2 = time.perf_counter()
             logits = self.model(step)
             self.kv.commit(step)
         except Exception as e:  # the batch's requests fail with it
-            return self._with_failed(self._fail(batch, e))
+            failed = self._with_failed(self._fail(batch, e))
+            if lock is not None:  # raises DivergedError unless the others are past the model
+                lock.forward_failed(e)
+                if self._sampled is not None:
+                    lock.check_sampled(self._sampled)
+            return failed
         except BaseException:  # KeyboardInterrupt and the like: undo the step, then stop
             self.batcher.requeue(batch)
             raise
+        if lock is not None:
+            lock.forward_ends()
         t3 = time.perf_counter()
         finished = self._with_failed(self._sample(batch, logits))
         if self._sampled is not None:
@@ -545,7 +765,7 @@ class Engine:
             return []
         seqs = [batch[b] for b in ready]
         try:
-            tokens = sample_tokens(logits[ready], seqs)
+            tokens, lps = sample_tokens(logits[ready], seqs)
         except Exception as e:  # logits of the wrong shape, say
             return self._fail(seqs, e)
         now = time.perf_counter()
@@ -555,7 +775,11 @@ class Engine:
             self._sampled.extend(
                 (s.id, t if isinstance(t, int) else -1) for s, t in zip(seqs, tokens)
             )
-        for seq, tok in zip(seqs, tokens):
+        #: Rank 0: sequences its text or callback ends (a stop string, on_token raising),
+        #: which the other ranks learn from the next broadcast: ended after every other one,
+        #: so that every rank finishes requests in the same order.
+        late: list[tuple[Sequence, int, float | None, str]] = []
+        for k, (seq, tok) in enumerate(zip(seqs, tokens)):
             if not isinstance(tok, Exception) and not 0 <= tok < self.vocab_size:
                 tok = ValueError(
                     f"the model's logits gave token id {tok}, outside the "
@@ -564,22 +788,93 @@ class Engine:
             if isinstance(tok, Exception):
                 finished.extend(self._fail([seq], tok))
                 continue
+            lp = None if lps is None else lps[k]
+            delta = ""
+            last: int | None = tok  # the token the final event carries
+            natural: str | None = "length"  # why every rank ends it (the others lack the text)
             if seq.max_new_tokens == 0:
                 if seq.children:
                     self.batcher.hold(seq)
                     continue
-                seq.finish_reason = "length"
+                seq.finish_reason, last = "length", None
             else:
                 seq.record_token(tok, now)
-            if seq.finish_reason is not None:
-                try:
-                    self.batcher.finish(seq, seq.finish_reason)
-                except Exception as e:  # a bug: the request ended (with it); the rest go on
-                    bug = bug or e
-                finished.append(seq.result())
+                natural = seq.finish_reason
+                if seq.logprobs is not None:
+                    seq.logprobs.append(lp)  # type: ignore[arg-type]
+                if seq.detok is not None:
+                    delta = seq.detok.add(tok)
+                    if seq.detok.stopped:
+                        if seq.finish_reason is None:
+                            late.append((seq, tok, lp, delta))
+                            continue
+                        seq.finish_reason = "stop"  # a stop string with the last token
+                if seq.finish_reason is None:
+                    if seq.on_token is not None and not self._emit(
+                        seq, StreamEvent(seq.id, tok, delta, lp, None)
+                    ):
+                        late.append((seq, tok, lp, ""))
+                    continue
+            try:
+                self.batcher.finish(seq, seq.finish_reason)
+            except Exception as e:  # a bug: the request ended (with it); the rest go on
+                bug = bug or e
+            self._notify_end(seq, last, lp, delta)
+            if seq.finish_reason != natural:  # relabelled here: by a stop string, on_token
+                self._record(("end", seq.id, seq.finish_reason, _message(seq)))
+            finished.append(seq.result())
+        for seq, tok, lp, delta in late:
+            reason = "stop" if seq.error is None else "error"
+            try:
+                self.batcher.finish(seq, reason)
+            except Exception as e:  # as above
+                bug = bug or e
+            self._notify_end(seq, tok, lp, delta)
+            self._record(("end", seq.id, seq.finish_reason, _message(seq)))
+            finished.append(seq.result())
         if bug is not None:
             raise bug
         return finished
+
+    def _emit(self, seq: Sequence, event: StreamEvent) -> bool:
+        """Calls ``seq.on_token(event)``; returns whether it did not raise. If it raised, the
+        exception is ``seq.error`` and the callback is dropped (the request is to end)."""
+        try:
+            seq.on_token(event)  # type: ignore[misc]
+        except Exception as e:
+            seq.on_token, seq.error = None, e
+            return False
+        return True
+
+    def _notify_end(
+        self, seq: Sequence, token: int | None = None, logprob: float | None = None, text=""
+    ) -> None:
+        """``seq`` ended: the rest of its text is decoded and its final event sent (with
+        ``token``, ``logprob`` and ``text`` when it ended on a sampled token), once. An
+        exception from it turns a request that ended normally into a failed one."""
+        if seq.detok is not None:
+            text += seq.detok.finish()
+        callback, seq.on_token = seq.on_token, None
+        if callback is None:
+            return
+        try:
+            callback(StreamEvent(seq.id, token, text, logprob, seq.finish_reason))
+        except Exception as e:
+            if seq.finish_reason not in ("error", "cancelled"):
+                seq.finish_reason, seq.error = "error", e
+
+    def _end(self, seq_id: int, reason: str, message: str | None) -> None:
+        """Other ranks: rank 0 ended request ``seq_id`` in its last step for a reason only it
+        knows (a stop string in its text, its ``on_token`` raising): it ends here too, as it
+        did there, after every other request that step ended; one that ended here already
+        takes rank 0's ``finish_reason`` (``message``: what its error says)."""
+        seq = self._get(seq_id)
+        if message is not None:
+            seq.error = radixkv.Error(f"rank 0: {message}")
+        if seq.done:
+            seq.finish_reason = reason
+        else:
+            self.batcher.finish(seq, reason)
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[Result]:
         """Ends ``seqs`` with ``finish_reason="error"`` and ``error`` (their requests aborted:
@@ -589,13 +884,18 @@ class Engine:
             if not seq.done:
                 seq.error = error
                 self.batcher.finish(seq, "error", abort=True)
+                self._notify_end(seq)
                 out.append(seq.result())
         return out
 
     def _with_failed(self, results: list[Result]) -> list[Result]:
         """``results`` and those of the sequences the batcher failed meanwhile."""
         failed = self.batcher.take_failed()
-        return results + [s.result() for s in failed] if failed else results
+        if not failed:
+            return results
+        for s in failed:
+            self._notify_end(s)
+        return results + [s.result() for s in failed]
 
     def _stalled(self, progress: bool) -> list[Result]:
         """Nothing could be scheduled although work may be left. Held contexts pin pages that
@@ -665,8 +965,23 @@ class Engine:
             seed=params.seed,
             priority=params.priority,
         )
+        sp = params.sampling
+        if sp is not OFF:
+            if sp.used(seq.temperature):
+                seq.sampling = sp
+            seq.stop_strings = sp.stop_strings
+            if sp.logprobs:
+                seq.logprobs = []
+        if self.tokenizer is not None and self.rank == 0:
+            context = prompt[-CONTEXT_TOKENS:].tolist()
+            seq.detok = Detokenizer(self.tokenizer, seq.stop_strings, context)
         self.sequences[seq.id] = seq
         return seq
+
+
+def _message(seq: Sequence) -> str | None:
+    """What rank 0 tells the other ranks of ``seq``'s error (exceptions are not sent)."""
+    return None if seq.error is None else repr(seq.error)
 
 
 def _submit_defaults(params: dict) -> dict:
@@ -698,6 +1013,8 @@ class _Params:
     namespace: str | bytes | None
     seed: int
     priority: int
+    #: The sampling knobs (picklable; the default: all off).
+    sampling: Sampling = OFF
 
 
 def _as_int(value, name: str, lo: int, hi: int, what: str) -> int:
@@ -720,10 +1037,13 @@ def _check_params(
     priority,
     vocab_size: int,
     num_seeds: int = 1,
+    sampling: Sampling = OFF,
+    name: str = "stop",
 ) -> _Params:
     """Checks every generation parameter of :meth:`Engine.submit` (``num_seeds``: the seeds
-    ``seed .. seed + num_seeds - 1`` a call uses must all be valid) and returns them
-    normalized; raises ``ValueError`` naming the first bad one."""
+    ``seed .. seed + num_seeds - 1`` a call uses must all be valid; ``sampling``: the knobs,
+    checked already) and returns them normalized; raises ``ValueError`` naming the first bad
+    one."""
     n = _as_int(
         max_new_tokens, "max_new_tokens", 0, MAX_NEW_TOKENS_LIMIT - 1, "an int in [0, 2**32)"
     )
@@ -739,10 +1059,10 @@ def _check_params(
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if isinstance(stop, (str, bytes, bytearray)) or not isinstance(stop, Iterable):
         raise ValueError(
-            f"stop must be an iterable of token ids, got {stop!r} ({type(stop).__name__})"
+            f"{name} must be an iterable of token ids, got {stop!r} ({type(stop).__name__})"
         )
     stops = frozenset(
-        _as_int(tok, "stop", 0, vocab_size - 1, f"token ids in [0, {vocab_size})") for tok in stop
+        _as_int(tok, name, 0, vocab_size - 1, f"token ids in [0, {vocab_size})") for tok in stop
     )
     if namespace is not None and not isinstance(namespace, (str, bytes)):
         raise ValueError(
@@ -754,4 +1074,4 @@ def _check_params(
         what = f"an int in [0, 2**63 - {num_seeds}] (branch i uses seed + i)"
     sd = _as_int(seed, "seed", 0, SEED_LIMIT - num_seeds, what)
     pr = _as_int(priority, "priority", PRIORITY_MIN, PRIORITY_MAX, "an int in [-2**31, 2**31)")
-    return _Params(n, t, stops, namespace, sd, pr)
+    return _Params(n, t, stops, namespace, sd, pr, sampling)

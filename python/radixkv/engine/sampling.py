@@ -1,8 +1,32 @@
-"""Token ids in (validated arrays) and out (greedy or temperature sampling of a batch)."""
+"""Token ids in (validated arrays) and out (sampling of a batch, with its knobs).
+
+Each row of a batch's logits is turned into a token for its request, in this order (as vLLM and
+Hugging Face transformers do):
+
+1. penalties (:func:`apply_penalties`): ``repetition_penalty`` over every token of the prompt
+   and the output so far (a positive logit divided by it, a negative one multiplied), then
+   ``presence_penalty`` and ``frequency_penalty`` over the output tokens (OpenAI's definition:
+   ``logit - frequency * count - presence * (count > 0)``);
+2. temperature: ``temperature=0`` takes the argmax of the penalized logits (greedy) and ignores
+   the filters; otherwise the logits are divided by it;
+3. filters (:func:`filter_logits`): ``top_k`` (the k largest, ties kept), ``top_p`` (the smallest
+   set of most likely tokens holding ``top_p`` of the mass, every token as likely as its least
+   likely one kept), ``min_p`` (tokens at least ``min_p`` times as likely as the most likely);
+4. a draw from the softmax of what is left, with the request's own ``torch.Generator`` (seeded
+   with its seed), so its samples never depend on its batch-mates.
+
+A row that uses none of the knobs costs what it did before they existed: greedy rows are one
+batched argmax, temperature rows one softmax and draw. ``logprobs``: the log-probability of the
+chosen token under ``log_softmax`` of the logits after penalties and temperature (before the
+filters; greedy: of the penalized logits).
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,6 +66,109 @@ def to_token_array(
     return arr.astype(np.uint32, copy=False)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """The checked sampling knobs of one request (every default is "off"); picklable, so the
+    tensor-parallel broadcast carries it. ``stop_strings`` is read by the detokenizer."""
+
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    stop_strings: tuple[str, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def filtered(self) -> bool:
+        """Whether a filter (``top_k``, ``top_p``, ``min_p``) is on."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def used(self, temperature: float) -> bool:
+        """Whether a row of this request needs more than the plain path (argmax, or softmax
+        and a draw): a penalty, logprobs, or a filter of a sampled (``temperature > 0``) row."""
+        return self.penalized or self.logprobs or (temperature > 0 and self.filtered)
+
+
+#: Every knob off.
+OFF = Sampling()
+
+
+def _number(value, name: str, what: str) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return v
+
+
+def check_sampling(
+    top_p=1.0,
+    top_k=0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    logprobs=False,
+    stop_strings=(),
+) -> Sampling:
+    """The knobs checked and normalized; ``ValueError`` naming the first bad one."""
+    p = _number(top_p, "top_p", "a number in (0, 1]")
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
+        raise ValueError(
+            f"top_k must be an int >= 0 (0: off), got {top_k!r} ({type(top_k).__name__})"
+        )
+    k = int(top_k)
+    if k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: off), got {k}")
+    mp = _number(min_p, "min_p", "a number in [0, 1)")
+    if not 0.0 <= mp < 1.0:
+        raise ValueError(f"min_p must be a number in [0, 1), got {min_p!r}")
+    rp = _number(repetition_penalty, "repetition_penalty", "a finite number > 0 (1: off)")
+    if not rp > 0.0:
+        raise ValueError(
+            f"repetition_penalty must be a finite number > 0 (1: off), got {repetition_penalty!r}"
+        )
+    pens = []
+    for name, value in (
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+    ):
+        v = _number(value, name, "a number in [-2, 2]")
+        if not -2.0 <= v <= 2.0:
+            raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        pens.append(v)
+    if not isinstance(logprobs, (bool, np.bool_)):
+        raise ValueError(f"logprobs must be a bool, got {logprobs!r} ({type(logprobs).__name__})")
+    if isinstance(stop_strings, (str, bytes, bytearray)) or not isinstance(stop_strings, Iterable):
+        raise ValueError(
+            f"stop_strings must be an iterable of non-empty str, got {stop_strings!r} "
+            f"({type(stop_strings).__name__})"
+        )
+    stops = tuple(stop_strings)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop_strings must be an iterable of non-empty str, holds {s!r}")
+    stops = tuple(dict.fromkeys(stops))  # without repeats, in order
+    sampling = Sampling(p, k, mp, rp, pens[0], pens[1], bool(logprobs), stops)
+    return OFF if sampling == OFF else sampling
+
+
 def generator_of(seq: Sequence) -> torch.Generator:
     """``seq``'s own generator, seeded with ``seq.seed`` on first use."""
     if seq.generator is None:
@@ -49,25 +176,116 @@ def generator_of(seq: Sequence) -> torch.Generator:
     return seq.generator
 
 
-def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
-    """One token per row of ``logits [N, vocab]``: argmax where the row's sequence has
-    temperature 0, else a draw from ``softmax(logits / temperature)`` with that sequence's own
-    generator (so a request's samples do not depend on what it was batched with). A row holding
-    NaN, or whose draw raises, gets an exception in place of a token (greedy or not: argmax
-    would pick the NaN); the other rows are unaffected."""
+def apply_penalties(
+    row: torch.Tensor, seen: torch.Tensor, output: Seq[int], sampling: Sampling
+) -> torch.Tensor:
+    """``row`` (logits ``[vocab]``, float) penalized, as a new tensor. ``seen``: token ids of
+    the prompt (int64, repeats allowed); ``output``: the tokens generated so far."""
+    row = row.clone()
+    out = torch.as_tensor(list(output), dtype=torch.long)
+    rp = sampling.repetition_penalty
+    if rp != 1.0:
+        idx = torch.cat([seen, out]) if len(out) else seen
+        if len(idx):
+            vals = row[idx]
+            row[idx] = torch.where(vals > 0, vals / rp, vals * rp)
+    if len(out) and (sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0):
+        toks, counts = torch.unique(out, return_counts=True)
+        row[toks] -= sampling.frequency_penalty * counts.to(row.dtype) + sampling.presence_penalty
+    return row
+
+
+#: Candidates ``top_p`` looks at before it sorts the whole vocabulary.
+_TOP_P_CANDIDATES = 256
+
+
+def filter_logits(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """``row`` (temperature-scaled logits ``[vocab]``) with the tokens ``top_k``, ``top_p`` and
+    ``min_p`` remove set to ``-inf`` (in that order; the most likely token always stays)."""
+    k = sampling.top_k
+    if 0 < k < row.numel():
+        kth = torch.topk(row, k).values[-1]
+        row = row.masked_fill(row < kth, -math.inf)
+    if sampling.top_p < 1.0:
+        probs = torch.softmax(row, dim=-1)
+        threshold = None
+        n = min(_TOP_P_CANDIDATES, probs.numel())
+        top = torch.topk(probs, n).values  # sorted, largest first
+        csum = torch.cumsum(top, dim=-1)
+        if n == probs.numel() or bool(csum[-1] >= sampling.top_p):
+            threshold = top[min(int(torch.searchsorted(csum, sampling.top_p)), n - 1)]
+        else:  # the candidates hold too little of the mass: sort everything
+            top = torch.sort(probs, descending=True).values
+            csum = torch.cumsum(top, dim=-1)
+            threshold = top[min(int(torch.searchsorted(csum, sampling.top_p)), top.numel() - 1)]
+        row = row.masked_fill(probs < threshold, -math.inf)
+    if sampling.min_p > 0.0:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
+        row = row.masked_fill(row < row.max() + math.log(sampling.min_p), -math.inf)
+    return row
+
+
+def prompt_ids(seq: Sequence) -> torch.Tensor:
+    """The distinct token ids of ``seq``'s prompt (int64), computed once."""
+    if seq.prompt_ids is None:
+        seq.prompt_ids = torch.from_numpy(np.unique(seq.prompt).astype(np.int64))
+    return seq.prompt_ids
+
+
+def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int, float | None]:
+    """The token (and its logprob when ``seq`` asks for them) of one row of float logits, with
+    every knob of ``seq``; ``greedy_token``: the argmax of the raw row."""
+    sp = seq.sampling or OFF
+    if sp.penalized:
+        row = apply_penalties(row, prompt_ids(seq), seq.output, sp)
+    logp = None
+    if seq.temperature > 0:
+        row = row / seq.temperature
+        if sp.logprobs:
+            logp = torch.log_softmax(row, dim=-1)
+        if sp.filtered:
+            row = filter_logits(row, sp)
+        probs = torch.softmax(row, dim=-1)
+        tok = int(torch.multinomial(probs, 1, generator=generator_of(seq)))
+    else:
+        tok = int(row.argmax()) if sp.penalized else greedy_token
+        if sp.logprobs:
+            logp = torch.log_softmax(row, dim=-1)
+    return tok, (None if logp is None else float(logp[tok]))
+
+
+def sample_tokens(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[list[int | Exception], list[float | None] | None]:
+    """One token per row of ``logits [N, vocab]`` (see the module docstring for the knobs):
+    argmax where the row's sequence has temperature 0, else a draw from ``softmax(logits /
+    temperature)`` with that sequence's own generator (so a request's samples do not depend on
+    what it was batched with). A row holding NaN, or whose draw raises, gets an exception in
+    place of a token (greedy or not: argmax would pick the NaN); the other rows are unaffected.
+    Also returns each row's logprob (None for rows that do not ask), or None when no row asks."""
     tokens: list[int | Exception] = list(logits.argmax(dim=-1).tolist())
     for i, bad in enumerate(torch.isnan(logits).any(dim=-1).tolist()):
         if bad:
             tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
-    hot = [i for i, s in enumerate(seqs) if s.temperature > 0]
+    hot = [i for i, s in enumerate(seqs) if s.temperature > 0 or s.sampling is not None]
+    logprobs: list[float | None] | None = None
     if hot:
         rows = logits[hot].float().cpu()
         for j, i in enumerate(hot):
-            if isinstance(tokens[i], Exception):
+            tok = tokens[i]
+            if isinstance(tok, Exception):
                 continue
+            seq = seqs[i]
             try:
-                probs = torch.softmax(rows[j] / seqs[i].temperature, dim=-1)
-                tokens[i] = int(torch.multinomial(probs, 1, generator=generator_of(seqs[i])))
+                if seq.sampling is None:  # temperature alone: as it always was
+                    probs = torch.softmax(rows[j] / seq.temperature, dim=-1)
+                    tokens[i] = int(torch.multinomial(probs, 1, generator=generator_of(seq)))
+                    continue
+                tokens[i], lp = sample_row(rows[j], seq, tok)
+                if lp is not None:
+                    if logprobs is None:
+                        logprobs = [None] * len(seqs)
+                    logprobs[i] = lp
             except Exception as e:  # reported on the row's request
                 tokens[i] = e
-    return tokens
+    return tokens, logprobs

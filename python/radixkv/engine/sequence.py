@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     import torch
 
     import radixkv
+    from radixkv.engine.detok import Detokenizer
+    from radixkv.engine.sampling import Sampling
 
 
 class Status(enum.Enum):
@@ -53,6 +56,13 @@ class Result:
     ``Engine.max_stalled_steps`` steps (a ``radixkv.Error`` saying what blocks it); ``error``
     holds the exception (None for every other reason). A failed request keeps the tokens it
     generated before. A request the pool could never hold is refused when it is submitted.
+
+    ``logprobs``: with ``logprobs=True``, the log-probability of each output token (see
+    :mod:`radixkv.engine.sampling`), else None. ``text``: with ``Engine(tokenizer=...)``, the
+    decoded output (special tokens skipped, cut before a stop string, never the bytes of an
+    unfinished UTF-8 character), else None. A request ended by a stop string reports
+    ``finish_reason="stop"``; its ``output`` holds every token sampled, the one that completed
+    the stop string included.
     """
 
     id: int
@@ -66,6 +76,31 @@ class Result:
     preemptions: int
     finish_reason: str
     error: BaseException | None = None
+    logprobs: list[float] | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What ``on_token`` receives: one event per sampled token, the last one with
+    ``finish_reason`` set.
+
+    ``id``: the request (a branch's own id). ``token``: the sampled token; None in a final event
+    that came with no token (a request cancelled, failed, or of ``max_new_tokens=0``): a
+    request that ends on a sampled token (a stop token or string, its length) gets that token's
+    event as its final one, so N tokens make N events. ``text``: the text that became final
+    with this event ('' while held back: the first bytes of a character, text that may become
+    a stop string; always '' without a tokenizer); a final event carries whatever was held
+    back, so the texts of a request's events concatenate to ``Result.text``. ``logprob``: the
+    token's log-probability with ``logprobs=True``, else None. ``finish_reason``: None until
+    the final event, then as ``Result.finish_reason``.
+    """
+
+    id: int
+    token: int | None
+    text: str
+    logprob: float | None
+    finish_reason: str | None
 
 
 @dataclass(eq=False)
@@ -105,6 +140,18 @@ class Sequence:
     #: This sequence's own random generator (temperature sampling), made on first use.
     generator: torch.Generator | None = field(default=None, repr=False)
     _target: np.ndarray | None = field(default=None, repr=False)
+    #: The sampling knobs when a row of it needs them (see ``Sampling.used``), else None.
+    sampling: Sampling | None = None
+    #: Stop strings (read by the detokenizer; rank 0 decides them under tensor parallelism).
+    stop_strings: tuple[str, ...] = ()
+    #: Each output token's logprob (``logprobs=True``), else None.
+    logprobs: list[float] | None = None
+    #: Rank 0: the streaming callback until its final event (or until it raised).
+    on_token: Callable[[StreamEvent], object] | None = field(default=None, repr=False)
+    #: Rank 0 with a tokenizer: the text of the output.
+    detok: Detokenizer | None = field(default=None, repr=False)
+    #: The distinct token ids of the prompt (int64), for the repetition penalty.
+    prompt_ids: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def target(self) -> np.ndarray:
@@ -155,4 +202,6 @@ class Sequence:
             preemptions=self.preemptions,
             finish_reason=self.finish_reason or self.status.value,
             error=self.error,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            text=None if self.detok is None else self.detok.text,
         )

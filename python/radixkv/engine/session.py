@@ -13,14 +13,14 @@ computed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 import numpy as np
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.sampling import to_token_array
-from radixkv.engine.sequence import Result
+from radixkv.engine.sequence import Result, StreamEvent
 
 
 class Session:
@@ -59,16 +59,44 @@ class Session:
         message: Seq[int] | np.ndarray,
         max_new_tokens: int = 32,
         temperature: float = 0.0,
-        stop: Iterable[int] = (),
+        stop: Iterable[int] | None = None,
         seed: int = 0,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: bool = False,
+        stop_strings: Iterable[str] = (),
+        on_token: Callable[[StreamEvent], object] | None = None,
     ) -> Result:
         """One turn: prompt = history + ``message``; runs it (and whatever else the engine has)
-        until it finishes; history becomes prompt + reply. Bad arguments raise ``ValueError``
-        before anything is queued; a turn whose step failed re-raises the request's error
-        (``Result.error``). Either way the history is unchanged."""
+        until it finishes; history becomes prompt + reply (every token sampled, the one that
+        completed a stop string included). Bad arguments raise ``ValueError`` before anything
+        is queued; a turn whose step failed (or whose ``on_token`` raised) re-raises the
+        request's error (``Result.error``). Either way the history is unchanged. The keyword
+        arguments are :meth:`Engine.submit`'s."""
         extra = to_token_array(message, "message", self.engine.vocab_size, allow_empty=True)
         prompt = np.concatenate([self.history, extra])
-        seq_id = self.engine.submit(prompt, max_new_tokens, temperature, stop, self.namespace, seed)
+        seq_id = self.engine.submit(
+            prompt,
+            max_new_tokens,
+            temperature,
+            stop,
+            self.namespace,
+            seed,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logprobs=logprobs,
+            stop_strings=stop_strings,
+            on_token=on_token,
+        )
         (result,) = self.engine.run([seq_id])
         if result.error is not None:
             raise result.error
@@ -81,14 +109,40 @@ class Session:
         messages: Seq[Seq[int] | np.ndarray],
         max_new_tokens: int = 32,
         temperature: float = 0.0,
-        stop: Iterable[int] = (),
+        stop: Iterable[int] | None = None,
         seed: int = 0,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: bool = False,
+        stop_strings: Iterable[str] = (),
+        on_token: Callable[[StreamEvent], object] | None = None,
     ) -> list[Result]:
         """Sub-agents: branch ``i`` answers history + ``messages[i]``; all run concurrently from
         one computed copy of the history. The history is unchanged (append what you keep). A
-        branch whose step failed reports it in its result (``finish_reason="error"``)."""
+        branch whose step failed reports it in its result (``finish_reason="error"``). The
+        keyword arguments are :meth:`Engine.branch`'s."""
         ids = self.engine.branch(
-            self.history, messages, max_new_tokens, temperature, stop, self.namespace, seed
+            self.history,
+            messages,
+            max_new_tokens,
+            temperature,
+            stop,
+            self.namespace,
+            seed,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logprobs=logprobs,
+            stop_strings=stop_strings,
+            on_token=on_token,
         )
         return self.engine.run(ids)
 

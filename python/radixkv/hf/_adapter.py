@@ -21,6 +21,7 @@ import torch
 
 import radixkv
 from radixkv.engine.engine import Engine
+from radixkv.hf._load import eos_token_ids
 from radixkv.hf._support import (
     CALLS_KWARG,
     STEP_KWARG,
@@ -229,6 +230,10 @@ def engine(
     model over; a ``group`` of other ranks is refused. Call it on every rank together: it runs
     one probe forward, and the engine agrees on its settings across ranks.
 
+    Requests stop at the model's end-of-sequence ids (``generation_config.eos_token_id``) by
+    default (``stop_tokens=``; ``submit(..., stop=())`` turns it off for one request), and
+    ``tokenizer=`` gives results their text and makes ``stop_strings`` work.
+
     Raises ``ValueError`` saying why for a model radixkv cannot serve (sliding-window, chunked,
     hybrid or cross attention, encoder-decoders, composite models, heads that do not divide
     among the tensor-parallel ranks) and for bad arguments.
@@ -243,4 +248,5 @@ def engine(
         )
     adapter = HFCausalLM(model)
     kv = kv_for(adapter.spec, cache)
+    kwargs.setdefault("stop_tokens", eos_token_ids(model))
     return Engine(adapter, kv, token_budget=token_budget, **kwargs)

@@ -1,0 +1,305 @@
+"""The engine's sampling knobs (``top_p``, ``top_k``, ``min_p``, the penalties, ``logprobs``):
+checked like every argument, equal to greedy at their greedy limits, equal to a straightforward
+reference implementation, independent of batch-mates, and free for requests that do not use
+them (the default path samples exactly as before)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import radixkv
+from radixkv.engine import sampling
+from radixkv.engine.sampling import Sampling, apply_penalties, check_sampling, filter_logits
+from tiny_model import VOCAB, dense_greedy, ids, tiny_model
+
+MODEL = tiny_model(seed=11)
+
+
+def engine(tokens: int = 4096, **kw) -> radixkv.Engine:
+    return radixkv.Engine(MODEL, MODEL.make_kv_cache(radixkv.RadixCache(tokens)), **kw)
+
+
+def prompt(seed: int, n: int = 20) -> np.ndarray:
+    return ids(np.random.default_rng(seed), n)
+
+
+# ---- the knobs are checked -----------------------------------------------------------------
+
+BAD = [
+    ("top_p", 0.0, r"top_p must be a number in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be a number in \(0, 1\]"),
+    ("top_p", float("nan"), "top_p must be"),
+    ("top_p", "0.5", "top_p must be"),
+    ("top_k", -1, r"top_k must be an int >= 0"),
+    ("top_k", 2.0, r"top_k must be an int >= 0"),
+    ("top_k", True, r"top_k must be an int >= 0"),
+    ("min_p", 1.0, r"min_p must be a number in \[0, 1\)"),
+    ("min_p", -0.1, r"min_p must be a number in \[0, 1\)"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0"),
+    ("repetition_penalty", -1.0, "repetition_penalty must be a finite number > 0"),
+    ("repetition_penalty", math.inf, "repetition_penalty must be a finite number > 0"),
+    ("presence_penalty", 2.5, r"presence_penalty must be a number in \[-2, 2\]"),
+    ("presence_penalty", math.nan, "presence_penalty must be"),
+    ("frequency_penalty", -2.01, r"frequency_penalty must be a number in \[-2, 2\]"),
+    ("frequency_penalty", None, "frequency_penalty must be"),
+    ("logprobs", 1, "logprobs must be a bool"),
+    ("stop_strings", "stop", "stop_strings must be an iterable of non-empty str"),
+    ("stop_strings", [""], "stop_strings must be an iterable of non-empty str"),
+    ("stop_strings", [3], "stop_strings must be an iterable of non-empty str"),
+    ("on_token", 3, "on_token must be None or callable"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "match"), BAD, ids=[f"{n}={v!r}" for n, v, _ in BAD])
+def test_every_knob_is_checked_and_nothing_is_registered(name, value, match):
+    eng = engine()
+    calls = [
+        lambda: eng.submit(prompt(0), **{name: value}),
+        lambda: eng.branch(prompt(0), [[1], [2]], **{name: value}),
+        lambda: eng.generate([prompt(0)], **{name: value}),
+        lambda: radixkv.Session(eng).send(prompt(0), **{name: value}),
+        lambda: radixkv.Session(eng, system=prompt(1)).branch([[1], [2]], **{name: value}),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert not eng.sequences and not eng.has_work
+
+
+def test_good_knobs_are_normalized():
+    s = check_sampling(top_p=np.float32(0.5), top_k=np.int64(3), stop_strings=("a", "b", "a"))
+    assert s == Sampling(top_p=0.5, top_k=3, stop_strings=("a", "b"))
+    assert type(s.top_k) is int and type(s.top_p) is float
+    assert check_sampling() is sampling.OFF
+    # Greedy with filters only: the filters do nothing, so the row takes the plain path.
+    assert not Sampling(top_k=5).used(0.0) and Sampling(top_k=5).used(0.5)
+    assert Sampling(logprobs=True).used(0.0) and Sampling(repetition_penalty=1.1).used(0.0)
+
+
+# ---- greedy limits ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "knob", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 0.999}], ids=["top_k=1", "top_p", "min_p"]
+)
+def test_filters_at_their_greedy_limit_equal_greedy(knob):
+    prompts = [prompt(s) for s in range(3)]
+    got = engine().generate(prompts, max_new_tokens=10, temperature=1.5, seed=4, **knob)
+    want = [dense_greedy(MODEL, p, 10) for p in prompts]
+    assert [r.output for r in got] == want
+    # The same temperature without the filter samples something else.
+    free = engine().generate(prompts, max_new_tokens=10, temperature=1.5, seed=4)
+    assert [r.output for r in free] != want
+
+
+# ---- reference implementations -------------------------------------------------------------
+
+
+def ref_penalize(logits, prompt_ids, output, rp=1.0, presence=0.0, frequency=0.0):
+    """Penalties written out one token at a time (HF / vLLM / OpenAI definitions)."""
+    x = [float(v) for v in logits]
+    for t in set(int(p) for p in prompt_ids) | set(output):
+        x[t] = x[t] / rp if x[t] > 0 else x[t] * rp
+    for t, c in Counter(output).items():
+        x[t] -= frequency * c + presence * 1.0
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def ref_keep(logits, top_k=0, top_p=1.0, min_p=0.0) -> set[int]:
+    """The tokens the filters keep, written out with sorted lists."""
+    x = [float(v) for v in logits]
+    keep = set(range(len(x)))
+    if 0 < top_k < len(x):
+        kth = sorted(x, reverse=True)[top_k - 1]
+        keep = {i for i in keep if x[i] >= kth}
+    if top_p < 1.0:
+        z = sum(math.exp(x[i]) for i in keep)
+        p = {i: math.exp(x[i]) / z for i in keep}
+        order = sorted(keep, key=lambda i: -p[i])
+        total, cut = 0.0, order[-1]
+        for i in order:
+            total += p[i]
+            if total >= top_p:
+                cut = i
+                break
+        keep = {i for i in keep if p[i] >= p[cut]}
+    if min_p > 0.0:
+        best = max(x[i] for i in keep)
+        keep = {i for i in keep if math.exp(x[i] - best) >= min_p}
+    return keep
+
+
+def test_apply_penalties_matches_the_reference():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        row = torch.randn(VOCAB, generator=g) * 3
+        prompt_ids = torch.randint(0, VOCAB, (30,), generator=g)
+        output = [*torch.randint(0, VOCAB, (12,), generator=g).tolist(), 7, 7, 7]
+        rp, pres, freq = 1.0 + trial / 5, (trial % 5 - 2) / 1.5, (trial % 3 - 1) * 0.7
+        sp = Sampling(repetition_penalty=rp, presence_penalty=pres, frequency_penalty=freq)
+        got = apply_penalties(row, prompt_ids, output, sp)
+        want = ref_penalize(row, prompt_ids.tolist(), output, rp, pres, freq)
+        assert torch.allclose(got.double(), want, atol=1e-5), trial
+        assert not torch.equal(got, row)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(top_k=7),
+        dict(top_p=0.5),
+        dict(top_p=0.97),
+        dict(min_p=0.3),
+        dict(top_k=40, top_p=0.8, min_p=0.05),
+        dict(top_k=VOCAB + 5, top_p=0.9),
+    ],
+)
+def test_filter_logits_matches_the_reference(knobs):
+    g = torch.Generator().manual_seed(1)
+    for scale in (0.5, 2.0, 8.0):  # flat distributions need the full sort for top_p
+        row = torch.randn(VOCAB, generator=g) * scale
+        got = filter_logits(row, Sampling(**knobs))
+        kept = set(torch.nonzero(torch.isfinite(got)).flatten().tolist())
+        assert kept == ref_keep(row, **knobs), scale
+        assert torch.equal(got[list(kept)], row[list(kept)])
+
+
+def test_greedy_with_penalties_and_logprobs_match_a_dense_reference():
+    knobs = dict(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.9)
+    p = prompt(0)
+    (r,) = engine().generate([p], max_new_tokens=16, logprobs=True, **knobs)
+    seq, out, lps = [int(t) for t in p], [], []
+    for _ in range(16):
+        logits = MODEL.forward_dense(seq)[-1]
+        pen = ref_penalize(logits, p, out, 1.8, 0.5, 0.9)
+        tok = int(pen.argmax())
+        lps.append(float(torch.log_softmax(pen, -1)[tok]))
+        out.append(tok)
+        seq.append(tok)
+    assert r.output == out
+    assert r.output != dense_greedy(MODEL, p, 16)  # the penalties changed something
+    assert np.allclose(r.logprobs, lps, atol=1e-4)
+
+
+def test_sampled_logprobs_are_those_after_penalties_and_temperature():
+    p = prompt(1)
+    (r,) = engine().generate(
+        [p], max_new_tokens=12, temperature=0.7, top_k=50, seed=3, logprobs=True,
+        repetition_penalty=1.3, frequency_penalty=0.4,
+    )  # fmt: skip
+    seq, want = [int(t) for t in p], []
+    for i, tok in enumerate(r.output):
+        pen = ref_penalize(MODEL.forward_dense(seq)[-1], p, r.output[:i], 1.3, 0.0, 0.4)
+        want.append(float(torch.log_softmax(pen / 0.7, -1)[tok]))
+        seq.append(tok)
+    assert len(r.logprobs) == len(r.output) == 12
+    assert np.allclose(r.logprobs, want, atol=1e-4)
+
+
+def test_logprobs_of_plain_greedy_rows():
+    p = prompt(2)
+    (r,) = engine().generate([p], max_new_tokens=6, logprobs=True)
+    assert r.output == dense_greedy(MODEL, p, 6)
+    seq, want = [int(t) for t in p], []
+    for tok in r.output:
+        want.append(float(torch.log_softmax(MODEL.forward_dense(seq)[-1].double(), -1)[tok]))
+        seq.append(tok)
+    assert np.allclose(r.logprobs, want, atol=1e-4)
+    (plain,) = engine().generate([p], max_new_tokens=6)
+    assert plain.logprobs is None and plain.text is None
+
+
+def test_a_huge_repetition_penalty_never_repeats_a_token_when_greedy():
+    p = prompt(0)
+    seen = set(p.tolist())
+    plain = dense_greedy(MODEL, p, 24)  # greedy alone repeats itself and the prompt here
+    assert len(set(plain)) < len(plain) and seen & set(plain)
+    (r,) = engine().generate([p], max_new_tokens=24, repetition_penalty=1e4)
+    assert len(set(r.output)) == len(r.output) == 24
+    assert not seen & set(r.output)
+
+
+def test_penalties_apply_to_sampled_rows_too():
+    p = prompt(0)
+    (r,) = engine().generate(
+        [p], max_new_tokens=30, temperature=0.3, seed=2, repetition_penalty=1e4
+    )
+    assert len(set(r.output)) == 30 and not set(p.tolist()) & set(r.output)
+
+
+# ---- independence and the default path -----------------------------------------------------
+
+KNOBS = dict(
+    temperature=0.9, top_k=60, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
+    presence_penalty=0.3, frequency_penalty=0.2, logprobs=True,
+)  # fmt: skip
+
+
+def test_a_request_samples_the_same_alone_and_batched():
+    target = prompt(5, 30)
+    alone = engine()
+    a = alone.submit(target, max_new_tokens=14, seed=21, **KNOBS)
+    (ra,) = alone.run([a])
+    busy = engine(token_budget=40, max_batch=4)
+    busy.submit(prompt(6, 50), max_new_tokens=20, temperature=1.0, seed=21)
+    busy.submit(prompt(7, 10), max_new_tokens=20)
+    b = busy.submit(target, max_new_tokens=14, seed=21, **KNOBS)
+    busy.submit(prompt(8, 33), max_new_tokens=9, seed=1, **KNOBS)
+    (rb,) = busy.run([b])
+    assert ra.output == rb.output
+    assert np.allclose(ra.logprobs, rb.logprobs, atol=1e-4)
+    other = engine().generate([target], max_new_tokens=14, seed=22, **KNOBS)[0]
+    assert other.output != ra.output  # the seed matters
+
+
+def test_rows_without_knobs_never_take_the_knob_path(monkeypatch):
+    calls = []
+    real = sampling.sample_row
+
+    def spy(row, seq, greedy):
+        calls.append(seq.id)
+        return real(row, seq, greedy)
+
+    monkeypatch.setattr(sampling, "sample_row", spy)
+    prompts = [prompt(s) for s in range(4)]
+    eng = engine()
+    plain = eng.generate(prompts, max_new_tokens=8, top_k=3, top_p=0.5)  # greedy: no-ops
+    assert not calls
+    assert [r.output for r in plain] == [dense_greedy(MODEL, p, 8) for p in prompts]
+    ids_ = [eng.submit(p, max_new_tokens=8) for p in prompts[:3]]
+    knob = eng.submit(prompts[3], max_new_tokens=8, repetition_penalty=1.5)
+    got = eng.run([*ids_, knob])
+    assert calls == [knob] * 8
+    assert [r.output for r in got[:3]] == [dense_greedy(MODEL, p, 8) for p in prompts[:3]]
+
+
+def old_sample(logits_row: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
+    """The engine's sampling before the knobs existed."""
+    probs = torch.softmax(logits_row.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def test_temperature_sampling_without_knobs_is_unchanged():
+    p = prompt(3)
+    (r,) = engine().generate([p], max_new_tokens=12, temperature=0.8, seed=17)
+    gen = torch.Generator().manual_seed(17)
+    seq, want = [int(t) for t in p], []
+    for _ in range(12):
+        tok = old_sample(MODEL.forward_dense(seq)[-1], 0.8, gen)
+        want.append(tok)
+        seq.append(tok)
+    assert r.output == want
+
+
+def test_default_greedy_path_is_unchanged():
+    prompts = [prompt(s, 10 + 7 * s) for s in range(5)]
+    eng = engine(token_budget=64, max_batch=3)
+    got = eng.generate(prompts, max_new_tokens=9, stop=[int(dense_greedy(MODEL, prompts[0], 9)[4])])
+    want = [dense_greedy(MODEL, p, 9, stop=got[0].output[-1:]) for p in prompts]
+    assert [r.output for r in got] == want
+    assert all(r.logprobs is None and r.text is None for r in got)
