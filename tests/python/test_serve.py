@@ -1,0 +1,275 @@
+"""``radixkv serve`` on the real model (SmolLM2-135M-Instruct), driven by the official ``openai``
+client over HTTP on 127.0.0.1: cached turns, streaming, ``n``, tenants, concurrency,
+disconnects, bad requests, and the side endpoints.
+
+The server runs in a thread of this process (uvicorn), so the tests can read its engine and
+cache directly. Outputs are short: the model decodes about 10 tokens/s on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import radixkv  # noqa: E402
+import radixkv.hf  # noqa: E402
+from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+
+if smollm2_path() is None:  # pragma: no cover - make test installs it
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+
+from radixkv.apps import serve  # noqa: E402
+
+SYSTEM = (
+    "You are a coding agent. Tools: read_file(path), run_tests(target), search(query). "
+    "Answer in one short sentence."
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A radixkv server in a thread, on a free port."""
+
+    def __init__(self, model, tokenizer, prefix_caching=True, max_waiting=64):
+        cache = radixkv.RadixCache(8192, page_size=1)
+        self.engine = radixkv.hf.engine(
+            model, cache, token_budget=1024, prefix_caching=prefix_caching, tokenizer=tokenizer
+        )
+        self.cache = cache
+        self.loop = serve.EngineLoop(self.engine, max_waiting=max_waiting)
+        config = serve.ServerConfig(model_name="smollm2", tenant_header="X-Tenant")
+        self.app = serve.create_app(self.loop, tokenizer, config)
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def idle(self, timeout=30.0):
+        """Waits until the engine has nothing to do."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_work or self.engine.sequences:
+            assert time.monotonic() < deadline, "the engine never went idle"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def real():
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(2)
+    return radixkv.hf.load("smollm2")
+
+
+@pytest.fixture(scope="module")
+def server(real):
+    s = Server(*real)
+    yield s
+    s.close()
+
+
+def chat(server, messages, **kw):
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    return server.client.chat.completions.create(model="smollm2", messages=messages, **kw)
+
+
+def reference_text(real, messages, max_new_tokens):
+    """transformers' own greedy continuation of the chat, decoded, stopping at the EOS."""
+    import torch
+
+    model, tok = real
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_a_multi_turn_chat_is_cached_and_equals_transformers(server, real):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi!"}]
+    cached = []
+    for turn in range(3):
+        r = chat(server, messages)
+        assert r.choices[0].message.content == reference_text(real, messages, 8)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"Now run the tests of module {turn}."},
+        ]
+    assert cached[0] == 0 or cached[0] < cached[1]
+    assert cached[1] > 20 and cached[2] > cached[1]
+    server.idle()
+    server.cache.check()
+
+
+def test_streaming_equals_non_streaming(server):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = chat(server, messages, max_tokens=10).choices[0].message.content
+    stream = chat(
+        server, messages, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
+    parts, usage, reasons = [], None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert "".join(parts) == whole
+    assert reasons[-1] in ("stop", "length")
+    assert usage is not None and usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_n_choices_compute_the_prompt_once(server):
+    messages = [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": "Go."}]
+    before = server.engine.stats.tokens
+    r = chat(server, messages, n=3, max_tokens=4)
+    computed = server.engine.stats.tokens - before
+    prompt = r.usage.prompt_tokens
+    assert len(r.choices) == 3 and [c.index for c in r.choices] == [0, 1, 2]
+    # The prompt once, then at most a page of each branch's own and its decode steps.
+    assert computed <= prompt + 3 * (4 + 1), (computed, prompt)
+    texts = {c.message.content for c in r.choices}
+    assert len(texts) == 1  # greedy: every branch says the same
+
+
+def test_tenants_never_share_a_prefix(server):
+    messages = [{"role": "user", "content": "A secret only tenant a has sent: 48213."}]
+    a = chat(server, messages, extra_body={"cache_salt": "tenant-a"}, max_tokens=2)
+    b = chat(server, messages, extra_body={"cache_salt": "tenant-b"}, max_tokens=2)
+    a2 = chat(server, messages, extra_body={"cache_salt": "tenant-a"}, max_tokens=2)
+    assert b.usage.prompt_tokens_details.cached_tokens == 0
+    assert a2.usage.prompt_tokens_details.cached_tokens > 0
+    # The configured header names the tenant when there is no cache_salt.
+    h = chat(server, messages, extra_headers={"X-Tenant": "tenant-a"}, max_tokens=2)
+    assert h.usage.prompt_tokens_details.cached_tokens > 0
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_sixteen_concurrent_streaming_clients_all_complete(server):
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+        )
+        reason = None
+        async for chunk in stream:
+            for c in chunk.choices:
+                reason = c.finish_reason or reason
+        return reason
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    steps = server.loop.steps
+    reasons = asyncio.run(main())
+    assert all(r in ("stop", "length") for r in reasons), reasons
+    # Batched: far fewer steps than 16 clients one after the other would take.
+    assert server.loop.steps - steps < 16 * 5
+    server.idle()
+    server.cache.check()
+
+
+def test_a_client_gone_mid_stream_leaves_nothing_pinned(server):
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert any(line.startswith("data: ") for line in got)
+    server.idle(timeout=60)  # cancelled well before its 200 tokens
+    server.cache.check()
+    stats = server.cache.stats
+    assert stats.used_pages == 0, "a cancelled request still pins pages"
+
+
+BAD = [
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 5}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"messages": []}, "messages"),
+    ({"model": "smollm2"}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, None),
+]
+
+
+@pytest.mark.parametrize("body,field", BAD)
+def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(server, body, field):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if field is not None:
+        assert err["param"] == field or field in err["message"], err
+    assert chat(server, [{"role": "user", "content": "ok?"}], max_tokens=1).choices
+
+
+def test_invalid_json_is_a_400(server):
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_a_full_queue_answers_429(server):
+    server.loop.max_waiting = 0
+    try:
+        with pytest.raises(openai.RateLimitError):
+            chat(server, [{"role": "user", "content": "hello"}], max_tokens=1)
+    finally:
+        server.loop.max_waiting = 64
+    assert chat(server, [{"role": "user", "content": "hello"}], max_tokens=1).choices
+
+
+def test_completions_models_health_and_metrics(server):
+    r = server.client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=3, temperature=0
+    )
+    assert r.choices[0].text and r.usage.completion_tokens == 3
+    assert [m.id for m in server.client.models.list()] == ["smollm2"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "radixkv_prefix_cache" in metrics
