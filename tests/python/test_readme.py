@@ -39,3 +39,27 @@ def test_readme_transformers_example_runs_and_reuses_the_prefix():
         "generate turn 0: 508 tokens, 0 cached",
         "generate turn 1: 508 tokens, 500 cached",
     ]
+
+
+def test_readme_serve_example_runs_against_a_real_server():
+    """The "Serve it" client code, against radixkv serve on the real model (on a free port)."""
+    for mod in ("torch", "transformers", "fastapi", "uvicorn", "openai"):
+        pytest.importorskip(mod)
+    from test_serve import Server, smollm2_unavailable
+
+    if smollm2_unavailable():
+        pytest.skip(smollm2_unavailable())
+    import radixkv.hf
+
+    server = Server(*radixkv.hf.load("smollm2"))
+    try:
+        section = README.read_text().split("## Serve it", 1)[1]
+        code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+        assert "http://127.0.0.1:8000/v1" in code
+        code = code.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, str(README), "exec"), {})
+    finally:
+        server.close()
+    assert out.getvalue().splitlines() == ["turn 0: cached False", "turn 1: cached True"]
