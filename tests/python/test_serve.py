@@ -27,7 +27,6 @@ import radixkv.hf  # noqa: E402
 from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
 
 
-
 def smollm2_unavailable() -> str | None:
     """Why the real model cannot be used here, or None."""
     if smollm2_path() is None:  # pragma: no cover - make test installs it
