@@ -115,6 +115,27 @@ class EngineLoop:
             self._inbox.put(run)
         return fut
 
+    def call_blocking(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Runs ``fn()`` on the engine thread from any other thread and returns what it returns
+        (raises what it raises)."""
+        done = threading.Event()
+        box: list[Any] = []
+
+        def run() -> None:
+            try:
+                box.append((fn(), None))
+            except BaseException as e:  # handed to the caller
+                box.append((None, e))
+            done.set()
+
+        self._inbox.put(run)
+        if not done.wait(timeout):
+            raise TimeoutError("the engine thread did not run the call in time")
+        value, error = box[0]
+        if error is not None:
+            raise error
+        return value
+
     def submit(self, pending: Pending, submit: Callable[[Callable], list[int]]) -> None:
         """Engine thread: ``submit(on_token)`` makes the request(s); their events and results
         go to ``pending``. Raises :class:`QueueFull` past ``max_waiting``."""
