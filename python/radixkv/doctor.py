@@ -338,12 +338,12 @@ def tokenizer_renderer(path: str | Path) -> Callable[[ChatRequest, list | None],
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
     def render(req: ChatRequest, tools: list | None) -> np.ndarray:
-        ids = tok.apply_chat_template(
-            req.messages, tools=tools, add_generation_prompt=True, tokenize=True
+        # Rendered to text, then encoded: tokenize=True returns a list in transformers 4.x and
+        # a BatchEncoding (a mapping, not a dict) in 5.x.
+        text = tok.apply_chat_template(
+            req.messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
-        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return np.asarray(ids, dtype=np.uint32)
+        return np.asarray(tok.encode(text, add_special_tokens=False), dtype=np.uint32)
 
     return render
 

@@ -188,3 +188,30 @@ def test_bad_input_is_named(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("radixkv: error: doctor: "), err
     assert "line 2: needs a non-empty 'messages' list" in err[0]
     assert captured.out == ""
+
+
+def real_tokenizer_dir():
+    """The real model's converted checkpoint (its tokenizer has a chat template), or skip."""
+    pytest.importorskip("transformers")
+    from radixkv.hf import _load
+
+    if _load.smollm2_path() is None:  # pragma: no cover - make test installs it
+        pytest.skip(f"the real model is not installed: {_load.SMOLLM2_INSTALL}")
+    return _load._converted(_load.smollm2_path())
+
+
+def test_doctor_renders_through_a_real_tokenizer(tmp_path, capsys):
+    """With --tokenizer, prompts are rendered with the real chat template (transformers 5's
+    apply_chat_template(tokenize=True) returns a mapping, which broke every log)."""
+    directory = real_tokenizer_dir()
+    clean = session_log(tmp_path / "clean.jsonl")
+    code = cli.main(["doctor", str(clean), "--tokenizer", str(directory)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    dated = session_log(
+        tmp_path / "dated.jsonl", system=lambda s, t: SYSTEM + f"Now: 2025-03-01T10:0{t}:00."
+    )
+    code = cli.main(["doctor", str(dated), "--tokenizer", str(directory)])
+    out = capsys.readouterr().out
+    assert "timestamp" in out or "volatile" in out or "system prompt" in out, out
+    assert out != "" and code in (0, 1)
