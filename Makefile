@@ -8,7 +8,7 @@ comma  := ,
 # Converted GGUF checkpoints (radixkv.hf.load) are kept here, so tests and the demo convert once.
 export RADIXKV_MODEL_CACHE ?= $(abspath target/models)
 
-.PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo replay lint fmt wheel clean test-cluster
+.PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo serve replay lint fmt wheel clean test-cluster
 
 all: test
 
@@ -128,6 +128,10 @@ soak: $(EXT)
 
 demo: $(EXT)
 	$(PY) -m radixkv demo
+
+# An OpenAI-compatible server on the real model (http://127.0.0.1:8000/v1; see the README).
+serve: $(EXT)
+	$(PY) -m radixkv serve
 
 replay: $(EXT)
 	$(PY) -m radixkv replay benches/data/mooncake_conversation_trace.jsonl.gz
