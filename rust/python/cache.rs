@@ -445,6 +445,27 @@ fn pool_args(
     Ok((n, p, h))
 }
 
+/// The base of a new `RadixCache` or `BlockCache`: the pool arguments checked (`page_size`
+/// defaulting to `default_page`, `host_pages` to 0), then the core `make` builds.
+fn new_cache(
+    py: Python<'_>,
+    num_pages: &Bound<'_, PyAny>,
+    page_size: Option<&Bound<'_, PyAny>>,
+    host_pages: Option<&Bound<'_, PyAny>>,
+    default_page: usize,
+    kind: &'static str,
+    make: impl FnOnce(usize, usize, usize) -> CoreResult<Box<dyn PrefixCache>>,
+) -> PyResult<PyCache> {
+    let zero = 0usize.into_pyobject(py)?.into_any();
+    let (n, p, h) = pool_args(
+        num_pages,
+        page_size,
+        host_pages.unwrap_or(&zero),
+        default_page,
+    )?;
+    Ok(PyCache::from_core(make(n, p, h)?, kind))
+}
+
 /// A prefix cache indexed by a compressed radix tree over token ids (SGLang RadixAttention
 /// style): token-exact reuse at ``page_size=1``; least recently used leaves are evicted first.
 #[pyclass(name = "RadixCache", module = "radixkv._radixkv", extends = PyCache, frozen)]
@@ -463,13 +484,16 @@ impl PyRadixCache {
         page_size: Option<&Bound<'_, PyAny>>,
         host_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let zero = 0usize.into_pyobject(py)?.into_any();
-        let (n, p, h) = pool_args(num_pages, page_size, host_pages.unwrap_or(&zero), 1)?;
-        let core = RadixCache::with_host(n, p, h)?;
-        Ok(
-            PyClassInitializer::from(PyCache::from_core(Box::new(core), "RadixCache"))
-                .add_subclass(PyRadixCache),
-        )
+        let base = new_cache(
+            py,
+            num_pages,
+            page_size,
+            host_pages,
+            1,
+            "RadixCache",
+            |n, p, h| Ok(Box::new(RadixCache::with_host(n, p, h)?)),
+        )?;
+        Ok(PyClassInitializer::from(base).add_subclass(PyRadixCache))
     }
 }
 
@@ -491,13 +515,16 @@ impl PyBlockCache {
         page_size: Option<&Bound<'_, PyAny>>,
         host_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let zero = 0usize.into_pyobject(py)?.into_any();
-        let (n, p, h) = pool_args(num_pages, page_size, host_pages.unwrap_or(&zero), 16)?;
-        let core = BlockCache::with_host(n, p, h)?;
-        Ok(
-            PyClassInitializer::from(PyCache::from_core(Box::new(core), "BlockCache"))
-                .add_subclass(PyBlockCache),
-        )
+        let base = new_cache(
+            py,
+            num_pages,
+            page_size,
+            host_pages,
+            16,
+            "BlockCache",
+            |n, p, h| Ok(Box::new(BlockCache::with_host(n, p, h)?)),
+        )?;
+        Ok(PyClassInitializer::from(base).add_subclass(PyBlockCache))
     }
 }
 
