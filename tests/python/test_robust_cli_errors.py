@@ -117,7 +117,7 @@ def test_demo_checkpoint_and_device_errors(tmp_path, capsys):
 
 def test_demo_runs_without_tqdm_and_matplotlib(tmp_path):
     pytest.importorskip("torch")  # the demo runs a torch model (its subprocess needs torch)
-    proc = radixkv("demo", "--quick", "--out", str(tmp_path), without="tqdm,matplotlib")
+    proc = radixkv("demo", "--quick", "--random", "--out", str(tmp_path), without="tqdm,matplotlib")
     assert proc.returncode == 0, proc.stderr
     assert "identical with and without caching: yes" in proc.stdout
     assert "chart: skipped (matplotlib is not installed" in proc.stdout

