@@ -26,14 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from radixkv.engine.sequence import Sequence
+from radixkv.engine.sequence import OFF, Sampling, Sequence
+
+__all__ = ["OFF", "Sampling", "check_sampling", "sample_tokens", "to_token_array"]
 
 
 def to_token_array(
@@ -64,44 +63,6 @@ def to_token_array(
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
     return arr.astype(np.uint32, copy=False)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """The checked sampling knobs of one request (every default is "off"); picklable, so the
-    tensor-parallel broadcast carries it. ``stop_strings`` is read by the detokenizer."""
-
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
-    stop_strings: tuple[str, ...] = ()
-
-    @property
-    def penalized(self) -> bool:
-        """Whether a penalty is on."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
-
-    @property
-    def filtered(self) -> bool:
-        """Whether a filter (``top_k``, ``top_p``, ``min_p``) is on."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-    def used(self, temperature: float) -> bool:
-        """Whether a row of this request needs more than the plain path (argmax, or softmax
-        and a draw): a penalty, logprobs, or a filter of a sampled (``temperature > 0``) row."""
-        return self.penalized or self.logprobs or (temperature > 0 and self.filtered)
-
-
-#: Every knob off.
-OFF = Sampling()
 
 
 def _number(value, name: str, what: str) -> float:

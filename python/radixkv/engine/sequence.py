@@ -30,7 +30,44 @@ if TYPE_CHECKING:
 
     import radixkv
     from radixkv.engine.detok import Detokenizer
-    from radixkv.engine.sampling import Sampling
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The checked sampling knobs of one request (every default is "off"); picklable, so the
+    tensor-parallel broadcast carries it. ``stop_strings`` is read by the detokenizer."""
+
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    stop_strings: tuple[str, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def filtered(self) -> bool:
+        """Whether a filter (``top_k``, ``top_p``, ``min_p``) is on."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def used(self, temperature: float) -> bool:
+        """Whether a row of this request needs more than the plain path (argmax, or softmax
+        and a draw): a penalty, logprobs, or a filter of a sampled (``temperature > 0``) row."""
+        return self.penalized or self.logprobs or (temperature > 0 and self.filtered)
+
+
+#: Every knob off.
+OFF = Sampling()
 
 
 class Status(enum.Enum):
