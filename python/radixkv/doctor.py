@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 
 import radixkv
+from radixkv._jsonl import load as load_json
+from radixkv._jsonl import show
 
 __all__ = [
     "Finding",
@@ -114,30 +116,10 @@ class ChatRequest:
 MAX_DEPTH = 100
 
 
-def _show(value: Any, width: int = 60) -> str:
-    """``value`` as it reads in JSON (``null``, ``5``, ``"x"``), clipped to ``width``
-    characters, on one printable line, for error messages."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (ValueError, TypeError, RecursionError):
-        text = type(value).__name__
-    if len(text) > width:
-        text = text[: width - 3] + "..."
-    # One line, whatever the value holds: "\x85", "\u2028" and lone surrogates escaped.
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
 def _load(raw: str, where: str) -> Any:
     """The JSON value on a line; ``ValueError`` naming the line when it is not JSON, nests
     deeper than :data:`MAX_DEPTH` or holds a string that is not valid unicode."""
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e.msg})") from None
-    except RecursionError:
-        raise ValueError(f"{where}: JSON nested too deeply to read") from None
-    except ValueError as e:  # an integer of more digits than Python converts
-        raise ValueError(f"{where}: JSON the doctor cannot take ({e})") from None
+    obj = load_json(raw, where, ValueError, "the doctor")
     _check_tree(obj, where)
     return obj
 
@@ -171,7 +153,7 @@ def _check_unicode(text: str, where: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(
             f"{where}: a string is not valid unicode (a lone surrogate at character {e.start} of "
-            f"{_show(text, 40)})"
+            f"{show(text, 40)})"
         ) from None
 
 
@@ -181,49 +163,49 @@ def _check_message(m: dict[str, Any], i: int, where: str) -> None:
     string) or null, ``tool_calls`` a list or null."""
     at = f"{where}: 'messages'[{i}]"
     if "role" in m and not isinstance(m["role"], str):
-        raise ValueError(f"{at}.role must be a string, got {_show(m['role'])}")
+        raise ValueError(f"{at}.role must be a string, got {show(m['role'])}")
     content = m.get("content")
     if content is not None and not isinstance(content, (str, list)):
         raise ValueError(
-            f"{at}.content must be a string, a list of parts or null, got {_show(content)}"
+            f"{at}.content must be a string, a list of parts or null, got {show(content)}"
         )
     for j, part in enumerate(content if isinstance(content, list) else ()):
         if not isinstance(part, (str, dict)):
-            raise ValueError(f"{at}.content[{j}] must be a string or an object, got {_show(part)}")
+            raise ValueError(f"{at}.content[{j}] must be a string or an object, got {show(part)}")
         if isinstance(part, dict) and "text" in part and not isinstance(part["text"], str):
-            raise ValueError(f"{at}.content[{j}].text must be a string, got {_show(part['text'])}")
+            raise ValueError(f"{at}.content[{j}].text must be a string, got {show(part['text'])}")
     calls = m.get("tool_calls")
     if calls is not None and not isinstance(calls, list):
-        raise ValueError(f"{at}.tool_calls must be a list or null, got {_show(calls)}")
+        raise ValueError(f"{at}.tool_calls must be a list or null, got {show(calls)}")
 
 
 def _request(obj: Any, n: int, where: str) -> ChatRequest:
     """Line ``n`` (its JSON value ``obj``) as a request; ``ValueError`` naming the line and the
     field that is missing or has the wrong type."""
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: must be a JSON object, got {_show(obj)}")
+        raise ValueError(f"{where}: must be a JSON object, got {show(obj)}")
     # Logs of a proxy often wrap the body: {"request": {...}} or {"body": {...}}.
     for key in ("request", "body"):
         if isinstance(obj.get(key), dict) and "messages" not in obj:
             obj = {**obj[key], **{k: v for k, v in obj.items() if k == "session"}}
     msgs = obj.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-        got = "no 'messages'" if msgs is None else _show(msgs)
+        got = "no 'messages'" if msgs is None else show(msgs)
         raise ValueError(f"{where}: needs a non-empty 'messages' list of objects, got {got}")
     for i, m in enumerate(msgs):
         _check_message(m, i, where)
     tools = obj.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise ValueError(f"{where}: 'tools' must be a list, got {_show(tools)}")
+        raise ValueError(f"{where}: 'tools' must be a list, got {show(tools)}")
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
-            raise ValueError(f"{where}: 'tools'[{i}] must be an object, got {_show(tool)}")
+            raise ValueError(f"{where}: 'tools'[{i}] must be an object, got {show(tool)}")
     session = obj.get("session")
     if session is None:
         first_user = next((m for m in msgs if m.get("role") == "user"), msgs[0])
         session = "~" + _text(first_user.get("content"))[:40]
     elif isinstance(session, bool) or not isinstance(session, (str, int)):
-        raise ValueError(f"{where}: 'session' must be a string or an integer, got {_show(session)}")
+        raise ValueError(f"{where}: 'session' must be a string or an integer, got {show(session)}")
     return ChatRequest(n, msgs, tools or None, str(session))
 
 

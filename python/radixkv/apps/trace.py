@@ -37,7 +37,6 @@ bytes, so a renamed file reads too.
 from __future__ import annotations
 
 import gzip
-import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +44,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+
+from radixkv._jsonl import load as load_json
+from radixkv._jsonl import show
 
 MOONCAKE_BLOCK = 512
 GZIP_MAGIC = b"\x1f\x8b"
@@ -87,19 +89,6 @@ def mooncake_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
 # ---- checking one line ------------------------------------------------------------------------
 
 
-def _show(value: Any, width: int = 60) -> str:
-    """``value`` as it reads in JSON (``null``, ``true``, ``"x"``, ``[1, 2]``), clipped to
-    ``width`` characters, on one printable line, for error messages."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (ValueError, TypeError, RecursionError):  # a huge int, an odd object, deep nesting
-        text = type(value).__name__
-    if len(text) > width:
-        text = text[: width - 3] + "..."
-    # One line, whatever the value holds: "\x85", "\u2028" and lone surrogates escaped.
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
 def _is_int(value: Any) -> bool:
     """Whether ``value`` is a JSON integer (a bool is not)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -119,16 +108,9 @@ def _finite(value: Any) -> float | None:
 
 def _load(line: str, where: str) -> dict[str, Any]:
     """The JSON object on ``line``; a :class:`TraceError` for anything else."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{where}: not JSON ({e.msg})") from None
-    except RecursionError:
-        raise TraceError(f"{where}: JSON nested too deeply to read") from None
-    except ValueError as e:  # an integer of more digits than Python converts
-        raise TraceError(f"{where}: JSON the reader cannot take ({e})") from None
+    obj = load_json(line, where, TraceError, "the reader")
     if not isinstance(obj, dict):
-        raise TraceError(f"{where}: must be a JSON object, got {_show(obj)}")
+        raise TraceError(f"{where}: must be a JSON object, got {show(obj)}")
     return obj
 
 
@@ -142,7 +124,7 @@ def _timestamp(obj: dict[str, Any], where: str, unit: str, required: bool) -> fl
     f = _finite(value)
     if f is None or f < 0:
         raise TraceError(
-            f"{where}: 'timestamp' must be a finite number >= 0 ({unit}), got {_show(value)}"
+            f"{where}: 'timestamp' must be a finite number >= 0 ({unit}), got {show(value)}"
         )
     return f
 
@@ -153,7 +135,7 @@ def _output_length(obj: dict[str, Any], where: str) -> int:
     if not _is_int(value) or not 0 <= value < U32:
         raise TraceError(
             f"{where}: 'output_length' must be a non-negative integer below 2**32, got "
-            f"{_show(value)}"
+            f"{show(value)}"
         )
     return value
 
@@ -174,7 +156,7 @@ def _namespace(obj: dict[str, Any], where: str) -> str | None:
     """``obj["namespace"]``: a string, or None when absent or null."""
     value = obj.get("namespace")
     if value is not None and not isinstance(value, str):
-        raise TraceError(f"{where}: 'namespace' must be a string or null, got {_show(value)}")
+        raise TraceError(f"{where}: 'namespace' must be a string or null, got {show(value)}")
     if value is not None:
         _unicode(value, where, "namespace")
     return value
@@ -190,14 +172,14 @@ def _ids(values: Any, field: str, bound: int, what: str, where: str) -> list[int
     """``values`` (the value of ``field``): a non-empty list of integers in ``[0, bound)``
     (``what`` names them); a :class:`TraceError` naming the first one that is not."""
     if not isinstance(values, list):
-        raise TraceError(f"{where}: {field!r} must be a list of {what}, got {_show(values)}")
+        raise TraceError(f"{where}: {field!r} must be a list of {what}, got {show(values)}")
     if not values:
         raise TraceError(f"{where}: {field!r} is an empty list: an empty prompt")
     if all(type(v) is int for v in values) and min(values) >= 0 and max(values) < bound:
         return values
     i, bad = next((i, v) for i, v in enumerate(values) if not (_is_int(v) and 0 <= v < bound))
     raise TraceError(
-        f"{where}: {what} must be integers in [0, {_bound(bound)}): {field!r}[{i}] is {_show(bad)}"
+        f"{where}: {what} must be integers in [0, {_bound(bound)}): {field!r}[{i}] is {show(bad)}"
     )
 
 
@@ -211,7 +193,7 @@ def _mooncake(obj: dict[str, Any], where: str) -> TraceRequest:
     if not _is_int(n) or not 1 <= n <= most:
         raise TraceError(
             f"{where}: 'input_length' must be an integer in [1, {most}] ({MOONCAKE_BLOCK} tokens "
-            f"per hash id), got {_show(n)}"
+            f"per hash id), got {show(n)}"
         )
     arrival = _timestamp(obj, where, "milliseconds", required=True) / 1000.0
     return TraceRequest(
@@ -227,11 +209,11 @@ def _prompt(
         return np.asarray(_ids(obj["tokens"], "tokens", U32, "token ids", where), dtype=np.uint32)
     if "text" not in obj:
         raise TraceError(
-            f"{where}: needs 'hash_ids', 'tokens' or 'text', got keys {_show(sorted(obj))}"
+            f"{where}: needs 'hash_ids', 'tokens' or 'text', got keys {show(sorted(obj))}"
         )
     text = obj["text"]
     if not isinstance(text, str):
-        raise TraceError(f"{where}: 'text' must be a string, got {_show(text)}")
+        raise TraceError(f"{where}: 'text' must be a string, got {show(text)}")
     if not text:
         raise TraceError(f"{where}: 'text' is an empty string: an empty prompt")
     _unicode(text, where, "text")
