@@ -49,6 +49,28 @@ positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 
 
+def add_cache_options(p: argparse.ArgumentParser) -> None:
+    """``--cache radix|block`` and ``--page-size`` (default: 1 for radix, 16 for block); read
+    the page size back with :func:`page_size_of`."""
+    p.add_argument(
+        "--cache",
+        choices=("radix", "block"),
+        default="radix",
+        help="index: radix tree (default) or chained block hashes",
+    )
+    p.add_argument(
+        "--page-size",
+        type=positive_int,
+        default=None,
+        help="tokens per page (default: 1 for radix, 16 for block)",
+    )
+
+
+def page_size_of(args: argparse.Namespace) -> int:
+    """The page size ``args`` asks for: ``--page-size``, else the index's default."""
+    return args.page_size if args.page_size is not None else (1 if args.cache == "radix" else 16)
+
+
 class _NoBar:
     """A progress bar that shows nothing (tqdm is not installed, or none was asked for)."""
 

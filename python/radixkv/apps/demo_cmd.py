@@ -11,8 +11,10 @@ from radixkv.apps import metrics_server
 from radixkv.apps.args import (
     NO_CHART,
     UsageError,
+    add_cache_options,
     have_matplotlib,
     nonnegative_int,
+    page_size_of,
     positive_int,
     progress_bar,
 )
@@ -32,18 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "one (then it exits with status 2). Prints prompt, cached and computed tokens and TTFT "
         "per request; writes OUT/demo_ttft.png."
     )
-    p.add_argument(
-        "--cache",
-        choices=("radix", "block"),
-        default="radix",
-        help="index: radix tree (default) or chained block hashes",
-    )
-    p.add_argument(
-        "--page-size",
-        type=positive_int,
-        default=None,
-        help="tokens per page (default: 1 for radix, 16 for block)",
-    )
+    add_cache_options(p)
     p.add_argument(
         "--num-pages",
         type=positive_int,
@@ -149,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
         torch.device(args.device)
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"demo: --device {args.device!r}: {e}") from None
-    page_size = (
-        args.page_size if args.page_size is not None else (1 if args.cache == "radix" else 16)
-    )
+    page_size = page_size_of(args)
     real = None
     if not args.random and args.checkpoint is None and args.model is None:
         real = _real_model(args)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from radixkv.apps.args import UsageError, nonnegative_int, positive_float, positive_int
+from radixkv.apps.args import (
+    UsageError,
+    add_cache_options,
+    nonnegative_int,
+    page_size_of,
+    positive_float,
+    positive_int,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,18 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--port", type=nonnegative_int, default=8000, help="TCP port to listen on (default: 8000)"
     )
-    p.add_argument(
-        "--cache",
-        choices=("radix", "block"),
-        default="radix",
-        help="index: radix tree (default) or chained block hashes",
-    )
-    p.add_argument(
-        "--page-size",
-        type=positive_int,
-        default=None,
-        help="tokens per page (default: 1 for radix, 16 for block)",
-    )
+    add_cache_options(p)
     size = p.add_mutually_exclusive_group()
     size.add_argument(
         "--num-pages",
@@ -138,7 +134,7 @@ def build(args: argparse.Namespace):
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec = radixkv.hf.check_model(model)
-    page = args.page_size or (1 if args.cache == "radix" else 16)
+    page = page_size_of(args)
     num_pages = args.num_pages
     if num_pages is None:
         gib = args.kv_memory or 1.0
