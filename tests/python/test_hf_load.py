@@ -69,6 +69,8 @@ def test_sources_it_cannot_use_are_refused_with_the_reason(tmp_path):
     for source, why in cases:
         with pytest.raises(ValueError, match=why):
             radixkv.hf.load(source)
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        radixkv.hf.load(_load._converted(_load.smollm2_path()), device="gpu:x")
     with pytest.raises(ValueError, match=r"dtype must be a torch\.dtype"):
         radixkv.hf.load(_load._converted(_load.smollm2_path()), dtype="float32")
 

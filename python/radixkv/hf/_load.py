@@ -122,7 +122,12 @@ def load(
     end-of-sequence ids (``generation_config.eos_token_id``) are what :func:`radixkv.hf.engine`
     stops at by default."""
     path = resolve(source)
-    dev = torch.device(device if device is not None else "cpu")
+    try:
+        dev = torch.device(device if device is not None else "cpu")
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}: {e}"
+        ) from None
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not isinstance(dtype, torch.dtype):
