@@ -7,9 +7,10 @@ N concurrent agent sessions (a system prompt with tool schemas, a growing histor
 talk to the server with the official ``openai`` client, each turn sending the whole conversation,
 greedy. The same sessions run against the same server with ``prefix_caching=False``. Printed: TTFT
 p50/p99 of turns 2+, requests/s, prompt tokens computed (the engine's own count), their ratios;
-and the HTTP layer's own cost per request: a one-token request through the server minus the same
-request through ``Engine`` directly (both cached, alternating, medians). Both servers run in this
-process (uvicorn in a thread), so the engine's counters are read directly.
+and the HTTP layer's own cost per request: a one-token cached chat request's time inside the
+server's ASGI app minus the same request through ``Engine`` directly (alternating, medians), and
+apart from it what the client and loopback add. Both servers run in this process (uvicorn in a
+thread), so the engine's counters are read directly.
 """
 
 from __future__ import annotations
@@ -29,35 +30,53 @@ import torch
 import radixkv.hf
 from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path
 
+# What each tool does, as an agent's tool schema says it (a sentence or two each, as real schemas
+# do; a coding agent's system prompt with its tools runs to a few thousand tokens).
+TOOL_DOCS = {
+    "format_code": "Formats the given files in place with the repository's formatter settings. "
+    "Run it after editing; it changes whitespace only.",
+    "git_diff": "Shows the uncommitted changes of the working tree, or of one path, as a "
+    "unified diff with three lines of context.",
+    "git_log": "Lists the most recent commits touching a path, newest first, one line each "
+    "with the hash, the author and the subject.",
+    "grep": "Searches the repository for lines matching a regular expression and returns "
+    "each match with its file and line number; binary and ignored files are skipped.",
+    "install_package": "Installs a package into the project's environment and records it in "
+    "the lock file. Ask before adding a dependency the project does not already use.",
+    "list_dir": "Lists the entries of a directory with their sizes; directories end in a "
+    "slash. Hidden entries are left out unless the pattern names them.",
+    "open_pr": "Opens a pull request from the current branch with a title and a body that "
+    "says what changed and how it was tested.",
+    "read_file": "Reads a file of the repository and returns its lines, numbered. Read a "
+    "file before editing it; long files are cut at the given number of lines.",
+    "run_linter": "Runs the project's linters on the given paths and returns each finding "
+    "with its rule, file and line.",
+    "run_tests": "Runs the test suite, or the tests matching a pattern, and returns the "
+    "summary with the output of every failing test.",
+    "search_docs": "Searches the project's documentation and returns the best matching "
+    "passages with the page each comes from.",
+    "write_file": "Writes the whole content of a file, creating it if needed. Prefer small "
+    "edits; never write a file you have not read.",
+}
+
 TOOLS = [
     {
         "type": "function",
         "function": {
             "name": name,
-            "description": f"{name.replace('_', ' ')} in the repository",
+            "description": doc,
             "parameters": {
                 "type": "object",
-                "properties": {"path": {"type": "string"}, "pattern": {"type": "string"}},
+                "properties": {
+                    "path": {"type": "string", "description": "a path relative to the root"},
+                    "pattern": {"type": "string", "description": "a glob or regex to filter by"},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 2000},
+                },
                 "required": ["path"],
             },
         },
     }
-    for name in sorted(
-        [
-            "read_file",
-            "write_file",
-            "run_tests",
-            "grep",
-            "list_dir",
-            "git_diff",
-            "git_log",
-            "open_pr",
-            "search_docs",
-            "run_linter",
-            "format_code",
-            "install_package",
-        ]
-    )
+    for name, doc in sorted(TOOL_DOCS.items())
 ]
 
 
@@ -123,31 +142,120 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def http_overhead(server, model, tok, repeats: int) -> tuple[float, float]:
-    """Median seconds of a one-token cached request through HTTP and through Engine directly."""
-    import httpx
+class AsgiTimer:
+    """ASGI middleware: the seconds each HTTP request spent in the app, from its arrival to the
+    last byte of its response handed to the server."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.times: list[float] = []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+
+        async def timed_send(message):
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self.times.append(time.perf_counter() - t0)
+            await send(message)
+
+        await self.app(scope, receive, timed_send)
+
+
+def http_overhead(server, tok, repeats: int) -> dict[str, float]:
+    """Median seconds of a one-token cached chat request: end to end over HTTP (a keep-alive
+    http.client connection, the lightest client there is), inside the ASGI app, and through
+    ``Engine`` directly on the engine thread (alternating); ``app_rest`` and ``direct_rest``
+    are the same less the time in ``Engine.step`` of each request, which is what both share
+    (the model's forward), so their difference is the server's own cost without the forward's
+    noise."""
+    import http.client
 
     messages = [{"role": "user", "content": "Say yes."}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)
-    body = {"model": "smollm2", "messages": messages, "max_tokens": 1, "temperature": 0}
-    eng = server.engine
-    http, direct = [], []
-    with httpx.Client(timeout=60) as client:
-        client.post(server.url + "/v1/chat/completions", json=body).raise_for_status()  # warm
+    body = json.dumps({"model": "smollm2", "messages": messages, "max_tokens": 1, "temperature": 0})
+    eng, timer = server.engine, server.app
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+
+    def post() -> None:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        reply.read()
+        assert reply.status == 200, reply.status
+
+    def through_engine() -> float:
+        t = time.perf_counter()
+        rid = eng.submit(ids, max_new_tokens=1)
+        eng.run([rid], release=True)
+        return time.perf_counter() - t
+
+    stepping = [0.0]
+    step = eng.step
+
+    def timed_step():
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            stepping[0] += time.perf_counter() - t
+
+    eng.step = timed_step
+    post()  # warm
+    e2e, direct, app_rest, direct_rest = [], [], [], []
+    timer.times.clear()
+    try:
         for _ in range(repeats):
+            stepping[0] = 0.0
             t = time.perf_counter()
-            client.post(server.url + "/v1/chat/completions", json=body).raise_for_status()
-            http.append(time.perf_counter() - t)
-
-            def through_engine():
-                t = time.perf_counter()
-                rid = eng.submit(ids, max_new_tokens=1)
-                eng.run([rid], release=True)
-                return time.perf_counter() - t
-
+            post()
+            e2e.append(time.perf_counter() - t)
+            app_rest.append(timer.times[-1] - stepping[0])
+            stepping[0] = 0.0
             direct.append(server.loop.call_blocking(through_engine))
-    return statistics.median(http), statistics.median(direct)
+            direct_rest.append(direct[-1] - stepping[0])
+    finally:
+        eng.step = step
+        conn.close()
+    med = statistics.median
+    return dict(
+        e2e=med(e2e),
+        app=med(timer.times),
+        direct=med(direct),
+        app_rest=med(app_rest),
+        direct_rest=med(direct_rest),
+    )
+
+
+def health_latency(server, model, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``GET /health`` sent right after another one, and sent right after a
+    forward pass of the model on the engine thread: what running cold costs any request on
+    this machine (a CPU forward streams every weight through the caches)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+
+    def health() -> float:
+        t = time.perf_counter()
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        return time.perf_counter() - t
+
+    x = torch.zeros(1, 20, dtype=torch.long)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    warm, cold = [], []
+    for _ in range(repeats):
+        health()
+        warm.append(health())
+        server.loop.call_blocking(forward)
+        cold.append(health())
+    conn.close()
+    return statistics.median(warm), statistics.median(cold)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = radixkv.hf.load("smollm2")
     rows = {}
     for caching in (True, False):
-        server = Server(model, tok, prefix_caching=caching)
+        server = Server(model, tok, prefix_caching=caching, wrap=AsgiTimer)
         try:
             before = server.engine.stats.tokens
             t0 = time.perf_counter()
@@ -188,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                 cached=cached,
             )
             if caching:
-                overhead = http_overhead(server, model, tok, repeats)
+                overhead = http_overhead(server, tok, repeats)
+                health = health_latency(server, model, repeats)
         finally:
             server.close()
     on, off = rows[True], rows[False]
@@ -208,11 +317,18 @@ def main(argv: list[str] | None = None) -> int:
         if key == "rps":
             ratio = on[key] / off[key]
         print(f"{label:24}{fmt.format(on[key]):>14}{fmt.format(off[key]):>14}{ratio:>9.2f}x")
-    http, direct = overhead
+    o = overhead
     print(
-        f"HTTP layer per request: {1e3 * (http - direct):.2f} ms (a cached one-token chat "
-        f"request: {1e3 * http:.1f} ms served, {1e3 * direct:.1f} ms through Engine directly; "
-        f"medians of {repeats})"
+        f"HTTP layer per request: {1e3 * (o['app_rest'] - o['direct_rest']):.2f} ms in the "
+        f"server (a cached one-token chat request: {1e3 * o['app']:.1f} ms in the app, "
+        f"{1e3 * o['direct']:.1f} ms through Engine directly; less Engine.step: "
+        f"{1e3 * o['app_rest']:.2f} and {1e3 * o['direct_rest']:.2f} ms), "
+        f"{1e3 * (o['e2e'] - o['app']):.2f} ms more for the client and loopback; "
+        f"medians of {repeats}"
+    )
+    print(
+        f"for scale: GET /health {1e3 * health[0]:.2f} ms right after another, "
+        f"{1e3 * health[1]:.2f} ms right after a forward pass (caches cold)"
     )
     target = "holds" if off["p50"] / on["p50"] >= 5 else "short"
     print(

@@ -54,7 +54,7 @@ def free_port() -> int:
 class Server:
     """A radixkv server in a thread, on a free port."""
 
-    def __init__(self, model, tokenizer, prefix_caching=True, max_waiting=64):
+    def __init__(self, model, tokenizer, prefix_caching=True, max_waiting=64, wrap=None):
         cache = radixkv.RadixCache(8192, page_size=1)
         self.engine = radixkv.hf.engine(
             model, cache, token_budget=1024, prefix_caching=prefix_caching, tokenizer=tokenizer
@@ -63,6 +63,8 @@ class Server:
         self.loop = serve.EngineLoop(self.engine, max_waiting=max_waiting)
         config = serve.ServerConfig(model_name="smollm2", tenant_header="X-Tenant")
         self.app = serve.create_app(self.loop, tokenizer, config)
+        if wrap is not None:  # an ASGI middleware around the app (the bench times requests)
+            self.app = wrap(self.app)
         self.port = free_port()
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from radixkv.apps.args import (
@@ -182,5 +183,11 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # uvicorn drains on SIGTERM, then raises the signal again once the previous handler is back
+    # in place; with Python's default that would kill the process, so that a clean drain would
+    # look like a crash (exit -15) to whoever supervises it. A handler that does nothing
+    # lets the drained server exit 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    print("radixkv serve: stopped; the requests in flight were drained", file=sys.stderr)
     return 0

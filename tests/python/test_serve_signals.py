@@ -1,0 +1,99 @@
+"""`radixkv serve` as a process: SIGTERM drains the requests in flight, then the server exits 0.
+
+The real command on the real model (SmolLM2-135M-Instruct), driven with the official ``openai``
+client. Skips with a reason where the model package cannot be installed; ``make test`` installs it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+pytest.importorskip("torch", reason="radixkv serve needs torch")
+openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+
+from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+from test_serve import free_port  # noqa: E402
+
+if smollm2_path() is None:
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+
+
+def start_server(port: int) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--num-pages", "4096"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"radixkv serve exited {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    pytest.fail("radixkv serve did not answer /health within 180 s")
+
+
+def test_sigterm_drains_the_streams_in_flight_then_exits_0():
+    port = free_port()
+    proc = start_server(port)
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
+        )
+        first = threading.Event()
+        got: dict = {"text": [], "finish": None, "error": None, "tokens": None}
+
+        def stream() -> None:
+            try:
+                chunks = client.completions.create(
+                    model="smollm2",
+                    prompt="Count from one to fifty in words: one, two, three,",
+                    max_tokens=16,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                for chunk in chunks:
+                    if chunk.usage is not None:
+                        got["tokens"] = chunk.usage.completion_tokens
+                    for c in chunk.choices:
+                        got["text"].append(c.text)
+                        got["finish"] = c.finish_reason or got["finish"]
+                    first.set()
+            except Exception as e:  # reported by the assertions below
+                got["error"] = e
+                first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(120), "no token came back"
+        proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        assert not t.is_alive(), "the stream never ended"
+        assert got["error"] is None, f"the stream in flight was cut by SIGTERM: {got['error']!r}"
+        assert got["finish"] in ("length", "stop"), got
+        assert "".join(got["text"]), "no text came back"
+        if got["finish"] == "length":  # every token the request asked for was served
+            assert got["tokens"] == 16, got
+        rc = proc.wait(60)
+        err = proc.stderr.read()
+        assert rc == 0, f"radixkv serve exited {rc} after SIGTERM: {err}"
+        assert "Traceback" not in err, err
+        assert "drained" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
