@@ -107,7 +107,8 @@ bench-python: bench-cache
 
 # Every benchmark still builds and runs to the end (CI runs this): the Rust benches are built, not
 # run; each benches/bench_*.py runs in its --quick mode (a few seconds), its output kept in
-# target/bench-smoke/ and shown when it fails. No figure is checked.
+# target/bench-smoke/ and shown when it fails; then the GPU check's dry run (benches/gpu_check.sh
+# --dry-run: its steps on the CPU with tiny shapes). No figure is checked.
 bench-smoke: $(EXT)
 	cargo bench --no-run --quiet
 	RADIXKV_SCALE_QUICK=1 cargo bench --quiet --bench scale > target/bench-smoke-scale.log 2>&1 \
@@ -119,7 +120,11 @@ bench-smoke: $(EXT)
 	    log=target/bench-smoke/$$(echo $$b | tr -c 'a-z0-9_\n' _).log; t0=$$(date +%s%N); \
 	    if $(PY) $$b --quick >$$log 2>&1; then r=ok; else r=FAILED; status=1; tail -n 40 $$log; fi; \
 	    echo "bench-smoke: $$r  $$b --quick  ($$(( ($$(date +%s%N) - t0) / 1000000 )) ms)"; \
-	done; exit $$status
+	done; \
+	if GPU_CHECK_OUT=target/bench-smoke/gpu_check bash benches/gpu_check.sh --dry-run $(PY) \
+	    > target/bench-smoke/gpu_check.log 2>&1; then echo "bench-smoke: ok  benches/gpu_check.sh --dry-run"; \
+	else tail -n 40 target/bench-smoke/gpu_check.log; echo "bench-smoke: FAILED  benches/gpu_check.sh --dry-run"; status=1; fi; \
+	exit $$status
 
 # A soak of 10^6 cache operations per cache under eviction pressure: memory must stay flat
 # (`make soak BENCH_ARGS=--quick` for a short one).

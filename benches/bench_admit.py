@@ -1,7 +1,8 @@
 """admit + finish of one prompt, the read-only match_prefix, and block_hashes: the cost of a
 request's admission, from a full hit to a miss, as a Python caller pays it.
 
-    .venv/bin/python benches/bench_admit.py [--quick] [--clock thread] [--only admit,match,hash]
+    .venv/bin/python benches/bench_admit.py [--quick] [--clock thread]
+        [--only admit,pages,match,hash]
 
 Baselines in the same run: a miss (the no-cache case), the pure-Python reference model. With
 ``--core-from-criterion``, also the core alone as an earlier ``cargo bench --bench cache``
@@ -36,7 +37,12 @@ from common import (
 
 
 class AdmitBench(Bench):
-    sections: ClassVar = {"admit": "admit_finish", "match": "match_prefix", "hash": "block_hashes"}
+    sections: ClassVar = {
+        "admit": "admit_finish",
+        "pages": "admit_pages_finish",
+        "match": "match_prefix",
+        "hash": "block_hashes",
+    }
 
     def admit_finish(self) -> None:
         print("== admit + finish of one prompt (nothing committed: the cache is left as found)")
@@ -85,6 +91,52 @@ class AdmitBench(Bench):
                 rows,
                 self.hide,
             )
+
+    def admit_pages_finish(self) -> None:
+        print(
+            "== admit + reading req.pages + finish of a fully cached prompt (what an engine does "
+            "per request); req.pages alone against numpy copying an int32 array of its length"
+        )
+        rows = []
+        for n in (2048, 32768):
+            toks = prompts(n)["hit"]
+            for k in KINDS:
+                cache = k.make(4 * n // k.p)
+                publish(cache, toks)
+
+                def per_request(c=cache, toks=toks):
+                    req = c.admit(toks)
+                    req.pages  # noqa: B018 - the read is what is timed
+                    c.finish(req)
+
+                t = self.timer.steady(per_request)
+                req = cache.admit(toks)
+                tp = self.timer.steady(lambda req=req: req.pages)
+                table_copy = req.pages
+                tc = self.timer.steady(lambda a=table_copy: a.copy())
+                cache.finish(req)
+                self.results[f"admit_pages_finish/{n}/{k.crit}"] = {
+                    "ns": t,
+                    "best_ns": None,
+                    "ref_ns": None,
+                    "pages_ns": tp,
+                    "copy_ns": tc,
+                }
+                rows.append(
+                    [
+                        f"{k.label} {n // 1024}k",
+                        fmt_ns(t),
+                        fmt_ns(tp),
+                        f"{len(table_copy):,}",
+                        fmt_ns(tc),
+                        fmt_x(div(tp, tc)),
+                    ]
+                )
+        table(
+            ["prompt", "admit+pages+finish", "req.pages", "pages", "numpy copy", "pages / copy"],
+            rows,
+            self.hide,
+        )
 
     def match_prefix(self) -> None:
         print("== match_prefix (read-only probe)")
@@ -172,6 +224,21 @@ class AdmitBench(Bench):
             if x and miss:
                 targets.row(
                     f"admit+finish 2k full hit, {k.label}", x, target, miss["ns"], "of a miss"
+                )
+        for n, k, target in (
+            (2048, RADIX1, 1.5e3),
+            (2048, BLOCK16, 4e3),
+            (32768, RADIX1, 15e3),
+            (32768, BLOCK16, 60e3),
+        ):
+            x = self.results.get(f"admit_pages_finish/{n}/{k.crit}")
+            if x:
+                targets.row(
+                    f"admit+pages+finish {n // 1024}k full hit, {k.label}",
+                    x,
+                    target,
+                    x["copy_ns"],
+                    "of copying its page table",
                 )
         targets.print()
 

@@ -21,6 +21,7 @@ from hf_models import (
     greedy_reference,
     load_model,
 )
+from tiny_model import cuda
 
 torch.set_num_threads(1)
 
@@ -69,8 +70,34 @@ def test_session_and_branches_match_transformers_generate(model, make_cache):
 def test_cached_prefix_forward_logits_equal_full_forward(arch, make_cache):
     """Requests with different cached lengths, batched in one step, give the logits of
     transformers' own forward over each whole sequence (float32, atol 1e-4)."""
-    model = build_model(arch, seed=7)
+    cached_prefix_logits_match(build_model(arch, seed=7), make_cache, atol=1e-4)
+
+
+# bfloat16 keeps 8 bits of mantissa: two correct orders of summation differ by a few units of
+# the last place of logits of unit scale.
+BF16_ATOL = 6e-2
+
+
+@pytest.mark.parametrize("make_cache", CACHES)
+def test_cached_prefix_logits_in_bfloat16_on_the_cpu(make_cache):
+    """The same in bfloat16 (what a GPU serves in), on the CPU."""
+    model = build_model("llama", seed=7).to(torch.bfloat16)
+    cached_prefix_logits_match(model, make_cache, atol=BF16_ATOL)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("make_cache", CACHES)
+def test_cached_prefix_logits_in_bfloat16_on_cuda(arch, make_cache):
+    """The adapter on CUDA in bfloat16: paged attention over the pool on the GPU."""
+    model = build_model(arch, seed=7).to("cuda", torch.bfloat16)
+    cached_prefix_logits_match(model, make_cache, atol=BF16_ATOL)
+
+
+def cached_prefix_logits_match(model, make_cache, atol: float) -> None:
     adapter = radixkv.hf.HFCausalLM(model)
+    device = next(model.parameters()).device
     cache = make_cache()
     kv = adapter.make_kv_cache(cache)
     rng = np.random.default_rng(2)
@@ -91,9 +118,10 @@ def test_cached_prefix_forward_logits_equal_full_forward(arch, make_cache):
     rows = np.cumsum([0] + [len(s) - c for s, c in zip(seqs, cached)])
     with torch.no_grad():
         for i, (s, c) in enumerate(zip(seqs, cached)):
-            full = model(torch.as_tensor(s.astype(np.int64))[None]).logits[0, c:].float()
-            torch.testing.assert_close(got[rows[i] : rows[i + 1]], full, atol=1e-4, rtol=0)
-            torch.testing.assert_close(last[i], full[-1], atol=1e-4, rtol=0)
+            ids = torch.as_tensor(s.astype(np.int64), device=device)[None]
+            full = model(ids).logits[0, c:].float()
+            torch.testing.assert_close(got[rows[i] : rows[i + 1]].float(), full, atol=atol, rtol=0)
+            torch.testing.assert_close(last[i].float(), full[-1], atol=atol, rtol=0)
     for r in reqs:
         cache.abort(r)
     cache.check()
@@ -117,6 +145,11 @@ def test_engine_sizes_the_pool_from_the_config_and_passes_arguments_on():
     wrong = radixkv.KVCache(radixkv.RadixCache(8), 2, 2, 8)
     with pytest.raises(ValueError, match="the model needs"):
         radixkv.hf.engine(model, wrong)
+    # The Engine itself checks a KVCache against the wrapped model's KV shape.
+    adapter = radixkv.hf.HFCausalLM(model)
+    assert adapter.kv_shape == (2, 2, 16)
+    with pytest.raises(ValueError, match=r"kv is shaped .* = \(2, 2, 8\), the model needs"):
+        radixkv.Engine(adapter, wrong)
 
 
 def test_model_keeps_its_attention_when_a_step_fails():
