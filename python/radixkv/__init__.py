@@ -18,7 +18,10 @@ The package, by layer (each subpackage imports only the ones above it):
 - :mod:`radixkv.apps`: applications: the ``radixkv`` command line, the demo, trace replay.
 
 The torch layer and everything on it are imported on first use, so ``import radixkv`` does not
-import torch.
+import torch. Without torch (``pip install radixkv``, no extra) the core works, ``help(radixkv)``
+and ``from radixkv import *`` list what is usable, and a torch-layer name raises a
+``ModuleNotFoundError`` whose one line names the extra to install (``radixkv[torch]``), as
+``radixkv.metrics`` and ``radixkv.events`` name theirs.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from radixkv import _extras
 from radixkv._radixkv import (
     COPY_LOAD,
     COPY_OFFLOAD,
@@ -54,6 +58,7 @@ _LAZY = {
     "Engine": "radixkv.engine",
     "Session": "radixkv.engine",
     "StreamEvent": "radixkv.engine",
+    "Grammar": "radixkv.engine",
     "models": "radixkv.models",
     # Modules with optional dependencies: radixkv[metrics], radixkv[events]; doctor needs none.
     "metrics": "radixkv.metrics",
@@ -64,6 +69,18 @@ _LAZY = {
 #: Names in _LAZY that are modules, not attributes of their module.
 _MODULES = {"models", "metrics", "events", "doctor"}
 
+#: What each lazy module needs beyond numpy: (top-level packages, the extra that installs them).
+_NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "radixkv.kv": (("torch",), _extras.TORCH_EXTRA),
+    "radixkv.engine": (("torch",), _extras.TORCH_EXTRA),
+    "radixkv.models": (("torch",), _extras.TORCH_EXTRA),
+    "radixkv.metrics": (("prometheus_client",), "metrics"),
+    "radixkv.events": (("zmq", "msgspec"), "events"),
+    "radixkv.doctor": ((), ""),
+}
+
+#: ``from radixkv import *``: the core's names, and the torch layer's where torch is installed
+#: (so that ``import *`` and ``help(radixkv)`` work on a torch-free install too).
 __all__ = [
     "COPY_LOAD",
     "COPY_OFFLOAD",
@@ -71,34 +88,44 @@ __all__ = [
     "Cache",
     "CacheStats",
     "CorruptionError",
-    "Engine",
     "Error",
     "InvalidRequest",
-    "KVCache",
     "OutOfPages",
     "RadixCache",
     "Request",
     "Scheduler",
-    "Session",
     "StaleStepError",
-    "Step",
     "StepPlan",
-    "StreamEvent",
     "block_hashes",
-    "models",
     "plan_step",
 ]
+if _extras.available("torch"):
+    __all__ += ["Engine", "Grammar", "KVCache", "Session", "Step", "StreamEvent", "models"]
+
+
+def _usable(name: str) -> bool:
+    """Whether the lazy ``name`` can be imported here (its optional packages are installed)."""
+    packages, _extra = _NEEDS[_LAZY[name]]
+    return _extras.available(*packages)
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
-    mod = importlib.import_module(module)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        packages, extra = _NEEDS[module]
+        if e.name not in packages:
+            raise
+        raise _extras.missing(f"radixkv.{name}", e.name, extra) from None
     value = mod if name in _MODULES else getattr(mod, name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """Every name, less the lazy ones whose optional packages are missing (so that ``help`` and
+    ``dir`` work on any install)."""
+    return sorted(set(globals()) | {n for n in _LAZY if _usable(n)})

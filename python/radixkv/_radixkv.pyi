@@ -191,6 +191,12 @@ class Scheduler:
     ``"dfs-weight"`` (requests sharing a prefix back to back, heaviest group first).
     ``max_wait``: a request that has waited more than this many ``schedule`` calls goes ahead of
     cache order (``0`` turns the bound off). Higher ``priority`` goes first within every policy.
+
+    In-batch prefix sharing (``"lpm"``, ``"dfs-weight"``): of waiting requests that share an
+    uncached prefix of at least 64 tokens (one chunk: 64 rounded up to whole pages,
+    ``radixkv.engine.defaults.sharing_threshold(page_size)``), one ``schedule`` call admits the
+    first only; the others wait one call and find the prefix cached. A shorter shared prefix is
+    computed by each.
     """
 
     def __new__(cls, cache: Cache, policy: str = "lpm", max_wait: int = 256) -> Scheduler: ...

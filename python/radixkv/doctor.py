@@ -350,13 +350,16 @@ class Finding:
 
 @dataclass
 class Report:
-    """What :func:`diagnose` found, and the hit rates before and after the automatic fixes."""
+    """What :func:`diagnose` found, and the hit rates before and after the automatic fixes.
+    ``unit``: what the prefix lengths count, ``"bytes"`` of the rendered text, or ``"tokens"``
+    with a tokenizer's renderer."""
 
     requests: int
     sessions: int
     findings: list[Finding]
     hit_rate_logged: float
     hit_rate_fixed: float
+    unit: str = "bytes"
 
     def table(self) -> str:
         """The findings grouped by session, cause and location, as a text table."""
@@ -371,7 +374,7 @@ class Report:
                 (
                     _clip(session, 24),
                     str(len(fs)),
-                    f"{kept:.0%} (at {first.kept:,} of {first.expected:,})",
+                    f"{kept:.0%} (at {first.kept:,} of {first.expected:,} {self.unit})",
                     cause,
                     _clip(first.location, 70),
                     first.fix,
@@ -535,6 +538,7 @@ def diagnose(
 ) -> Report:
     """Finds, for each request, where it stops sharing a prefix with the previous request of
     its session and why; measures the hit rate as logged and after the automatic fixes."""
+    unit = "bytes" if render is None else "tokens"
     render = render or _byte_renderer
     last: dict[str, tuple[ChatRequest, np.ndarray]] = {}
     findings: list[Finding] = []
@@ -570,4 +574,5 @@ def diagnose(
         findings=findings,
         hit_rate_logged=_hit_rate(seqs),
         hit_rate_fixed=_hit_rate(fixed),
+        unit=unit,
     )

@@ -24,10 +24,12 @@ event structs are not ``array_like``. Block hashes are 32-byte ``bytes``, or wit
 ``int_hashes=True`` the integer of their last 8 bytes (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_
 HASHES``).
 
-``block_hash="radixkv"`` sends radixkv's own block keys (``radixkv.block_hashes``, blake3);
-``block_hash="sha256_cbor"`` sends vLLM's default block hashes, computed along each published
-chain (see ``docs/EVENTS.md``), so an indexer that hashes prompts the vLLM way finds radixkv's
-blocks. For a ``RadixCache`` a block is a ``page_size`` group of tokens along a published path.
+``block_hash="blake3"`` sends radixkv's own block keys (``radixkv.block_hashes``, whose
+``algorithm`` names them the same way; ``"radixkv"``, the design's name for them, is the same
+value); ``block_hash="sha256_cbor"`` sends vLLM's default block hashes, computed along
+each published chain (see ``docs/EVENTS.md``), so an indexer that hashes prompts the vLLM way
+finds radixkv's blocks. For a ``RadixCache`` a block is a ``page_size`` group of tokens along
+a published path.
 """
 
 import threading
@@ -47,6 +49,7 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
 from radixkv._radixkv import _sha256_cbor_chain, _sha256_cbor_none_hash
 
 __all__ = [
+    "BLOCK_HASHES",
     "END_SEQ",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -56,6 +59,12 @@ __all__ = [
     "cbor_block_hash",
     "event_types",
 ]
+
+#: ``block_hash`` values: radixkv's blake3 block keys, vLLM's sha256_cbor block hashes (the
+#: ``algorithm`` names of ``radixkv.block_hashes``).
+BLOCK_HASHES = ("blake3", "sha256_cbor")
+#: The name ``docs/DESIGN``'s contract gives ``block_hash="blake3"``: accepted as the same value.
+BLAKE3_ALIAS = "radixkv"
 
 #: The replay socket's end-of-stream sequence number.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -152,10 +161,11 @@ class ZmqPublisher:
 
     ``endpoint``: the PUB address (``tcp://*:5557`` binds; a host address connects, as in vLLM;
     ``bind`` overrides). ``replay_endpoint``: a ROUTER address for replay requests (always bound),
-    or None. ``topic``: the first frame of every message. ``block_hash``: ``"radixkv"`` or
-    ``"sha256_cbor"``; ``hash_seed``: vLLM's ``PYTHONHASHSEED`` for ``sha256_cbor`` (vLLM workers
-    must run with the same value for hashes to match; with ``"radixkv"``, whose keys take no
-    seed, only the default ``"0"`` is accepted). ``buffer_steps``: batches kept for replay.
+    or None. ``topic``: the first frame of every message. ``block_hash``: ``"blake3"`` (radixkv's
+    block keys) or ``"sha256_cbor"`` (vLLM's), the names ``radixkv.block_hashes(algorithm=...)``
+    uses; ``"radixkv"`` (the design's name) is the same as ``"blake3"`` and reads back as it. ``hash_seed``: vLLM's ``PYTHONHASHSEED`` for ``sha256_cbor`` (vLLM
+    workers must run with the same value for hashes to match; with ``"blake3"``, whose keys
+    take no seed, only the default ``"0"`` is accepted). ``buffer_steps``: batches kept for replay.
     ``data_parallel_rank`` (an int >= 0, or None), ``medium`` (a str such as vLLM's ``"GPU"``
     or ``"CPU"``, or None) and ``int_hashes`` (a bool) go into every batch as vLLM's
     ``KVEventBatch``/``BlockStored``/``BlockRemoved`` define them; ``hwm``: the PUB socket's
@@ -174,7 +184,7 @@ class ZmqPublisher:
         endpoint: str = "tcp://*:5557",
         *,
         topic: str = "",
-        block_hash: str = "radixkv",
+        block_hash: str = "blake3",
         replay_endpoint: str | None = None,
         data_parallel_rank: int | None = 0,
         medium: str | None = "GPU",
@@ -189,8 +199,13 @@ class ZmqPublisher:
             raise TypeError(
                 f"cache must be a radixkv RadixCache or BlockCache, got {type(cache).__name__}"
             )
-        if block_hash not in ("radixkv", "sha256_cbor"):
-            raise ValueError(f"block_hash must be 'radixkv' or 'sha256_cbor', got {block_hash!r}")
+        if block_hash == BLAKE3_ALIAS:  # the design's name for it: accepted, read back as blake3
+            block_hash = "blake3"
+        if block_hash not in BLOCK_HASHES:
+            raise ValueError(
+                f"block_hash must be 'blake3' or 'sha256_cbor' (as radixkv.block_hashes' "
+                f"algorithm), got {block_hash!r}"
+            )
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ValueError(
                 f"endpoint must be a ZeroMQ address like 'tcp://*:5557', got {endpoint!r}"
@@ -201,10 +216,10 @@ class ZmqPublisher:
             raise ValueError(f"buffer_steps must be a positive int, got {buffer_steps!r}")
         if not isinstance(hash_seed, str):
             raise TypeError(f"hash_seed must be a str (vLLM's PYTHONHASHSEED), got {hash_seed!r}")
-        if block_hash == "radixkv" and hash_seed != "0":
+        if block_hash == "blake3" and hash_seed != "0":
             raise ValueError(
-                f"hash_seed={hash_seed!r} has no effect with block_hash='radixkv' (radixkv's "
-                "blake3 block keys take no seed): it seeds block_hash='sha256_cbor' only"
+                f"hash_seed={hash_seed!r} has no effect with block_hash='blake3' (radixkv's "
+                "block keys take no seed): it seeds block_hash='sha256_cbor' only"
             )
         if data_parallel_rank is not None and (
             isinstance(data_parallel_rank, bool)

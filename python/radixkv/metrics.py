@@ -4,11 +4,17 @@
 ``CollectorRegistry`` and it reads snapshots when scraped (``cache.stats``, the scheduler's queue
 and wait histogram, the engine's finished requests), so it costs nothing between scrapes.
 
-- ``radixkv_prefix_cache_queries_total``: admissions (``admit`` and ``fork``);
-  ``radixkv_prefix_cache_query_tokens_total``: their prompt tokens;
-  ``radixkv_prefix_cache_hit_tokens_total``: of those, tokens served from the cache.
+- ``radixkv_prefix_cache_queries_total`` and ``radixkv_prefix_cache_hits_total`` count tokens,
+  as vLLM's ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` do: the prompt tokens of
+  every admission (``admit`` and ``fork``; a preempted request admitted again counts again) and,
+  of those, the tokens served from the cache; so ``rate(hits) / rate(queries)`` ported from a
+  vLLM dashboard is the token hit rate. ``radixkv_prefix_cache_query_tokens_total`` and
+  ``radixkv_prefix_cache_hit_tokens_total`` are the same two counters under their first names;
+  ``radixkv_prefix_cache_requests_total`` counts admissions (requests, not tokens).
 - ``radixkv_kv_pages{state="free"|"evictable"|"used"}``, ``radixkv_kv_page_size_tokens``,
-  ``radixkv_evicted_pages_total``.
+  ``radixkv_evicted_pages_total``, and ``radixkv_kv_cache_usage_perc``: the fraction (0 to 1) of
+  the pool's pages pinned by live requests, as vLLM's ``vllm:kv_cache_usage_perc`` (cached pages
+  no request uses count as free there too).
 - With a host tier (``host_pages > 0``; a cache without one exports none of these):
   ``radixkv_prefix_cache_host_hit_tokens_total`` (of the hit tokens, those loaded back from the
   host), ``radixkv_kv_host_pages{state="free"|"cached"}`` (host pages holding nothing / holding
@@ -20,7 +26,15 @@ and wait histogram, the engine's finished requests), so it costs nothing between
 - With an engine: ``radixkv_engine_requests_total`` (finished requests), the histograms
   ``radixkv_engine_time_to_first_token_seconds`` and ``radixkv_engine_request_prompt_tokens``,
   and ``radixkv_engine_{prompt,cached,computed}_tokens_total`` (prompt tokens, those found
-  cached at admission, tokens computed until the first token).
+  cached at admission, tokens computed until the first token); and under vLLM's names:
+  ``radixkv_num_requests_running`` and ``radixkv_num_requests_waiting`` (requests being
+  computed, and queued: new, preempted, or branches whose context is not computed yet),
+  ``radixkv_num_preemptions_total``, ``radixkv_generation_tokens_total`` (tokens sampled so far,
+  unfinished requests' included), and the histograms of finished requests
+  ``radixkv_e2e_request_latency_seconds`` (submission to the end) and
+  ``radixkv_request_time_per_output_token_seconds`` (time from the first token to the last over
+  the tokens after the first; requests of two tokens or more). The README maps every vLLM
+  metric to its radixkv name.
 
 The hit rate over a window is ``rate(hit_tokens) / rate(query_tokens)``, the host tier's share
 of it ``rate(host_hit_tokens) / rate(query_tokens)``; ``docs/grafana`` has a dashboard and alert
@@ -55,8 +69,15 @@ __all__ = ["TTFT_BUCKETS", "CacheCollector", "serve"]
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 #: Histogram bounds of prompt tokens per request.
 PROMPT_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144)
+#: Histogram bounds of end-to-end request latency, seconds.
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: Histogram bounds of time per output token, seconds.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+#: ``Sequence.status`` values (``radixkv.engine.sequence.Status``, compared by value so that this
+#: module imports nothing of the torch layer).
+_RUNNING_VALUE, _WAITING_VALUE = "running", "waiting"
 _RESERVED = {"state", "le", "quantile"}
 
 
@@ -150,7 +171,11 @@ class CacheCollector(Collector):
             engine.release_hooks.append(self._fold_released)
         self._ttft = _Histogram(TTFT_BUCKETS)
         self._prompt_hist = _Histogram(PROMPT_BUCKETS)
+        self._e2e = _Histogram(E2E_BUCKETS)
+        self._tpot = _Histogram(TPOT_BUCKETS)
         self._requests = self._prompt = self._cached = self._computed = 0
+        #: Output tokens of the requests folded into the totals (finished ones).
+        self._generated = 0
 
     # ---- prometheus_client ----------------------------------------------------------------
 
@@ -181,7 +206,17 @@ class CacheCollector(Collector):
         out: list[Any] = [
             self._counter(
                 "radixkv_prefix_cache_queries",
-                "Admissions into the prefix cache (admit and fork).",
+                "Prefix cache queries in tokens: prompt tokens of the admissions, as vLLM's.",
+                s.query_tokens if live else None,
+            ),
+            self._counter(
+                "radixkv_prefix_cache_hits",
+                "Prefix cache hits in tokens: prompt tokens served from the cache, as vLLM's.",
+                s.hit_tokens if live else None,
+            ),
+            self._counter(
+                "radixkv_prefix_cache_requests",
+                "Admissions into the prefix cache (admit and fork), in requests.",
                 s.queries if live else None,
             ),
             self._counter(
@@ -201,6 +236,11 @@ class CacheCollector(Collector):
             ),
             self._gauge(
                 "radixkv_kv_page_size_tokens", "Tokens per KV page.", s.page_size if live else None
+            ),
+            self._gauge(
+                "radixkv_kv_cache_usage_perc",
+                "Fraction of KV pages pinned by live requests (0 to 1), as vLLM's.",
+                s.used_pages / s.num_pages if live else None,
             ),
         ]
         pages = GaugeMetricFamily(
@@ -305,32 +345,71 @@ class CacheCollector(Collector):
             self._prompt += r.prompt_tokens
             self._cached += r.cached_tokens
             self._computed += r.computed_tokens
+            self._generated += len(r.output)
             self._prompt_hist.observe(r.prompt_tokens)
+            self._e2e.observe(r.latency_s)
             if r.ttft_s is not None:
                 self._ttft.observe(r.ttft_s)
+                if len(r.output) > 1:
+                    self._tpot.observe((r.latency_s - r.ttft_s) / (len(r.output) - 1))
 
     def _fold_released(self, seqs: list[Any]) -> None:
         """Counts requests the engine is about to release (``Engine.release_hooks``)."""
         with self._lock:
             self._fold_engine()
 
+    def _live_requests(self) -> tuple[int, int, int]:
+        """(running, waiting, tokens sampled by requests not yet folded) of the engine now.
+        Branch contexts are the engine's own requests, not the user's: left out."""
+        running = waiting = sampled = 0
+        for seq in list(self.engine.sequences.values()):  # one C call: a snapshot
+            if seq.done or seq.children:
+                continue
+            sampled += len(seq.output)
+            status = seq.status.value
+            if status == _RUNNING_VALUE:
+                running += 1
+            elif status == _WAITING_VALUE:
+                waiting += 1
+        return running, waiting, sampled
+
     def _engine_families(self, live: bool) -> list[Any]:
+        running = waiting = sampled = 0
         if live:
             with self._lock:
                 self._fold_engine()
-        ttft = HistogramMetricFamily(
-            "radixkv_engine_time_to_first_token_seconds",
-            "Time from submission to the first sampled token.",
-            labels=self._names,
+                running, waiting, sampled = self._live_requests()
+        names = (
+            (
+                "radixkv_engine_time_to_first_token_seconds",
+                self._ttft,
+                "Time from submission to the first sampled token.",
+            ),
+            (
+                "radixkv_engine_request_prompt_tokens",
+                self._prompt_hist,
+                "Prompt tokens per finished request.",
+            ),
+            (
+                "radixkv_e2e_request_latency_seconds",
+                self._e2e,
+                "Time from submission to the end of each finished request, as vLLM's.",
+            ),
+            (
+                "radixkv_request_time_per_output_token_seconds",
+                self._tpot,
+                "Per finished request "
+                "of two tokens or more: time from its first token to its last over the tokens "
+                "after the first, as vLLM's.",
+            ),
         )
-        prompt = HistogramMetricFamily(
-            "radixkv_engine_request_prompt_tokens",
-            "Prompt tokens per finished request.",
-            labels=self._names,
-        )
-        if live:
-            ttft.add_metric(self._values, self._ttft.buckets(), self._ttft.sum)
-            prompt.add_metric(self._values, self._prompt_hist.buckets(), self._prompt_hist.sum)
+        histograms = []
+        for name, hist, doc in names:
+            h = HistogramMetricFamily(name, doc, labels=self._names)
+            if live:
+                h.add_metric(self._values, hist.buckets(), hist.sum)
+            histograms.append(h)
+        preemptions = self.engine.batcher.preemptions if live else None
         return [
             self._counter(
                 "radixkv_engine_requests",
@@ -352,8 +431,28 @@ class CacheCollector(Collector):
                 "Tokens computed until each finished request's first token (prefill work).",
                 self._computed if live else None,
             ),
-            ttft,
-            prompt,
+            self._gauge(
+                "radixkv_num_requests_running",
+                "Requests being computed (prefilling or decoding), as vLLM's.",
+                running if live else None,
+            ),
+            self._gauge(
+                "radixkv_num_requests_waiting",
+                "Requests queued for admission (new, preempted, or branches whose context is "
+                "not computed yet), as vLLM's.",
+                waiting if live else None,
+            ),
+            self._counter(
+                "radixkv_num_preemptions",
+                "Requests preempted (their pages taken back, queued again), as vLLM's.",
+                preemptions,
+            ),
+            self._counter(
+                "radixkv_generation_tokens",
+                "Tokens sampled, unfinished requests' included, as vLLM's.",
+                self._generated + sampled if live else None,
+            ),
+            *histograms,
         ]
 
 

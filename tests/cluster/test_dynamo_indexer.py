@@ -11,7 +11,7 @@ What these tests pin down about that consumer (Dynamo 1.6.1):
 
 - It rehashes the token ids of each ``BlockStored`` (its own hash of the tokens of each block) and
   queries by the tokens of the prompt, so our block hash is only the worker's name for a block:
-  ``block_hash="radixkv"`` and ``"sha256_cbor"`` both work, as long as all workers name the same
+  ``block_hash="blake3"`` and ``"sha256_cbor"`` both work, as long as all workers name the same
   content alike (identical hashes for identical blocks).
 - Block hashes must be integers (``int_hashes=True``): a batch with 32-byte hashes fails to decode
   ("did not match any variant of untagged enum BlockHashValue").
@@ -263,7 +263,7 @@ def tokens(rng: np.random.Generator, n: int) -> list[int]:
     return [int(t) for t in rng.integers(1, 32000, n)]
 
 
-@pytest.mark.parametrize("block_hash", ["radixkv", "sha256_cbor"])
+@pytest.mark.parametrize("block_hash", ["blake3", "sha256_cbor"])
 def test_indexer_scores_equal_match_prefix(indexer, workers, block_hash):
     rng = np.random.default_rng(14)
     workers += [

@@ -291,3 +291,39 @@ def test_from_hf_reads_both_rope_forms():
     # What radixkv writes is read back unchanged.
     cfg = ModelConfig.from_hf(new)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_model_config_takes_and_gives_transformers_names():
+    """``ModelConfig`` takes transformers' names (``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``model_type``) as its own, and reads them back."""
+    import inspect
+
+    from radixkv.models.config import HF_NAMES
+
+    ours = ModelConfig(num_layers=3, num_heads=8, num_kv_heads=2, hidden_size=128, family="qwen2")
+    theirs = ModelConfig(
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=128,
+        model_type="qwen2",
+    )
+    assert theirs == ours
+    for hf_name, name in HF_NAMES.items():
+        assert getattr(theirs, hf_name) == getattr(theirs, name)
+    # A config written from transformers' keys constructs the same model as from_hf reads.
+    hf = ours.to_hf()
+    keys = {k: hf[k] for k in ("vocab_size", "hidden_size", "intermediate_size", *HF_NAMES)}
+    assert ModelConfig(**keys, head_dim=hf["head_dim"]) == ModelConfig.from_hf(hf)
+    # transformers' num_key_value_heads=None: one KV head per query head.
+    assert ModelConfig(num_attention_heads=4, num_key_value_heads=None).num_kv_heads == 4
+    # Both names of one setting must agree; either alone is checked as before.
+    with pytest.raises(ValueError, match="num_hidden_layers=3 and num_layers=2 name the same"):
+        ModelConfig(num_layers=2, num_hidden_layers=3)
+    assert ModelConfig(num_layers=2, num_hidden_layers=2).num_layers == 2
+    with pytest.raises(ValueError, match="num_layers must be a positive int, got 0"):
+        ModelConfig(num_hidden_layers=0)
+    with pytest.raises(TypeError):
+        ModelConfig(num_hidden_layer=2)  # a typo is still refused
+    assert ours.replace(num_layers=5).num_hidden_layers == 5
+    assert set(HF_NAMES) <= set(inspect.signature(ModelConfig).parameters)

@@ -44,13 +44,17 @@ def test_demo_quick_runs_and_writes_its_chart(tmp_path):
     assert set(rows) == {"turn 1", "turn 2", "turn 3", "sub 1", "sub 2"}
     prompt, cached, computed = (int(x) for x in rows["turn 3"][:3])
     assert cached > 0 and cached + computed == prompt
-    assert "100%" in proc.stderr  # the progress bar ran to the end
+    assert "\r" not in proc.stderr  # stderr is a pipe here: no progress bar frames
 
 
 def test_demo_block_cache_in_process(tmp_path, capsys):
     argv = ["demo", "--quick", "--random", "--cache", "block", "--out", str(tmp_path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
+    # Every column gives its unit under its name.
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("request "))
+    assert lines[head + 1].split() == ["tokens", "tokens", "tokens", "ms", "ms", "x", "pages"]
     assert "cache: block, page size 16" in out and "identical with and without caching: yes" in out
     assert (tmp_path / "demo_ttft.png").read_bytes()[:8] == PNG
     assert int(table_rows(out)["turn 3"][1]) > 0  # the block cache hits too (cached tokens)
@@ -127,7 +131,7 @@ def test_demo_quick_on_the_real_model(tmp_path):
         assert cached > 0 and cached + computed == prompt, (label, rows[label])
     assert int(rows["turn 3"][1]) > int(rows["turn 2"][1])  # the conversation grows, cached
     assert (tmp_path / "demo_ttft.png").read_bytes()[:8] == PNG
-    assert "Loading weights" not in proc.stderr and "100%" in proc.stderr
+    assert "Loading weights" not in proc.stderr and "\r" not in proc.stderr
 
 
 def test_real_prompts_are_the_chat_templates_rendering():
@@ -225,3 +229,58 @@ def test_console_script_when_installed(tmp_path):
         pytest.skip("the radixkv console script is not installed in this environment")
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "demo" in proc.stdout
+
+
+def test_both_demo_runs_are_warmed_up_before_either_is_timed():
+    """The cache-on run goes first; it must not pay a cold start the cache-off run does not:
+    both engines are warmed up before either run is played."""
+    import argparse
+
+    from radixkv.apps import demo_cmd
+
+    events = []
+
+    class FakeEngine:
+        def __init__(self, caching):
+            self.name = "on" if caching else "off"
+            events.append(f"make {self.name}")
+
+    def play(engine, bar):
+        events.append(f"play {engine.name}")
+        return engine.name
+
+    def warm(engine):
+        events.append(f"warm {engine.name}")
+
+    args = argparse.Namespace(metrics_port=None, keep_serving=False)
+    assert demo_cmd._both_runs(args, 3, FakeEngine, play, warm) == ("on", "off")
+    first_play = events.index("play on")
+    assert {"warm on", "warm off"} <= set(events[:first_play]), events
+    assert events[first_play:] == ["play on", "play off"]
+
+
+def test_warm_up_leaves_an_empty_pool_and_no_trace_in_the_run():
+    """The warm-up request is as large as the session's first prefill, and leaves nothing: no
+    page cached or pinned, no request held, and the run's hit rate and evictions start after
+    it."""
+    import numpy as np
+
+    import radixkv
+    from radixkv.apps import demo
+    from tiny_model import tiny_model
+
+    model = tiny_model(seed=2)
+    cache = radixkv.RadixCache(512)
+    engine = radixkv.Engine(model, model.make_kv_cache(cache))
+    prompt = np.arange(20, 220, dtype=np.uint32)
+    demo.warm_up(engine, prompt)
+    s = cache.stats
+    assert s.free_pages == s.num_pages and not engine.sequences
+    assert s.query_tokens == len(prompt)  # it did run, through the cache
+    counters = demo.Counters(cache)
+    req = cache.admit(prompt)  # the warm-up's pages are gone: nothing is found
+    assert req.num_cached == 0
+    cache.finish(req)
+    run = demo.Run()
+    counters.close(run)
+    assert run.hit_rate == 0.0 and run.evicted_pages == 0 and counters.evicted() == 0

@@ -139,6 +139,30 @@ def test_tool_order_and_key_order(tmp_path):
     assert {f.cause for f in diagnose(read_requests(p)).findings} == {"tools changed"}
 
 
+def test_the_table_says_what_prefix_lengths_count(tmp_path):
+    """The "prefix kept" column counts bytes of the rendered text, or tokens with a
+    tokenizer's renderer, and says which."""
+    import zlib
+
+    import numpy as np
+
+    p = session_log(tmp_path / "order.jsonl", tools=lambda s, t: TOOLS[:: 1 if t % 2 else -1])
+    requests = read_requests(p)
+    by_bytes = diagnose(requests)
+    f = by_bytes.findings[0]
+    assert by_bytes.unit == "bytes"
+    assert f"(at {f.kept:,} of {f.expected:,} bytes)" in by_bytes.table()
+
+    def words(req, tools):  # a stand-in tokenizer: one token per word of the rendered bytes
+        text = render_bytes(req.messages, tools).split()
+        return np.asarray([zlib.crc32(w) % 50_000 for w in text], dtype=np.uint32)
+
+    by_words = diagnose(requests, words)
+    g = by_words.findings[0]
+    assert by_words.unit == "tokens" and g.expected < f.expected
+    assert f"(at {g.kept:,} of {g.expected:,} tokens)" in by_words.table()
+
+
 def test_edited_system_prompt_and_rewritten_history(tmp_path):
     p = session_log(
         tmp_path / "edit.jsonl",

@@ -144,7 +144,7 @@ def slow_join(pub, sub, decoder):
     raise AssertionError("subscriber never joined")
 
 
-@pytest.mark.parametrize("block_hash", ["radixkv", "sha256_cbor"])
+@pytest.mark.parametrize("block_hash", ["blake3", "sha256_cbor"])
 @pytest.mark.parametrize("make_cache", CACHES)
 def test_subscriber_rebuilds_the_cached_blocks(make_cache, block_hash):
     cache = make_cache()
@@ -216,7 +216,7 @@ def test_subscriber_rebuilds_the_cached_blocks(make_cache, block_hash):
         # Every block's hash is what a router computes from its tokens.
         assert any(ns == "tenant-b" for _, ns in blocks.values())
         for h, (prefix, ns) in blocks.items():
-            if block_hash == "radixkv":
+            if block_hash == "blake3":
                 assert h == radixkv.block_hashes(prefix, p, ns)[-1]
             else:
                 assert h == radixkv.block_hashes(prefix, p, ns, algorithm="sha256_cbor")[-1]
@@ -258,7 +258,7 @@ def test_subscriber_rebuilds_the_cached_blocks(make_cache, block_hash):
 
 def test_publisher_checks_its_arguments():
     cache = radixkv.BlockCache(8, 4)
-    with pytest.raises(ValueError, match="block_hash must be 'radixkv' or 'sha256_cbor', got 'x'"):
+    with pytest.raises(ValueError, match=r"block_hash must be 'blake3' or 'sha256_cbor'.*got 'x'"):
         ZmqPublisher(cache, "tcp://127.0.0.1:*", block_hash="x")
     with pytest.raises(ValueError, match="endpoint must be a ZeroMQ address"):
         ZmqPublisher(cache, "127.0.0.1:5557")
@@ -325,3 +325,29 @@ def test_missing_extra_is_named():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "radixkv.events needs pyzmq and msgspec: pip install 'radixkv[events]'" in out.stdout
+
+
+def test_one_name_for_radixkv_block_keys():
+    """``block_hash`` takes ``radixkv.block_hashes``' algorithm names; ``"radixkv"``, the name the
+    design gives the same keys, is the same value and reads back as "blake3", without a warning."""
+    import warnings
+
+    cache = radixkv.BlockCache(8, 4)
+    pub = ZmqPublisher(cache, "tcp://127.0.0.1:*")
+    try:
+        assert pub.block_hash == "blake3"
+        assert set(radixkv.events.BLOCK_HASHES) == {"blake3", "sha256_cbor"}
+        for name in radixkv.events.BLOCK_HASHES:  # each is an algorithm of block_hashes
+            assert len(radixkv.block_hashes([1, 2, 3, 4], 4, algorithm=name)) == 1
+    finally:
+        pub.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither name warns
+        for name in ("radixkv", "blake3"):
+            p = ZmqPublisher(cache, "tcp://127.0.0.1:*", block_hash=name)
+            try:
+                assert p.block_hash == "blake3"
+            finally:
+                p.close()
+    with pytest.raises(ValueError, match="'blake3' or 'sha256_cbor'"):
+        ZmqPublisher(cache, "tcp://127.0.0.1:*", block_hash="md5")

@@ -60,9 +60,14 @@ def test_scrape_over_http_matches_the_cache(kind):
         sched.add(np.arange(5, dtype=np.uint32))
         text, m = scrape(url)
         s = cache.stats
-        assert m["radixkv_prefix_cache_queries_total{worker=w0}"] == s.queries == 7 + 5
+        # vLLM's meaning: queries and hits in tokens; admissions under their own name.
+        assert m["radixkv_prefix_cache_queries_total{worker=w0}"] == s.query_tokens > 12
+        assert m["radixkv_prefix_cache_hits_total{worker=w0}"] == s.hit_tokens > 0
+        assert m["radixkv_prefix_cache_requests_total{worker=w0}"] == s.queries == 7 + 5
         assert m["radixkv_prefix_cache_query_tokens_total{worker=w0}"] == s.query_tokens
-        assert m["radixkv_prefix_cache_hit_tokens_total{worker=w0}"] == s.hit_tokens > 0
+        assert m["radixkv_prefix_cache_hit_tokens_total{worker=w0}"] == s.hit_tokens
+        usage = m["radixkv_kv_cache_usage_perc{worker=w0}"]
+        assert usage == s.used_pages / s.num_pages and 0 < usage < 1
         assert m["radixkv_evicted_pages_total{worker=w0}"] == s.evicted_pages >= 3
         for state in ("free", "evictable", "used"):
             assert m[f"radixkv_kv_pages{{state={state},worker=w0}}"] == getattr(s, f"{state}_pages")
@@ -142,7 +147,8 @@ def test_replay_serves_metrics_per_policy(tmp_path, capsys):
         url = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", out).group(1)
         _, m = scrape(url)
         # The endpoint follows the last run: lpm, with its own counters.
-        assert m["radixkv_prefix_cache_queries_total{policy=lpm}"] == 20
+        assert m["radixkv_prefix_cache_requests_total{policy=lpm}"] == 20
+        assert m["radixkv_prefix_cache_queries_total{policy=lpm}"] == 20 * 320  # tokens
         assert m["radixkv_prefix_cache_hit_tokens_total{policy=lpm}"] > 0
         assert not any("policy=fcfs" in k for k in m)
     finally:
@@ -205,6 +211,9 @@ def test_missing_extra_is_named(tmp_path):
 #: host tier), and those only a cache with a host tier adds.
 BASE_FAMILIES = {
     "radixkv_prefix_cache_queries",
+    "radixkv_prefix_cache_hits",
+    "radixkv_prefix_cache_requests",
+    "radixkv_kv_cache_usage_perc",
     "radixkv_prefix_cache_query_tokens",
     "radixkv_prefix_cache_hit_tokens",
     "radixkv_evicted_pages",
@@ -349,3 +358,96 @@ def test_dashboard_and_alerts_query_exported_names():
     assert queried <= exported, sorted(queried - exported)
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_vllm_names_count_what_vllm_counts():
+    """``hits / queries`` ported from a vLLM dashboard is the token hit rate, and the engine's
+    running and waiting requests, preemptions, generated tokens, end-to-end latency and time
+    per output token are there under vLLM's names, equal to what the engine reports."""
+    pytest.importorskip("torch")
+    from tiny_model import tiny_model
+
+    model = tiny_model(seed=3)
+    cache = radixkv.RadixCache(160)
+    engine = radixkv.Engine(model, model.make_kv_cache(cache), token_budget=40)
+    reg = CollectorRegistry()
+    reg.register(CacheCollector(cache, engine=engine))
+
+    def scrape_now():
+        text = generate_latest(reg).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    rng = np.random.default_rng(8)
+    sizes = (90, 30, 70, 12, 55)  # a pool of 160 tokens: decodes preempt one another
+    ids_ = [engine.submit(rng.integers(1, 500, n).astype(np.uint32), 12) for n in sizes]
+    m = scrape_now()
+    assert (m["radixkv_num_requests_waiting"], m["radixkv_num_requests_running"]) == (5, 0)
+    assert m["radixkv_generation_tokens_total"] == 0
+    for _ in range(4):
+        engine.step()
+    m = scrape_now()
+    running = len(engine.batcher.running)
+    assert m["radixkv_num_requests_running"] == running > 0
+    waiting = sum(engine.sequences[i].status.value == "waiting" for i in ids_)
+    assert m["radixkv_num_requests_waiting"] == waiting == 5 - running
+    live = sum(len(engine.sequences[i].output) for i in ids_)
+    assert m["radixkv_generation_tokens_total"] == live > 0  # counted before requests finish
+    results = engine.run(ids_)
+    m = scrape_now()
+    s = cache.stats
+    assert m["radixkv_prefix_cache_hits_total"] / m["radixkv_prefix_cache_queries_total"] == (
+        pytest.approx(s.hit_rate)
+    )
+    assert m["radixkv_num_preemptions_total"] == engine.stats.preemptions > 0  # a tiny pool
+    assert m["radixkv_num_requests_running"] == m["radixkv_num_requests_waiting"] == 0
+    assert m["radixkv_generation_tokens_total"] == sum(len(r.output) for r in results) == 60
+    assert m["radixkv_e2e_request_latency_seconds_count"] == 5
+    assert m["radixkv_e2e_request_latency_seconds_sum"] == pytest.approx(
+        sum(r.latency_s for r in results)
+    )
+    tpot = [(r.latency_s - r.ttft_s) / (len(r.output) - 1) for r in results]
+    assert m["radixkv_request_time_per_output_token_seconds_count"] == 5
+    assert m["radixkv_request_time_per_output_token_seconds_sum"] == pytest.approx(sum(tpot))
+    types = {f.name: f.type for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    assert types["radixkv_num_requests_running"] == types["radixkv_kv_cache_usage_perc"] == "gauge"
+    assert types["radixkv_num_preemptions"] == types["radixkv_generation_tokens"] == "counter"
+    assert types["radixkv_e2e_request_latency_seconds"] == "histogram"
+
+
+def test_replay_keep_serving_serves_the_final_metrics_until_interrupted(tmp_path):
+    """``--keep-serving``: the endpoint outlives the run (its last figures readable), and Ctrl-C
+    (SIGINT) ends the command cleanly with exit status 0."""
+    import signal
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    lines = [{"timestamp": i * 0.1, "tokens": list(range(300)) + [1000 + i] * 20} for i in range(8)]
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    argv = ["replay", str(trace), "--policy", "lpm", "--no-chart", "--metrics-port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv", *argv, "--keep-serving"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out = []
+        for line in proc.stdout:  # the run's output, then the line saying it keeps serving
+            out.append(line)
+            if "still serving" in line:
+                break
+        text = "".join(out)
+        assert "still serving" in text and "hit rate" in text, text
+        url = re.search(r"still serving (http://127\.0\.0\.1:\d+/metrics)", text).group(1)
+        _, m = scrape(url)  # after the run: its final figures
+        assert m["radixkv_prefix_cache_requests_total{policy=lpm}"] == 8
+        assert m["radixkv_prefix_cache_queries_total{policy=lpm}"] == 8 * 320
+        assert proc.poll() is None  # still serving
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

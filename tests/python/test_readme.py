@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import radixkv
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -63,3 +65,94 @@ def test_readme_serve_example_runs_against_a_real_server():
     finally:
         server.close()
     assert out.getvalue().splitlines() == ["turn 0: cached False", "turn 1: cached True"]
+
+
+def section(title: str) -> str:
+    """The README's section ``## title``, up to the next one."""
+    text = README.read_text()
+    assert f"\n## {title}\n" in text, f"no section {title!r}"
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def extras() -> set[str]:
+    """The extras of pyproject.toml's ``[project.optional-dependencies]``."""
+    text = (README.parent / "pyproject.toml").read_text()
+    table = text.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([A-Za-z0-9_-]+) = \[", table, re.M))
+
+
+def test_readme_install_says_how_and_names_every_extra():
+    install = section("Install")
+    assert extras() >= {"torch", "hf", "serve", "metrics", "events"}
+    for extra in extras():
+        assert f"radixkv[{extra}]" in install, extra
+    for needle in (".whl", "pip install .", "Rust toolchain", "radixkv --version", "abi3"):
+        assert needle in install, needle
+    assert README.read_text().index("## Install") < README.read_text().index("## Two commands")
+
+
+def test_readme_glossary_tells_apart_the_names_that_look_alike():
+    glossary = section("Glossary")
+    terms = re.findall(r"^\| ([^|]+?) \|", glossary, re.M)[1:]  # past the header
+    for term in (
+        "cache, index",
+        "`KVCache`",
+        "`cache.commit(req, n)`",
+        "`kv.commit(step)`",
+        "`cache.fork(req)`",
+        "`Engine.branch(context, suffixes)`",
+        "`Session.fork()`",
+        "namespace",
+        "policy",
+    ):
+        assert term in terms, term
+    # The index-level names it defines exist on both caches.
+    for cls in ("RadixCache", "BlockCache"):
+        for method in ("commit", "fork", "admit", "finish"):
+            assert callable(getattr(getattr(radixkv, cls), method))
+
+
+def test_readme_maps_vllm_metrics_to_names_radixkv_exports():
+    """Every radixkv series the vLLM table names is exported by a collector over a cache with a
+    host tier and an engine, and the table covers what vLLM dashboards chart."""
+    pytest.importorskip("torch")
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixkv.metrics import CacheCollector
+    from tiny_model import tiny_model
+
+    watch = section("Watch it")
+    table = watch.split("| vLLM metric | radixkv metric | notes |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split(" | ") for line in table.strip().splitlines()[1:]]
+    vllm = {n for row in rows for n in re.findall(r"`(vllm:[a-z0-9_]+)`", row[0])}
+    ours = {n for row in rows for n in re.findall(r"`(radixkv_[a-z0-9_]+)`", " ".join(row[1:]))}
+    for name in (
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "kv_cache_usage_perc",
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_preemptions_total",
+        "generation_tokens_total",
+        "e2e_request_latency_seconds",
+        "request_time_per_output_token_seconds",
+        "time_to_first_token_seconds",
+    ):
+        assert f"vllm:{name}" in vllm, name
+    model = tiny_model(seed=3)
+    cache = radixkv.RadixCache(256, host_pages=64)
+    engine = radixkv.Engine(model, model.make_kv_cache(cache))
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(cache, engine=engine))
+    text = generate_latest(registry).decode()
+    exported = set()
+    for family in text_string_to_metric_families(text):
+        exported.add(family.name)
+        exported.update(s.name for s in family.samples)
+    assert ours <= exported, sorted(ours - exported)
+    # The two counters a ported hit-rate panel divides are the token counters.
+    assert (
+        "radixkv_prefix_cache_hits_total" in ours and "radixkv_prefix_cache_queries_total" in ours
+    )

@@ -155,3 +155,62 @@ def test_cli_replays_the_shipped_trace(tmp_path, capsys):
     assert "lpm" in out and "unbounded-cache bound" in out
     png = tmp_path / "replay_hit_rate.png"
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def shared_prefix_trace(n: int = 12) -> list[TraceRequest]:
+    """Requests sharing a 300-token prefix, so that every policy hits and lpm ties dfs-weight."""
+    return [
+        TraceRequest(0.01 * i, np.concatenate([np.arange(300), np.full(40, 1000 + i)]), 4)
+        for i in range(n)
+    ]
+
+
+def test_replay_tables_give_every_column_a_unit():
+    from radixkv.apps.replay import replay_replicas
+    from radixkv.apps.replay_cmd import format_host_table, format_router_table, format_table
+
+    reqs = shared_prefix_trace()
+    cfg = ReplayConfig(num_pages=64, host_pages=32)
+    one = replay(reqs, cfg)
+    routed = replay_replicas(reqs, cfg, 2, "prefix")
+    # (table, its units under the names, left to right; the label columns have none)
+    cases = [
+        (format_table([one], 0.5), ["%", "%", "tokens", "pages", "s", "s", "s", "s", "requests"]),
+        (
+            format_router_table([routed], 0.5),
+            ["%", "%", "tokens", "pages", "s", "s", "ratio", "requests"],
+        ),
+        (format_host_table([one], ["lpm"]), ["%", "%", "%", "pages", "pages", "pages", "s"]),
+    ]
+    for table, units in cases:
+        names, unit_line, rule = table.splitlines()[:3]
+        assert unit_line.split() == units, table
+        assert set(rule) == {"-"} and len(rule) == len(names)
+
+
+def test_replay_chart_keeps_equal_curves_visible(tmp_path, monkeypatch):
+    """lpm and dfs-weight often replay alike: the later curve is drawn dashed and narrower
+    above the earlier one (both stay visible), and the legend says it equals it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from radixkv.apps.replay_cmd import draw_chart
+
+    reqs = shared_prefix_trace()
+    results = [replay(reqs, ReplayConfig(num_pages=64, policy=p)) for p in ("lpm", "dfs-weight")]
+    assert results[0].hit_curve == results[1].hit_curve and results[0].hit_rate > 0
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    path = draw_chart(results, infinite_bound(reqs, 16), tmp_path / "chart.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    (ax,) = figures[0].axes
+    lpm, dfs = (line for line in ax.get_lines() if not line.get_label().startswith("unbounded"))
+    assert dfs.get_zorder() > lpm.get_zorder()
+    assert dfs.get_linewidth() < lpm.get_linewidth() and dfs.get_linestyle() != lpm.get_linestyle()
+    assert lpm.get_label().startswith("lpm: ") and dfs.get_label().endswith("(= lpm)")

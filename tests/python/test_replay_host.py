@@ -189,7 +189,7 @@ def host_rows(out: str) -> dict[str, list[str]]:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("host tier  "))
     rows = {}
-    for line in lines[start + 2 :]:
+    for line in lines[start + 3 :]:  # past the names, the units and the rule
         if line.startswith("hit rate = "):
             break
         rows[line.split()[0]] = line.split()

@@ -243,8 +243,9 @@ def test_cli_prints_one_row_per_router(tenant_trace, tmp_path):
 def test_cli_one_replica_keeps_the_policy_table(tenant_trace):
     proc = run_cli(str(tenant_trace), "--num-pages", str(4 * POOL), "--no-chart")
     assert proc.returncode == 0, proc.stderr
-    heads = [line.split()[0] for line in proc.stdout.splitlines()[1:6]]
-    assert heads[0] == "policy" and heads[2:5] == ["fcfs", "lpm", "dfs-weight"]
+    heads = [line.split()[0] for line in proc.stdout.splitlines()[1:7]]
+    assert heads[0] == "policy" and heads[1] == "%"  # the names, then their units
+    assert heads[3:6] == ["fcfs", "lpm", "dfs-weight"]
     assert "router" not in proc.stdout and "replicas" not in proc.stdout
 
 

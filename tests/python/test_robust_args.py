@@ -227,7 +227,7 @@ def test_block_hashes_refuses_a_seed_for_blake3():
         ({"bind": "no"}, r"bind must be a bool or None, got 'no'"),
         ({"replay_endpoint": 5558}, r"replay_endpoint must be a ZeroMQ address.*got 5558"),
         # The seed of vLLM's sha256_cbor chains; radixkv's blake3 keys take none.
-        ({"hash_seed": "42"}, r"hash_seed='42' has no effect with block_hash='radixkv'"),
+        ({"hash_seed": "42"}, r"hash_seed='42' has no effect with block_hash='blake3'"),
     ],
 )
 def test_publisher_checks_batch_fields(kwargs, match):

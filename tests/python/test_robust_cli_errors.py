@@ -239,3 +239,99 @@ def test_metrics_port_user_errors(trace):
         "replay", str(trace), "--no-chart", "--metrics-port", "0", without="prometheus_client"
     )
     assert_user_error(proc, "--metrics-port", "needs prometheus_client", "radixkv[metrics]")
+
+
+# ---- what every subcommand shares -------------------------------------------------------------
+
+
+def one_error_line(capsys) -> str:
+    """The one line an in-process ``cli.main`` printed on stderr (nothing on stdout)."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("radixkv: error: "), captured.err
+    assert captured.out == "", captured.out  # nothing ran before the error
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (
+            ["doctor", "a", "b"],
+            "error: doctor: unrecognized arguments: b (see radixkv doctor --help)",
+        ),
+        (
+            ["demo", "--bogus"],
+            "error: demo: unrecognized arguments: --bogus (see radixkv demo --help)",
+        ),
+        (
+            ["replay", "t.jsonl", "--page-size", "0"],
+            "error: replay: argument --page-size: must be an int >= 1, got 0 "
+            "(see radixkv replay --help)",
+        ),
+        (["bogus"], "error: argument COMMAND: invalid choice: 'bogus'"),
+    ],
+    ids=["extra-argument", "unknown-option", "bad-value", "unknown-command"],
+)
+def test_argparse_errors_name_the_subcommand_once_and_its_own_help(capsys, argv, want):
+    assert cli.main(argv) == 2
+    line = one_error_line(capsys)
+    assert want in line and line.count("radixkv:") == 1, line
+    if argv[0] == "bogus":
+        assert line.endswith("(see radixkv --help)")
+
+
+def test_unknown_choices_are_listed_as_words(trace, capsys):
+    assert cli.main(["replay", str(trace), "--policy", "xyz", "--no-chart"]) == 2
+    line = one_error_line(capsys)
+    assert "unknown policy 'xyz' (choose from fcfs, lpm, dfs-weight" in line and "('" not in line
+    assert cli.main(["replay", str(trace), "--replicas", "2", "--router", "zz", "--no-chart"]) == 2
+    line = one_error_line(capsys)
+    assert "choose from round-robin, prefix, least-loaded" in line and "('" not in line
+
+
+@pytest.mark.parametrize("command", ["replay", "demo"])
+def test_a_bad_out_is_refused_before_the_work_starts(tmp_path, trace, capsys, command):
+    """An --out that is a file, under a file, or where nothing can be created: one line and
+    exit status 2 before anything is replayed or any model is loaded (stdout stays empty)."""
+    pytest.importorskip("matplotlib")  # without it no chart is written, and --out is not used
+    if command == "demo":
+        pytest.importorskip("torch")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    bad = {str(a_file): "is not a directory", str(a_file / "sub"): "cannot be created"}
+    if os.path.isdir("/proc"):
+        bad["/proc/radixkv-out"] = "cannot be created"
+    argv = [str(trace), "--policy", "lpm"] if command == "replay" else ["--quick", "--random"]
+    for out, why in bad.items():
+        assert cli.main([command, *argv, "--out", out]) == 2, out
+        line = one_error_line(capsys)
+        assert line.startswith(f"radixkv: error: {command}: --out {out!r}") and why in line, line
+
+
+def test_keep_serving_needs_a_metrics_port(trace, capsys):
+    assert cli.main(["replay", str(trace), "--no-chart", "--keep-serving"]) == 2
+    assert "replay: --keep-serving needs --metrics-port" in one_error_line(capsys)
+
+
+def test_progress_bars_only_on_a_terminal(trace):
+    """A log or a pipe gets no tqdm frames; a terminal gets its bar."""
+    pytest.importorskip("tqdm")
+    import contextlib
+    import io
+
+    from radixkv.apps.args import progress_bar
+
+    proc = radixkv("replay", str(trace), "--no-chart")  # stderr is a pipe
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "hit rate" in proc.stdout
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        with contextlib.redirect_stderr(stream):
+            with progress_bar(total=3, desc="bar") as bar:
+                bar.update(3)
+        assert ("3/3" in stream.getvalue()) == shown, stream.getvalue()

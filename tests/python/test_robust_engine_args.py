@@ -5,6 +5,7 @@ page comes back, and no later ``run()`` hangs."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -336,6 +337,31 @@ def test_engine_constructor_checks_its_arguments():
         radixkv.Engine(torch.nn.Identity(), kv)
     with pytest.raises(ValueError, match="max_batch must be a positive int, got True"):
         radixkv.Engine(MODEL, kv, max_batch=True)
+
+
+def test_engine_refuses_a_kv_cache_shaped_for_another_model():
+    """Layers, KV heads and head dim of the KVCache must be the model's: refused when the
+    engine is built, not found later as every request failing with the error in its result."""
+    cache = radixkv.RadixCache(64)
+    layers, heads, dim = MODEL.kv_shape
+    assert MODEL.kv_shape == (
+        MODEL.config.num_layers,
+        MODEL.config.num_kv_heads,
+        MODEL.config.head_dim,
+    )
+    for shape in ((layers + 1, heads, dim), (layers, heads * 2, dim), (layers, heads, dim // 2)):
+        kv = radixkv.KVCache(cache, num_layers=shape[0], num_kv_heads=shape[1], head_dim=shape[2])
+        want = (
+            f"kv is shaped (layers, KV heads, head dim) = {shape}, the model needs {MODEL.kv_shape}"
+        )
+        with pytest.raises(ValueError, match=re.escape(want)):
+            radixkv.Engine(MODEL, kv)
+    eng = radixkv.Engine(MODEL, MODEL.make_kv_cache(cache))  # the model's own shape
+    assert eng.generate([prompt(3)], max_new_tokens=2)[0].finish_reason == "length"
+    # A tensor-parallel shard states its slice of the KV heads, and its pool has that shape.
+    shard = MODEL.shard(0, 2)
+    assert shard.kv_shape == (layers, heads // 2, dim)
+    assert shard.make_kv_cache(radixkv.RadixCache(8)).num_kv_heads == heads // 2
 
 
 def test_a_session_turn_that_fails_raises_and_keeps_the_history():

@@ -9,6 +9,7 @@ cache directly. Outputs are short: the model decodes about 10 tokens/s on two CP
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -54,8 +55,10 @@ def free_port() -> int:
 class Server:
     """A radixkv server in a thread, on a free port."""
 
-    def __init__(self, model, tokenizer, prefix_caching=True, max_waiting=64, wrap=None):
-        cache = radixkv.RadixCache(8192, page_size=1)
+    def __init__(
+        self, model, tokenizer, prefix_caching=True, max_waiting=64, wrap=None, num_pages=8192
+    ):
+        cache = radixkv.RadixCache(num_pages, page_size=1)
         self.engine = radixkv.hf.engine(
             model, cache, token_budget=1024, prefix_caching=prefix_caching, tokenizer=tokenizer
         )
@@ -240,6 +243,36 @@ BAD = [
     ({"model": "smollm2"}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, None),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+        "response_format",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "foo"}},
+            },
+        },
+        "response_format",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            "tools": [{"type": "function", "function": {"name": "yes"}}],
+        },
+        "tool_choice",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tool_choice": "required",
+            "tools": [{"type": "web"}],
+        },
+        "tools.0",
+    ),
 ]
 
 
@@ -283,3 +316,122 @@ def test_completions_models_health_and_metrics(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     metrics = httpx.get(server.url + "/metrics").text
     assert "radixkv_prefix_cache" in metrics
+
+
+# ---- structured output ------------------------------------------------------------------------
+
+
+def obj(props: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props),
+        "additionalProperties": False,
+    }
+
+
+WEATHER = obj(
+    {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}}
+)
+SEARCH = obj(
+    {
+        "query": {"type": "string", "maxLength": 16},
+        "limit": {"type": "integer", "minimum": 1, "maximum": 20},
+    }
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "A city's weather.",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_docs",
+            "description": "Searches the docs.",
+            "parameters": SEARCH,
+        },
+    },
+]
+PARAMETERS = {"get_weather": WEATHER, "search_docs": SEARCH}
+
+
+def test_response_format_json_schema_and_json_object_parse(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    person = obj(
+        {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        }
+    )
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+    r = chat(server, ask, max_tokens=40, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), person)
+    r = server.client.completions.create(
+        model="smollm2",
+        prompt="A person as JSON:",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"response_format": fmt},
+    )
+    jsonschema.validate(json.loads(r.choices[0].text), person)
+    # Any object: the model could write one for ever; a few short ones before make it brief.
+    few = 'Short JSON objects, one a line:\n{"a": 1}\n{"b": [2, 3]}\n{"c": "d"}\n'
+    r = server.client.completions.create(
+        model="smollm2",
+        prompt=few,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].text), dict)
+
+
+def test_tool_calls_parse_against_their_schemas_streaming_too_and_the_next_turn_is_cached(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    ask = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    calls = {}
+    for choice in ("required", named):
+        r = chat(server, ask, tools=TOOLS, tool_choice=choice, max_tokens=48)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+        calls[str(choice)] = call
+    call = calls[str(named)]
+    assert call.function.name == "get_weather"
+    stream = chat(server, ask, tools=TOOLS, tool_choice=named, max_tokens=48, stream=True)
+    deltas, reasons = [], []
+    for ch in stream:
+        for c in ch.choices:
+            deltas += c.delta.tool_calls or []
+            reasons.append(c.finish_reason)
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (call.function.name, call.function.arguments)
+    ]
+    assert reasons[-1] == "tool_calls"
+    # The agent sends the call and its result back: the call is found in the cache.
+    follow = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."},
+    ]
+    first = chat(server, ask, max_tokens=1)
+    r = chat(server, follow, max_tokens=1)
+    assert r.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens + 10
+    server.idle()
+    server.cache.check()

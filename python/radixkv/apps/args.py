@@ -9,8 +9,10 @@ status 2, like argparse's own errors; anything else is a bug and keeps its trace
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -94,13 +96,59 @@ class _NoBar:
 
 
 def progress_bar(**kwargs: Any) -> Any:
-    """A ``tqdm`` bar on stderr with ``kwargs``, or one that shows nothing when tqdm (an
-    optional dependency) is not installed."""
+    """A ``tqdm`` bar on stderr with ``kwargs``, or one that shows nothing when stderr is not a
+    terminal (a log file, a pipe, CI: a bar there is hundreds of ``\\r`` frames) or when tqdm
+    (an optional dependency) is not installed."""
+    if not _is_terminal(sys.stderr):
+        return _NoBar()
     try:
         from tqdm import tqdm
     except ImportError:
         return _NoBar()
     return tqdm(file=sys.stderr, **kwargs)
+
+
+def _is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (False for anything without ``isatty``)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def output_dir(path: str, command: str, option: str = "--out") -> Path:
+    """The folder ``path`` for what ``command`` writes (``option`` names it), made now if it is
+    missing, so that a folder that cannot be written is a :class:`UsageError` before the work
+    starts rather than a traceback after it."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{command}: {option} {path!r} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise UsageError(f"{command}: {option} {path!r} cannot be created: {why}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"{command}: {option} {path!r} is not writable")
+    return out
+
+
+#: One column of a printed table: (name, unit, width); a negative width aligns it left.
+Column = tuple[str, str, int]
+
+
+def table_header(columns: list[Column]) -> list[str]:
+    """The three header lines of a table: the column names, each column's unit under its name
+    (``tokens``, ``pages``, ``s``, ...; empty for a label column), and a rule."""
+
+    def line(cells: list[str]) -> str:
+        return " ".join(
+            f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, (_, _, w) in zip(cells, columns)
+        ).rstrip()
+
+    names = line([name for name, _, _ in columns])
+    units = line([unit for _, unit, _ in columns])
+    return [names, units, "-" * len(names)]
 
 
 def have_matplotlib() -> bool:

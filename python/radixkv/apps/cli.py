@@ -13,7 +13,11 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+import radixkv
 from radixkv.apps.args import UsageError
+
+#: The program name in usage lines and errors.
+PROG = "radixkv"
 
 #: Subcommand name -> (module defining ``add_arguments`` and ``run``, help line).
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,30 +29,42 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """Reports a bad command line as a :class:`UsageError` (one line, exit status 2)."""
+    """Reports a bad command line as a :class:`UsageError` (one line, exit status 2) that names
+    the subcommand and points to its own ``--help``."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        command = self.prog.removeprefix(PROG).strip()  # "" for the top-level parser
+        where = f"{command}: " if command else ""
+        raise UsageError(f"{where}{message} (see {self.prog} --help)")
 
 
 def build_parser(commands: dict[str, tuple[str, str]] = COMMANDS) -> argparse.ArgumentParser:
-    """The argument parser with one subparser per registered subcommand."""
-    parser = _Parser(prog="radixkv", description="A prefix cache for LLM key/value tensors.")
+    """The argument parser with one subparser per registered subcommand, and ``--version``."""
+    parser = _Parser(prog=PROG, description="A prefix cache for LLM key/value tensors.")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{PROG} {radixkv.__version__}",
+        help="print the version and exit",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_line) in commands.items():
         p = sub.add_parser(name, help=help_line, description=help_line)
         mod = importlib.import_module(module)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _parser=p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses ``argv`` (default: ``sys.argv[1:]``) and runs the chosen subcommand; returns
     its exit status. A user error (a bad option, a missing or unusable input file) prints one
-    line, ``radixkv: error: ...``, on stderr and returns 2."""
+    line, ``radixkv: error: COMMAND: ...``, on stderr and returns 2. ``--version`` and
+    ``--help`` print and raise ``SystemExit(0)``, as argparse does."""
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # said by the subcommand's parser, which knows its options and its --help
+            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args._run(args) or 0)
     except UsageError as e:
         print(f"radixkv: error: {e}", file=sys.stderr)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import radixkv
+from radixkv.apps.args import table_header
 from radixkv.engine.engine import Engine
 from radixkv.engine.sequence import Result
 from radixkv.engine.session import Session
@@ -98,15 +99,54 @@ class Script:
         )
 
 
+#: Namespace of the warm-up request (:func:`warm_up`), which no request of a session shares.
+WARMUP_NAMESPACE = "radixkv.demo.warmup"
+
+
 @dataclass
 class Run:
-    """What one pass over the script reported, per request in script order."""
+    """What one pass over the script reported, per request in script order. ``evicted``: pages
+    evicted so far after each request; ``hit_rate`` and ``evicted_pages``: the cache's token hit
+    rate and evictions over the pass (what came before it, a warm-up, left out); ``stats``: the
+    cache's counters at its end, since the cache was made."""
 
     labels: list[str] = field(default_factory=list)
     results: list[Result] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     seconds: float = 0.0
     stats: radixkv.CacheStats | None = None
+    hit_rate: float = 0.0
+    evicted_pages: int = 0
+
+
+class Counters:
+    """The cache's counters from now on: a snapshot taken when made, subtracted later."""
+
+    def __init__(self, cache: radixkv.Cache) -> None:
+        self.cache, self.base = cache, cache.stats
+
+    def evicted(self) -> int:
+        """Pages evicted since the snapshot."""
+        return self.cache.stats.evicted_pages - self.base.evicted_pages
+
+    def close(self, run: Run) -> None:
+        """Fills ``run``'s ``stats``, ``hit_rate`` and ``evicted_pages`` (since the snapshot)."""
+        s, b = self.cache.stats, self.base
+        queried = s.query_tokens - b.query_tokens
+        run.stats = s
+        run.hit_rate = (s.hit_tokens - b.hit_tokens) / queried if queried else 0.0
+        run.evicted_pages = s.evicted_pages - b.evicted_pages
+
+
+def warm_up(engine: Engine, prompt: np.ndarray) -> None:
+    """One throwaway request of ``prompt`` (the size of the session's first prefill) in a
+    namespace of its own, so that one-time costs (the allocator, kernels for that shape, thread
+    pools) are paid before anything is timed; then its pages are dropped (``cache.reset()``), so
+    the timed session starts on an empty pool. The demo warms both engines, cache on and off,
+    before it times either."""
+    seq = engine.submit(prompt, max_new_tokens=2, namespace=WARMUP_NAMESPACE)
+    engine.run([seq], release=True)
+    engine.cache.reset()
 
 
 def build_model(checkpoint: str | None, device: str, quick: bool) -> CausalLM:
@@ -154,19 +194,16 @@ def describe_model(model: torch.nn.Module) -> str:
 
 
 def run_script(engine: Engine, script: Script, sc: Scenario, progress=None) -> Run:
-    """Plays the agent session on ``engine``; one progress tick per request."""
+    """Plays the agent session on ``engine`` (warmed up first: :func:`warm_up`); one progress
+    tick per request."""
     run = Run()
-    cache = engine.cache
-    # One throwaway request first, so that one-time costs (allocator, kernels) are not timed.
-    engine.run(
-        [engine.submit(script.system[:64], max_new_tokens=2, namespace="radixkv.demo.warmup")]
-    )
+    counters = Counters(engine.cache)
     start = time.perf_counter()
 
     def record(label: str, result: Result) -> None:
         run.labels.append(label)
         run.results.append(result)
-        run.evicted.append(cache.stats.evicted_pages)
+        run.evicted.append(counters.evicted())
         if progress is not None:
             progress.update(1)
 
@@ -180,17 +217,25 @@ def run_script(engine: Engine, script: Script, sc: Scenario, progress=None) -> R
         record(f"turn {turn + 1}", session.send(script.messages[turn], max_new_tokens=sc.reply))
         session.append(script.tool_outputs[turn])
     run.seconds = time.perf_counter() - start
-    run.stats = cache.stats
+    counters.close(run)
     return run
 
 
 def format_table(on: Run, off: Run) -> str:
-    """One line per request: tokens, and TTFT with the cache and without."""
-    head = (
-        f"{'request':<8} {'prompt':>7} {'cached':>7} {'computed':>8} "
-        f"{'TTFT on':>9} {'TTFT off':>9} {'speedup':>7} {'evicted':>7}"
+    """One line per request: tokens, and TTFT with the cache and without; each column's unit
+    under its name (evicted: pages evicted so far in the run)."""
+    lines = table_header(
+        [
+            ("request", "", -8),
+            ("prompt", "tokens", 7),
+            ("cached", "tokens", 7),
+            ("computed", "tokens", 8),
+            ("TTFT on", "ms", 9),
+            ("TTFT off", "ms", 9),
+            ("speedup", "x", 7),
+            ("evicted", "pages", 7),
+        ]
     )
-    lines = [head, "-" * len(head)]
     for label, a, b, ev in zip(on.labels, on.results, off.results, on.evicted):
         if a.ttft_s is None or b.ttft_s is None:
             lines.append(

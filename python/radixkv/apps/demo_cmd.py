@@ -7,6 +7,9 @@ import argparse
 import math
 from pathlib import Path
 
+import numpy as np
+
+from radixkv._extras import TORCH_EXTRA, install_line, require_torch
 from radixkv.apps import metrics_server
 from radixkv.apps.args import (
     NO_CHART,
@@ -14,6 +17,7 @@ from radixkv.apps.args import (
     add_cache_options,
     have_matplotlib,
     nonnegative_int,
+    output_dir,
     page_size_of,
     positive_int,
     progress_bar,
@@ -82,9 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         choices=("fcfs", "lpm", "dfs-weight"),
-        default="fcfs",
-        help="admission order of the engine's scheduler: first come first served (default), "
-        "longest cached prefix first, or shared prefixes back to back",
+        default="lpm",
+        help="admission order of the engine's scheduler: longest cached prefix first (default, "
+        "the engine's), first come first served, or shared prefixes back to back",
     )
     p.add_argument("--out", default="out", help="folder for the PNG chart (default: ./out)")
     metrics_server.add_arguments(p)
@@ -118,7 +122,9 @@ def _final_context(script, sc) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the demo with parsed ``args``; prints a table and writes ``demo_ttft.png``."""
+    """Runs the demo with parsed ``args``; prints a table and writes ``demo_ttft.png``. Every
+    user error (options, a missing torch, the chart folder) is found before the model loads."""
+    metrics_server.check("demo", args)
     if args.checkpoint is not None and args.model is not None:
         raise UsageError(
             "demo: give --checkpoint (built-in model) or --model (transformers), not both"
@@ -132,6 +138,14 @@ def run(args: argparse.Namespace) -> int:
             what = "is not a directory" if Path(path).exists() else "does not exist"
             raise UsageError(f"demo: {flag} {path!r} {what}")
 
+    try:
+        require_torch("demo")
+    except ModuleNotFoundError:
+        raise UsageError(
+            f"demo needs torch, which is not installed: {install_line(TORCH_EXTRA)}"
+        ) from None
+    if have_matplotlib():  # the chart is written there at the end
+        output_dir(args.out, "demo")
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -148,8 +162,11 @@ def run(args: argparse.Namespace) -> int:
     if threads:
         torch.set_num_threads(threads)
     if real is not None:
-        return _run_real(args, page_size, *real)
-    return _run_synthetic(args, page_size)
+        code = _run_real(args, page_size, *real)
+    else:
+        code = _run_synthetic(args, page_size)
+    metrics_server.keep_serving(args)
+    return code
 
 
 def _pool(args: argparse.Namespace, need: int, page_size: int) -> int:
@@ -164,14 +181,18 @@ def _pool(args: argparse.Namespace, need: int, page_size: int) -> int:
     return num_pages
 
 
-def _both_runs(args, n_requests: int, make_engine, play) -> tuple:
-    """``play(engine, bar)`` on an engine with the prefix cache, then on one without."""
+def _both_runs(args, n_requests: int, make_engine, play, warm) -> tuple:
+    """``play(engine, bar)`` on an engine with the prefix cache, then on one without. Both
+    engines are made and warmed up (``warm(engine)``: :func:`radixkv.apps.demo.warm_up`) before
+    either is timed, so the first timed run pays no cold start that the second does not."""
     endpoint = metrics_server.start("demo", args)
+    engines = {caching: make_engine(caching) for caching in (True, False)}
+    for engine in engines.values():
+        warm(engine)
     runs = {}
     with progress_bar(total=2 * n_requests, desc="demo", unit="req") as bar:
-        for caching in (True, False):
+        for caching, engine in engines.items():
             bar.set_postfix_str("cache on" if caching else "cache off")
-            engine = make_engine(caching)
             if endpoint is not None:
                 endpoint.follow(engine.cache, engine=engine, run="cache" if caching else "no-cache")
             runs[caching] = play(engine, bar)
@@ -189,8 +210,8 @@ def _report(args, on, off, page_size: int) -> int:
     ttft_off = sum(r.ttft_s or 0.0 for r in off.results)
     print(
         f"prompt tokens {prompt}, computed with the cache {computed} "
-        f"({computed / prompt:.1%}); hit rate {on.stats.hit_rate:.1%}, "
-        f"evicted pages {on.stats.evicted_pages}"
+        f"({computed / prompt:.1%}); hit rate {on.hit_rate:.1%}, "
+        f"evicted pages {on.evicted_pages}"
     )
     print(
         f"TTFT summed over requests: {ttft_on * 1e3:.0f} ms with the cache, "
@@ -216,7 +237,7 @@ def _run_synthetic(args: argparse.Namespace, page_size: int) -> int:
     import dataclasses
 
     from radixkv.apps.caches import make_cache
-    from radixkv.apps.demo import Scenario, Script, describe_model, run_script
+    from radixkv.apps.demo import Scenario, Script, describe_model, run_script, warm_up
     from radixkv.engine.engine import Engine
 
     sc = Scenario.quick() if args.quick else Scenario()
@@ -249,6 +270,7 @@ def _run_synthetic(args: argparse.Namespace, page_size: int) -> int:
         sc.turns + sc.branches,
         make_engine,
         lambda engine, bar: run_script(engine, script, sc, progress=bar),
+        lambda engine: warm_up(engine, np.concatenate([script.system, script.messages[0]])),
     )
     return _report(args, on, off, page_size)
 
@@ -294,12 +316,13 @@ def _run_real(args: argparse.Namespace, page_size: int, model, tokenizer) -> int
     """The agent session in real text on the real model (see :mod:`radixkv.apps.demo_real`)."""
     import radixkv.hf
     from radixkv.apps.caches import make_cache
-    from radixkv.apps.demo import describe_model
+    from radixkv.apps.demo import describe_model, warm_up
     from radixkv.apps.demo_real import (
         RealScenario,
         estimate_tokens,
         format_transcript,
         run_real,
+        system_ids,
         system_tokens,
     )
 
@@ -331,7 +354,10 @@ def _run_real(args: argparse.Namespace, page_size: int, model, tokenizer) -> int
     def play(engine, bar):
         return run_real(engine, tokenizer, sc, stop, progress=bar)
 
-    on, off = _both_runs(args, sc.turns + sc.branches, make_engine, play)
+    warm_ids = system_ids(tokenizer, sc)
+    on, off = _both_runs(
+        args, sc.turns + sc.branches, make_engine, play, lambda e: warm_up(e, warm_ids)
+    )
     print(format_transcript(on, sc))
     same_text = on.replies == off.replies
     print(f"replies identical with and without caching (text): {'yes' if same_text else 'NO'}")

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.apps.demo import Run
+from radixkv.apps.demo import Counters, Run
 from radixkv.engine.engine import Engine
 from radixkv.engine.sequence import Result
 from radixkv.engine.session import Session
@@ -558,11 +558,17 @@ class RealRun(Run):
     system_tokens: int = 0
 
 
-def system_tokens(tokenizer: Any, sc: RealScenario) -> int:
-    """Tokens of the rendered system message (instructions and tool schemas)."""
+def system_ids(tokenizer: Any, sc: RealScenario) -> np.ndarray:
+    """The token ids of the rendered system message (instructions and tool schemas): the
+    session's first prefill, and the size of its warm-up (:func:`radixkv.apps.demo.warm_up`)."""
     messages = [{"role": "system", "content": system_prompt(tool_schemas(sc.tools))}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    return len(tokenizer.encode(text, add_special_tokens=False))
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.uint32)
+
+
+def system_tokens(tokenizer: Any, sc: RealScenario) -> int:
+    """Tokens of the rendered system message (instructions and tool schemas)."""
+    return len(system_ids(tokenizer, sc))
 
 
 def estimate_tokens(tokenizer: Any, sc: RealScenario) -> int:
@@ -591,23 +597,15 @@ def run_real(
 ) -> RealRun:
     """Plays the agent session on ``engine``; one progress tick per request."""
     run = RealRun()
-    cache = engine.cache
+    counters = Counters(engine.cache)
     client = ChatClient(engine, tokenizer, system_prompt(tool_schemas(sc.tools)), stop)
     run.system_tokens = len(client.session.history)
-    # One throwaway request first, so that one-time costs (allocator, kernels) are not timed.
-    engine.run(
-        [
-            engine.submit(
-                client.session.history[:64], max_new_tokens=2, namespace="radixkv.demo.warmup"
-            )
-        ]
-    )
     start = time.perf_counter()
 
     def record(label: str, result: Result, prompt: np.ndarray, text: str) -> str:
         run.labels.append(label)
         run.results.append(result)
-        run.evicted.append(cache.stats.evicted_pages)
+        run.evicted.append(counters.evicted())
         run.prompts.append(prompt)
         run.prompt_texts.append(text)
         run.replies.append(client.display(result))
@@ -635,7 +633,7 @@ def run_real(
         ]
         client.tool(turn.tool_message(sc.tool_lines))
     run.seconds = time.perf_counter() - start
-    run.stats = cache.stats
+    counters.close(run)
     return run
 
 

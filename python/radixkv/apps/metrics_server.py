@@ -1,4 +1,6 @@
-"""``--metrics-port``: the Prometheus endpoint of ``radixkv demo`` and ``radixkv replay``.
+"""``--metrics-port``: the Prometheus endpoint of ``radixkv demo`` and ``radixkv replay``, and
+``--keep-serving``, which keeps it up after the run (until interrupted) for a scraper or a
+dashboard to read the final figures.
 
 Every user error (a port out of range or in use, an address that does not resolve or is not
 this machine's, prometheus_client not installed) is a :class:`~radixkv.apps.args.UsageError`:
@@ -8,6 +10,8 @@ one line, exit status 2.
 from __future__ import annotations
 
 import argparse
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from radixkv.apps.args import UsageError
@@ -42,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for all)",
     )
+    p.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="with --metrics-port: after the run, keep serving its final metrics until "
+        "interrupted (Ctrl-C, SIGINT) instead of exiting (default: stop with the run)",
+    )
 
 
 #: Endpoints started and not closed (they live as long as the process unless closed).
@@ -72,8 +82,10 @@ class MetricsServer:
         except ValueError as e:
             raise UsageError(f"{command}: --metrics-port {port}: {e}") from None
         self._registry = self.server.registry
+        #: Where it serves: ``http://ADDR:PORT/metrics``.
+        self.url = f"http://{addr}:{self.server.server_port}/metrics"
         RUNNING.append(self)
-        print(f"metrics: http://{addr}:{self.server.server_port}/metrics", flush=True)
+        print(f"metrics: {self.url}", flush=True)
 
     def close(self) -> None:
         """Stops the endpoint."""
@@ -94,7 +106,31 @@ class MetricsServer:
 
 
 def start(command: str, args: argparse.Namespace) -> MetricsServer | None:
-    """The endpoint if ``--metrics-port`` was given."""
+    """The endpoint if ``--metrics-port`` was given; a :class:`UsageError` for
+    ``--keep-serving`` without it."""
+    check(command, args)
     if args.metrics_port is None:
         return None
     return MetricsServer(command, args.metrics_port, args.metrics_addr)
+
+
+def check(command: str, args: argparse.Namespace) -> None:
+    """The checks of :func:`start` without starting anything (before the work starts)."""
+    if args.metrics_port is None and args.keep_serving:
+        raise UsageError(f"{command}: --keep-serving needs --metrics-port")
+
+
+def keep_serving(args: argparse.Namespace, wait: Callable[[], object] | None = None) -> None:
+    """With ``--keep-serving``: serves the running endpoints until interrupted (``wait``: what
+    blocks, by default forever; a KeyboardInterrupt ends it), then closes them."""
+    if not args.keep_serving or not RUNNING:
+        return
+    urls = ", ".join(ep.url for ep in RUNNING)
+    print(f"metrics: still serving {urls} until interrupted (Ctrl-C)", flush=True)
+    try:
+        (wait or threading.Event().wait)()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for ep in list(RUNNING):
+            ep.close()

@@ -1,4 +1,6 @@
 """``radixkv replay TRACE``: a trace through a cache, once per policy: a table and a chart.
+Without TRACE it replays the sample shipped in the package
+(:data:`radixkv.apps.trace.SAMPLE_TRACE`).
 
 With ``--replicas K`` (K > 1) the trace goes through K simulated servers, each with its own cache
 of ``--num-pages`` pages, behind a router (``--router``: round-robin, prefix, least-loaded, a
@@ -27,8 +29,10 @@ from radixkv.apps.args import (
     UsageError,
     have_matplotlib,
     nonnegative_int,
+    output_dir,
     positive_float,
     positive_int,
+    table_header,
 )
 from radixkv.apps.replay import (
     DEFAULT_BALANCE_THRESHOLD,
@@ -42,7 +46,14 @@ from radixkv.apps.replay import (
     replay,
     replay_replicas,
 )
-from radixkv.apps.trace import TraceRequest, emptiness, input_problem, read_trace
+from radixkv.apps.trace import (
+    MOONCAKE_TRACE_URL,
+    SAMPLE_TRACE,
+    TraceRequest,
+    emptiness,
+    input_problem,
+    read_trace,
+)
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")
 #: The admission policy replayed with ``--replicas`` > 1 when ``--policy`` is not given.
@@ -63,7 +74,12 @@ def nonnegative_float(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``radixkv replay``: each one's help says its default."""
     p.add_argument(
-        "trace", help="JSONL trace, plain or gzipped: Mooncake (hash_ids) or radixkv (tokens/text)"
+        "trace",
+        nargs="?",
+        default=None,
+        help="JSONL trace, plain or gzipped: Mooncake (hash_ids) or radixkv (tokens/text) "
+        "(default: the sample shipped with radixkv, the first 1,000 requests of Mooncake's "
+        "conversation trace)",
     )
     p.add_argument(
         "--cache",
@@ -184,7 +200,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``radixkv replay`` with parsed ``args``."""
+    """Runs ``radixkv replay`` with parsed ``args``; every user error (options, the trace, the
+    chart folder, the metrics endpoint) is found before the replay starts."""
     routed = args.replicas > 1 or args.router is not None
     policy = args.policy or (REPLICAS_POLICY if routed else "all")
     policies = _choices(policy, POLICIES, "policy")
@@ -193,6 +210,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"replay: --num-pages {args.num_pages} plus --host-pages {args.host_pages} must "
             f"stay below 2**31 pages, got {args.num_pages + args.host_pages}"
+        )
+    metrics_server.check("replay", args)
+    chart = not args.no_chart and have_matplotlib()
+    if chart:
+        output_dir(args.out, "replay")
+    if args.trace is None:
+        args.trace = str(SAMPLE_TRACE)
+        print(
+            f"trace: the sample shipped with radixkv ({SAMPLE_TRACE.name}; another: radixkv "
+            "replay TRACE)"
         )
     requests = _read(args.trace, args.limit)
     pool = args.num_pages * args.page_size
@@ -230,12 +257,12 @@ def run(args: argparse.Namespace) -> int:
     if args.host_pages:
         print(format_host_table(results, [r.config.policy for r in results]))
     _note_dropped(results, len(requests), pool)
-    if not args.no_chart:
-        if have_matplotlib():
-            path = draw_chart(results, bound, Path(args.out) / "replay_hit_rate.png")
-            print(f"chart: {path}")
-        else:
-            print(NO_CHART)
+    if chart:
+        path = draw_chart(results, bound, Path(args.out) / "replay_hit_rate.png")
+        print(f"chart: {path}")
+    elif not args.no_chart:
+        print(NO_CHART)
+    metrics_server.keep_serving(args)
     return 0
 
 
@@ -272,21 +299,21 @@ def _run_routed(
     if args.host_pages:
         print(format_host_table(results, [f"{r.router}/{r.config.policy}" for r in results]))
     _note_dropped(results, len(requests), args.num_pages * args.page_size)
-    if not args.no_chart:
-        if have_matplotlib():
-            labels = [
-                r.router if len(policies) == 1 else f"{r.router}/{r.config.policy}" for r in results
-            ]
-            path = draw_chart(
-                results,
-                bound,
-                Path(args.out) / "replay_hit_rate.png",
-                labels=labels,
-                title=f"{args.replicas} replicas, {_pool_title(results[0].config)} each",
-            )
-            print(f"chart: {path}")
-        else:
-            print(NO_CHART)
+    if not args.no_chart and have_matplotlib():
+        labels = [
+            r.router if len(policies) == 1 else f"{r.router}/{r.config.policy}" for r in results
+        ]
+        path = draw_chart(
+            results,
+            bound,
+            Path(args.out) / "replay_hit_rate.png",
+            labels=labels,
+            title=f"{args.replicas} replicas, {_pool_title(results[0].config)} each",
+        )
+        print(f"chart: {path}")
+    elif not args.no_chart:
+        print(NO_CHART)
+    metrics_server.keep_serving(args)
     return 0
 
 
@@ -296,7 +323,11 @@ def _choices(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
     names = known if text == "all" else tuple(text.split(","))
     for name in names:
         if name not in known:
-            raise UsageError(f"replay: unknown {what} {name!r} (choose from {known} or 'all')")
+            choices = ", ".join(known)
+            raise UsageError(
+                f"replay: unknown {what} {name!r} (choose from {choices}, a comma list of them, "
+                "or all)"
+            )
     return names
 
 
@@ -331,7 +362,13 @@ def _read(path: str, limit: int | None) -> list[TraceRequest]:
     unreadable, malformed (naming the line and the field) or empty."""
     problem = input_problem(path)
     if problem is not None:
-        raise UsageError(f"replay: trace file {path!r} {problem}")
+        hint = ""
+        if problem == "does not exist":
+            hint = (
+                "; radixkv replay without TRACE replays the sample shipped with radixkv, and "
+                f"the whole Mooncake trace is at {MOONCAKE_TRACE_URL}"
+            )
+        raise UsageError(f"replay: trace file {path!r} {problem}{hint}")
     try:
         requests = list(read_trace(path, limit=limit))
     except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:
@@ -345,17 +382,26 @@ def _read(path: str, limit: int | None) -> list[TraceRequest]:
 
 def format_table(results: list[ReplayResult], bound: float) -> str:
     """One row per policy: hit rate against the unbounded-cache bound, work and waits."""
-    head = (
-        f"{'policy':<11} {'hit rate':>8} {'of bound':>8} {'computed':>10} {'evicted':>9} "
-        f"{'wait p50':>8} {'wait p99':>8} {'ttft p50':>8} {'ttft p99':>8} {'dropped':>7}"
+    rows = table_header(
+        [
+            ("policy", "", -11),
+            ("hit rate", "%", 8),
+            ("of bound", "%", 8),
+            ("computed", "tokens", 10),
+            ("evicted", "pages", 9),
+            ("wait p50", "s", 8),
+            ("wait p99", "s", 8),
+            ("ttft p50", "s", 8),
+            ("ttft p99", "s", 8),
+            ("dropped", "requests", 8),
+        ]
     )
-    rows = [head, "-" * len(head)]
     for r in results:
         rows.append(
             f"{r.config.policy:<11} {r.hit_rate:>8.2%} {r.hit_rate / bound if bound else 0:>8.2%} "
             f"{r.computed_tokens / 1e6:>9.2f}M {r.evicted_pages:>9} "
             f"{r.percentile('queue_waits', 50):>7.2f}s {r.percentile('queue_waits', 99):>7.2f}s "
-            f"{r.percentile('ttfts', 50):>7.2f}s {r.percentile('ttfts', 99):>7.2f}s {r.dropped:>7}"
+            f"{r.percentile('ttfts', 50):>7.2f}s {r.percentile('ttfts', 99):>7.2f}s {r.dropped:>8}"
         )
     rows.append(f"unbounded-cache bound at this page size: {bound:.2%}")
     return "\n".join(rows)
@@ -364,18 +410,27 @@ def format_table(results: list[ReplayResult], bound: float) -> str:
 def format_router_table(results: list[RoutedResult], bound: float) -> str:
     """One row per (policy, router): hit rate against the unbounded-cache bound, work, time to
     first token, and the load spread (most over fewest prompt tokens routed to a replica)."""
-    head = (
-        f"{'router':<12} {'policy':<10} {'hit rate':>8} {'of bound':>8} {'computed':>10} "
-        f"{'evicted':>9} {'ttft p50':>8} {'ttft p99':>8} {'load max/min':>12} {'dropped':>7}"
+    rows = table_header(
+        [
+            ("router", "", -12),
+            ("policy", "", -10),
+            ("hit rate", "%", 8),
+            ("of bound", "%", 8),
+            ("computed", "tokens", 10),
+            ("evicted", "pages", 9),
+            ("ttft p50", "s", 8),
+            ("ttft p99", "s", 8),
+            ("load max/min", "ratio", 12),
+            ("dropped", "requests", 8),
+        ]
     )
-    rows = [head, "-" * len(head)]
     for r in results:
         spread = "inf" if math.isinf(r.load_spread) else f"{r.load_spread:.2f}x"
         rows.append(
             f"{r.router:<12} {r.config.policy:<10} {r.hit_rate:>8.2%} "
             f"{r.hit_rate / bound if bound else 0:>8.2%} {r.computed_tokens / 1e6:>9.2f}M "
             f"{r.evicted_pages:>9} {r.percentile('ttfts', 50):>7.2f}s "
-            f"{r.percentile('ttfts', 99):>7.2f}s {spread:>12} {r.dropped:>7}"
+            f"{r.percentile('ttfts', 99):>7.2f}s {spread:>12} {r.dropped:>8}"
         )
     rows.append(f"unbounded-cache bound at this page size (one cache for all): {bound:.2%}")
     if any(r.router == "prefix" for r in results):
@@ -399,11 +454,18 @@ def host_line(cfg: ReplayConfig, each: str = "") -> str:
 def format_host_table(results: Sequence[ReplayResult | RoutedResult], labels: Sequence[str]) -> str:
     """One row per result (named by ``labels``): the hit rate split by tier, the copies, and
     the time batches waited for loads."""
-    head = (
-        f"{'host tier':<24} {'hit rate':>8} {'device':>8} {'host':>8} {'loaded':>10} "
-        f"{'offloaded':>10} {'host evict':>10} {'load time':>10}"
+    rows = table_header(
+        [
+            ("host tier", "", -24),
+            ("hit rate", "%", 8),
+            ("device", "%", 8),
+            ("host", "%", 8),
+            ("loaded", "pages", 10),
+            ("offloaded", "pages", 10),
+            ("host evict", "pages", 10),
+            ("load time", "s", 10),
+        ]
     )
-    rows = [head, "-" * len(head)]
     for label, r in zip(labels, results):
         rows.append(
             f"{label:<24} {r.hit_rate:>8.2%} {r.device_hit_rate:>8.2%} {r.host_hit_rate:>8.2%} "
@@ -418,6 +480,18 @@ def _pool_title(cfg: ReplayConfig) -> str:
     return f"{cfg.cache} cache, {cfg.num_pages * cfg.page_size / 1e6:.2f}M-token pool"
 
 
+#: Line styles of successive curves: (style, width, z-order, alpha). Each later curve is
+#: thinner, dashed or dotted, and drawn above the earlier ones, so that a curve equal to an
+#: earlier one (lpm and dfs-weight often are) shows as a dashed line on a wide pale one instead
+#: of hiding it, as in ``benches/bench_host_tier.py``'s chart.
+CURVE_STYLES = (
+    ("-", 3.5, 1, 0.55),
+    ("--", 2.0, 2, 1.0),
+    (":", 2.0, 3, 1.0),
+    ("-.", 1.2, 4, 1.0),
+)
+
+
 def draw_chart(
     results: Sequence[ReplayResult | RoutedResult],
     bound: float,
@@ -426,7 +500,9 @@ def draw_chart(
     title: str | None = None,
 ) -> Path:
     """Cumulative hit rate over simulated time, one line per result (labelled by ``labels``,
-    default: each one's policy), and the bound; ``title`` defaults to the cache and pool."""
+    default: each one's policy, with its final hit rate), and the bound; ``title`` defaults to
+    the cache and pool. Overlapping curves stay visible (:data:`CURVE_STYLES`), and a curve equal
+    to an earlier one says so in the legend (``= lpm``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -435,11 +511,27 @@ def draw_chart(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = labels if labels is not None else [r.config.policy for r in results]
-    for r, name in zip(results, names):
-        if r.hit_curve:
-            t, h = zip(*r.hit_curve)
-            ax.plot([x / 60 for x in t], [100 * y for y in h], label=name)
-    ax.axhline(100 * bound, color="gray", linestyle="--", label="unbounded cache")
+    drawn: list[tuple[list, str]] = []
+    for i, (r, name) in enumerate(zip(results, names)):
+        if not r.hit_curve:
+            continue
+        same = next((other for curve, other in drawn if curve == r.hit_curve), None)
+        label = f"{name}: {r.hit_rate:.2%}" + (f" (= {same})" if same else "")
+        style, width, z, alpha = CURVE_STYLES[i % len(CURVE_STYLES)]
+        t, h = zip(*r.hit_curve)
+        ax.plot(
+            [x / 60 for x in t],
+            [100 * y for y in h],
+            label=label,
+            linestyle=style,
+            linewidth=width,
+            zorder=z + i // len(CURVE_STYLES) * len(CURVE_STYLES),
+            alpha=alpha,
+        )
+        drawn.append((r.hit_curve, name))
+    ax.axhline(
+        100 * bound, color="gray", linestyle="--", lw=1, label=f"unbounded cache: {bound:.2%}"
+    )
     ax.set_xlabel("simulated time (minutes)")
     ax.set_ylabel("cumulative token hit rate (%)")
     ax.set_title(title if title is not None else _pool_title(results[0].config))

@@ -16,6 +16,9 @@ response shapes; ``usage.prompt_tokens_details.cached_tokens`` is the prefix cac
 vLLM reports it), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 A request's ``cache_salt`` (vLLM's field) or the configured tenant header is its cache
 namespace, so tenants never share KV. ``n > 1`` choices branch from one prefilled prompt.
+``response_format`` (``json_object``, ``json_schema``) and ``tools`` with ``tool_choice``
+``"required"`` or a named function constrain the reply to a grammar, a tool call returned as
+OpenAI's ``tool_calls`` (:mod:`radixkv.apps.structured`; streamed whole at its end).
 A full queue answers 429, a request that can never fit the pool or is malformed 400 with
 OpenAI's error object naming the field; a client that disconnects cancels its request.
 """
@@ -23,6 +26,7 @@ OpenAI's error object naming the field; a client that disconnects cancels its re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import queue
 import threading
@@ -43,6 +47,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
+from radixkv.apps import structured
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -241,11 +246,13 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     cache_salt: str | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
@@ -338,15 +345,34 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
+        try:  # a tool call the request demands, else its response format, else free text
+            grammar = structured.tool_grammar(body.tools, body.tool_choice)
+            tool_call = grammar is not None
+            if grammar is None:
+                grammar = structured.response_grammar(body.response_format)
+        except structured.BadRequest as e:
+            return _error(400, str(e), e.param)
         try:
             text = tokenizer.apply_chat_template(
-                body.messages, tools=body.tools, tokenize=False, add_generation_prompt=True
+                structured.history(body.messages),
+                tools=body.tools,
+                tokenize=False,
+                add_generation_prompt=True,
             )
         except Exception as e:  # a malformed message list, a template that refuses it
             return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
         prompt = tokenizer.encode(text, add_special_tokens=False)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
-        return await _complete(request, body, prompt, limit, chat=True, logprobs=body.logprobs)
+        return await _complete(
+            request,
+            body,
+            prompt,
+            limit,
+            chat=True,
+            logprobs=body.logprobs,
+            grammar=grammar,
+            tool_call=tool_call,
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
@@ -358,11 +384,23 @@ def create_app(
             return _error(400, "prompt: must hold at least one token", "prompt")
         if body.echo:
             return _error(400, "echo: not supported", "echo")
+        try:
+            grammar = structured.response_grammar(body.response_format)
+        except structured.BadRequest as e:
+            return _error(400, str(e), e.param)
         return await _complete(
-            request, body, prompt, None, chat=False, logprobs=body.logprobs is not None
+            request,
+            body,
+            prompt,
+            None,
+            chat=False,
+            logprobs=body.logprobs is not None,
+            grammar=grammar,
         )
 
-    async def _complete(request, body, prompt, limit, chat: bool, logprobs: bool):
+    async def _complete(
+        request, body, prompt, limit, chat: bool, logprobs: bool, grammar=None, tool_call=False
+    ):
         max_tokens = limit if limit is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = config.default_max_tokens
@@ -385,6 +423,7 @@ def create_app(
             namespace=namespace,
             logprobs=logprobs,
             stop_strings=stops,
+            grammar=grammar,
         )
         pending = Pending(asyncio.get_running_loop())
         n = body.n
@@ -401,15 +440,21 @@ def create_app(
             await loop.call(lambda: loop.submit(pending, submit))
         except QueueFull as e:
             return _error(429, str(e), kind="rate_limit_error")
-        except ValueError as e:  # a knob out of range, a request the pool can never hold
-            return _error(400, str(e), _param_of(str(e)))
+        except (ValueError, ImportError) as e:  # a knob out of range, a request the pool can
+            # never hold, a schema that does not compile, no grammar library
+            param = _param_of(str(e))
+            if grammar is not None and str(e).startswith("grammar"):
+                param = "tools" if tool_call else "response_format"
+            return _error(400, str(e), param)
         cached_tokens = await cached if cached is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         ids = pending.ids
         index = {i: k for k, i in enumerate(ids)}
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            gen = _stream(request, pending, index, rid, chat, include_usage, prompt, cached_tokens)
+            gen = _stream(
+                request, pending, index, rid, chat, include_usage, prompt, cached_tokens, tool_call
+            )
             return StreamingResponse(gen, media_type="text/event-stream")
         waiter = asyncio.ensure_future(pending.done.wait())
         while not waiter.done():
@@ -430,6 +475,10 @@ def create_app(
             text = r.text or ""
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                calls = structured.tool_calls(text) if tool_call else None
+                if calls is not None and r.finish_reason == "stop":
+                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    choice["finish_reason"] = "tool_calls"
                 if logprobs:
                     choice["logprobs"] = {"content": _token_logprobs(tokenizer, r)}
             else:
@@ -453,7 +502,9 @@ def create_app(
             "usage": usage,
         }
 
-    async def _stream(request, pending, index, rid, chat, include_usage, prompt, cached_tokens):
+    async def _stream(
+        request, pending, index, rid, chat, include_usage, prompt, cached_tokens, tool_call=False
+    ):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
@@ -470,6 +521,7 @@ def create_app(
             return f"data: {json.dumps(body)}\n\n"
 
         finished: set[int] = set()
+        held: dict[int, str] = {}  # a tool call's text, sent whole as one delta at its end
         try:
             if chat:
                 yield chunk(
@@ -497,6 +549,16 @@ def create_app(
                 reason = _finish(ev.finish_reason) if ev.finish_reason else None
                 if ev.finish_reason:
                     finished.add(ev.id)
+                if tool_call:
+                    held[k] = held.get(k, "") + ev.text
+                    if reason is None:
+                        continue
+                    calls = structured.tool_calls(held[k]) if ev.finish_reason == "stop" else None
+                    if calls is not None:
+                        delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+                        yield chunk([{"index": k, "delta": delta, "finish_reason": "tool_calls"}])
+                        continue
+                    ev = dataclasses.replace(ev, text=held[k])  # cut short: sent as text
                 if not ev.text and reason is None:
                     continue
                 if chat:

@@ -10,18 +10,27 @@
   :mod:`radixkv.engine.detok`: incremental detokenization and stop strings
   (:class:`Detokenizer`).
 - :class:`Session` (:mod:`radixkv.engine.session`): a multi-turn conversation on an engine.
+- :class:`Grammar` (:mod:`radixkv.engine.grammar`): structured output (``grammar=``): JSON
+  schemas, regexes and Lark grammars compiled by llguidance, token masks, jump-forward.
+- :mod:`radixkv.engine.defaults`: the defaults every entry point shares (admission policy, new
+  tokens per request) and why, and the in-batch prefix sharing threshold.
 - :mod:`radixkv.engine.lockstep`: tensor-parallel ranks in lockstep (``Engine(group=...)``):
   the broadcast of rank 0's calls, the divergence checks (:class:`DivergedError`) and
   :func:`agree_num_pages`.
 """
 
-from radixkv.engine.batcher import Batcher
-from radixkv.engine.detok import Detokenizer
-from radixkv.engine.engine import Engine, EngineStats
-from radixkv.engine.lockstep import DivergedError, agree_num_pages
-from radixkv.engine.sampling import Sampling
-from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent
-from radixkv.engine.session import Session
+from radixkv._extras import require_torch
+
+require_torch("radixkv.engine")
+
+from radixkv.engine.batcher import Batcher  # noqa: E402
+from radixkv.engine.detok import Detokenizer  # noqa: E402
+from radixkv.engine.engine import Engine, EngineStats  # noqa: E402
+from radixkv.engine.grammar import Grammar  # noqa: E402
+from radixkv.engine.lockstep import DivergedError, agree_num_pages  # noqa: E402
+from radixkv.engine.sampling import Sampling  # noqa: E402
+from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent  # noqa: E402
+from radixkv.engine.session import Session  # noqa: E402
 
 __all__ = [
     "Batcher",
@@ -29,6 +38,7 @@ __all__ = [
     "DivergedError",
     "Engine",
     "EngineStats",
+    "Grammar",
     "Result",
     "Sampling",
     "Sequence",

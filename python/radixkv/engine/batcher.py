@@ -44,6 +44,7 @@ import itertools
 import time
 
 import radixkv
+from radixkv.engine.defaults import DEFAULT_POLICY
 from radixkv.engine.sequence import Sequence, Status
 
 #: Namespace prefix of the private namespaces used when prefix caching is off.
@@ -67,7 +68,7 @@ class Batcher:
         token_budget: int,
         max_batch: int,
         prefix_caching: bool = True,
-        policy: str = "fcfs",
+        policy: str = DEFAULT_POLICY,
         max_wait: int = 256,
     ) -> None:
         self.cache = cache
@@ -233,8 +234,8 @@ class Batcher:
     def _start(self, seq: Sequence, req: radixkv.Request) -> None:
         seq.req, seq.status = req, Status.RUNNING
         seq.num_tokens, seq.num_computed = req.num_tokens, req.num_computed
-        if seq.admissions == 0:
-            seq.cached_tokens = seq.num_computed
+        if seq.admissions == 0:  # prompt tokens only (a grammar's forced tokens may follow)
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt))
         seq.admissions += 1
         bisect.insort(self.running, seq, key=_by_id)
 

@@ -69,7 +69,9 @@ import torch
 
 import radixkv
 from radixkv.engine.batcher import PRIORITY_MAX, Batcher
+from radixkv.engine.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_POLICY
 from radixkv.engine.detok import CONTEXT_TOKENS, Detokenizer
+from radixkv.engine.grammar import Compiler, Grammar, apply_masks, compiler_for, fill_masks
 from radixkv.engine.lockstep import LeaderClosedError, Lockstep, check_same_config
 from radixkv.engine.sampling import OFF, Sampling, check_sampling, sample_tokens, to_token_array
 from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent
@@ -89,6 +91,11 @@ class EngineStats:
     plan_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    #: Structured output: time computing and applying token masks (part of ``sample_s``),
+    #: tokens jump-forward appended without sampling them, and the chunks they came in.
+    mask_s: float = 0.0
+    forced_tokens: int = 0
+    jumps: int = 0
 
 
 class Engine:
@@ -99,9 +106,17 @@ class Engine:
     per step at most. ``prefix_caching=False`` turns reuse off while keeping everything else
     identical: each admission goes to a private namespace of its own, so no prompt ever finds a
     cached prefix. ``policy``: the admission order of the :class:`radixkv.Scheduler` every
-    waiting request is queued in: ``"fcfs"`` (arrival order, the default), ``"lpm"`` (longest
-    cached prefix first) or ``"dfs-weight"``; ``max_wait`` bounds how many steps a request
-    waits behind others (0: no bound).
+    waiting request is queued in: ``"lpm"`` (longest cached prefix first, the default, as the
+    Scheduler's; why: :data:`radixkv.engine.defaults.DEFAULT_POLICY`), ``"fcfs"`` (arrival
+    order) or ``"dfs-weight"``; ``max_wait`` bounds how many steps a request waits behind
+    others (0: no bound). Under ``"lpm"`` and ``"dfs-weight"``, requests that share an uncached
+    prefix of at least 64 tokens (one scheduler chunk, rounded up to whole pages:
+    :func:`radixkv.engine.defaults.sharing_threshold`) are admitted one step apart, so the
+    prefix is computed once; a shorter shared prefix is computed by each.
+
+    ``kv`` must be shaped for ``model``: a model that states its KV shape (``model.kv_shape``,
+    ``(layers, KV heads, head dim)``: :class:`radixkv.models.CausalLM`, ``radixkv.hf``'s
+    models) is checked against ``kv`` here, a ``ValueError`` naming both shapes.
 
     ``sequences`` holds every request submitted and not yet released, finished ones included
     (their results stay readable with :meth:`result`). A long-running server releases what it
@@ -135,6 +150,10 @@ class Engine:
     #: before those requests fail (see the module docstring). Such a step is cheap (one
     #: scheduler call); the margin lets another user of a shared cache free its pages.
     max_stalled_steps: int = 64
+    #: Structured output: append the tokens a request's grammar forces at once, computed as
+    #: one chunk in the next step, instead of one decode step each (see
+    #: :mod:`radixkv.engine.grammar`). Greedy text is the same either way.
+    jump_forward: bool = True
 
     def __init__(
         self,
@@ -143,7 +162,7 @@ class Engine:
         token_budget: int = 2048,
         max_batch: int = 64,
         prefix_caching: bool = True,
-        policy: str = "fcfs",
+        policy: str = DEFAULT_POLICY,
         max_wait: int = 256,
         group: object | None = None,
         digest_every: int = 16,
@@ -172,6 +191,7 @@ class Engine:
             raise ValueError(
                 f"model must have config.vocab_size (a positive int), got {type(model).__name__}"
             )
+        _check_kv_shape(model, kv)
         self.model, self.kv, self.cache = model, kv, kv.cache
         self.vocab_size: int = model.config.vocab_size
         self.token_budget, self.max_batch = token_budget, max_batch
@@ -332,7 +352,7 @@ class Engine:
     def submit(
         self,
         prompt: Seq[int] | np.ndarray | torch.Tensor,
-        max_new_tokens: int = 16,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         stop: Iterable[int] | None = None,
         namespace: str | bytes | None = None,
@@ -348,11 +368,13 @@ class Engine:
         logprobs: bool = False,
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
+        grammar: Grammar | dict | None = None,
     ) -> int:
         """Queues one request; returns its id. ``temperature=0`` is greedy; generation ends at a
         token of ``stop`` (kept in the output; left out, the engine's ``stop_tokens``, which
         ``radixkv.hf.engine`` sets to the model's end-of-sequence ids; ``()`` for none) or after
-        ``max_new_tokens`` (0: prefill only).
+        ``max_new_tokens`` (0: prefill only; default 16, the same for every method that takes
+        it, Session's too; why: :data:`radixkv.engine.defaults.DEFAULT_MAX_NEW_TOKENS`).
         Higher ``priority`` is admitted first. Raises ``ValueError`` for bad arguments and for a
         request the pool could never hold (prompt and output together, but the last token).
 
@@ -362,7 +384,15 @@ class Engine:
         (over the output). ``logprobs``: fill ``Result.logprobs``. ``stop_strings``: end the
         request as soon as its text holds one (needs ``Engine(tokenizer=...)``; the text is cut
         before it). ``on_token``: called with a :class:`StreamEvent` per token and at the end,
-        on the thread that steps the engine (see the module docstring)."""
+        on the thread that steps the engine (see the module docstring).
+
+        ``grammar``: structured output (needs ``Engine(tokenizer=...)`` and llguidance, the
+        ``grammar`` extra): a :class:`radixkv.engine.grammar.Grammar` (a JSON schema, a regex,
+        a Lark grammar, any JSON) or a dict (a JSON schema); every token sampled is one the
+        grammar allows, the request stops with ``finish_reason="stop"`` once the grammar is
+        complete, and the tokens it forces are appended at once (:attr:`jump_forward`). A
+        grammar that does not compile is a ``ValueError`` naming the problem; a request whose
+        grammar leaves no token of the vocabulary ends with ``finish_reason="error"``."""
         self._lead("submit")
         arr, params = self._check_submit(
             prompt,
@@ -381,6 +411,7 @@ class Engine:
             logprobs=logprobs,
             stop_strings=stop_strings,
             on_token=on_token,
+            grammar=grammar,
         )
         seq_id = self._register(arr, params, on_token).id
         self._record(("submit", arr, params))
@@ -397,11 +428,13 @@ class Engine:
         priority,
         name="prompt",
         on_token=None,
+        grammar=None,
         **knobs,
     ) -> tuple[np.ndarray, _Params]:
         """Everything :meth:`submit` checks, registering nothing (``knobs``: its sampling
         keywords)."""
         arr = to_token_array(prompt, name, self.vocab_size)
+        sampling = self._check_knobs(on_token, knobs)
         params = _check_params(
             max_new_tokens,
             temperature,
@@ -410,7 +443,8 @@ class Engine:
             seed,
             priority,
             self.vocab_size,
-            sampling=self._check_knobs(on_token, knobs),
+            sampling=sampling,
+            grammar=self._check_grammar(grammar),
         )
         self.batcher.check_fits(name, len(arr), params.max_new_tokens)
         return arr, params
@@ -428,6 +462,27 @@ class Engine:
                 "Engine(..., tokenizer=...) or radixkv.hf.engine(..., tokenizer=...)"
             )
         return sampling
+
+    def _check_grammar(self, grammar) -> Grammar | None:
+        """``grammar`` of :meth:`submit` checked and compiled (the compiled copy cached)."""
+        if grammar is None:
+            return None
+        grammar = Grammar.of(grammar)
+        if self.lockstep is not None:
+            raise ValueError(
+                "grammar= is not supported under tensor parallelism (Engine(group=...)) yet"
+            )
+        self._grammar_compiler().compile(grammar)
+        return grammar
+
+    def _grammar_compiler(self) -> Compiler:
+        """The compiler of this engine's tokenizer (``ValueError`` without one)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "grammar= needs the model's tokenizer: make the engine with "
+                "Engine(..., tokenizer=...) or radixkv.hf.engine(..., tokenizer=...)"
+            )
+        return compiler_for(self.tokenizer, tuple(sorted(self.stop_tokens)))
 
     def _register(
         self,
@@ -449,7 +504,7 @@ class Engine:
         self,
         context: Seq[int] | np.ndarray | torch.Tensor,
         suffixes: Seq[Seq[int] | np.ndarray],
-        max_new_tokens: int = 16,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         stop: Iterable[int] | None = None,
         namespace: str | bytes | None = None,
@@ -464,6 +519,7 @@ class Engine:
         logprobs: bool = False,
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
+        grammar: Grammar | dict | None = None,
     ) -> list[int]:
         """N branches (sub-agents, samples) from one context: branch ``i`` is the request
         ``context + suffixes[i]`` (an empty suffix samples from the context itself), with seed
@@ -471,7 +527,8 @@ class Engine:
         and find every full page of it cached. Returns the branch ids. Checks every branch
         (as :meth:`submit` does) before queueing anything. The sampling keywords are
         :meth:`submit`'s, for every branch; ``on_token`` gets every branch's events (each
-        event's ``id`` is its branch's)."""
+        event's ``id`` is its branch's); ``grammar`` constrains every branch (each its own
+        matcher), not the context."""
         self._lead("branch")
         ctx = to_token_array(context, "context", self.vocab_size)
         if isinstance(suffixes, (str, bytes, bytearray, np.ndarray, torch.Tensor)) or not (
@@ -506,6 +563,7 @@ class Engine:
             self.vocab_size,
             num_seeds=len(suffixes),
             sampling=sampling,
+            grammar=self._check_grammar(grammar),
         )
         prompts = []
         for i, s in enumerate(suffixes):
@@ -764,10 +822,16 @@ class Engine:
         if not ready:
             return []
         seqs = [batch[b] for b in ready]
+        refused: dict[int, Exception] = {}
         try:
-            tokens, lps = sample_tokens(logits[ready], seqs)
+            rows = logits[ready]
+            if any(s.grammar is not None for s in seqs):
+                refused = self._mask(rows, seqs)
+            tokens, lps = sample_tokens(rows, seqs)
         except Exception as e:  # logits of the wrong shape, say
             return self._fail(seqs, e)
+        for k, error in refused.items():
+            tokens[k] = error
         now = time.perf_counter()
         finished = []
         bug: Exception | None = None
@@ -798,22 +862,49 @@ class Engine:
                     continue
                 seq.finish_reason, last = "length", None
             else:
-                seq.record_token(tok, now)
-                natural = seq.finish_reason
-                if seq.logprobs is not None:
-                    seq.logprobs.append(lp)  # type: ignore[arg-type]
-                if seq.detok is not None:
-                    delta = seq.detok.add(tok)
-                    if seq.detok.stopped:
-                        if seq.finish_reason is None:
-                            late.append((seq, tok, lp, delta))
-                            continue
-                        seq.finish_reason = "stop"  # a stop string with the last token
-                if seq.finish_reason is None:
+                # The sampled token, or with a grammar what it appends: the tokens it forced
+                # before the first step, the sampled one (or its retokenization) and the
+                # tokens it forces after it (jump-forward).
+                items: list[tuple[int, float | None, bool]] = [(tok, lp, False)]
+                if seq.grammar is not None:
+                    try:
+                        items = self._grammar_tokens(seq, tok, lp)
+                    except radixkv.Error as e:  # the grammar refused it: never seen
+                        finished.extend(self._fail([seq], e))
+                        continue
+                ends = False
+                for j, (tok, lp, forced) in enumerate(items):
+                    last, delta = tok, ""
+                    seq.record_token(tok, now)
+                    if forced:
+                        seq.forced_tokens += 1
+                        self.stats.forced_tokens += 1
+                    if (
+                        j == len(items) - 1
+                        and seq.grammar is not None
+                        and seq.finish_reason != "stop"
+                        and seq.grammar.complete
+                    ):
+                        seq.finish_reason = "stop"  # the grammar is complete
+                    natural = seq.finish_reason
+                    if seq.logprobs is not None:
+                        seq.logprobs.append(lp)  # type: ignore[arg-type]
+                    if seq.detok is not None:
+                        delta = seq.detok.add(tok)
+                        if seq.detok.stopped:
+                            if seq.finish_reason is None:
+                                late.append((seq, tok, lp, delta))
+                                break
+                            seq.finish_reason = "stop"  # a stop string with the last token
+                    if seq.finish_reason is not None:
+                        ends = True
+                        break
                     if seq.on_token is not None and not self._emit(
                         seq, StreamEvent(seq.id, tok, delta, lp, None)
                     ):
                         late.append((seq, tok, lp, ""))
+                        break
+                if not ends:
                     continue
             try:
                 self.batcher.finish(seq, seq.finish_reason)
@@ -836,6 +927,64 @@ class Engine:
             raise bug
         return finished
 
+    def _mask(self, rows: torch.Tensor, seqs: list[Sequence]) -> dict[int, Exception]:
+        """Applies the token mask of every constrained row of ``rows`` (the logits of
+        ``seqs``) in one batched operation; returns the error of each row whose grammar
+        leaves no token (by row)."""
+        t = time.perf_counter()
+        idx = [k for k, s in enumerate(seqs) if s.grammar is not None]
+        states = [seqs[k].grammar for k in idx]
+        compiler = states[0].compiler  # type: ignore[union-attr]
+        mask = fill_masks(compiler, states)  # type: ignore[arg-type]
+        left = apply_masks(rows, idx, mask)
+        refused: dict[int, Exception] = {}
+        for k, state, ok in zip(idx, states, left):
+            error = state.error  # type: ignore[union-attr]
+            if error is not None or not ok:
+                why = (
+                    f"the grammar failed: {error}"
+                    if error is not None
+                    else (
+                        f"the grammar allows no token of the model's vocabulary [0, "
+                        f"{self.vocab_size}) after {len(seqs[k].output)} output tokens"
+                    )
+                )
+                refused[k] = radixkv.Error(f"request {seqs[k].id}: {why}")
+        self.stats.mask_s += time.perf_counter() - t
+        return refused
+
+    def _grammar_tokens(
+        self, seq: Sequence, tok: int, lp: float | None
+    ) -> list[tuple[int, float | None, bool]]:
+        """What ``seq`` appends for its sampled ``tok``, as ``(token, logprob, forced)``: the
+        tokens its grammar forced before its first step (reported now, with the first sampled
+        token), then ``tok`` and, with :attr:`jump_forward`, the tokens the grammar forces
+        after it (consumed by the matcher; where the tokenizer merges ``tok`` with them, the
+        merged tokens in its place, the first with ``tok``'s logprob). A forced token's
+        logprob is 0.0 (it is certain under the grammar). ``radixkv.Error`` if the grammar
+        refuses ``tok``."""
+        state = seq.grammar
+        assert state is not None
+        state.consume(tok)
+        sure = None if lp is None else 0.0
+        early: list[tuple[int, float | None, bool]] = []
+        if state.unannounced:  # the only output so far: taken out to be recorded again
+            n, state.unannounced = state.unannounced, 0
+            early = [(t, sure, True) for t in seq.output[-n:]]
+            del seq.output[-n:]
+            self.stats.jumps += 1
+        items = [(tok, lp, False)]
+        if self.jump_forward:
+            room = seq.remaining_new_tokens - len(early) - 1
+            forced, replaces = state.jump(tok, room, self.vocab_size)
+            if forced:
+                self.stats.jumps += 1
+                if replaces:
+                    items = [(forced[0], lp, False)]
+                    forced = forced[1:]
+                items += [(t, sure, True) for t in forced]
+        return early + items
+
     def _emit(self, seq: Sequence, event: StreamEvent) -> bool:
         """Calls ``seq.on_token(event)``; returns whether it did not raise. If it raised, the
         exception is ``seq.error`` and the callback is dropped (the request is to end)."""
@@ -853,6 +1002,10 @@ class Engine:
         ``token``, ``logprob`` and ``text`` when it ended on a sampled token), once. An
         exception from it turns a request that ended normally into a failed one."""
         if seq.detok is not None:
+            if seq.grammar is not None and seq.grammar.unannounced:  # forced, never reported
+                for t in seq.output[-seq.grammar.unannounced :]:
+                    text += seq.detok.add(t)
+                seq.grammar.unannounced = 0
             text += seq.detok.finish()
         callback, seq.on_token = seq.on_token, None
         if callback is None:
@@ -975,8 +1128,29 @@ class Engine:
         if self.tokenizer is not None and self.rank == 0:
             context = prompt[-CONTEXT_TOKENS:].tolist()
             seq.detok = Detokenizer(self.tokenizer, seq.stop_strings, context)
+        if params.grammar is not None and params.max_new_tokens > 0:
+            seq.grammar = self._grammar_compiler().start(params.grammar)
+            if self.jump_forward:  # what the grammar forces first is prefilled with the prompt
+                forced, _ = seq.grammar.jump(None, params.max_new_tokens - 1, self.vocab_size)
+                if forced:
+                    seq.output.extend(forced)
+                    seq.grammar.unannounced = len(forced)
         self.sequences[seq.id] = seq
         return seq
+
+
+def _check_kv_shape(model: torch.nn.Module, kv: KVCache) -> None:
+    """``ValueError`` when ``model`` states its KV shape (``kv_shape``: layers, KV heads, head
+    dim) and ``kv``'s pools have another: its forward passes would fail on every step."""
+    want = getattr(model, "kv_shape", None)
+    if want is None:
+        return
+    got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+    if tuple(want) != got:
+        raise ValueError(
+            f"kv is shaped (layers, KV heads, head dim) = {got}, the model needs {tuple(want)}: "
+            "make it with model.make_kv_cache(cache)"
+        )
 
 
 def _message(seq: Sequence) -> str | None:
@@ -1015,6 +1189,8 @@ class _Params:
     priority: int
     #: The sampling knobs (picklable; the default: all off).
     sampling: Sampling = OFF
+    #: Structured output (checked and compiled), or None.
+    grammar: Grammar | None = None
 
 
 def _as_int(value, name: str, lo: int, hi: int, what: str) -> int:
@@ -1039,6 +1215,7 @@ def _check_params(
     num_seeds: int = 1,
     sampling: Sampling = OFF,
     name: str = "stop",
+    grammar: Grammar | None = None,
 ) -> _Params:
     """Checks every generation parameter of :meth:`Engine.submit` (``num_seeds``: the seeds
     ``seed .. seed + num_seeds - 1`` a call uses must all be valid; ``sampling``: the knobs,
@@ -1074,4 +1251,4 @@ def _check_params(
         what = f"an int in [0, 2**63 - {num_seeds}] (branch i uses seed + i)"
     sd = _as_int(seed, "seed", 0, SEED_LIMIT - num_seeds, what)
     pr = _as_int(priority, "priority", PRIORITY_MIN, PRIORITY_MAX, "an int in [-2**31, 2**31)")
-    return _Params(n, t, stops, namespace, sd, pr, sampling)
+    return _Params(n, t, stops, namespace, sd, pr, sampling, grammar)

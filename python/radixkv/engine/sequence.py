@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     import radixkv
     from radixkv.engine.detok import Detokenizer
+    from radixkv.engine.grammar import GrammarState
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,11 @@ class Result:
     unfinished UTF-8 character), else None. A request ended by a stop string reports
     ``finish_reason="stop"``; its ``output`` holds every token sampled, the one that completed
     the stop string included.
+
+    With ``grammar=``: ``finish_reason="stop"`` once the grammar is complete (its output then
+    parses), ``"length"`` when ``max_new_tokens`` came first, ``"error"`` when the grammar left
+    no token to sample; ``output`` holds the forced tokens too (``forced_tokens`` of them; their
+    logprob is 0.0).
     """
 
     id: int
@@ -115,6 +121,8 @@ class Result:
     error: BaseException | None = None
     logprobs: list[float] | None = None
     text: str | None = None
+    #: Output tokens a grammar forced (jump-forward appended them without a decode step).
+    forced_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,10 @@ class Sequence:
     detok: Detokenizer | None = field(default=None, repr=False)
     #: The distinct token ids of the prompt (int64), for the repetition penalty.
     prompt_ids: torch.Tensor | None = field(default=None, repr=False)
+    #: Structured output: the request's matcher (``grammar=``), else None.
+    grammar: GrammarState | None = field(default=None, repr=False)
+    #: Output tokens its grammar forced (appended by jump-forward).
+    forced_tokens: int = 0
 
     @property
     def target(self) -> np.ndarray:
@@ -241,4 +253,5 @@ class Sequence:
             error=self.error,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             text=None if self.detok is None else self.detok.text,
+            forced_tokens=self.forced_tokens,
         )

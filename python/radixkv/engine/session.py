@@ -18,7 +18,9 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from radixkv.engine.defaults import DEFAULT_MAX_NEW_TOKENS
 from radixkv.engine.engine import Engine
+from radixkv.engine.grammar import Grammar
 from radixkv.engine.sampling import to_token_array
 from radixkv.engine.sequence import Result, StreamEvent
 
@@ -57,7 +59,7 @@ class Session:
     def send(
         self,
         message: Seq[int] | np.ndarray,
-        max_new_tokens: int = 32,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         stop: Iterable[int] | None = None,
         seed: int = 0,
@@ -71,6 +73,7 @@ class Session:
         logprobs: bool = False,
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
+        grammar: Grammar | dict | None = None,
     ) -> Result:
         """One turn: prompt = history + ``message``; runs it (and whatever else the engine has)
         until it finishes; history becomes prompt + reply (every token sampled, the one that
@@ -96,6 +99,7 @@ class Session:
             logprobs=logprobs,
             stop_strings=stop_strings,
             on_token=on_token,
+            grammar=grammar,
         )
         (result,) = self.engine.run([seq_id])
         if result.error is not None:
@@ -107,7 +111,7 @@ class Session:
     def branch(
         self,
         messages: Seq[Seq[int] | np.ndarray],
-        max_new_tokens: int = 32,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         stop: Iterable[int] | None = None,
         seed: int = 0,
@@ -121,6 +125,7 @@ class Session:
         logprobs: bool = False,
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
+        grammar: Grammar | dict | None = None,
     ) -> list[Result]:
         """Sub-agents: branch ``i`` answers history + ``messages[i]``; all run concurrently from
         one computed copy of the history. The history is unchanged (append what you keep). A
@@ -143,6 +148,7 @@ class Session:
             logprobs=logprobs,
             stop_strings=stop_strings,
             on_token=on_token,
+            grammar=grammar,
         )
         return self.engine.run(ids)
 

@@ -82,6 +82,13 @@ class HFCausalLM(torch.nn.Module):
             logits = logits[keep]
         return logits.float()
 
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """``(layers, KV heads, head dim)`` of the KV the model writes and reads (of a
+        tensor-parallel model: this rank's KV heads), which :class:`radixkv.Engine` checks its
+        ``KVCache`` against."""
+        return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
+
     def make_kv_cache(self, cache: radixkv.Cache) -> KVCache:
         """A :class:`radixkv.KVCache` for ``cache`` shaped from the model's config (layers, KV
         heads, head dim; of a tensor-parallel model, this rank's KV heads) in the model's dtype,

@@ -6,7 +6,11 @@
   the new tokens' K/V and attends over each request's cached prefix.
 """
 
-from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.step import Step
+from radixkv._extras import require_torch
+
+require_torch("radixkv.kv")
+
+from radixkv.kv.kv_cache import KVCache  # noqa: E402
+from radixkv.kv.step import Step  # noqa: E402
 
 __all__ = ["KVCache", "Step"]

@@ -7,8 +7,12 @@ the paged KV cache.
 - :func:`load_checkpoint` / :func:`save_checkpoint`: local Hugging Face checkpoint directories.
 """
 
-from radixkv.models.checkpoint import load_checkpoint, save_checkpoint
-from radixkv.models.config import ModelConfig
-from radixkv.models.llama import CausalLM
+from radixkv._extras import require_torch
+
+require_torch("radixkv.models")
+
+from radixkv.models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from radixkv.models.config import ModelConfig  # noqa: E402
+from radixkv.models.llama import CausalLM  # noqa: E402
 
 __all__ = ["CausalLM", "ModelConfig", "load_checkpoint", "save_checkpoint"]

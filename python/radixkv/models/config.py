@@ -12,6 +12,7 @@ computes.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,6 +95,14 @@ class ModelConfig:
     ``rope_scaling`` is ``None`` (plain RoPE) or a dict with ``rope_type`` ``linear``, ``llama3``
     or ``yarn`` and that type's parameters, as in transformers; it is stored normalised (``type``
     read as ``rope_type``, ``"default"`` as ``None``). Any other combination raises ValueError.
+
+    transformers' names are accepted too (:data:`HF_NAMES`): ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads`` (``None``: as many as the query heads) and
+    ``model_type`` construct the same config as ``num_layers``, ``num_heads``, ``num_kv_heads``
+    and ``family`` (giving both names of one setting with different values is a ``ValueError``),
+    and read back as properties, so code written for a transformers config reads this one.
+    The other fields (``vocab_size``, ``hidden_size``, ``head_dim``, ``rope_theta``, ...) have
+    transformers' names already.
     """
 
     vocab_size: int = 8192
@@ -152,6 +161,26 @@ class ModelConfig:
         object.__setattr__(self, "rope_scaling", scaling)
         for name, value in flags.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """transformers' name of :attr:`num_layers`."""
+        return self.num_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        """transformers' name of :attr:`num_heads`."""
+        return self.num_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """transformers' name of :attr:`num_kv_heads`."""
+        return self.num_kv_heads
+
+    @property
+    def model_type(self) -> str:
+        """transformers' name of :attr:`family`."""
+        return self.family
 
     @property
     def rope_type(self) -> str:
@@ -274,6 +303,53 @@ class ModelConfig:
             out["sliding_window"] = None
             out["layer_types"] = ["full_attention"] * self.num_layers
         return out
+
+
+#: transformers' names (config.json keys, ``LlamaConfig`` arguments) of ModelConfig's fields
+#: that radixkv names otherwise; ``ModelConfig(...)`` takes either.
+HF_NAMES = {
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "model_type": "family",
+}
+
+_dataclass_init = ModelConfig.__init__
+
+
+def _init(self: ModelConfig, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's ``__init__``, with transformers' names (:data:`HF_NAMES`) read as
+    radixkv's."""
+    for hf_name, name in HF_NAMES.items():
+        if hf_name not in kwargs:
+            continue
+        value = kwargs.pop(hf_name)
+        if value is None:
+            if hf_name != "num_key_value_heads":
+                continue  # the signature's default: not given
+            # transformers' None: one KV head per query head
+            value = kwargs.get("num_heads", kwargs.get("num_attention_heads", _NUM_HEADS))
+        if name in kwargs and kwargs[name] != value:
+            raise ValueError(
+                f"{hf_name}={value!r} and {name}={kwargs[name]!r} name the same setting: give one"
+            )
+        kwargs[name] = value
+    _dataclass_init(self, *args, **kwargs)
+
+
+_NUM_HEADS = ModelConfig.num_heads  # the class attribute: the field's default
+_init.__doc__ = _dataclass_init.__doc__
+_sig = inspect.signature(_dataclass_init)
+_init.__signature__ = _sig.replace(  # type: ignore[attr-defined]
+    parameters=[
+        *_sig.parameters.values(),
+        *(
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
+            for n, kind in zip(HF_NAMES, ("int", "int", "int | None", "str"))
+        ),
+    ]
+)
+ModelConfig.__init__ = _init  # type: ignore[method-assign]
 
 
 def _check_positive(name: str, value: Any) -> None:

@@ -214,6 +214,14 @@ class CausalLM(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
         return model.to(device=device, dtype=dtype).eval()
 
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """``(layers, KV heads, head dim)`` of the KV this model writes and reads (of a shard
+        (:meth:`shard`): its slice of the KV heads): what :meth:`make_kv_cache` sizes and
+        :class:`radixkv.Engine` checks its ``KVCache`` against."""
+        heads = cast(Attention, self.layers[0].self_attn).num_kv_heads
+        return self.config.num_layers, heads, _head_dim(self.config)
+
     def make_kv_cache(
         self,
         cache: radixkv.Cache,
@@ -227,12 +235,12 @@ class CausalLM(nn.Module):
         from radixkv.kv.kv_cache import KVCache
 
         p = self.embed_tokens.weight
-        cfg = self.config
+        layers, kv_heads, head_dim = self.kv_shape  # of a shard: its slice of the KV heads
         return KVCache(
             cache,
-            cfg.num_layers,
-            cast(Attention, self.layers[0].self_attn).num_kv_heads,  # this shard's slice
-            _head_dim(cfg),
+            layers,
+            kv_heads,
+            head_dim,
             dtype=dtype or p.dtype,
             device=device or p.device,
             host_device=host_device or ("cpu" if cache.host_pages else None),
