@@ -44,7 +44,7 @@ mod python;
 
 pub use arena::ids::PageId;
 pub use block::BlockCache;
-pub use cache::index::{Cursor, Index};
+pub use cache::index::{Cursor, Index, CLASSES};
 pub use cache::request::{RequestId, RequestView};
 pub use cache::stats::CacheStats;
 pub use cache::tier::{CopyKind, PageCopy};

@@ -33,6 +33,7 @@ from radixkv import _extras
 from radixkv._radixkv import (
     COPY_LOAD,
     COPY_OFFLOAD,
+    EVICTION_CLASSES,
     BlockCache,
     Cache,
     CacheStats,
@@ -84,6 +85,7 @@ _NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
 __all__ = [
     "COPY_LOAD",
     "COPY_OFFLOAD",
+    "EVICTION_CLASSES",
     "BlockCache",
     "Cache",
     "CacheStats",

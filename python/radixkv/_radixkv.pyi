@@ -9,6 +9,7 @@ from typing_extensions import disjoint_base
 
 __all__ = [
     "COPY_LOAD",
+    "EVICTION_CLASSES",
     "COPY_OFFLOAD",
     "BlockCache",
     "Cache",
@@ -44,6 +45,8 @@ class CorruptionError(Error):
 
 COPY_OFFLOAD: int
 COPY_LOAD: int
+#: Eviction classes of cached pages: ``finish(..., priority=0 .. EVICTION_CLASSES - 1)``.
+EVICTION_CLASSES: int
 
 class InvalidRequest(Error):
     """The request is closed (finished or aborted) or belongs to another cache."""
@@ -88,6 +91,12 @@ class CacheStats:
     def loaded_pages(self) -> int: ...
     @property
     def host_evicted_pages(self) -> int: ...
+    @property
+    def retentions(self) -> int: ...
+    @property
+    def forced_evictions(self) -> int: ...
+    @property
+    def expired_retentions(self) -> int: ...
     def as_dict(self) -> dict[str, float]: ...
 
 @final
@@ -133,7 +142,17 @@ class Cache:
         first (as ``commit`` checks it, requests distinct), all or nothing."""
 
     def fork(self, req: Request) -> Request: ...
-    def finish(self, req: Request) -> None: ...
+    def finish(
+        self, req: Request, *, retain: float = 0.0, priority: int | None = None
+    ) -> int | None:
+        """Publishes what is computed, unpins, frees what is not published, and closes ``req``.
+        ``priority``: the eviction class (0 evicted first) its pages are raised to at least;
+        ``retain``: seconds of the cache's clock its pages stay out of eviction while anything
+        else can go (``math.inf``: until released). Returns the retention's id, or None."""
+    def release_retention(self, retention: int) -> bool: ...
+    def advance(self, now: float) -> int: ...
+    @property
+    def now(self) -> float: ...
     def abort(self, req: Request) -> None: ...
     def match_prefix(self, tokens: _Tokens, namespace: _Namespace = None) -> int: ...
     def evict(self, num_pages: int) -> int: ...

@@ -18,6 +18,9 @@ use crate::wire::events::EventLog;
 use crate::wire::hash::BlockHash;
 use crate::wire::hash::Namespace;
 
+/// Eviction classes of cached pages: `0..CLASSES`, 0 evicted first (see SEMANTICS.md).
+pub const CLASSES: u8 = 4;
+
 /// The longest cached prefix a lookup found, before anything is pinned.
 #[derive(Debug)]
 pub struct Found<F> {
@@ -117,4 +120,27 @@ pub trait Index: Send + std::fmt::Debug {
     fn events(&mut self) -> &mut EventLog;
     /// Feeds the index's decision-relevant state into `d` (see [`crate::PrefixCache::state_digest`]).
     fn digest(&self, d: &mut crate::cache::digest::StateDigest);
+    /// Whether the index keeps eviction classes and retentions (below); without them the
+    /// life cycle refuses a class or a retention other than the defaults.
+    fn retains(&self) -> bool {
+        false
+    }
+    /// Called while `ext`'s request still pins its published pages, before [`Index::release`]:
+    /// raises their eviction class to at least `class` and, with `until`, retains them until
+    /// the clock passes it. Returns the retention's id (from 1; 0 when none was made).
+    fn retain(&mut self, _ext: &Self::Ext, _class: u8, _until: Option<f64>) -> u64 {
+        0
+    }
+    /// Ends retention `id`; false when it is not live.
+    fn release_retention(&mut self, _id: u64) -> bool {
+        false
+    }
+    /// Ends the retentions whose time is up at `now`; returns how many.
+    fn expire(&mut self, _now: f64) -> usize {
+        0
+    }
+    /// Live retentions, device pages evicted while retained, retentions expired.
+    fn retention_counts(&self) -> (usize, u64, u64) {
+        (0, 0, 0)
+    }
 }

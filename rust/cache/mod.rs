@@ -73,6 +73,20 @@ pub trait PrefixCache: Send {
     }
     /// Publishes what is computed, unpins, frees what is not published, and closes the request.
     fn finish(&mut self, id: RequestId) -> Result<()>;
+    /// [`PrefixCache::finish`] that also raises the eviction class of the request's published
+    /// pages to at least `class` (`0..CLASSES`, 0 evicted first; see SEMANTICS.md) and, for
+    /// `retain > 0` (seconds of the cache's clock, or infinite), retains them: evicted only
+    /// when nothing else is left to evict, until the clock passes `now + retain` or
+    /// [`PrefixCache::release_retention`]. Returns the retention's id (0: none made).
+    fn finish_retained(&mut self, id: RequestId, class: u8, retain: f64) -> Result<u64>;
+    /// Ends a retention before its time; false when it is not live (expired, released, its
+    /// pages evicted).
+    fn release_retention(&mut self, retention: u64) -> bool;
+    /// Advances the cache's clock to `now` (never backwards) and ends the retentions whose
+    /// time is up; returns how many. The core reads no clock of its own.
+    fn set_time(&mut self, now: f64) -> Result<usize>;
+    /// The cache's clock.
+    fn now(&self) -> f64;
     /// Unpins and frees what is not published, publishing nothing more; closes the request.
     fn abort(&mut self, id: RequestId) -> Result<()>;
     /// How many tokens `admit` would find cached now. Changes nothing, LRU order included.
@@ -131,6 +145,8 @@ pub struct Cache<I: Index> {
     num_pages: usize,
     requests: Requests<I::Ext>,
     counters: Counters,
+    /// The clock retentions expire by, advanced by the owner (`set_time`).
+    now: f64,
 }
 
 impl<I: Index> Cache<I> {
@@ -155,6 +171,7 @@ impl<I: Index> Cache<I> {
             num_pages,
             requests: Requests::new(new_cache_id()),
             counters: Counters::default(),
+            now: 0.0,
         })
     }
 
@@ -262,6 +279,53 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.release(id, false)
     }
 
+    fn finish_retained(&mut self, id: RequestId, class: u8, retain: f64) -> Result<u64> {
+        if class >= crate::cache::index::CLASSES {
+            return Err(invalid(format!(
+                "priority must be an eviction class in 0..{}, got {class}",
+                crate::cache::index::CLASSES
+            )));
+        }
+        if retain.is_nan() || retain < 0.0 {
+            return Err(invalid(format!(
+                "retain must be seconds >= 0 (or infinite), got {retain}"
+            )));
+        }
+        if !self.index.retains() && (class != 0 || retain > 0.0) {
+            return Err(invalid(
+                "eviction classes and retention are kept by RadixCache only in this version"
+                    .to_string(),
+            ));
+        }
+        self.requests.get(id)?;
+        let mut r = self.requests.remove(id)?;
+        let upto = r.num_computed / self.index.page_size() * self.index.page_size();
+        self.index.publish(&mut r, upto);
+        let until = (retain > 0.0).then_some(self.now + retain);
+        let rid = self.index.retain(&r.ext, class, until);
+        self.index.release(&r);
+        Ok(rid)
+    }
+
+    fn release_retention(&mut self, retention: u64) -> bool {
+        self.index.release_retention(retention)
+    }
+
+    fn set_time(&mut self, now: f64) -> Result<usize> {
+        if now.is_nan() || now < self.now {
+            return Err(invalid(format!(
+                "now must not go back: the cache's clock is at {}, got {now}",
+                self.now
+            )));
+        }
+        self.now = now;
+        Ok(self.index.expire(now))
+    }
+
+    fn now(&self) -> f64 {
+        self.now
+    }
+
     fn match_prefix(&self, tokens: &[u32], namespace: &Namespace) -> Result<usize> {
         check_prompt(tokens)?;
         let limit = match_limit(tokens.len(), self.index.page_size());
@@ -301,6 +365,7 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn stats(&self) -> CacheStats {
         let (free, evictable) = (self.index.free_pages(), self.index.evictable_pages());
+        let (retentions, forced_evictions, expired_retentions) = self.index.retention_counts();
         let tier = self.index.tier();
         CacheStats {
             host_pages: tier.host_pages,
@@ -308,6 +373,9 @@ impl<I: Index> PrefixCache for Cache<I> {
             offloaded_pages: tier.offloaded,
             loaded_pages: tier.loaded,
             host_evicted_pages: tier.dropped,
+            retentions,
+            forced_evictions,
+            expired_retentions,
             ..self
                 .counters
                 .snapshot(self.num_pages, self.index.page_size(), free, evictable)

@@ -37,6 +37,12 @@ pub struct CacheStats {
     pub loaded_pages: u64,
     /// Host pages dropped so far (to make room for offloads, or by `reset`).
     pub host_evicted_pages: u64,
+    /// Retentions live now (`finish` with `retain`, not yet expired, released or evicted).
+    pub retentions: usize,
+    /// Device pages evicted while retained (nothing else was left to evict), so far.
+    pub forced_evictions: u64,
+    /// Retentions that expired (the clock passed their time), so far.
+    pub expired_retentions: u64,
 }
 
 impl CacheStats {

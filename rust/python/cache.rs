@@ -244,9 +244,52 @@ impl PyCache {
     }
 
     /// Publishes what is computed, unpins, frees what is not published, and closes ``req``.
-    fn finish(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<()> {
+    ///
+    /// ``priority``: the eviction class (``0 .. CLASSES - 1``, 0 evicted first) the request's
+    /// pages are raised to at least. ``retain``: seconds of the cache's clock (see
+    /// ``advance``; ``math.inf``: until released) that its pages stay out of eviction while
+    /// anything else can go. Returns the retention's id (for ``release_retention``), or None
+    /// when no retention was asked for. RadixCache only, for now.
+    #[pyo3(signature = (req, *, retain=0.0, priority=None))]
+    fn finish(
+        slf: &Bound<'_, Self>,
+        req: &Bound<'_, PyRequest>,
+        retain: f64,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<u64>> {
         let id = req.get().id; // another cache's id is refused by the core
-        slf.get().with(slf.py(), false, |c| c.finish(id))
+        let class = match priority {
+            Some(p) => u8::try_from(convert::count("priority", p)?).unwrap_or(u8::MAX),
+            None => 0,
+        };
+        if class == 0 && retain == 0.0 {
+            slf.get().with(slf.py(), false, |c| c.finish(id))?;
+            return Ok(None);
+        }
+        let rid = slf
+            .get()
+            .with(slf.py(), false, |c| c.finish_retained(id, class, retain))?;
+        Ok((rid != 0).then_some(rid))
+    }
+
+    /// Ends the retention ``retention`` (an id ``finish`` returned) before its time; False when
+    /// it is not live (expired, released, or its pages were evicted).
+    fn release_retention(slf: &Bound<'_, Self>, retention: u64) -> PyResult<bool> {
+        slf.get()
+            .with(slf.py(), false, |c| Ok(c.release_retention(retention)))
+    }
+
+    /// Advances the cache's clock to ``now`` (never backwards) and ends the retentions whose
+    /// time is up; returns how many. The cache reads no clock of its own: its owner advances
+    /// it (say, once per engine step), so that ranks in lockstep stay identical.
+    fn advance(slf: &Bound<'_, Self>, now: f64) -> PyResult<usize> {
+        slf.get().with(slf.py(), false, |c| c.set_time(now))
+    }
+
+    /// The cache's clock (``advance`` sets it; 0.0 at first).
+    #[getter]
+    fn now(slf: &Bound<'_, Self>) -> PyResult<f64> {
+        slf.get().with(slf.py(), false, |c| Ok(c.now()))
     }
 
     /// Unpins and frees what is not published, publishing nothing more; closes ``req``.
@@ -735,6 +778,22 @@ impl PyCacheStats {
         self.0.host_evicted_pages
     }
 
+    /// Retentions live now.
+    #[getter]
+    fn retentions(&self) -> usize {
+        self.0.retentions
+    }
+    /// Device pages evicted while retained (nothing else was left to evict), so far.
+    #[getter]
+    fn forced_evictions(&self) -> u64 {
+        self.0.forced_evictions
+    }
+    /// Retentions that expired, so far.
+    #[getter]
+    fn expired_retentions(&self) -> u64 {
+        self.0.expired_retentions
+    }
+
     /// The fields as a dict.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let d = pyo3::types::PyDict::new(py);
@@ -755,6 +814,9 @@ impl PyCacheStats {
         d.set_item("offloaded_pages", s.offloaded_pages)?;
         d.set_item("loaded_pages", s.loaded_pages)?;
         d.set_item("host_evicted_pages", s.host_evicted_pages)?;
+        d.set_item("retentions", s.retentions)?;
+        d.set_item("forced_evictions", s.forced_evictions)?;
+        d.set_item("expired_retentions", s.expired_retentions)?;
         Ok(d)
     }
 
@@ -767,11 +829,15 @@ impl PyCacheStats {
     fn __repr__(&self) -> String {
         let s = self.0;
         format!(
-            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={}{})",
+            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={}{}{})",
             s.num_pages, s.page_size, s.free_pages, s.evictable_pages, s.used_pages, s.queries, s.query_tokens, s.hit_tokens, s.hit_rate(), s.evicted_pages,
             if s.host_pages == 0 { String::new() } else {
                 format!(", host_pages={}, host_free_pages={}, host_hit_tokens={}, offloaded_pages={}, loaded_pages={}, host_evicted_pages={}",
                     s.host_pages, s.host_free_pages, s.host_hit_tokens, s.offloaded_pages, s.loaded_pages, s.host_evicted_pages)
+            },
+            if (s.retentions, s.forced_evictions, s.expired_retentions) == (0, 0, 0) { String::new() } else {
+                format!(", retentions={}, forced_evictions={}, expired_retentions={}",
+                    s.retentions, s.forced_evictions, s.expired_retentions)
             }
         )
     }
@@ -875,5 +941,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_sha256_cbor_none_hash, m)?)?;
     m.add("COPY_OFFLOAD", crate::cache::tier::CopyKind::Offload as i32)?;
     m.add("COPY_LOAD", crate::cache::tier::CopyKind::Load as i32)?;
+    m.add("EVICTION_CLASSES", crate::CLASSES)?;
     Ok(())
 }

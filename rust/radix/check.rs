@@ -119,24 +119,50 @@ pub(super) fn check_tree(
             return corrupt(format!("node {} is pinned more than its parent", id.0));
         }
     }
-    if leaves != t.lru.len(LRU) || host_leaves != t.lru.len(HOST_LRU) {
+    let device_listed: usize = DEVICE_LISTS.iter().map(|&l| t.lru.len(l)).sum();
+    if leaves != device_listed || host_leaves != t.lru.len(HOST_LRU) {
         return corrupt(format!(
-            "LRU lists hold {} and {} nodes, {leaves} and {host_leaves} are evictable leaves",
-            t.lru.len(LRU),
+            "LRU lists hold {device_listed} and {} nodes, {leaves} and {host_leaves} are \
+             evictable leaves",
             t.lru.len(HOST_LRU)
         ));
     }
-    for (list, host) in [(LRU, false), (HOST_LRU, true)] {
+    for list in DEVICE_LISTS.into_iter().chain([HOST_LRU]) {
         let mut prev_time = 0;
         for id in t.lru.iter(list) {
-            let time = t.node(id).time;
-            if time < prev_time || t.node(id).host != host {
+            let n = t.node(id);
+            if n.time < prev_time || list_for(n) != list {
                 return corrupt(format!(
-                    "LRU list (host {host}) out of order or on the wrong tier at node {}",
-                    id.0
+                    "LRU list {} out of order, or holding node {} of class {}, retained by {}, \
+                     host {}",
+                    list.0, id.0, n.class, n.soft, n.host
                 ));
             }
-            prev_time = time;
+            prev_time = n.time;
+        }
+    }
+    // Retentions: each holds a live non-root node, and the counts are what they add up to.
+    let mut soft = vec![0u32; t.nodes.len()];
+    for (&rid, r) in &t.retained {
+        let n = t.nodes.get(r.node.index());
+        if !n.is_some_and(|n| n.alive && n.parent != NIL) || r.until.is_nan() {
+            return corrupt(format!(
+                "retention {rid} holds node {}, not a cached edge",
+                r.node.0
+            ));
+        }
+        let mut id = r.node;
+        while t.node(id).parent != NIL {
+            soft[id.index()] += 1;
+            id = t.node(id).parent;
+        }
+    }
+    for (i, n) in t.nodes.iter().enumerate() {
+        if n.alive && (n.soft != soft[i] || n.class >= CLASSES) {
+            return corrupt(format!(
+                "node {i}: retained by {} (the retentions add up to {}), class {}",
+                n.soft, soft[i], n.class
+            ));
         }
     }
     if evictable != t.evictable {

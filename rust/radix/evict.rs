@@ -4,11 +4,13 @@
 use super::*;
 
 impl RadixIndex {
-    /// Links an unpinned node that just became a leaf at its place by last use. Its time is at
-    /// least that of the leaf just evicted below it (the front), so the walk is short.
+    /// Links an unpinned node that just became a leaf at its place by last use, in the list of
+    /// its class. Its time is at least that of the leaf just evicted below it (the front), so
+    /// the walk is short.
     pub(super) fn link_by_time(&mut self, id: NodeId) {
         let t = self.node(id).time;
-        let mut at = self.lru.front(LRU);
+        let list = list_for(self.node(id));
+        let mut at = self.lru.front(list);
         while let Some(e) = at {
             if self.node(e).time > t {
                 break;
@@ -16,8 +18,8 @@ impl RadixIndex {
             at = self.lru.next_of(e);
         }
         match at {
-            Some(e) => self.lru.insert_before(LRU, e, id),
-            None => self.lru.push_back(LRU, id),
+            Some(e) => self.lru.insert_before(list, e, id),
+            None => self.lru.push_back(list, id),
         }
     }
 
@@ -48,6 +50,7 @@ impl RadixIndex {
     /// pages take the smallest free host ids, in page order (the caller made room).
     fn offload_edge(&mut self, id: NodeId) {
         let k = self.node(id).pages.len();
+        let list = list_for(self.node(id));
         let mut hosts = Vec::with_capacity(k);
         self.host_free.pop_many(k, &mut hosts);
         let device = std::mem::take(&mut self.node_mut(id).pages);
@@ -63,7 +66,7 @@ impl RadixIndex {
         n.pages = moved;
         n.host = true;
         let (parent, leaf) = (n.parent, n.children.is_empty());
-        self.lru.remove(LRU, id);
+        self.lru.remove(list, id);
         let par = self.node_mut(parent);
         par.dev_children -= 1;
         if par.dev_children == 0 && par.lock == 0 && par.parent != NIL {
@@ -132,7 +135,11 @@ impl RadixIndex {
             return;
         }
         let parent = n.parent;
-        self.lru.remove(if host { HOST_LRU } else { LRU }, leaf);
+        let list = list_for(n);
+        self.lru.remove(list, leaf);
+        if self.node(leaf).soft > 0 {
+            self.drop_retentions_at(leaf);
+        }
         self.free_node(leaf);
         let par = self.node_mut(parent);
         par.children.remove(&first);
@@ -154,7 +161,7 @@ impl RadixIndex {
         let p = self.page_size;
         let mut done = 0;
         while done < want {
-            let Some(leaf) = self.lru.front(LRU) else {
+            let Some((leaf, retained)) = self.device_front() else {
                 break;
             };
             let len = self.node(leaf).pages.len();
@@ -181,6 +188,7 @@ impl RadixIndex {
                 let whole = drop == len;
                 self.trim_leaf(leaf, drop, false);
                 done += drop;
+                self.forced_pages += if retained { drop as u64 } else { 0 };
                 if whole {
                     continue;
                 }
@@ -193,6 +201,7 @@ impl RadixIndex {
                 }
                 self.offload_edge(leaf);
                 done += down;
+                self.forced_pages += if retained { down as u64 } else { 0 };
             }
         }
         done

@@ -39,6 +39,9 @@ use std::hash::BuildHasherDefault;
 mod check;
 mod evict;
 mod freeset;
+mod retain;
+
+use retain::{list_for, Retention};
 
 /// A prefix cache indexed by a compressed radix tree over token ids.
 pub type RadixCache = Cache<RadixIndex>;
@@ -62,9 +65,15 @@ impl ArenaId for NodeId {
 }
 
 const NIL: NodeId = NodeId::NIL;
-const LRU: ListId = ListId(0);
+use crate::cache::index::CLASSES;
+/// Device leaves of eviction class `c` are in list `ListId(c)`, least recently used at the
+/// front; those under a live retention are in `RETAINED`, evicted only when no other is left.
+const RETAINED: ListId = ListId(CLASSES as u32);
+/// Every device list, in eviction order.
+const DEVICE_LISTS: [ListId; CLASSES as usize + 1] =
+    [ListId(0), ListId(1), ListId(2), ListId(3), RETAINED];
 /// Host edges with no child, least recently used at the front.
-const HOST_LRU: ListId = ListId(1);
+const HOST_LRU: ListId = ListId(CLASSES as u32 + 1);
 
 type ChildMap = HashMap<u64, NodeId, BuildHasherDefault<MixHasher>>;
 
@@ -94,6 +103,10 @@ struct Node {
     /// a page. Splits and trims keep it exact, so evicting costs a hash per page evicted, not
     /// one per page of the path.
     block_keys: Vec<BlockHash>,
+    /// Eviction class (`0..CLASSES`): the highest any request finishing through it gave.
+    class: u8,
+    /// Live retentions whose path runs through this node (see `retain.rs`).
+    soft: u32,
 }
 
 impl Default for Node {
@@ -110,6 +123,8 @@ impl Default for Node {
             alive: false,
             ns: None,
             block_keys: Vec::new(),
+            class: 0,
+            soft: 0,
         }
     }
 }
@@ -157,8 +172,9 @@ pub struct RadixIndex {
     nodes: Vec<Node>,
     vacant: Vec<NodeId>,
     roots: HashMap<Namespace, NodeId>,
-    /// `LRU`: unpinned non-root device edges with no child on the device, least recently used
-    /// at the front. `HOST_LRU`: host edges with no child, the same way.
+    /// `DEVICE_LISTS`: unpinned non-root device edges with no child on the device, by eviction
+    /// class, least recently used at the front. `HOST_LRU`: host edges with no child, the same
+    /// way.
     lru: Links<NodeId>,
     free: FreeSet,
     /// Free host pages, by host id.
@@ -170,6 +186,13 @@ pub struct RadixIndex {
     /// Keys pages longer than two tokens.
     keys: TokenKeys,
     events: EventLog,
+    /// Live retentions by id (ids from 1, in the order they were made).
+    retained: std::collections::BTreeMap<u64, Retention>,
+    next_retention: u64,
+    /// Device pages evicted (dropped or moved to the host) while retained, and retentions
+    /// that expired.
+    forced_pages: u64,
+    expired: u64,
     /// Unit tests set this to give every page the same child key, so that the collision paths
     /// (a lookup that must compare the page, a publish that must keep its page private) run.
     #[cfg(test)]
@@ -266,6 +289,7 @@ impl RadixIndex {
             n.block_keys.drain(..at / p).collect()
         };
         let (parent, lock, time, host) = (n.parent, n.lock, n.time, n.host);
+        let (class, soft) = (n.class, n.soft);
         let tail_key = self.page_key(&self.node(id).key[..p]);
         let head_first = self.page_key(&head_key[..p]);
         let mut children = ChildMap::default();
@@ -282,6 +306,8 @@ impl RadixIndex {
             alive: true,
             ns: None,
             block_keys: head_keys,
+            class,
+            soft,
         });
         self.node_mut(id).parent = mid;
         self.node_mut(parent).children.insert(head_first, mid);
@@ -295,7 +321,7 @@ impl RadixIndex {
             let n = &mut self.nodes[id.index()];
             if n.lock == 0 {
                 if self.lru.is_linked(id) {
-                    self.lru.remove(if n.host { HOST_LRU } else { LRU }, id);
+                    self.lru.remove(list_for(n), id);
                 }
                 if !n.host {
                     self.evictable -= n.pages.len();
@@ -319,7 +345,7 @@ impl RadixIndex {
                 // Pinned edges are on the device.
                 self.evictable += n.pages.len();
                 if parent != NIL && n.dev_children == 0 {
-                    self.lru.push_back(LRU, id);
+                    self.lru.push_back(list_for(n), id);
                 }
             }
             id = parent;
@@ -427,7 +453,7 @@ impl Index for RadixIndex {
             nodes: Vec::new(),
             vacant: Vec::new(),
             roots: HashMap::new(),
-            lru: Links::new(2, 0),
+            lru: Links::new(CLASSES as u32 + 2, 0),
             free: FreeSet::try_full(num_pages)?,
             host_free: FreeSet::try_full(host_pages)?,
             tier: Tier::new(num_pages, host_pages),
@@ -435,6 +461,10 @@ impl Index for RadixIndex {
             clock: 0,
             keys: TokenKeys::random(),
             events: EventLog::default(),
+            retained: std::collections::BTreeMap::new(),
+            next_retention: 1,
+            forced_pages: 0,
+            expired: 0,
             #[cfg(test)]
             collide: false,
         })
@@ -578,6 +608,8 @@ impl Index for RadixIndex {
                         alive: true,
                         ns: None,
                         block_keys: Vec::new(),
+                        class: 0,
+                        soft: 0,
                     });
                     let par = self.node_mut(node);
                     par.children.insert(k, leaf);
@@ -642,7 +674,30 @@ impl Index for RadixIndex {
         if self.tier.on() {
             self.evict_host(usize::MAX);
         }
-        self.evict_device(usize::MAX, false)
+        let forced = self.forced_pages; // a reset is asked for: nothing it drops was forced
+        let done = self.evict_device(usize::MAX, false);
+        self.forced_pages = forced;
+        done
+    }
+
+    fn retains(&self) -> bool {
+        true
+    }
+
+    fn retain(&mut self, ext: &RadixExt, class: u8, until: Option<f64>) -> u64 {
+        self.retain_path(ext.last, class, until)
+    }
+
+    fn release_retention(&mut self, id: u64) -> bool {
+        RadixIndex::release_retention(self, id)
+    }
+
+    fn expire(&mut self, now: f64) -> usize {
+        RadixIndex::expire(self, now)
+    }
+
+    fn retention_counts(&self) -> (usize, u64, u64) {
+        (self.retained.len(), self.forced_pages, self.expired)
     }
 
     fn host_free_pages(&self) -> usize {
@@ -728,6 +783,7 @@ impl Index for RadixIndex {
             d.word(n.parent.0 as u64);
             d.word((n.lock as u64) << 32 | n.children.len() as u64);
             d.word(n.time);
+            d.word((n.class as u64) << 32 | n.soft as u64);
             match &n.ns {
                 Some(ns) => d.namespace(ns),
                 None => d.word(0),
@@ -736,9 +792,17 @@ impl Index for RadixIndex {
             d.pages(&n.pages);
         }
         d.word(self.clock);
-        d.word(self.lru.len(LRU) as u64);
-        for id in self.lru.iter(LRU) {
-            d.word(id.0 as u64);
+        for list in DEVICE_LISTS {
+            d.word(self.lru.len(list) as u64);
+            for id in self.lru.iter(list) {
+                d.word(id.0 as u64);
+            }
+        }
+        d.word(self.retained.len() as u64);
+        for (&rid, r) in &self.retained {
+            d.word(rid);
+            d.word(r.node.0 as u64);
+            d.word(r.until.to_bits());
         }
         if self.tier.on() {
             d.word(self.lru.len(HOST_LRU) as u64);

@@ -1,0 +1,129 @@
+"""Eviction classes and retention from Python: ``finish(req, retain=..., priority=...)``,
+``advance(now)``, ``release_retention``, and the stats that count them.
+
+The exact eviction orders are tested in the core (tests/rust/retain.rs); here, the boundary's
+arguments and errors, and a random walk against a twin cache without retention: retention
+never changes whether an admission fits (it changes only what is evicted), and ``check()``,
+which recomputes every retention count from scratch, holds after every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import radixkv
+
+
+def served(cache, tokens, **kw):
+    req = cache.admit(np.asarray(tokens, dtype=np.uint32))
+    cache.commit(req, req.num_tokens)
+    return cache.finish(req, **kw)
+
+
+def test_finish_returns_a_retention_only_when_asked():
+    c = radixkv.RadixCache(16, page_size=1)
+    assert served(c, [1, 2, 3]) is None
+    assert served(c, [4, 5, 6], priority=2) is None
+    rid = served(c, [7, 8, 9], retain=30.0)
+    assert isinstance(rid, int) and rid > 0
+    assert c.stats.retentions == 1
+    assert "retentions=1" in repr(c.stats) and c.stats.as_dict()["retentions"] == 1
+    assert c.release_retention(rid) is True
+    assert c.release_retention(rid) is False
+    assert c.stats.retentions == 0
+    c.check()
+
+
+def test_retained_pages_outlive_newer_ones_until_their_time_is_up():
+    c = radixkv.RadixCache(9, page_size=1)
+    agent = [1, 2, 3, 4]
+    c.advance(100.0)
+    served(c, agent, retain=60.0)  # paused on a tool until t=160
+    for k in range(3):  # unrelated one-shot traffic fills the pool
+        served(c, [50 + 10 * k, 51 + 10 * k, 52 + 10 * k])
+    assert c.match_prefix(agent) == 3, "the paused agent's history is still cached"
+    assert c.stats.forced_evictions == 0
+    assert c.advance(159.0) == 0 and c.advance(160.0) == 1
+    assert c.now == 160.0 and c.stats.expired_retentions == 1
+    served(c, [90, 91, 92, 93])  # plain LRU again: the agent, oldest, goes first
+    assert c.match_prefix(agent) < 3
+    c.check()
+
+
+def test_bad_arguments_name_the_value_and_change_nothing():
+    c = radixkv.RadixCache(8, page_size=1)
+    req = c.admit([1, 2, 3])
+    c.commit(req, 3)
+    with pytest.raises(ValueError, match=rf"priority.*0\.\.{radixkv.EVICTION_CLASSES}.*got 9"):
+        c.finish(req, priority=9)
+    with pytest.raises(TypeError, match="priority must be an int"):
+        c.finish(req, priority="high")
+    with pytest.raises(ValueError, match=r"retain.*got -1"):
+        c.finish(req, retain=-1.0)
+    with pytest.raises(ValueError, match="retain"):
+        c.finish(req, retain=math.nan)
+    assert not req.closed, "a refused finish leaves the request open"
+    assert c.finish(req, retain=math.inf) is not None
+    c.advance(5.0)
+    with pytest.raises(ValueError, match=r"clock is at 5.*got 1"):
+        c.advance(1.0)
+    assert c.now == 5.0
+    block = radixkv.BlockCache(8, page_size=1)
+    b = block.admit([1, 2, 3])
+    with pytest.raises(ValueError, match="RadixCache"):
+        block.finish(b, retain=1.0)
+    assert block.finish(b) is None
+    c.check()
+    block.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["serve", "serve", "serve", "tick", "release", "evict"]),
+            st.integers(0, 5),  # which prompt family
+            st.integers(1, 9),  # length
+            st.integers(0, radixkv.EVICTION_CLASSES - 1),
+            st.sampled_from([0.0, 0.0, 1.0, 5.0, math.inf]),
+        ),
+        max_size=40,
+    )
+)
+def test_retention_never_changes_whether_an_admission_fits(ops):
+    kept = radixkv.RadixCache(12, page_size=1)
+    plain = radixkv.RadixCache(12, page_size=1)
+    now, rids = 0.0, []
+    for op, fam, n, cls, retain in ops:
+        if op == "tick":
+            now += retain if math.isfinite(retain) else 2.0
+            kept.advance(now)
+        elif op == "release" and rids:
+            kept.release_retention(rids.pop(0))
+        elif op == "evict":
+            assert kept.evict(n) == plain.evict(n)
+        elif op == "serve":
+            tokens = [100 * fam + i for i in range(n)]
+            outcome = []
+            for c in (kept, plain):
+                try:
+                    outcome.append(c.admit(tokens))
+                except radixkv.OutOfPages:
+                    outcome.append(None)
+            assert (outcome[0] is None) == (outcome[1] is None)
+            if outcome[0] is not None:
+                for c, req in zip((kept, plain), outcome):
+                    c.commit(req, n)
+                rid = kept.finish(outcome[0], retain=retain, priority=cls)
+                plain.finish(outcome[1])
+                if rid is not None:
+                    rids.append(rid)
+        kept.check()
+        s, t = kept.stats, plain.stats
+        assert s.free_pages + s.evictable_pages == t.free_pages + t.evictable_pages
+        assert s.used_pages == t.used_pages == 0
