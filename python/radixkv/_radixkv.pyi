@@ -9,8 +9,8 @@ from typing_extensions import disjoint_base
 
 __all__ = [
     "COPY_LOAD",
-    "EVICTION_CLASSES",
     "COPY_OFFLOAD",
+    "EVICTION_CLASSES",
     "BlockCache",
     "Cache",
     "CacheStats",

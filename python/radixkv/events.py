@@ -163,9 +163,10 @@ class ZmqPublisher:
     ``bind`` overrides). ``replay_endpoint``: a ROUTER address for replay requests (always bound),
     or None. ``topic``: the first frame of every message. ``block_hash``: ``"blake3"`` (radixkv's
     block keys) or ``"sha256_cbor"`` (vLLM's), the names ``radixkv.block_hashes(algorithm=...)``
-    uses; ``"radixkv"`` (the design's name) is the same as ``"blake3"`` and reads back as it. ``hash_seed``: vLLM's ``PYTHONHASHSEED`` for ``sha256_cbor`` (vLLM
-    workers must run with the same value for hashes to match; with ``"blake3"``, whose keys
-    take no seed, only the default ``"0"`` is accepted). ``buffer_steps``: batches kept for replay.
+    uses; ``"radixkv"`` (the design's name) is the same as ``"blake3"`` and reads back as it.
+    ``hash_seed``: vLLM's ``PYTHONHASHSEED`` for ``sha256_cbor`` (vLLM workers must run with
+    the same value for hashes to match; with ``"blake3"``, whose keys take no seed, only the
+    default ``"0"`` is accepted). ``buffer_steps``: batches kept for replay.
     ``data_parallel_rank`` (an int >= 0, or None), ``medium`` (a str such as vLLM's ``"GPU"``
     or ``"CPU"``, or None) and ``int_hashes`` (a bool) go into every batch as vLLM's
     ``KVEventBatch``/``BlockStored``/``BlockRemoved`` define them; ``hwm``: the PUB socket's

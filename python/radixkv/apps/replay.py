@@ -177,6 +177,8 @@ class ReplayResult(_HitRates):
     load_seconds: float = 0.0
     queue_waits: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
+    #: time to first token of each admitted request, by its index in the trace
+    request_ttfts: dict[int, float] = field(default_factory=dict)
     #: (simulated time, cumulative hit rate) after each batch
     hit_curve: list[tuple[float, float]] = field(default_factory=list)
 
@@ -351,6 +353,7 @@ class _Server:
         self.prefilling.remove(job)
         r = self.requests[job.idx]
         self.res.ttfts.append(now - r.arrival)
+        self.res.request_ttfts[job.idx] = now - r.arrival
         heapq.heappush(self.first_tokens, (now, len(r.tokens)))
         if r.output_length:
             ids = job.idx * 8192 + np.arange(r.output_length)

@@ -13,6 +13,11 @@ With ``--host-pages N`` each cache has a host tier of N pages: a second table sp
 rate by tier (device hits, host hits loaded back) and counts the copies, and the time to first
 token includes the loads, at ``--host-bandwidth`` GB/s with ``--kv-bytes-per-token`` bytes per
 token (see :mod:`radixkv.apps.replay`). Without it the output is as it always was.
+
+With ``--workload agent`` the requests are a synthetic agent workload (``--sessions``,
+``--seed``; :mod:`radixkv.apps.agent_workload`) instead of a trace, and the pool defaults to a
+third of the live sessions' histories; ``--bound belady`` adds offline rows, Belady's optimum and
+today's LRU served one request at a time with the same pool (:mod:`radixkv.apps.replay_offline`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from radixkv.apps import metrics_server
+from radixkv.apps import metrics_server, replay_offline
 from radixkv.apps.args import (
     NO_CHART,
     UsageError,
@@ -93,8 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-pages",
         type=positive_int,
-        default=262_144,
-        help="pool size in pages, per replica with --replicas (default: 262144)",
+        default=None,
+        help="pool size in pages, per replica with --replicas (default: "
+        f"{replay_offline.TRACE_NUM_PAGES}; with --workload agent, a third of the live "
+        "sessions' histories)",
     )
     p.add_argument(
         "--host-pages",
@@ -196,6 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-chart", action="store_true", help="do not draw the chart (default: draw it)"
     )
+    replay_offline.add_arguments(p)
     metrics_server.add_arguments(p)
 
 
@@ -206,6 +214,14 @@ def run(args: argparse.Namespace) -> int:
     policy = args.policy or (REPLICAS_POLICY if routed else "all")
     policies = _choices(policy, POLICIES, "policy")
     routers = _choices(args.router or "all", ROUTERS, "router") if routed else ()
+    replay_offline.check(args, routed)
+    agent = replay_offline.agent_requests(args) if args.workload == "agent" else None
+    if args.num_pages is None:
+        args.num_pages = (
+            replay_offline.TRACE_NUM_PAGES
+            if agent is None
+            else replay_offline.agent_pool_pages(agent, args.page_size)
+        )
     if args.num_pages + args.host_pages >= 2**31:
         raise UsageError(
             f"replay: --num-pages {args.num_pages} plus --host-pages {args.host_pages} must "
@@ -215,19 +231,25 @@ def run(args: argparse.Namespace) -> int:
     chart = not args.no_chart and have_matplotlib()
     if chart:
         output_dir(args.out, "replay")
-    if args.trace is None:
-        args.trace = str(SAMPLE_TRACE)
-        print(
-            f"trace: the sample shipped with radixkv ({SAMPLE_TRACE.name}; another: radixkv "
-            "replay TRACE)"
-        )
-    requests = _read(args.trace, args.limit)
+    if agent is not None:
+        print(replay_offline.describe(agent, args))
+        requests: list[TraceRequest] = list(agent)
+        source = "the agent workload"
+    else:
+        if args.trace is None:
+            args.trace = str(SAMPLE_TRACE)
+            print(
+                f"trace: the sample shipped with radixkv ({SAMPLE_TRACE.name}; another: radixkv "
+                "replay TRACE)"
+            )
+        requests = _read(args.trace, args.limit)
+        source = args.trace
     pool = args.num_pages * args.page_size
     shortest = min(len(r.tokens) + max(r.output_length, 1) - 1 for r in requests)
     if -(-shortest // args.page_size) > args.num_pages:
         raise UsageError(
             f"replay: the pool of {args.num_pages} pages of {args.page_size} tokens ({pool} "
-            f"tokens) cannot hold any request of {args.trace} (the smallest needs {shortest} "
+            f"tokens) cannot hold any request of {source} (the smallest needs {shortest} "
             "tokens with its output); raise --num-pages"
         )
     prompt = sum(len(r.tokens) for r in requests)
@@ -253,7 +275,12 @@ def run(args: argparse.Namespace) -> int:
                 ep.follow(cache, scheduler, policy=pol)
 
         results.append(replay(requests, cfg, progress=True, on_start=follow))
-    print(format_table(results, bound))
+    offline = []
+    if args.bound is not None:
+        offline = replay_offline.offline_rows(
+            requests, args.num_pages, args.page_size, args.prefill_tps, args.token_budget
+        )
+    print(format_table(results, bound, offline))
     if args.host_pages:
         print(format_host_table(results, [r.config.policy for r in results]))
     _note_dropped(results, len(requests), pool)
@@ -380,8 +407,13 @@ def _read(path: str, limit: int | None) -> list[TraceRequest]:
     return requests
 
 
-def format_table(results: list[ReplayResult], bound: float) -> str:
-    """One row per policy: hit rate against the unbounded-cache bound, work and waits."""
+def format_table(
+    results: list[ReplayResult],
+    bound: float,
+    offline: Sequence[replay_offline.OfflineRow] = (),
+) -> str:
+    """One row per policy: hit rate against the unbounded-cache bound, work and waits; then
+    the ``offline`` rows (``--bound``) and their footnote, when there are any."""
     rows = table_header(
         [
             ("policy", "", -11),
@@ -403,6 +435,8 @@ def format_table(results: list[ReplayResult], bound: float) -> str:
             f"{r.percentile('queue_waits', 50):>7.2f}s {r.percentile('queue_waits', 99):>7.2f}s "
             f"{r.percentile('ttfts', 50):>7.2f}s {r.percentile('ttfts', 99):>7.2f}s {r.dropped:>8}"
         )
+    if offline:
+        rows.extend(replay_offline.format_rows(offline, bound))
     rows.append(f"unbounded-cache bound at this page size: {bound:.2%}")
     return "\n".join(rows)
 

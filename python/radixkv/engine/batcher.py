@@ -331,7 +331,12 @@ class Batcher:
                 self._close_request(seq.req)
             else:
                 try:
-                    self.cache.finish(seq.req)
+                    if seq.retain or seq.cache_class:
+                        seq.retention = self.cache.finish(
+                            seq.req, retain=seq.retain, priority=seq.cache_class
+                        )
+                    else:
+                        self.cache.finish(seq.req)
                 except Exception as e:  # ends it all the same; a bug propagates afterwards
                     self._close_request(seq.req)
                     reason, seq.error = "error", e

@@ -208,6 +208,10 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self.release_hooks: list[Callable[[list[Sequence]], None]] = []
         self.stats = EngineStats()
+        #: The cache's clock is seconds since this engine was made, advanced at every step
+        #: once a request asked for retention.
+        self._t0 = time.monotonic()
+        self._retaining = False
         self._ids = itertools.count()
         self._stalled_steps = 0  # steps in a row without progress
         #: With a group: the collectives; calls rank 0 took since its last step; whether
@@ -369,6 +373,8 @@ class Engine:
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
+        retain: float = 0.0,
+        cache_priority: int = 0,
     ) -> int:
         """Queues one request; returns its id. ``temperature=0`` is greedy; generation ends at a
         token of ``stop`` (kept in the output; left out, the engine's ``stop_tokens``, which
@@ -392,7 +398,14 @@ class Engine:
         grammar allows, the request stops with ``finish_reason="stop"`` once the grammar is
         complete, and the tokens it forces are appended at once (:attr:`jump_forward`). A
         grammar that does not compile is a ``ValueError`` naming the problem; a request whose
-        grammar leaves no token of the vocabulary ends with ``finish_reason="error"``."""
+        grammar leaves no token of the vocabulary ends with ``finish_reason="error"``.
+
+        What outlives the request in the prefix cache (a ``RadixCache``; see SEMANTICS.md,
+        "Eviction classes and retention"): ``retain``, seconds its prompt and output stay
+        cached while anything else can be evicted (an agent waiting on a tool; ``math.inf``:
+        until ``cache.release_retention(result.retention)``), and ``cache_priority``, the
+        eviction class its pages are raised to (0 .. ``radixkv.EVICTION_CLASSES - 1``, 0 evicted
+        first). The engine advances the cache's clock in seconds at every step."""
         self._lead("submit")
         arr, params = self._check_submit(
             prompt,
@@ -412,6 +425,8 @@ class Engine:
             stop_strings=stop_strings,
             on_token=on_token,
             grammar=grammar,
+            retain=retain,
+            cache_priority=cache_priority,
         )
         seq_id = self._register(arr, params, on_token).id
         self._record(("submit", arr, params))
@@ -429,10 +444,13 @@ class Engine:
         name="prompt",
         on_token=None,
         grammar=None,
+        retain=0.0,
+        cache_priority=0,
         **knobs,
     ) -> tuple[np.ndarray, _Params]:
         """Everything :meth:`submit` checks, registering nothing (``knobs``: its sampling
         keywords)."""
+        keep = self._check_keep(retain, cache_priority)
         arr = to_token_array(prompt, name, self.vocab_size)
         sampling = self._check_knobs(on_token, knobs)
         params = _check_params(
@@ -447,7 +465,36 @@ class Engine:
             grammar=self._check_grammar(grammar),
         )
         self.batcher.check_fits(name, len(arr), params.max_new_tokens)
+        if keep is not None:
+            params = dataclasses.replace(params, retain=keep[0], cache_class=keep[1])
         return arr, params
+
+    def _check_keep(self, retain, cache_priority) -> tuple[float, int] | None:
+        """``retain`` and ``cache_priority`` checked (None: both off)."""
+        if isinstance(retain, bool) or not isinstance(retain, (int, float, np.number)):
+            raise ValueError(f"retain must be seconds (a number >= 0), got {retain!r}")
+        retain = float(retain)
+        if math.isnan(retain) or retain < 0:
+            raise ValueError(f"retain must be seconds >= 0 (or math.inf), got {retain}")
+        cls = _as_int(
+            cache_priority,
+            "cache_priority",
+            0,
+            radixkv.EVICTION_CLASSES - 1,
+            f"an eviction class in [0, {radixkv.EVICTION_CLASSES - 1}]",
+        )
+        if retain == 0 and cls == 0:
+            return None
+        if not isinstance(self.cache, radixkv.RadixCache):
+            raise ValueError(
+                "retain and cache_priority need a RadixCache (the block cache keeps no classes "
+                f"yet), got {type(self.cache).__name__}"
+            )
+        if self.lockstep is not None:
+            raise ValueError("retain and cache_priority are not supported with group= yet")
+        if retain > 0:
+            self._retaining = True
+        return retain, cls
 
     def _check_knobs(self, on_token, knobs: dict) -> Sampling:
         """The sampling keywords of :meth:`submit` checked (``on_token`` too)."""
@@ -520,6 +567,8 @@ class Engine:
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
+        retain: float = 0.0,
+        cache_priority: int = 0,
     ) -> list[int]:
         """N branches (sub-agents, samples) from one context: branch ``i`` is the request
         ``context + suffixes[i]`` (an empty suffix samples from the context itself), with seed
@@ -570,6 +619,9 @@ class Engine:
             part = to_token_array(s, f"suffixes[{i}]", self.vocab_size, allow_empty=True)
             prompts.append(np.concatenate([ctx, part]))
             self.batcher.check_fits(f"branch {i}", len(prompts[-1]), params.max_new_tokens)
+        keep = self._check_keep(retain, cache_priority)  # each branch's, as submit's
+        if keep is not None:
+            params = dataclasses.replace(params, retain=keep[0], cache_class=keep[1])
         ids = self._branch(ctx, prompts, params, on_token)
         self._record(("branch", ctx, prompts, params))
         return ids
@@ -756,6 +808,10 @@ class Engine:
         self.lockstep.check_s += time.perf_counter() - t
 
     def _step_once(self) -> list[Result]:
+        if self._retaining:
+            now = time.monotonic() - self._t0
+            if now > self.cache.now:
+                self.cache.advance(now)
         st = self.stats
         ended = self.batcher.num_ended
         t0 = time.perf_counter()
@@ -1117,6 +1173,8 @@ class Engine:
             namespace=params.namespace,
             seed=params.seed,
             priority=params.priority,
+            retain=params.retain,
+            cache_class=params.cache_class,
         )
         sp = params.sampling
         if sp is not OFF:
@@ -1191,6 +1249,9 @@ class _Params:
     sampling: Sampling = OFF
     #: Structured output (checked and compiled), or None.
     grammar: Grammar | None = None
+    #: What the request's finish asks of the prefix cache (``retain=``, ``cache_priority=``).
+    retain: float = 0.0
+    cache_class: int = 0
 
 
 def _as_int(value, name: str, lo: int, hi: int, what: str) -> int:

@@ -123,6 +123,8 @@ class Result:
     text: str | None = None
     #: Output tokens a grammar forced (jump-forward appended them without a decode step).
     forced_tokens: int = 0
+    #: The prefix cache's retention of this request's pages (``retain=``), or None.
+    retention: int | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,11 @@ class Sequence:
     grammar: GrammarState | None = field(default=None, repr=False)
     #: Output tokens its grammar forced (appended by jump-forward).
     forced_tokens: int = 0
+    #: What its finish asks of the prefix cache: seconds its pages stay retained (0: none)
+    #: and their eviction class; the retention made, if any.
+    retain: float = 0.0
+    cache_class: int = 0
+    retention: int | None = None
 
     @property
     def target(self) -> np.ndarray:
@@ -254,4 +261,5 @@ class Sequence:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             text=None if self.detok is None else self.detok.text,
             forced_tokens=self.forced_tokens,
+            retention=self.retention,
         )

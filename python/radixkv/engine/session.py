@@ -31,6 +31,12 @@ class Session:
     ``send`` runs one turn to completion and appends the reply; ``append`` adds tokens that need
     no reply (tool output); ``branch`` runs N sub-agents from the current history (which they all
     find cached) without changing it; ``fork`` starts a diverging copy of the conversation.
+
+    ``keep_alive``: seconds each turn's pages stay retained in the prefix cache while the
+    session waits for its next turn (an agent running a tool), evicted only when nothing else
+    can be; the next turn takes over the retention, and :meth:`close` releases it.
+    ``cache_priority``: the eviction class of the session's pages (0 .. EVICTION_CLASSES - 1,
+    0 evicted first); its branches get one class lower by default. Both need a RadixCache.
     """
 
     def __init__(
@@ -38,6 +44,9 @@ class Session:
         engine: Engine,
         system: Seq[int] | np.ndarray = (),
         namespace: str | bytes | None = None,
+        *,
+        keep_alive: float = 0.0,
+        cache_priority: int = 0,
     ) -> None:
         if not isinstance(engine, Engine):
             raise ValueError(f"engine must be a radixkv.Engine, got {type(engine).__name__}")
@@ -46,8 +55,13 @@ class Session:
                 f"namespace must be None, a str or bytes, got {namespace!r} "
                 f"({type(namespace).__name__})"
             )
+        engine._check_keep(keep_alive, cache_priority)  # the engine's own checks, up front
         self.engine = engine
         self.namespace = namespace
+        self.keep_alive = float(keep_alive)
+        self.cache_priority = int(cache_priority)
+        #: The prefix cache's retention of the last turn (``keep_alive``), or None.
+        self.retention: int | None = None
         self.history = to_token_array(system, "system", engine.vocab_size, allow_empty=True)
         self.results: list[Result] = []
 
@@ -100,13 +114,25 @@ class Session:
             stop_strings=stop_strings,
             on_token=on_token,
             grammar=grammar,
+            retain=self.keep_alive,
+            cache_priority=self.cache_priority,
         )
         (result,) = self.engine.run([seq_id])
         if result.error is not None:
             raise result.error
         self.history = np.concatenate([prompt, np.asarray(result.output, dtype=np.uint32)])
         self.results.append(result)
+        if result.retention is not None:  # this turn's retention covers the last one's pages
+            self.close()
+            self.retention = result.retention
         return result
+
+    def close(self) -> None:
+        """Releases the retention of the last turn (``keep_alive``), if it is still live: its
+        pages are plain cached pages again. The session can go on afterwards."""
+        if self.retention is not None:
+            self.engine.cache.release_retention(self.retention)
+            self.retention = None
 
     def branch(
         self,
@@ -149,12 +175,19 @@ class Session:
             stop_strings=stop_strings,
             on_token=on_token,
             grammar=grammar,
+            # A finished sub-agent's own pages go before the trunk the session keeps using.
+            cache_priority=max(self.cache_priority - 1, 0),
         )
         return self.engine.run(ids)
 
     def fork(self) -> Session:
         """A new session with the same history and namespace (their KV is shared in the cache)."""
-        other = Session(self.engine, namespace=self.namespace)
+        other = Session(
+            self.engine,
+            namespace=self.namespace,
+            keep_alive=self.keep_alive,
+            cache_priority=self.cache_priority,
+        )
         other.history = self.history.copy()
         return other
 

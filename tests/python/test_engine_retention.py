@@ -1,0 +1,85 @@
+"""Retention above the core: ``Session(keep_alive=...)`` keeps an agent's history cached while
+it waits on a tool and unrelated requests go through, ``close()`` gives it back to LRU, and the
+tokens are what a dense recompute gives either way (tiny built-in model)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import radixkv
+from tiny_model import dense_greedy, ids, tiny_model
+
+MODEL = tiny_model(seed=5)
+PAGE = 4
+
+
+def engine(num_pages: int, cache_cls=radixkv.RadixCache) -> radixkv.Engine:
+    cache = cache_cls(num_pages, page_size=PAGE)
+    return radixkv.Engine(MODEL, MODEL.make_kv_cache(cache), token_budget=256)
+
+
+def agent_then_traffic(keep_alive: float) -> tuple[radixkv.Session, radixkv.Result]:
+    """An agent's turn, then unrelated one-shot requests that fill the pool, then its next
+    turn; returns the session and that turn's result."""
+    rng = np.random.default_rng(3)
+    eng = engine(num_pages=40)
+    agent = radixkv.Session(eng, system=ids(rng, 60), keep_alive=keep_alive)
+    agent.send(ids(rng, 8), max_new_tokens=4)
+    for _ in range(6):  # the agent waits on its tool meanwhile
+        eng.generate([ids(rng, 50)], max_new_tokens=2, release=True)
+    history = agent.history.copy()
+    tool = ids(rng, 8)
+    result = agent.send(tool, max_new_tokens=4)
+    want = dense_greedy(MODEL, np.concatenate([history, tool]), 4)
+    assert result.output == want, "retention must never change the tokens"
+    return agent, result
+
+
+def test_a_paused_agent_keeps_its_history_with_keep_alive():
+    _, plain = agent_then_traffic(keep_alive=0.0)
+    agent, kept = agent_then_traffic(keep_alive=math.inf)
+    assert plain.cached_tokens < 16, "without retention the traffic evicts the history"
+    assert kept.cached_tokens >= len(agent.history) - 4 - 8 - PAGE, kept
+    stats = agent.engine.cache.stats
+    assert stats.forced_evictions == 0 and stats.retentions == 1
+    assert agent.retention == kept.retention is not None
+    agent.close()
+    assert agent.engine.cache.stats.retentions == 0 and agent.retention is None
+    agent.engine.cache.check()
+
+
+def test_each_turn_takes_over_the_last_ones_retention():
+    rng = np.random.default_rng(1)
+    eng = engine(num_pages=64)
+    s = radixkv.Session(eng, system=ids(rng, 20), keep_alive=600.0, cache_priority=1)
+    first = s.send(ids(rng, 4), max_new_tokens=2).retention
+    second = s.send(ids(rng, 4), max_new_tokens=2).retention
+    assert first is not None and second is not None and first != second
+    assert eng.cache.stats.retentions == 1, "the first turn's was released"
+    assert not eng.cache.release_retention(first)
+    branches = s.branch([ids(rng, 3), ids(rng, 3)], max_new_tokens=2)
+    assert all(b.retention is None for b in branches), "sub-agents are not retained"
+    s.close()
+    eng.cache.check()
+
+
+def test_retention_arguments_are_checked_up_front():
+    eng = engine(num_pages=32)
+    for bad, match in (
+        (dict(retain=-1.0), "retain must be seconds"),
+        (dict(retain="soon"), "retain must be seconds"),
+        (dict(cache_priority=radixkv.EVICTION_CLASSES), "cache_priority must be an eviction"),
+        (dict(cache_priority=True), "cache_priority"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            eng.submit([1, 2, 3], **bad)
+    assert not eng.has_work
+    with pytest.raises(ValueError, match=r"keep_alive|retain"):
+        radixkv.Session(eng, keep_alive=-5)
+    block = engine(num_pages=32, cache_cls=radixkv.BlockCache)
+    with pytest.raises(ValueError, match="need a RadixCache"):
+        block.submit([1, 2, 3], retain=5.0)
+    assert block.submit([1, 2, 3]) is not None
