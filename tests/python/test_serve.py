@@ -243,6 +243,8 @@ BAD = [
     ({"model": "smollm2"}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, None),
+    ({"messages": [{"role": "user", "content": "x"}], "keep_alive": -1}, "keep_alive"),
+    ({"messages": [{"role": "user", "content": "x"}], "cache_priority": 9}, "cache_priority"),
     (
         {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
         "response_format",
@@ -285,6 +287,26 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(serv
     if field is not None:
         assert err["param"] == field or field in err["message"], err
     assert chat(server, [{"role": "user", "content": "ok?"}], max_tokens=1).choices
+
+
+def test_keep_alive_retains_a_turn_until_the_next_one_takes_over(server):
+    """radixkv's own request fields, sent by the openai client with extra_body."""
+    before = server.cache.stats.retentions
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    first = chat(
+        server, messages, max_tokens=2, extra_body={"keep_alive": 600, "cache_priority": 2}
+    )
+    server.idle()
+    assert server.cache.stats.retentions == before + 1
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Another one."},
+    ]
+    second = chat(server, messages, max_tokens=2)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    server.cache.check()
+    server.loop.call_blocking(lambda: server.cache.advance(server.cache.now + 601.0))
+    assert server.cache.stats.retentions == before, "expired with the cache's clock"
 
 
 def test_invalid_json_is_a_400(server):

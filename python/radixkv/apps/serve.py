@@ -245,6 +245,12 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     cache_salt: str | None = None
+    # radixkv's own fields (OpenAI clients that do not send them are unaffected; the openai
+    # client sends them with extra_body): seconds the request's pages stay retained in the
+    # prefix cache after it finishes (an agent about to run a tool sends its next turn later),
+    # and their eviction class (0 evicted first). See SEMANTICS.md, "Eviction classes".
+    keep_alive: float = Field(default=0.0, ge=0.0)
+    cache_priority: int = Field(default=0, ge=0, lt=radixkv.EVICTION_CLASSES)
     user: str | None = None
     response_format: dict[str, Any] | None = None
 
@@ -424,6 +430,8 @@ def create_app(
             logprobs=logprobs,
             stop_strings=stops,
             grammar=grammar,
+            retain=body.keep_alive,
+            cache_priority=body.cache_priority,
         )
         pending = Pending(asyncio.get_running_loop())
         n = body.n
