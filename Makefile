@@ -50,9 +50,15 @@ OLDEST       := 3.10
 OLDEST_DIR   := target/oldest
 OLDEST_WHEEL := $(OLDEST_DIR)/wheels/.built
 
+# Wheels are manylinux2014 (glibc 2.17: CentOS/RHEL 7 on, Ubuntu 14.04 on, Debian 8 on):
+# cargo links through zig (ziglang, from requirements-dev.txt) against that glibc's symbols.
+# The oldest-Python test installs this very wheel, and checks its tag first.
+WHEEL_FLAGS := --release --zig --compatibility manylinux2014
+
 $(OLDEST_WHEEL): $(DEPS) $(RUST)
 	rm -rf $(OLDEST_DIR)/wheels
-	$(PY) -m maturin build --release --quiet -o $(OLDEST_DIR)/wheels
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m maturin build $(WHEEL_FLAGS) --quiet -o $(OLDEST_DIR)/wheels
+	ls $(OLDEST_DIR)/wheels/radixkv-*-manylinux2014_x86_64*.whl
 	touch $@
 
 test-oldest:
@@ -62,7 +68,7 @@ test-oldest:
 	if [ -z "$$py" ]; then echo "test-oldest: skipped: no Python $(OLDEST) (python$(OLDEST) not on PATH, no pyenv $(OLDEST))"; exit 0; fi; \
 	set -ex; $(MAKE) --no-print-directory $(OLDEST_WHEEL); rm -rf $(OLDEST_DIR)/venv; "$$py" -m venv $(OLDEST_DIR)/venv; \
 	$(OLDEST_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check \
-	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|accelerate\b|ruff\b|mypy\b|fastapi\b|uvicorn\b|openai\b|gguf\b|pyyaml\b)' requirements-dev.txt); \
+	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|accelerate\b|ruff\b|mypy\b|fastapi\b|uvicorn\b|openai\b|gguf\b|pyyaml\b|ziglang\b)' requirements-dev.txt); \
 	cd $(OLDEST_DIR) && venv/bin/python -c 'import sys, radixkv; assert "torch" not in sys.modules; print(sys.version, radixkv.__file__)'; \
 	cd $(CURDIR) && PYTHONPATH=tests/python $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
 
@@ -156,7 +162,7 @@ fmt: $(DEPS)
 	$(PY) -m ruff format python tests benches examples
 
 wheel: $(DEPS)
-	$(PY) -m maturin build --release
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m maturin build $(WHEEL_FLAGS)
 
 clean:
 	cargo clean

@@ -27,6 +27,24 @@ def test_readme_example_runs_and_reuses_the_system_prompt():
     ]
 
 
+def test_readme_retention_example_prints_what_it_says():
+    section = README.read_text().split("## Agents that pause: retention", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), {})
+    assert out.getvalue().splitlines() == [
+        "agent's next turn finds 496 tokens cached",
+        "retentions live: 0",
+    ]
+    # Without retain the same traffic evicts the agent's history.
+    plain = code.replace("cache.finish(req, retain=30.0)", "cache.finish(req)")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(plain, str(README), "exec"), {})
+    assert out.getvalue().splitlines()[0] == "agent's next turn finds 0 tokens cached"
+
+
 def test_readme_transformers_example_runs_and_reuses_the_prefix():
     pytest.importorskip("transformers")
     text = README.read_text()
