@@ -15,6 +15,9 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   ``radixkv_evicted_pages_total``, and ``radixkv_kv_cache_usage_perc``: the fraction (0 to 1) of
   the pool's pages pinned by live requests, as vLLM's ``vllm:kv_cache_usage_perc`` (cached pages
   no request uses count as free there too).
+- Retention (``finish(..., retain=...)``): ``radixkv_retentions`` (live),
+  ``radixkv_retained_evicted_pages_total`` (device pages evicted while retained) and
+  ``radixkv_retentions_expired_total``.
 - With a host tier (``host_pages > 0``; a cache without one exports none of these):
   ``radixkv_prefix_cache_host_hit_tokens_total`` (of the hit tokens, those loaded back from the
   host), ``radixkv_kv_host_pages{state="free"|"cached"}`` (host pages holding nothing / holding
@@ -233,6 +236,21 @@ class CacheCollector(Collector):
                 "radixkv_evicted_pages",
                 "Pages evicted (by allocation, evict and reset).",
                 s.evicted_pages if live else None,
+            ),
+            self._gauge(
+                "radixkv_retentions",
+                "Retentions live (finish with retain=, not yet expired or released).",
+                s.retentions if live else None,
+            ),
+            self._counter(
+                "radixkv_retained_evicted_pages",
+                "Device pages evicted while retained (nothing else was left to evict).",
+                s.forced_evictions if live else None,
+            ),
+            self._counter(
+                "radixkv_retentions_expired",
+                "Retentions whose time ran out on the cache's clock.",
+                s.expired_retentions if live else None,
             ),
             self._gauge(
                 "radixkv_kv_page_size_tokens", "Tokens per KV page.", s.page_size if live else None

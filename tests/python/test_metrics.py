@@ -219,6 +219,9 @@ BASE_FAMILIES = {
     "radixkv_evicted_pages",
     "radixkv_kv_page_size_tokens",
     "radixkv_kv_pages",
+    "radixkv_retentions",
+    "radixkv_retained_evicted_pages",
+    "radixkv_retentions_expired",
 }
 HOST_FAMILIES = {
     "radixkv_prefix_cache_host_hit_tokens",

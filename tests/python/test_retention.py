@@ -127,3 +127,18 @@ def test_retention_never_changes_whether_an_admission_fits(ops):
         s, t = kept.stats, plain.stats
         assert s.free_pages + s.evictable_pages == t.free_pages + t.evictable_pages
         assert s.used_pages == t.used_pages == 0
+
+
+def test_metrics_export_the_retention_counters():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from radixkv.metrics import CacheCollector
+
+    c = radixkv.RadixCache(4, page_size=1)
+    served(c, [1, 2, 3], retain=math.inf)
+    served(c, [7, 8, 9, 10])  # needs the whole pool: the retained pages go
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(CacheCollector(c))
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "radixkv_retained_evicted_pages_total 3.0" in text, text
+    assert "radixkv_retentions 0.0" in text
+    assert "radixkv_retentions_expired_total 0.0" in text
