@@ -14,6 +14,11 @@ use std::sync::Mutex;
 /// ``"dfs-weight"`` (requests sharing a prefix back to back, heaviest group first).
 /// ``max_wait``: a request that has waited more than this many ``schedule`` calls goes ahead of
 /// cache order (``0`` turns the bound off). Higher ``priority`` goes first within every policy.
+///
+/// In-batch prefix sharing (``"lpm"``, ``"dfs-weight"``): waiting requests that share an
+/// uncached prefix of at least 64 tokens (rounded up to whole pages; see
+/// ``radixkv.engine.defaults.sharing_threshold``) are admitted one ``schedule`` call apart, so
+/// that the later ones find the shared part cached and it is computed once.
 #[pyclass(name = "Scheduler", module = "radixkv._radixkv", frozen)]
 pub struct PyScheduler {
     cache: Py<PyCache>,
