@@ -181,6 +181,11 @@ class RefStats:
     offloaded_pages: int = 0
     loaded_pages: int = 0
     host_evicted_pages: int = 0
+    # Retention is not modelled here (tests/python/test_retention.py checks it against a twin
+    # cache, tests/rust/retain.rs by exact orders): the walks that use this model never retain.
+    retentions: int = 0
+    forced_evictions: int = 0
+    expired_retentions: int = 0
 
     @property
     def hit_rate(self) -> float:
