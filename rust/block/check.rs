@@ -103,18 +103,61 @@ pub(super) fn check_index(
     let lists = [
         (FREE, false, false, "free"),
         (EVICTABLE, true, false, "evictable"),
+        (CLASS_LISTS[1], true, false, "class 1"),
+        (CLASS_LISTS[2], true, false, "class 2"),
+        (CLASS_LISTS[3], true, false, "class 3"),
+        (RETAINED, true, false, "retained"),
         (HOST_FREE, false, true, "host free"),
         (HOST_EVICTABLE, true, true, "host evictable"),
     ];
     for (list, hashed, host, name) in lists {
         for page in t.lists.iter(list) {
             let pinned = !host && t.refcount.get(page.index()).map_or(true, |&rc| rc != 0);
+            let wrong_class = hashed && !host && t.list_for(page) != list;
             if t.recs.is_hashed(page) != hashed || t.tier.is_host(page) != host || pinned {
                 return corrupt(format!(
                     "page {} does not belong on the {name} list",
                     page.0
                 ));
             }
+            if wrong_class {
+                return corrupt(format!(
+                    "page {} of class {}, retained by {}, is on the {name} list",
+                    page.0,
+                    t.class_of(page),
+                    t.soft_of(page)
+                ));
+            }
+        }
+    }
+    // Retentions: each holds hashed device pages; the counts and holders are what they add to.
+    let mut soft = vec![0u32; num_pages];
+    for (&rid, r) in &t.retained {
+        for &page in &r.pages {
+            let ok = page.index() < num_pages
+                && t.recs.is_hashed(page)
+                && t.holders.get(&page).is_some_and(|h| h.contains(&rid));
+            if !ok || r.until.is_nan() {
+                return corrupt(format!(
+                    "retention {rid} holds page {}, not a cached one",
+                    page.0
+                ));
+            }
+            soft[page.index()] += 1;
+        }
+    }
+    for page in (0..num_pages as u32).map(PageId) {
+        let held = t.holders.get(&page).map_or(0, |h| h.len() as u32);
+        if t.soft_of(page) != soft[page.index()] || held != soft[page.index()] {
+            return corrupt(format!(
+                "page {}: retained by {} (holders {held}; the retentions add up to {})",
+                page.0,
+                t.soft_of(page),
+                soft[page.index()]
+            ));
+        }
+        if t.keep[page.index()] != 0 && !t.recs.is_hashed(page) {
+            return corrupt(format!("page {} holds nothing but has a class", page.0));
         }
     }
     let hashed = t.recs.count();

@@ -46,14 +46,23 @@ use page_records::PageRecords;
 mod check;
 mod content_map;
 mod page_records;
+mod retain;
+
+use retain::Retention;
 
 /// A prefix cache indexed by chained block hashes.
 pub type BlockCache = Cache<BlockIndex>;
 
 const FREE: ListId = ListId(0);
+/// Unpinned hashed device pages of eviction class 0 (see `retain.rs` for the others).
 const EVICTABLE: ListId = ListId(1);
 const HOST_FREE: ListId = ListId(2);
 const HOST_EVICTABLE: ListId = ListId(3);
+/// The evictable list of each eviction class, and of retained pages.
+const CLASS_LISTS: [ListId; 4] = [EVICTABLE, ListId(4), ListId(5), ListId(6)];
+const RETAINED: ListId = ListId(7);
+/// Every list of evictable device pages, in eviction order.
+const DEVICE_LISTS: [ListId; 5] = [EVICTABLE, ListId(4), ListId(5), ListId(6), RETAINED];
 
 /// Pages whose map slots and records `publish` loads together, that many pages ahead.
 const AHEAD: usize = 16;
@@ -97,6 +106,14 @@ pub struct BlockIndex {
     root_none: BlockHash,
     /// `publish`'s ring of the hashes and content keys of the pages ahead, kept between calls.
     scratch: Vec<(BlockHash, u64)>,
+    /// Of each device page: its eviction class and the retentions holding it (`retain.rs`).
+    keep: Vec<u32>,
+    /// Live retentions by id, the ids of those holding each retained page, and the counters.
+    retained: std::collections::BTreeMap<u64, Retention>,
+    holders: std::collections::HashMap<PageId, Vec<u64>>,
+    next_retention: u64,
+    forced_pages: u64,
+    expired: u64,
     /// Unit tests set this to give every page the same content key, so that the paths where
     /// several contents share a key run.
     #[cfg(test)]
@@ -288,6 +305,9 @@ impl BlockIndex {
     /// with room, else its hash is dropped.
     #[inline]
     fn evict_page(&mut self, d: PageId) {
+        if self.keep[d.index()] != 0 {
+            self.forget_keep(d);
+        }
         if !(self.tier.on() && self.offload(d)) {
             self.unhash(d);
         }
@@ -295,11 +315,11 @@ impl BlockIndex {
 
     /// Takes one pin of a cached page (a hit).
     fn pin_page(&mut self, page: PageId) {
-        let rc = &mut self.refcount[page.index()];
-        if *rc == 0 {
-            self.lists.remove(EVICTABLE, page);
+        if self.refcount[page.index()] == 0 {
+            let list = self.list_for(page);
+            self.lists.remove(list, page);
         }
-        *rc += 1;
+        self.refcount[page.index()] += 1;
     }
 
     /// Drops one pin of a page: at refcount 0 a hashed page becomes the most recently used
@@ -309,7 +329,8 @@ impl BlockIndex {
         *rc -= 1;
         if *rc == 0 {
             if self.recs.is_hashed(page) {
-                self.lists.push_back(EVICTABLE, page);
+                let list = self.list_for(page);
+                self.lists.push_back(list, page);
             } else {
                 self.lists.push_front(FREE, page);
             }
@@ -336,7 +357,8 @@ impl Index for BlockIndex {
         let total = num_pages + host_pages;
         let recs = PageRecords::try_new(total, page_size)?;
         let refcount = try_vec(num_pages, 0)?;
-        let mut lists = Links::try_new(4, total)?;
+        let keep = try_vec(num_pages, 0)?;
+        let mut lists = Links::try_new(8, total)?;
         for page in 0..num_pages as u32 {
             lists.push_back(FREE, PageId(page));
         }
@@ -356,6 +378,12 @@ impl Index for BlockIndex {
             tier: Tier::new(num_pages, host_pages),
             root_none: root_hash(page_size, &None),
             scratch: Vec::new(),
+            keep,
+            retained: std::collections::BTreeMap::new(),
+            holders: std::collections::HashMap::new(),
+            next_retention: 1,
+            forced_pages: 0,
+            expired: 0,
             #[cfg(test)]
             collide: false,
         })
@@ -370,7 +398,7 @@ impl Index for BlockIndex {
     }
 
     fn evictable_pages(&self) -> usize {
-        self.lists.len(EVICTABLE)
+        DEVICE_LISTS.iter().map(|&l| self.lists.len(l)).sum()
     }
 
     /// Hashes page by page until the first page the map does not hold.
@@ -461,7 +489,9 @@ impl Index for BlockIndex {
         while left > 0 {
             let n = left.min(EVICT_BATCH);
             for slot in &mut batch[..n] {
-                *slot = self.lists.pop_front(EVICTABLE).expect("capacity checked");
+                let (page, retained) = self.pop_evictable().expect("capacity checked");
+                self.forced_pages += retained as u64;
+                *slot = page;
             }
             self.map
                 .prefetch(batch[..n].iter().map(|&page| self.recs.key(page)));
@@ -556,9 +586,10 @@ impl Index for BlockIndex {
     fn evict(&mut self, num_pages: usize) -> usize {
         let mut done = 0;
         while done < num_pages {
-            let Some(page) = self.lists.pop_front(EVICTABLE) else {
+            let Some((page, retained)) = self.pop_evictable() else {
                 break;
             };
+            self.forced_pages += retained as u64;
             self.evict_page(page);
             self.lists.push_front(FREE, page);
             done += 1;
@@ -575,7 +606,8 @@ impl Index for BlockIndex {
             self.tier.dropped += 1;
         }
         let mut done = 0;
-        while let Some(page) = self.lists.pop_front(EVICTABLE) {
+        while let Some((page, _)) = self.pop_evictable() {
+            self.forget_keep(page);
             self.unhash(page);
             self.lists.push_front(FREE, page);
             done += 1;
@@ -632,11 +664,20 @@ impl Index for BlockIndex {
                 None => d.word((rc as u64) << 1),
             }
         }
-        for list in [FREE, EVICTABLE] {
+        for list in std::iter::once(FREE).chain(DEVICE_LISTS) {
             d.word(self.lists.len(list) as u64);
             for page in self.lists.iter(list) {
                 d.word(page.0 as u64);
             }
+        }
+        for (i, &k) in self.keep.iter().enumerate().filter(|(_, &k)| k != 0) {
+            d.word((i as u64) << 32 | k as u64);
+        }
+        d.word(self.retained.len() as u64);
+        for (&rid, r) in &self.retained {
+            d.word(rid);
+            d.word(r.until.to_bits());
+            d.pages(&r.pages);
         }
         if self.tier.on() {
             for list in [HOST_FREE, HOST_EVICTABLE] {
@@ -657,12 +698,33 @@ impl Index for BlockIndex {
         check::check_index(self, requests, num_pages)
     }
 
+    fn retains(&self) -> bool {
+        true
+    }
+
+    fn retain(&mut self, r: &Request<BlockExt>, class: u8, until: Option<f64>) -> u64 {
+        self.retain_pages(r, class, until)
+    }
+
+    fn release_retention(&mut self, id: u64) -> bool {
+        BlockIndex::release_retention(self, id)
+    }
+
+    fn expire(&mut self, now: f64) -> usize {
+        BlockIndex::expire(self, now)
+    }
+
+    fn retention_counts(&self) -> (usize, u64, u64) {
+        (self.retained.len(), self.forced_pages, self.expired)
+    }
+
     fn events(&mut self) -> &mut EventLog {
         &mut self.events
     }
 
     fn metadata_bytes(&self) -> usize {
         self.refcount.capacity() * 4
+            + self.keep.capacity() * 4
             + self.recs.heap_bytes()
             + self.map.heap_bytes()
             + self.lists.heap_bytes()

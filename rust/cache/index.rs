@@ -125,10 +125,11 @@ pub trait Index: Send + std::fmt::Debug {
     fn retains(&self) -> bool {
         false
     }
-    /// Called while `ext`'s request still pins its published pages, before [`Index::release`]:
-    /// raises their eviction class to at least `class` and, with `until`, retains them until
-    /// the clock passes it. Returns the retention's id (from 1; 0 when none was made).
-    fn retain(&mut self, _ext: &Self::Ext, _class: u8, _until: Option<f64>) -> u64 {
+    /// Called while `r` still pins its published pages (after its last publish, before
+    /// [`Index::release`]): raises their eviction class to at least `class` and, with `until`,
+    /// retains them until the clock passes it. Returns the retention's id (from 1; 0 when none
+    /// was made).
+    fn retain(&mut self, _r: &Request<Self::Ext>, _class: u8, _until: Option<f64>) -> u64 {
         0
     }
     /// Ends retention `id`; false when it is not live.

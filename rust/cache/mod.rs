@@ -302,7 +302,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         let upto = r.num_computed / self.index.page_size() * self.index.page_size();
         self.index.publish(&mut r, upto);
         let until = (retain > 0.0).then_some(self.now + retain);
-        let rid = self.index.retain(&r.ext, class, until);
+        let rid = self.index.retain(&r, class, until);
         self.index.release(&r);
         Ok(rid)
     }

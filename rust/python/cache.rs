@@ -249,7 +249,7 @@ impl PyCache {
     /// pages are raised to at least. ``retain``: seconds of the cache's clock (see
     /// ``advance``; ``math.inf``: until released) that its pages stay out of eviction while
     /// anything else can go. Returns the retention's id (for ``release_retention``), or None
-    /// when no retention was asked for. RadixCache only, for now.
+    /// when no retention was asked for.
     #[pyo3(signature = (req, *, retain=0.0, priority=None))]
     fn finish(
         slf: &Bound<'_, Self>,

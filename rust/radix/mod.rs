@@ -684,8 +684,8 @@ impl Index for RadixIndex {
         true
     }
 
-    fn retain(&mut self, ext: &RadixExt, class: u8, until: Option<f64>) -> u64 {
-        self.retain_path(ext.last, class, until)
+    fn retain(&mut self, r: &Request<RadixExt>, class: u8, until: Option<f64>) -> u64 {
+        self.retain_path(r.ext.last, class, until)
     }
 
     fn release_retention(&mut self, id: u64) -> bool {

@@ -21,11 +21,13 @@ def engine(num_pages: int, cache_cls=radixkv.RadixCache) -> radixkv.Engine:
     return radixkv.Engine(MODEL, MODEL.make_kv_cache(cache), token_budget=256)
 
 
-def agent_then_traffic(keep_alive: float) -> tuple[radixkv.Session, radixkv.Result]:
+def agent_then_traffic(
+    keep_alive: float, cache_cls=radixkv.RadixCache
+) -> tuple[radixkv.Session, radixkv.Result]:
     """An agent's turn, then unrelated one-shot requests that fill the pool, then its next
     turn; returns the session and that turn's result."""
     rng = np.random.default_rng(3)
-    eng = engine(num_pages=40)
+    eng = engine(num_pages=40, cache_cls=cache_cls)
     agent = radixkv.Session(eng, system=ids(rng, 60), keep_alive=keep_alive)
     agent.send(ids(rng, 8), max_new_tokens=4)
     for _ in range(6):  # the agent waits on its tool meanwhile
@@ -38,9 +40,10 @@ def agent_then_traffic(keep_alive: float) -> tuple[radixkv.Session, radixkv.Resu
     return agent, result
 
 
-def test_a_paused_agent_keeps_its_history_with_keep_alive():
-    _, plain = agent_then_traffic(keep_alive=0.0)
-    agent, kept = agent_then_traffic(keep_alive=math.inf)
+@pytest.mark.parametrize("cache_cls", [radixkv.RadixCache, radixkv.BlockCache])
+def test_a_paused_agent_keeps_its_history_with_keep_alive(cache_cls):
+    _, plain = agent_then_traffic(keep_alive=0.0, cache_cls=cache_cls)
+    agent, kept = agent_then_traffic(keep_alive=math.inf, cache_cls=cache_cls)
     assert plain.cached_tokens < 16, "without retention the traffic evicts the history"
     assert kept.cached_tokens >= len(agent.history) - 4 - 8 - PAGE, kept
     stats = agent.engine.cache.stats
@@ -79,7 +82,3 @@ def test_retention_arguments_are_checked_up_front():
     assert not eng.has_work
     with pytest.raises(ValueError, match=r"keep_alive|retain"):
         radixkv.Session(eng, keep_alive=-5)
-    block = engine(num_pages=32, cache_cls=radixkv.BlockCache)
-    with pytest.raises(ValueError, match="need a RadixCache"):
-        block.submit([1, 2, 3], retain=5.0)
-    assert block.submit([1, 2, 3]) is not None

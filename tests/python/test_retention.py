@@ -25,8 +25,12 @@ def served(cache, tokens, **kw):
     return cache.finish(req, **kw)
 
 
-def test_finish_returns_a_retention_only_when_asked():
-    c = radixkv.RadixCache(16, page_size=1)
+CACHES = [radixkv.RadixCache, radixkv.BlockCache]
+
+
+@pytest.mark.parametrize("cls", CACHES)
+def test_finish_returns_a_retention_only_when_asked(cls):
+    c = cls(16, page_size=1)
     assert served(c, [1, 2, 3]) is None
     assert served(c, [4, 5, 6], priority=2) is None
     rid = served(c, [7, 8, 9], retain=30.0)
@@ -39,8 +43,9 @@ def test_finish_returns_a_retention_only_when_asked():
     c.check()
 
 
-def test_retained_pages_outlive_newer_ones_until_their_time_is_up():
-    c = radixkv.RadixCache(9, page_size=1)
+@pytest.mark.parametrize("cls", CACHES)
+def test_retained_pages_outlive_newer_ones_until_their_time_is_up(cls):
+    c = cls(9, page_size=1)
     agent = [1, 2, 3, 4]
     c.advance(100.0)
     served(c, agent, retain=60.0)  # paused on a tool until t=160
@@ -55,8 +60,9 @@ def test_retained_pages_outlive_newer_ones_until_their_time_is_up():
     c.check()
 
 
-def test_bad_arguments_name_the_value_and_change_nothing():
-    c = radixkv.RadixCache(8, page_size=1)
+@pytest.mark.parametrize("cls", CACHES)
+def test_bad_arguments_name_the_value_and_change_nothing(cls):
+    c = cls(8, page_size=1)
     req = c.admit([1, 2, 3])
     c.commit(req, 3)
     with pytest.raises(ValueError, match=rf"priority.*0\.\.{radixkv.EVICTION_CLASSES}.*got 9"):
@@ -73,15 +79,10 @@ def test_bad_arguments_name_the_value_and_change_nothing():
     with pytest.raises(ValueError, match=r"clock is at 5.*got 1"):
         c.advance(1.0)
     assert c.now == 5.0
-    block = radixkv.BlockCache(8, page_size=1)
-    b = block.admit([1, 2, 3])
-    with pytest.raises(ValueError, match="RadixCache"):
-        block.finish(b, retain=1.0)
-    assert block.finish(b) is None
     c.check()
-    block.check()
 
 
+@pytest.mark.parametrize("cls", CACHES)
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
@@ -95,9 +96,9 @@ def test_bad_arguments_name_the_value_and_change_nothing():
         max_size=40,
     )
 )
-def test_retention_never_changes_whether_an_admission_fits(ops):
-    kept = radixkv.RadixCache(12, page_size=1)
-    plain = radixkv.RadixCache(12, page_size=1)
+def test_retention_never_changes_whether_an_admission_fits(cls, ops):
+    kept = cls(12, page_size=1)
+    plain = cls(12, page_size=1)
     now, rids = 0.0, []
     for op, fam, n, cls, retain in ops:
         if op == "tick":

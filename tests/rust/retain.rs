@@ -13,8 +13,14 @@ fn radix(num_pages: usize, p: usize) -> Ck<RadixCache> {
     }
 }
 
+fn block(num_pages: usize, p: usize) -> Ck<BlockCache> {
+    Ck {
+        c: BlockCache::new(num_pages, p).unwrap(),
+    }
+}
+
 /// Computes `t` whole and finishes it with `class` and `retain`; returns the retention id.
-fn serve(c: &mut Ck<RadixCache>, t: &[u32], class: u8, retain: f64) -> u64 {
+fn serve<C: PrefixCache>(c: &mut Ck<C>, t: &[u32], class: u8, retain: f64) -> u64 {
     let id = c.admit(t);
     c.commit(id, t.len());
     let rid = c.c.finish_retained(id, class, retain).unwrap();
@@ -23,12 +29,16 @@ fn serve(c: &mut Ck<RadixCache>, t: &[u32], class: u8, retain: f64) -> u64 {
 }
 
 /// Whether the whole of `t` but its last page is cached (what an admission of it would find).
-fn kept(c: &Ck<RadixCache>, t: &[u32], p: usize) -> bool {
+fn kept<C: PrefixCache>(c: &Ck<C>, t: &[u32], p: usize) -> bool {
     c.matched(t) == t.len() - p
 }
 
 fn classes_evict_lowest_first(p: usize) {
-    let mut c = radix(12, p);
+    classes_evict_lowest_first_in(radix(12, p), p);
+    classes_evict_lowest_first_in(block(12, p), p);
+}
+
+fn classes_evict_lowest_first_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
     let (a, b, d) = (u(p, &[1, 2, 3]), u(p, &[4, 5, 6]), u(p, &[7, 8, 9]));
     serve(&mut c, &a, 2, 0.0); // oldest, but of the highest class
     serve(&mut c, &b, 0, 0.0);
@@ -48,7 +58,11 @@ at_page_sizes!(
 
 /// A class only rises: a later, lower finish through the same pages does not lower it.
 fn a_class_only_rises(p: usize) {
-    let mut c = radix(12, p);
+    a_class_only_rises_in(radix(12, p), p);
+    a_class_only_rises_in(block(12, p), p);
+}
+
+fn a_class_only_rises_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
     let trunk = u(p, &[1, 2, 3]);
     serve(&mut c, &trunk, 3, 0.0);
     serve(&mut c, &cat(&trunk, &u(p, &[4])), 0, 0.0); // a branch of the lowest class
@@ -64,7 +78,11 @@ fn a_class_only_rises(p: usize) {
 at_page_sizes!(a_class_only_rises, a_class_only_rises, [1, 4]);
 
 fn retained_pages_go_last_and_are_counted(p: usize) {
-    let mut c = radix(12, p);
+    retained_pages_go_last_and_are_counted_in(radix(12, p), p);
+    retained_pages_go_last_and_are_counted_in(block(12, p), p);
+}
+
+fn retained_pages_go_last_and_are_counted_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
     let (a, b) = (u(p, &[1, 2, 3]), u(p, &[4, 5, 6]));
     let rid = serve(&mut c, &a, 0, 10.0);
     assert_eq!(rid, 1);
@@ -101,7 +119,11 @@ at_page_sizes!(
 /// Retention never makes an admission fail: a full pool of retained pages still serves a
 /// request that needs all of it.
 fn retention_never_blocks_an_admission(p: usize) {
-    let mut c = radix(4, p);
+    retention_never_blocks_an_admission_in(radix(4, p), p);
+    retention_never_blocks_an_admission_in(block(4, p), p);
+}
+
+fn retention_never_blocks_an_admission_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
     serve(&mut c, &u(p, &[1, 2, 3]), 0, f64::INFINITY);
     let id = c.admit(&u(p, &[5, 6, 7, 8]));
     assert_eq!(c.cached(id), 0);
@@ -117,7 +139,11 @@ at_page_sizes!(
 );
 
 fn retentions_expire_by_the_caches_clock(p: usize) {
-    let mut c = radix(12, p);
+    retentions_expire_by_the_caches_clock_in(radix(12, p), p);
+    retentions_expire_by_the_caches_clock_in(block(12, p), p);
+}
+
+fn retentions_expire_by_the_caches_clock_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
     let (a, b) = (u(p, &[1, 2, 3]), u(p, &[4, 5, 6]));
     c.c.set_time(100.0).unwrap();
     serve(&mut c, &a, 0, 10.0); // until 110
@@ -145,7 +171,11 @@ at_page_sizes!(
 );
 
 fn released_retentions_are_plain_lru_again(p: usize) {
-    let mut c = radix(12, p);
+    released_retentions_are_plain_lru_again_in(radix(12, p), p);
+    released_retentions_are_plain_lru_again_in(block(12, p), p);
+}
+
+fn released_retentions_are_plain_lru_again_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
     let (a, b) = (u(p, &[1, 2, 3]), u(p, &[4, 5, 6]));
     let rid = serve(&mut c, &a, 0, f64::INFINITY);
     serve(&mut c, &b, 0, 0.0);
@@ -164,7 +194,11 @@ at_page_sizes!(
 /// Two sessions share a trunk: a split keeps each retention exact, and releasing one leaves
 /// the other's path retained.
 fn shared_trunks_split_and_stay_exact(p: usize) {
-    let mut c = radix(16, p);
+    shared_trunks_split_and_stay_exact_in(radix(16, p), p);
+    shared_trunks_split_and_stay_exact_in(block(16, p), p);
+}
+
+fn shared_trunks_split_and_stay_exact_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
     let one = u(p, &[1, 2, 3, 4]);
     let two = u(p, &[1, 2, 7, 8]); // splits `one`'s edge after two pages
     let r1 = serve(&mut c, &one, 0, f64::INFINITY);
@@ -189,7 +223,11 @@ at_page_sizes!(
 
 /// A later turn of the session extends the retained path and takes over with its own.
 fn a_later_turn_takes_over(p: usize) {
-    let mut c = radix(16, p);
+    a_later_turn_takes_over_in(radix(16, p), p);
+    a_later_turn_takes_over_in(block(16, p), p);
+}
+
+fn a_later_turn_takes_over_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
     let turn1 = u(p, &[1, 2, 3]);
     let turn2 = cat(&turn1, &u(p, &[4, 5]));
     c.c.set_time(0.0).unwrap();
@@ -225,25 +263,37 @@ fn bad_classes_and_durations_are_refused_and_change_nothing() {
     }
     assert_eq!(c.c.finish_retained(id, CLASSES - 1, 0.0).unwrap(), 0);
     c.check();
-    // The block index keeps no classes yet: it says so, and plain finishes still work.
-    let mut b = BlockCache::new(8, 1).unwrap();
-    let id = b.admit(&[1, 2, 3], None).unwrap();
-    let err = b.finish_retained(id, 1, 0.0).unwrap_err();
-    assert!(err.to_string().contains("RadixCache"), "{err}");
-    assert_eq!(b.finish_retained(id, 0, 0.0).unwrap(), 0);
-    b.check().unwrap();
+    b_check_errors();
+}
+
+fn b_check_errors() {
+    let mut b = block(8, 1);
+    let id = b.admit(&[1, 2, 3]);
+    b.commit(id, 3);
+    let err = b.c.finish_retained(id, CLASSES, 0.0).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(b.c.finish_retained(id, 1, 5.0).unwrap() > 0);
+    b.check();
 }
 
 #[test]
 fn the_digest_covers_classes_and_retentions() {
-    let digest = |class: u8, retain: f64| {
-        let mut c = radix(8, 1);
-        serve(&mut c, &[1, 2, 3], class, retain);
-        c.c.state_digest()
+    let digest = |class: u8, retain: f64, radix_index: bool| {
+        if radix_index {
+            let mut c = radix(8, 1);
+            serve(&mut c, &[1, 2, 3], class, retain);
+            c.c.state_digest()
+        } else {
+            let mut c = block(8, 1);
+            serve(&mut c, &[1, 2, 3], class, retain);
+            c.c.state_digest()
+        }
     };
-    let plain = digest(0, 0.0);
-    assert_eq!(plain, digest(0, 0.0));
-    assert_ne!(plain, digest(1, 0.0));
-    assert_ne!(plain, digest(0, 5.0));
-    assert_ne!(digest(0, 5.0), digest(0, 6.0));
+    for r in [true, false] {
+        let plain = digest(0, 0.0, r);
+        assert_eq!(plain, digest(0, 0.0, r));
+        assert_ne!(plain, digest(1, 0.0, r));
+        assert_ne!(plain, digest(0, 5.0, r));
+        assert_ne!(digest(0, 5.0, r), digest(0, 6.0, r));
+    }
 }

@@ -400,7 +400,7 @@ class Engine:
         grammar that does not compile is a ``ValueError`` naming the problem; a request whose
         grammar leaves no token of the vocabulary ends with ``finish_reason="error"``.
 
-        What outlives the request in the prefix cache (a ``RadixCache``; see SEMANTICS.md,
+        What outlives the request in the prefix cache (see SEMANTICS.md,
         "Eviction classes and retention"): ``retain``, seconds its prompt and output stay
         cached while anything else can be evicted (an agent waiting on a tool; ``math.inf``:
         until ``cache.release_retention(result.retention)``), and ``cache_priority``, the
@@ -485,11 +485,6 @@ class Engine:
         )
         if retain == 0 and cls == 0:
             return None
-        if not isinstance(self.cache, radixkv.RadixCache):
-            raise ValueError(
-                "retain and cache_priority need a RadixCache (the block cache keeps no classes "
-                f"yet), got {type(self.cache).__name__}"
-            )
         if self.lockstep is not None:
             raise ValueError("retain and cache_priority are not supported with group= yet")
         if retain > 0:

@@ -36,7 +36,7 @@ class Session:
     session waits for its next turn (an agent running a tool), evicted only when nothing else
     can be; the next turn takes over the retention, and :meth:`close` releases it.
     ``cache_priority``: the eviction class of the session's pages (0 .. EVICTION_CLASSES - 1,
-    0 evicted first); its branches get one class lower by default. Both need a RadixCache.
+    0 evicted first); its branches get one class lower by default.
     """
 
     def __init__(
