@@ -9,6 +9,7 @@ a watchdog kills them if they hang.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import traceback
@@ -59,8 +60,12 @@ def drive(eng: radixkv.Engine) -> None:
         eng.submit(p, max_new_tokens=9, temperature=0.9 * (i % 2), seed=10 + i)
     eng.run()
     eng.release([doomed])
-    chat = radixkv.Session(eng, system=system)  # a session turn: a submit and a run
+    # Session turns: a submit and a run each, retained (until closed: the digest, compared with
+    # one process, must not depend on when each ran), in eviction class 1.
+    chat = radixkv.Session(eng, system=system, keep_alive=math.inf, cache_priority=1)
     chat.send(prompts[3][12:], max_new_tokens=5, temperature=0.5, seed=3)
+    chat.send(prompts[0][12:], max_new_tokens=3)
+    chat.close()
 
 
 def outputs(eng: radixkv.Engine) -> dict[str, list]:

@@ -286,6 +286,10 @@ class Engine:
             self._drop([self._get(i) for i in args[0]])
         elif kind == "end":
             self._end(*args)
+        elif kind == "clock":
+            self._tick(*args)
+        elif kind == "unretain":
+            self.cache.release_retention(*args)
         else:
             raise radixkv.Error(f"rank {self.rank}: unknown call {kind!r} from rank 0")
 
@@ -485,8 +489,6 @@ class Engine:
         )
         if retain == 0 and cls == 0:
             return None
-        if self.lockstep is not None:
-            raise ValueError("retain and cache_priority are not supported with group= yet")
         if retain > 0:
             self._retaining = True
         return retain, cls
@@ -778,6 +780,10 @@ class Engine:
         failed while it was packed included). With a group: rank 0 only; it first broadcasts
         the calls taken since the last step."""
         self._lead("step")
+        if self._retaining:  # rank 0's clock, sent to the other ranks with the step's calls
+            now = time.monotonic() - self._t0
+            self._record(("clock", now))
+            self._tick(now)
         if self.lockstep is None:
             return self._step_once()
         try:
@@ -802,11 +808,20 @@ class Engine:
         self.lockstep.check_step(self.cache, len(batch), num_tokens)
         self.lockstep.check_s += time.perf_counter() - t
 
+    def _tick(self, now: float) -> None:
+        """Advances the cache's clock to ``now`` (seconds) unless it is there already."""
+        if now > self.cache.now:
+            self.cache.advance(now)
+
+    def release_retention(self, retention: int) -> bool:
+        """Ends a retention a request's finish made (``Result.retention``) before its time; on
+        every rank of a group. Returns whether it was live."""
+        self._lead("release_retention")
+        live = self.cache.release_retention(retention)
+        self._record(("unretain", retention))
+        return live
+
     def _step_once(self) -> list[Result]:
-        if self._retaining:
-            now = time.monotonic() - self._t0
-            if now > self.cache.now:
-                self.cache.advance(now)
         st = self.stats
         ended = self.batcher.num_ended
         t0 = time.perf_counter()

@@ -131,7 +131,7 @@ class Session:
         """Releases the retention of the last turn (``keep_alive``), if it is still live: its
         pages are plain cached pages again. The session can go on afterwards."""
         if self.retention is not None:
-            self.engine.cache.release_retention(self.retention)
+            self.engine.release_retention(self.retention)
             self.retention = None
 
     def branch(
