@@ -187,7 +187,7 @@ class Batcher:
             plan = self._plan_growth(self.running[len(batch) :], budget, room)
             if not plan:
                 return
-            chunks = [seq.target[seq.num_tokens : seq.num_tokens + n] for seq, n in plan]
+            chunks = [seq.tokens(seq.num_tokens, n) for seq, n in plan]
             failed = False
             try:
                 done = self.cache.extend_many([seq.req for seq, _ in plan], chunks)

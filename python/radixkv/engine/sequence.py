@@ -217,6 +217,15 @@ class Sequence:
             self._target = np.concatenate([self.prompt, out])
         return self._target
 
+    def tokens(self, start: int, n: int) -> np.ndarray:
+        """``target[start : start + n]`` (uint32). A chunk inside the output (every decode
+        step's) is read off the output alone: building the whole target each step would copy
+        the context, tens of thousands of tokens for an agent, per request per step."""
+        p = len(self.prompt)
+        if start >= p:
+            return np.asarray(self.output[start - p : start - p + n], dtype=np.uint32)
+        return self.target[start : start + n]
+
     @property
     def target_len(self) -> int:
         """``len(target)``, without building the target."""
