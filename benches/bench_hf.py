@@ -39,7 +39,7 @@ try:
 
     import radixkv
     import radixkv.hf
-    from shapes import SHAPES, build, dtype_of
+    from shapes import NAMES, build, dtype_of
 except ImportError as e:  # an install without the [hf] extra: nothing to measure
     print(f"bench_hf: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
@@ -250,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument(
-        "--shape", default=None, choices=sorted(SHAPES), help="a named model shape instead"
+        "--shape",
+        default=None,
+        choices=NAMES,
+        help="a named model instead (benches/shapes.py; smollm2: the real weights)",
     )
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     ap.add_argument("--methods", default="prefix,engine,cb", help="besides plain, comma-separated")
