@@ -303,3 +303,16 @@ def test_default_greedy_path_is_unchanged():
     want = [dense_greedy(MODEL, p, 9, stop=got[0].output[-1:]) for p in prompts]
     assert [r.output for r in got] == want
     assert all(r.logprobs is None and r.text is None for r in got)
+
+
+def test_a_row_with_one_nan_is_refused_alone():
+    """A single NaN among a row's logits makes that row an error; the other rows sample."""
+    from radixkv.engine.sampling import sample_tokens
+    from radixkv.engine.sequence import Sequence
+
+    logits = torch.randn(3, 1000)
+    logits[1, 123] = float("nan")
+    seqs = [Sequence(id=i, prompt=np.zeros(1, np.uint32), max_new_tokens=1) for i in range(3)]
+    tokens, _ = sample_tokens(logits, seqs)
+    assert isinstance(tokens[1], ValueError) and "request 1" in str(tokens[1])
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())

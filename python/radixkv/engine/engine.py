@@ -890,8 +890,12 @@ class Engine:
         seqs = [batch[b] for b in ready]
         refused: dict[int, Exception] = {}
         try:
-            rows = logits[ready]
-            if any(s.grammar is not None for s in seqs):
+            constrained = any(s.grammar is not None for s in seqs)
+            # Every row sampled, in order (a decode step), none masked in place: the logits as
+            # they are, not a copy.
+            full = len(ready) == logits.shape[0] and not constrained
+            rows = logits if full else logits[ready]
+            if constrained:
                 refused = self._mask(rows, seqs)
             tokens, lps = sample_tokens(rows, seqs)
         except Exception as e:  # logits of the wrong shape, say

@@ -224,8 +224,12 @@ def sample_tokens(
     what it was batched with). A row holding NaN, or whose draw raises, gets an exception in
     place of a token (greedy or not: argmax would pick the NaN); the other rows are unaffected.
     Also returns each row's logprob (None for rows that do not ask), or None when no row asks."""
-    tokens: list[int | Exception] = list(logits.argmax(dim=-1).tolist())
-    for i, bad in enumerate(torch.isnan(logits).any(dim=-1).tolist()):
+    best = logits.argmax(dim=-1)
+    tokens: list[int | Exception] = list(best.tolist())
+    # argmax propagates NaN (a row holding one picks it), so the picked values tell which rows
+    # hold NaN without scanning the whole [N, vocab] block again.
+    picked = logits.gather(-1, best[:, None])[:, 0]
+    for i, bad in enumerate(torch.isnan(picked).tolist()):
         if bad:
             tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
     hot = [i for i, s in enumerate(seqs) if s.temperature > 0 or s.sampling is not None]
