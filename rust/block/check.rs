@@ -19,13 +19,9 @@ pub(super) fn check_index(
         // The content keys along its published pages, and the recorded keys of the pages
         // that hold them (its own, or the stored copies it pins).
         let mut lead = BlockIndex::root_lead(&crate::wire::hash::root_hash(p, &r.namespace));
-        let mut stored = r.ext.stored.iter().peekable();
-        for (i, page) in r.tokens[..r.published].chunks_exact(p).enumerate() {
+        let pages = r.tokens[..r.published].chunks_exact(p);
+        for (page, holder) in pages.zip(published_holders(r, p)) {
             lead = t.key(lead, page);
-            let holder = match stored.next_if(|(at, _)| *at as usize == i) {
-                Some(&(_, copy)) => copy,
-                None => r.pages[i],
-            };
             if t.recs.is_hashed(holder) && t.recs.key(holder) != lead {
                 return corrupt(format!(
                     "page {}: its recorded content key is not its prefix's",
@@ -132,8 +128,8 @@ pub(super) fn check_index(
     }
     // Retentions: each holds hashed device pages; the counts and holders are what they add to.
     let mut soft = vec![0u32; num_pages];
-    for (&rid, r) in &t.retained {
-        for &page in &r.pages {
+    for (rid, r) in t.retained.iter() {
+        for &page in &r.held {
             let ok = page.index() < num_pages
                 && t.recs.is_hashed(page)
                 && t.holders.get(&page).is_some_and(|h| h.contains(&rid));

@@ -48,7 +48,7 @@ mod content_map;
 mod page_records;
 mod retain;
 
-use retain::Retention;
+use crate::cache::retention::Retentions;
 
 /// A prefix cache indexed by chained block hashes.
 pub type BlockCache = Cache<BlockIndex>;
@@ -108,12 +108,10 @@ pub struct BlockIndex {
     scratch: Vec<(BlockHash, u64)>,
     /// Of each device page: its eviction class and the retentions holding it (`retain.rs`).
     keep: Vec<u32>,
-    /// Live retentions by id, the ids of those holding each retained page, and the counters.
-    retained: std::collections::BTreeMap<u64, Retention>,
+    /// Live retentions (each holding the pages of a chain), and the ids of those holding each
+    /// retained page.
+    retained: Retentions<Vec<PageId>>,
     holders: std::collections::HashMap<PageId, Vec<u64>>,
-    next_retention: u64,
-    forced_pages: u64,
-    expired: u64,
     /// Unit tests set this to give every page the same content key, so that the paths where
     /// several contents share a key run.
     #[cfg(test)]
@@ -338,6 +336,21 @@ impl BlockIndex {
     }
 }
 
+/// The pages that hold `r`'s published prefix in the index, in order: its own, or the stored
+/// copy it pins where it computed a private duplicate.
+fn published_holders(r: &Request<BlockExt>, page_size: usize) -> impl Iterator<Item = PageId> + '_ {
+    let mut stored = r.ext.stored.iter().peekable();
+    r.pages[..r.published / page_size]
+        .iter()
+        .enumerate()
+        .map(
+            move |(i, &own)| match stored.next_if(|(at, _)| *at as usize == i) {
+                Some(&(_, copy)) => copy,
+                None => own,
+            },
+        )
+}
+
 /// The cached pages of a lookup and the hash of the last one.
 #[derive(Debug)]
 pub struct Hits {
@@ -379,11 +392,9 @@ impl Index for BlockIndex {
             root_none: root_hash(page_size, &None),
             scratch: Vec::new(),
             keep,
-            retained: std::collections::BTreeMap::new(),
+            retained: Retentions::default(),
             holders: std::collections::HashMap::new(),
-            next_retention: 1,
-            forced_pages: 0,
-            expired: 0,
+
             #[cfg(test)]
             collide: false,
         })
@@ -490,7 +501,7 @@ impl Index for BlockIndex {
             let n = left.min(EVICT_BATCH);
             for slot in &mut batch[..n] {
                 let (page, retained) = self.pop_evictable().expect("capacity checked");
-                self.forced_pages += retained as u64;
+                self.retained.forced_pages += retained as u64;
                 *slot = page;
             }
             self.map
@@ -589,7 +600,7 @@ impl Index for BlockIndex {
             let Some((page, retained)) = self.pop_evictable() else {
                 break;
             };
-            self.forced_pages += retained as u64;
+            self.retained.forced_pages += retained as u64;
             self.evict_page(page);
             self.lists.push_front(FREE, page);
             done += 1;
@@ -673,12 +684,7 @@ impl Index for BlockIndex {
         for (i, &k) in self.keep.iter().enumerate().filter(|(_, &k)| k != 0) {
             d.word((i as u64) << 32 | k as u64);
         }
-        d.word(self.retained.len() as u64);
-        for (&rid, r) in &self.retained {
-            d.word(rid);
-            d.word(r.until.to_bits());
-            d.pages(&r.pages);
-        }
+        self.retained.digest(d, |pages, d| d.pages(pages));
         if self.tier.on() {
             for list in [HOST_FREE, HOST_EVICTABLE] {
                 d.word(self.lists.len(list) as u64);
@@ -715,7 +721,7 @@ impl Index for BlockIndex {
     }
 
     fn retention_counts(&self) -> (usize, u64, u64) {
-        (self.retained.len(), self.forced_pages, self.expired)
+        self.retained.counts()
     }
 
     fn events(&mut self) -> &mut EventLog {

@@ -19,13 +19,6 @@ use crate::cache::index::CLASSES;
 const CLASS_BITS: u32 = 2;
 const _: () = assert!(CLASSES as u32 <= 1 << CLASS_BITS);
 
-/// A live retention: its pages (device ids) and when it ends.
-#[derive(Debug, Clone)]
-pub(crate) struct Retention {
-    pub(crate) pages: Vec<PageId>,
-    pub(crate) until: f64,
-}
-
 impl BlockIndex {
     pub(super) fn class_of(&self, page: PageId) -> u8 {
         (self.keep[page.index()] & ((1 << CLASS_BITS) - 1)) as u8
@@ -64,15 +57,15 @@ impl BlockIndex {
         for rid in self.holders.remove(&page).unwrap_or_default() {
             let r = self
                 .retained
-                .get_mut(&rid)
+                .get_mut(rid)
                 .expect("holders name live retentions");
-            if r.pages.last() == Some(&page) {
-                r.pages.pop();
+            if r.held.last() == Some(&page) {
+                r.held.pop();
             } else {
-                r.pages.retain(|&q| q != page);
+                r.held.retain(|&q| q != page);
             }
-            if r.pages.is_empty() {
-                self.retained.remove(&rid);
+            if r.held.is_empty() {
+                self.retained.remove(rid);
             }
         }
         self.keep[page.index()] = 0;
@@ -86,14 +79,8 @@ impl BlockIndex {
         class: u8,
         until: Option<f64>,
     ) -> u64 {
-        let n = r.published / self.page_size;
-        let mut stored = r.ext.stored.iter().peekable();
-        let mut pages = Vec::with_capacity(n);
-        for (i, &own) in r.pages[..n].iter().enumerate() {
-            let page = match stored.next_if(|(at, _)| *at as usize == i) {
-                Some(&(_, copy)) => copy,
-                None => own,
-            };
+        let mut pages = Vec::with_capacity(r.published / self.page_size);
+        for page in published_holders(r, self.page_size) {
             let k = &mut self.keep[page.index()];
             let c = (*k & ((1 << CLASS_BITS) - 1)).max(class as u32);
             *k = (*k & !((1 << CLASS_BITS) - 1)) | c;
@@ -102,22 +89,21 @@ impl BlockIndex {
         let Some(until) = until.filter(|_| !pages.is_empty()) else {
             return 0;
         };
-        let rid = self.next_retention;
-        self.next_retention += 1;
-        for &page in &pages {
+        let rid = self.retained.insert(pages, until);
+        let held = &self.retained.get(rid).expect("just made").held;
+        for &page in held {
             self.keep[page.index()] += 1 << CLASS_BITS;
             self.holders.entry(page).or_default().push(rid);
         }
-        self.retained.insert(rid, Retention { pages, until });
         rid
     }
 
     /// Ends retention `rid`; false when it is not live.
     pub(super) fn release_retention(&mut self, rid: u64) -> bool {
-        let Some(r) = self.retained.remove(&rid) else {
+        let Some(r) = self.retained.remove(rid) else {
             return false;
         };
-        for page in r.pages {
+        for page in r.held {
             let linked = self.refcount[page.index()] == 0 && self.lists.is_linked(page);
             self.keep[page.index()] -= 1 << CLASS_BITS;
             if let Some(h) = self.holders.get_mut(&page) {
@@ -137,16 +123,11 @@ impl BlockIndex {
 
     /// Ends every retention whose time is up at `now`; returns how many.
     pub(super) fn expire(&mut self, now: f64) -> usize {
-        let due: Vec<u64> = self
-            .retained
-            .iter()
-            .filter(|(_, r)| r.until <= now)
-            .map(|(&rid, _)| rid)
-            .collect();
+        let due = self.retained.due(now);
         for &rid in &due {
             self.release_retention(rid);
         }
-        self.expired += due.len() as u64;
+        self.retained.expired += due.len() as u64;
         due.len()
     }
 }

@@ -13,6 +13,7 @@ use std::borrow::Cow;
 pub(crate) mod digest;
 pub(crate) mod index;
 pub(crate) mod request;
+pub(crate) mod retention;
 pub(crate) mod stats;
 pub(crate) mod tier;
 

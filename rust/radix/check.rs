@@ -143,15 +143,15 @@ pub(super) fn check_tree(
     }
     // Retentions: each holds a live non-root node, and the counts are what they add up to.
     let mut soft = vec![0u32; t.nodes.len()];
-    for (&rid, r) in &t.retained {
-        let n = t.nodes.get(r.node.index());
+    for (rid, r) in t.retained.iter() {
+        let n = t.nodes.get(r.held.index());
         if !n.is_some_and(|n| n.alive && n.parent != NIL) || r.until.is_nan() {
             return corrupt(format!(
                 "retention {rid} holds node {}, not a cached edge",
-                r.node.0
+                r.held.0
             ));
         }
-        let mut id = r.node;
+        let mut id = r.held;
         while t.node(id).parent != NIL {
             soft[id.index()] += 1;
             id = t.node(id).parent;

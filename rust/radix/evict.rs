@@ -188,7 +188,7 @@ impl RadixIndex {
                 let whole = drop == len;
                 self.trim_leaf(leaf, drop, false);
                 done += drop;
-                self.forced_pages += if retained { drop as u64 } else { 0 };
+                self.retained.forced_pages += if retained { drop as u64 } else { 0 };
                 if whole {
                     continue;
                 }
@@ -201,7 +201,7 @@ impl RadixIndex {
                 }
                 self.offload_edge(leaf);
                 done += down;
-                self.forced_pages += if retained { down as u64 } else { 0 };
+                self.retained.forced_pages += if retained { down as u64 } else { 0 };
             }
         }
         done

@@ -41,7 +41,8 @@ mod evict;
 mod freeset;
 mod retain;
 
-use retain::{list_for, Retention};
+use crate::cache::retention::Retentions;
+use retain::list_for;
 
 /// A prefix cache indexed by a compressed radix tree over token ids.
 pub type RadixCache = Cache<RadixIndex>;
@@ -186,13 +187,8 @@ pub struct RadixIndex {
     /// Keys pages longer than two tokens.
     keys: TokenKeys,
     events: EventLog,
-    /// Live retentions by id (ids from 1, in the order they were made).
-    retained: std::collections::BTreeMap<u64, Retention>,
-    next_retention: u64,
-    /// Device pages evicted (dropped or moved to the host) while retained, and retentions
-    /// that expired.
-    forced_pages: u64,
-    expired: u64,
+    /// Live retentions, each holding the path from its node to the root.
+    retained: Retentions<NodeId>,
     /// Unit tests set this to give every page the same child key, so that the collision paths
     /// (a lookup that must compare the page, a publish that must keep its page private) run.
     #[cfg(test)]
@@ -461,10 +457,7 @@ impl Index for RadixIndex {
             clock: 0,
             keys: TokenKeys::random(),
             events: EventLog::default(),
-            retained: std::collections::BTreeMap::new(),
-            next_retention: 1,
-            forced_pages: 0,
-            expired: 0,
+            retained: Retentions::default(),
             #[cfg(test)]
             collide: false,
         })
@@ -674,9 +667,9 @@ impl Index for RadixIndex {
         if self.tier.on() {
             self.evict_host(usize::MAX);
         }
-        let forced = self.forced_pages; // a reset is asked for: nothing it drops was forced
+        let forced = self.retained.forced_pages; // a reset is asked for: nothing was forced
         let done = self.evict_device(usize::MAX, false);
-        self.forced_pages = forced;
+        self.retained.forced_pages = forced;
         done
     }
 
@@ -697,7 +690,7 @@ impl Index for RadixIndex {
     }
 
     fn retention_counts(&self) -> (usize, u64, u64) {
-        (self.retained.len(), self.forced_pages, self.expired)
+        self.retained.counts()
     }
 
     fn host_free_pages(&self) -> usize {
@@ -798,12 +791,7 @@ impl Index for RadixIndex {
                 d.word(id.0 as u64);
             }
         }
-        d.word(self.retained.len() as u64);
-        for (&rid, r) in &self.retained {
-            d.word(rid);
-            d.word(r.node.0 as u64);
-            d.word(r.until.to_bits());
-        }
+        self.retained.digest(d, |node, d| d.word(node.0 as u64));
         if self.tier.on() {
             d.word(self.lru.len(HOST_LRU) as u64);
             for id in self.lru.iter(HOST_LRU) {

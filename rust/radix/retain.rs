@@ -21,14 +21,6 @@
 
 use super::*;
 
-/// A live retention: the path from `node` to its root is retained until the clock passes
-/// `until` (infinite: until released).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Retention {
-    pub(crate) node: NodeId,
-    pub(crate) until: f64,
-}
-
 /// The list an evictable node belongs in (whether it is linked or not).
 pub(super) fn list_for(n: &Node) -> ListId {
     if n.host {
@@ -74,18 +66,15 @@ impl RadixIndex {
         let (Some(until), false) = (until, id == last) else {
             return 0;
         };
-        let rid = self.next_retention;
-        self.next_retention += 1;
-        self.retained.insert(rid, Retention { node: last, until });
-        rid
+        self.retained.insert(last, until)
     }
 
     /// Ends the retention `rid`; false when there is none (expired, released, or evicted).
     pub(super) fn release_retention(&mut self, rid: u64) -> bool {
-        let Some(r) = self.retained.remove(&rid) else {
+        let Some(r) = self.retained.remove(rid) else {
             return false;
         };
-        let mut id = r.node;
+        let mut id = r.held;
         while id != NIL && self.node(id).parent != NIL {
             let old = list_for(self.node(id));
             self.node_mut(id).soft -= 1;
@@ -98,16 +87,11 @@ impl RadixIndex {
 
     /// Ends every retention whose time is up at `now`; returns how many.
     pub(super) fn expire(&mut self, now: f64) -> usize {
-        let due: Vec<u64> = self
-            .retained
-            .iter()
-            .filter(|(_, r)| r.until <= now)
-            .map(|(&rid, _)| rid)
-            .collect();
+        let due = self.retained.due(now);
         for &rid in &due {
             self.release_retention(rid);
         }
-        self.expired += due.len() as u64;
+        self.retained.expired += due.len() as u64;
         due.len()
     }
 
@@ -116,8 +100,8 @@ impl RadixIndex {
         let at: Vec<u64> = self
             .retained
             .iter()
-            .filter(|(_, r)| r.node == node)
-            .map(|(&rid, _)| rid)
+            .filter(|(_, r)| r.held == node)
+            .map(|(rid, _)| rid)
             .collect();
         for rid in at {
             self.release_retention(rid);
