@@ -48,7 +48,7 @@ pub use cache::index::{Cursor, Index, CLASSES};
 pub use cache::request::{RequestId, RequestView};
 pub use cache::stats::CacheStats;
 pub use cache::tier::{CopyKind, PageCopy};
-pub use cache::{Cache, PrefixCache};
+pub use cache::{Cache, DiskFetch, PrefixCache};
 pub use error::{Error, Result};
 pub use plan::{plan_step, StepPlan};
 pub use radix::RadixCache;

@@ -33,6 +33,8 @@ from radixkv import _extras
 from radixkv._radixkv import (
     COPY_LOAD,
     COPY_OFFLOAD,
+    COPY_PERSIST,
+    COPY_SPILL,
     EVICTION_CLASSES,
     BlockCache,
     Cache,
@@ -85,6 +87,8 @@ _NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
 __all__ = [
     "COPY_LOAD",
     "COPY_OFFLOAD",
+    "COPY_PERSIST",
+    "COPY_SPILL",
     "EVICTION_CLASSES",
     "BlockCache",
     "Cache",

@@ -10,6 +10,8 @@ from typing_extensions import disjoint_base
 __all__ = [
     "COPY_LOAD",
     "COPY_OFFLOAD",
+    "COPY_PERSIST",
+    "COPY_SPILL",
     "EVICTION_CLASSES",
     "BlockCache",
     "Cache",
@@ -23,6 +25,7 @@ __all__ = [
     "Scheduler",
     "StaleStepError",
     "StepPlan",
+    "_page_checksum",
     "_sha256_cbor_chain",
     "_sha256_cbor_none_hash",
     "block_hashes",
@@ -45,6 +48,8 @@ class CorruptionError(Error):
 
 COPY_OFFLOAD: int
 COPY_LOAD: int
+COPY_SPILL: int
+COPY_PERSIST: int
 #: Eviction classes of cached pages: ``finish(..., priority=0 .. EVICTION_CLASSES - 1)``.
 EVICTION_CLASSES: int
 
@@ -97,6 +102,18 @@ class CacheStats:
     def forced_evictions(self) -> int: ...
     @property
     def expired_retentions(self) -> int: ...
+    @property
+    def disk_pages(self) -> int: ...
+    @property
+    def disk_free_pages(self) -> int: ...
+    @property
+    def disk_written_pages(self) -> int: ...
+    @property
+    def disk_fetched_pages(self) -> int: ...
+    @property
+    def disk_evicted_pages(self) -> int: ...
+    @property
+    def disk_bad_pages(self) -> int: ...
     def as_dict(self) -> dict[str, float]: ...
 
 @final
@@ -159,12 +176,40 @@ class Cache:
     def reset(self) -> int: ...
     def drain_copies(self) -> npt.NDArray[np.int32]:
         """The copies between the tiers decided since the last call, in order: int32 rows
-        ``(kind, src, dst)``, kind ``COPY_OFFLOAD`` (device ``src`` to host ``dst``) or
-        ``COPY_LOAD`` (host ``src`` to device ``dst``), ids per tier; shape ``[N, 3]``. Empties
-        the log. Perform them in order before the next computation on the pages they name."""
+        ``(kind, src, dst)``, kind ``COPY_OFFLOAD`` (device ``src`` to host ``dst``),
+        ``COPY_LOAD`` (host ``src`` to device ``dst``), ``COPY_SPILL`` (host ``src`` to disk slot
+        ``dst``) or ``COPY_PERSIST`` (device ``src`` to disk slot ``dst``), ids per tier; shape
+        ``[N, 3]``. Empties the log. Perform them in order before the next computation on the
+        pages they name, and before reading a disk slot they write."""
 
     @property
     def host_pages(self) -> int: ...
+    @property
+    def disk_pages(self) -> int: ...
+    def disk_prefetch(
+        self, tokens: _Tokens, namespace: _Namespace = None
+    ) -> (
+        tuple[int, int, npt.NDArray[np.uint32], bytes, npt.NDArray[np.uint32]] | None
+    ):
+        """Starts reading back from disk the pages of ``tokens`` past the device and host
+        match: ``(id, from_token, slots, keys, host_pages)`` (read ``slots[i]``, which must hold
+        the page whose block key is ``keys[32*i:32*i+32]``, into ``host_pages[i]``, then
+        :meth:`disk_confirm`), or ``None`` when the disk holds none of them."""
+
+    def disk_confirm(self, id: int, good: int, bad: bool = False) -> int:
+        """Ends prefetch ``id``: its first ``good`` pages enter the cache as host pages; with
+        ``bad``, page ``good`` read torn or corrupted and leaves the disk. Returns how many
+        entered."""
+
+    def disk_persist(self) -> int:
+        """Logs a copy to disk of every cached page the disk lacks; returns how many."""
+
+    def disk_entries(self) -> tuple[bytes, npt.NDArray[np.uint32]]:
+        """The disk tier's ``(keys, slots)``, least recently used first (32-byte keys
+        concatenated)."""
+
+    def disk_restore(self, keys: bytes, slots: Sequence[int] | npt.NDArray[np.integer[Any]]) -> None:
+        """Fills the empty disk tier with entries saved by an earlier process."""
     @property
     def stats(self) -> CacheStats: ...
     def record_events(self, enabled: bool = True) -> None:
@@ -194,13 +239,17 @@ class Cache:
 class RadixCache(Cache):
     """A prefix cache indexed by a compressed radix tree over token ids."""
 
-    def __new__(cls, num_pages: int, page_size: int = 1, host_pages: int = 0) -> RadixCache: ...
+    def __new__(
+        cls, num_pages: int, page_size: int = 1, host_pages: int = 0, disk_pages: int = 0
+    ) -> RadixCache: ...
 
 @final
 class BlockCache(Cache):
     """A prefix cache indexed by chained block hashes (full pages only)."""
 
-    def __new__(cls, num_pages: int, page_size: int = 16, host_pages: int = 0) -> BlockCache: ...
+    def __new__(
+        cls, num_pages: int, page_size: int = 16, host_pages: int = 0, disk_pages: int = 0
+    ) -> BlockCache: ...
 
 @final
 class Scheduler:
@@ -274,6 +323,9 @@ def _sha256_cbor_chain(
 ) -> list[bytes]:
     """vLLM's ``sha256_cbor`` hashes of every full page of ``tokens``, chained from ``parent``
     (``NONE_HASH`` for ``seed`` when None), the first salted with ``salt``."""
+
+def _page_checksum(key: bytes, data: npt.NDArray[np.uint8] | bytes) -> bytes:
+    """The 32-byte checksum of a disk page: blake3 of its block key and its bytes."""
 
 def _sha256_cbor_none_hash(seed: str) -> bytes:
     """vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed``."""

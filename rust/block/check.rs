@@ -76,7 +76,14 @@ pub(super) fn check_index(
     }
     let total = num_pages + t.tier.host_pages;
     for page in (0..total as u32).map(PageId) {
-        if t.tier.is_host(page) && !t.lists.is_linked(page) {
+        let reserved = t.tier.is_host(page) && t.tier.reserved.contains(&t.tier.local(page));
+        if reserved && (t.lists.is_linked(page) || t.recs.is_hashed(page)) {
+            return corrupt(format!(
+                "host page {} is taken by a prefetch and held",
+                page.0
+            ));
+        }
+        if t.tier.is_host(page) && !reserved && !t.lists.is_linked(page) {
             return corrupt(format!("host page {} is on no list", page.0));
         }
         if let Some(h) = t.recs.hash(page) {

@@ -45,6 +45,7 @@ use page_records::PageRecords;
 
 mod check;
 mod content_map;
+mod disk;
 mod page_records;
 mod retain;
 
@@ -282,21 +283,30 @@ impl BlockIndex {
     /// host page belongs to a load in progress.
     #[inline(never)]
     fn offload(&mut self, d: PageId) -> bool {
-        let h = match self.lists.pop_front(HOST_FREE) {
-            Some(h) => h,
-            None => {
-                let Some(h) = self.lists.pop_front(HOST_EVICTABLE) else {
-                    return false;
-                };
-                self.unhash(h);
-                self.tier.dropped += 1;
-                h
-            }
+        let Some(h) = self.take_host_page() else {
+            return false;
         };
         self.relocate(d, h);
         self.lists.push_back(HOST_EVICTABLE, h);
         self.tier.offload(d, h);
         true
+    }
+
+    /// A host page for a page coming down or back: HOST_FREE's front, else HOST_EVICTABLE's
+    /// front, whose hash is dropped (to the disk tier when there is one). `None` when every host
+    /// page belongs to a load in progress.
+    fn take_host_page(&mut self) -> Option<PageId> {
+        if let Some(h) = self.lists.pop_front(HOST_FREE) {
+            return Some(h);
+        }
+        let h = self.lists.pop_front(HOST_EVICTABLE)?;
+        if self.tier.spills() {
+            let key = self.recs.hash(h).expect("host evictable pages are hashed");
+            self.tier.spill(h, &key);
+        }
+        self.unhash(h);
+        self.tier.dropped += 1;
+        Some(h)
     }
 
     /// Evicts device page `d` (just taken off EVICTABLE): to the host tier when there is one
@@ -624,6 +634,46 @@ impl Index for BlockIndex {
             done += 1;
         }
         done
+    }
+
+    fn take_host(&mut self, count: usize, out: &mut Vec<PageId>) {
+        for _ in 0..count {
+            let Some(h) = self.take_host_page() else {
+                break;
+            };
+            out.push(self.tier.local(h));
+        }
+    }
+
+    fn free_host(&mut self, pages: &[PageId]) {
+        self.free_host_pages(pages);
+    }
+
+    fn touch_host(&mut self, tokens: &[u32], namespace: &Namespace) {
+        let root = self.root(namespace);
+        let mut at = (root, Self::root_lead(&root));
+        let mut host = Vec::new();
+        self.walk(tokens, &mut at, |pg| host.push(pg));
+        host.retain(|&pg| self.tier.is_host(pg));
+        // The chain's tail first, so that its head ends at the very back.
+        for &pg in host.iter().rev() {
+            self.lists.remove(HOST_EVICTABLE, pg);
+            self.lists.push_back(HOST_EVICTABLE, pg);
+        }
+    }
+
+    fn adopt(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        from: usize,
+        host: &[PageId],
+    ) -> usize {
+        BlockIndex::adopt(self, tokens, namespace, from, host)
+    }
+
+    fn persist(&mut self) {
+        BlockIndex::persist(self)
     }
 
     fn host_free_pages(&self) -> usize {

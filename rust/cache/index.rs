@@ -104,6 +104,27 @@ pub trait Index: Send + std::fmt::Debug {
     fn reset(&mut self) -> usize;
     /// Host pages holding nothing.
     fn host_free_pages(&self) -> usize;
+    /// Takes up to `count` host pages holding nothing (per-tier ids) for a prefetch from disk,
+    /// dropping the host tier's least recently used pages (to the disk) to make room.
+    fn take_host(&mut self, count: usize, out: &mut Vec<PageId>);
+    /// Makes the host pages of the cached prefix of `tokens` the host tier's most recently used,
+    /// so that a [`Index::take_host`] for the same prompt drops other pages first.
+    fn touch_host(&mut self, tokens: &[u32], namespace: &Namespace);
+    /// Gives host pages taken by [`Index::take_host`] back, holding nothing.
+    fn free_host(&mut self, pages: &[PageId]);
+    /// Enters the host pages `host` (taken by [`Index::take_host`], now holding the KV of the
+    /// pages of `tokens` from token `from`) into the index as cached host pages, for the part
+    /// that extends the current match; frees the rest. Returns how many it entered.
+    fn adopt(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        from: usize,
+        host: &[PageId],
+    ) -> usize;
+    /// Hands every page the index holds to the disk tier: a copy logged for each page whose key
+    /// the disk lacks.
+    fn persist(&mut self);
     /// The host tier: its counters and copy log.
     fn tier(&self) -> &crate::cache::tier::Tier;
     /// The host tier, mutably (to drain its log).

@@ -1,16 +1,18 @@
 //! The request life cycle, written once: [`Cache`] over any [`Index`], and [`PrefixCache`], the
 //! object-safe interface the scheduler and the Python boundary use.
 
+use crate::arena::ids::PageId;
 use crate::cache::index::{Cursor, Index};
 use crate::cache::request::{new_cache_id, Request, RequestId, RequestView, Requests};
 use crate::cache::stats::{CacheStats, Counters};
 use crate::cache::tier::PageCopy;
 use crate::error::{invalid, Error, Result};
 use crate::wire::events::CacheEvent;
-use crate::wire::hash::Namespace;
+use crate::wire::hash::{BlockHash, Namespace};
 use std::borrow::Cow;
 
 pub(crate) mod digest;
+pub(crate) mod disk;
 pub(crate) mod index;
 pub(crate) mod request;
 pub(crate) mod retention;
@@ -101,6 +103,28 @@ pub trait PrefixCache: Send {
     fn drain_copies(&mut self) -> Vec<PageCopy>;
     /// Pages of the host tier (0: none).
     fn host_pages(&self) -> usize;
+    /// Slots of the disk tier (0: none).
+    fn disk_pages(&self) -> usize;
+    /// Starts reading back from disk the pages of `tokens` past what the device and host tiers
+    /// hold, while the disk holds them: their slots are pinned and host pages taken for them
+    /// (the host tier dropping its least recently used pages to make room). `None` when the
+    /// disk holds none of them. The owner reads each slot into its host page, checks it, then
+    /// calls [`PrefixCache::disk_confirm`]; until then the pages are no hit. Errors without a
+    /// disk tier, or for an empty prompt.
+    fn disk_prefetch(&mut self, tokens: &[u32], namespace: Namespace) -> Result<Option<DiskFetch>>;
+    /// Ends prefetch `id`: its first `good` pages read well and enter the index as host pages
+    /// (the part that still extends the cached prefix); with `bad`, page `good` read torn or
+    /// corrupted and leaves the disk tier. Returns how many pages entered the index. Errors for
+    /// an id not in progress or `good` past its pages, changing nothing.
+    fn disk_confirm(&mut self, id: u64, good: usize, bad: bool) -> Result<usize>;
+    /// Logs a copy to disk of every page the index holds that the disk lacks (for saving the
+    /// cache); returns how many copies it logged.
+    fn disk_persist(&mut self) -> usize;
+    /// The disk tier's `(block key, slot)` pairs, least recently used first.
+    fn disk_entries(&self) -> Vec<(BlockHash, u32)>;
+    /// Fills the empty disk tier with saved entries (as `disk_entries` gave them): the pages a
+    /// directory holds from an earlier process. Checked first: errors change nothing.
+    fn disk_restore(&mut self, entries: &[(BlockHash, u32)]) -> Result<()>;
     /// A snapshot of the counters.
     fn stats(&self) -> CacheStats;
     /// `stats().evicted_pages` alone, without building the snapshot (the scheduler reads it per
@@ -148,6 +172,40 @@ pub struct Cache<I: Index> {
     counters: Counters,
     /// The clock retentions expire by, advanced by the owner (`set_time`).
     now: f64,
+    /// Prefetches from disk in progress, by id.
+    fetches: std::collections::BTreeMap<u64, Fetch>,
+    next_fetch: u64,
+    /// Advanced by `reset`: a prefetch started before a reset enters nothing.
+    epoch: u64,
+}
+
+/// A prefetch from disk the owner is performing: read `slots[i]` (holding the page whose block
+/// key is `keys[i]`) into host page `host[i]`; the pages are those of the prompt from token
+/// `from` on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskFetch {
+    /// Its id, for [`PrefixCache::disk_confirm`].
+    pub id: u64,
+    /// The first token of the first page read.
+    pub from: usize,
+    /// Disk slots to read, in prefix order.
+    pub slots: Vec<u32>,
+    /// The block key each slot must hold.
+    pub keys: Vec<BlockHash>,
+    /// Host pages (per tier) to read them into.
+    pub host: Vec<u32>,
+}
+
+/// What a cache keeps of a prefetch in progress.
+#[derive(Debug)]
+struct Fetch {
+    tokens: Vec<u32>,
+    namespace: Namespace,
+    from: usize,
+    slots: Vec<u32>,
+    keys: Vec<BlockHash>,
+    host: Vec<PageId>,
+    epoch: u64,
 }
 
 impl<I: Index> Cache<I> {
@@ -159,20 +217,48 @@ impl<I: Index> Cache<I> {
     /// A cache over `num_pages` device pages of `page_size` tokens and a host tier of
     /// `host_pages` pages (0: none), where evicted pages go and come back from on a hit.
     pub fn with_host(num_pages: usize, page_size: usize, host_pages: usize) -> Result<Self> {
+        Self::with_tiers(num_pages, page_size, host_pages, 0)
+    }
+
+    /// A cache with a host tier of `host_pages` pages and, behind it, a disk tier of
+    /// `disk_pages` slots (0: none; a disk tier needs a host tier: pages come back from disk
+    /// into host pages).
+    pub fn with_tiers(
+        num_pages: usize,
+        page_size: usize,
+        host_pages: usize,
+        disk_pages: usize,
+    ) -> Result<Self> {
         check_pool_args(num_pages, page_size)?;
         check_host_args(num_pages, page_size, host_pages)?;
-        let index = I::new(num_pages, page_size, host_pages).map_err(|e| {
+        if disk_pages > 0 && host_pages == 0 {
+            return Err(invalid(format!(
+                "disk_pages={disk_pages} needs a host tier: pages come back from disk through \
+                 host pages, so pass host_pages > 0 as well"
+            )));
+        }
+        if disk_pages > i32::MAX as usize {
+            return Err(invalid(format!(
+                "disk_pages must be below 2**31, got {disk_pages}"
+            )));
+        }
+        let too_large = |e| {
             invalid(format!(
-                "num_pages={num_pages} with page_size={page_size} and host_pages={host_pages} \
-                 is too large for this machine: {e}"
+                "num_pages={num_pages} with page_size={page_size}, host_pages={host_pages} and \
+                 disk_pages={disk_pages} is too large for this machine: {e}"
             ))
-        })?;
+        };
+        let mut index = I::new(num_pages, page_size, host_pages).map_err(too_large)?;
+        index.tier_mut().disk = disk::Disk::new(disk_pages).map_err(too_large)?;
         Ok(Cache {
             index,
             num_pages,
             requests: Requests::new(new_cache_id()),
             counters: Counters::default(),
             now: 0.0,
+            fetches: Default::default(),
+            next_fetch: 1,
+            epoch: 0,
         })
     }
 
@@ -229,6 +315,31 @@ impl<I: Index> Cache<I> {
             self.index.publish(&mut r, upto);
         }
         self.index.release(&r);
+        Ok(())
+    }
+
+    /// The disk tier's own invariants, and that the prefetches in progress account for exactly
+    /// the host pages taken and the slot pins.
+    fn check_disk(&self) -> Result<()> {
+        let tier = self.index.tier();
+        tier.disk.check()?;
+        let mut taken: Vec<PageId> = self.fetches.values().flat_map(|f| f.host.clone()).collect();
+        taken.sort_unstable();
+        let mut reserved = tier.reserved.clone();
+        reserved.sort_unstable();
+        if taken != reserved {
+            return crate::error::corrupt(format!(
+                "prefetches hold {} host pages, {} are taken for them",
+                taken.len(),
+                reserved.len()
+            ));
+        }
+        if let Some(h) = reserved.iter().find(|h| h.0 as usize >= tier.host_pages) {
+            return crate::error::corrupt(format!("prefetch host page {} is past the tier", h.0));
+        }
+        if reserved.windows(2).any(|w| w[0] == w[1]) {
+            return crate::error::corrupt("a host page is taken by two prefetches");
+        }
         Ok(())
     }
 
@@ -342,6 +453,8 @@ impl<I: Index> PrefixCache for Cache<I> {
     fn reset(&mut self) -> usize {
         let mark = self.index.events().len();
         let host_before = self.index.tier().dropped;
+        self.epoch += 1;
+        self.index.tier_mut().disk.clear();
         let done = self.index.reset();
         self.counters.evicted_pages += done as u64;
         let done = done + (self.index.tier().dropped - host_before) as usize;
@@ -360,6 +473,137 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.index.tier().host_pages
     }
 
+    fn disk_pages(&self) -> usize {
+        self.index.tier().disk.pages
+    }
+
+    fn disk_prefetch(&mut self, tokens: &[u32], namespace: Namespace) -> Result<Option<DiskFetch>> {
+        check_prompt(tokens)?;
+        if !self.index.tier().disk.on() {
+            return Err(invalid(
+                "the cache has no disk tier (disk_pages=0): nothing to prefetch",
+            ));
+        }
+        let p = self.index.page_size();
+        let limit = match_limit(tokens.len(), p);
+        let found = self.index.lookup(&tokens[..limit], &namespace);
+        let (from, on_host) = (found.matched, found.host);
+        // The match's own host pages stay on the host while the rest comes back beside them
+        // (an admission loads them all at once): at most this many pages can come back.
+        let room = self.index.tier().host_pages.saturating_sub(on_host);
+        if from == limit || room == 0 {
+            return Ok(None);
+        }
+        let keys = crate::wire::hash::block_hashes(&tokens[..limit], p, &namespace);
+        let disk = &self.index.tier().disk;
+        let mut slots = Vec::new();
+        for key in &keys[from / p..] {
+            match disk.find(key) {
+                Some(s) if slots.len() < room => slots.push(s),
+                _ => break,
+            }
+        }
+        if slots.is_empty() {
+            return Ok(None);
+        }
+        // Pinned before host pages are taken: the host pages dropped to make room go to disk,
+        // and must not take these slots.
+        for &s in &slots {
+            self.index.tier_mut().disk.pin(s);
+        }
+        // Made the most recently used, the match's host pages are the last the host tier
+        // would drop, and `room` leaves enough others to drop before them.
+        self.index.touch_host(&tokens[..from], &namespace);
+        let mut host = Vec::with_capacity(slots.len());
+        self.index.take_host(slots.len(), &mut host);
+        for &s in &slots[host.len()..] {
+            self.index.tier_mut().disk.unpin(s);
+        }
+        slots.truncate(host.len());
+        if slots.is_empty() {
+            return Ok(None);
+        }
+        let end = from / p + slots.len();
+        let keys = keys[from / p..end].to_vec();
+        self.index.tier_mut().reserved.extend_from_slice(&host);
+        let id = self.next_fetch;
+        self.next_fetch += 1;
+        let view = DiskFetch {
+            id,
+            from,
+            slots: slots.clone(),
+            keys: keys.clone(),
+            host: host.iter().map(|h| h.0).collect(),
+        };
+        self.fetches.insert(
+            id,
+            Fetch {
+                tokens: tokens[..end * p].to_vec(),
+                namespace,
+                from,
+                slots,
+                keys,
+                host,
+                epoch: self.epoch,
+            },
+        );
+        Ok(Some(view))
+    }
+
+    fn disk_confirm(&mut self, id: u64, good: usize, bad: bool) -> Result<usize> {
+        let Some(f) = self.fetches.get(&id) else {
+            return Err(invalid(format!("no prefetch {id} is in progress")));
+        };
+        if good > f.slots.len() || (bad && good == f.slots.len()) {
+            return Err(invalid(format!(
+                "good must be at most the prefetch's {} pages (and below it with bad=True), got \
+                 {good}",
+                f.slots.len()
+            )));
+        }
+        let f = self.fetches.remove(&id).expect("checked above");
+        let tier = self.index.tier_mut();
+        tier.reserved.retain(|h| !f.host.contains(h));
+        if bad {
+            tier.disk.drop_bad(f.slots[good], &f.keys[good]);
+        }
+        for &s in &f.slots {
+            tier.disk.unpin(s);
+        }
+        if f.epoch != self.epoch {
+            self.index.free_host(&f.host);
+            return Ok(0);
+        }
+        let used = self
+            .index
+            .adopt(&f.tokens, &f.namespace, f.from, &f.host[..good]);
+        self.index.free_host(&f.host[good..]);
+        self.index.tier_mut().disk.fetched += used as u64;
+        Ok(used)
+    }
+
+    fn disk_persist(&mut self) -> usize {
+        if !self.index.tier().disk.on() {
+            return 0;
+        }
+        let before = self.index.tier().pending();
+        self.index.persist();
+        self.index.tier().pending() - before
+    }
+
+    fn disk_entries(&self) -> Vec<(BlockHash, u32)> {
+        self.index.tier().disk.entries()
+    }
+
+    fn disk_restore(&mut self, entries: &[(BlockHash, u32)]) -> Result<()> {
+        if !self.index.tier().disk.on() && !entries.is_empty() {
+            return Err(invalid(
+                "the cache has no disk tier (disk_pages=0) to restore entries into",
+            ));
+        }
+        self.index.tier_mut().disk.restore(entries)
+    }
+
     fn evicted_pages(&self) -> u64 {
         self.counters.evicted_pages
     }
@@ -374,6 +618,12 @@ impl<I: Index> PrefixCache for Cache<I> {
             offloaded_pages: tier.offloaded,
             loaded_pages: tier.loaded,
             host_evicted_pages: tier.dropped,
+            disk_pages: tier.disk.pages,
+            disk_free_pages: tier.disk.free_slots(),
+            disk_written_pages: tier.disk.written,
+            disk_fetched_pages: tier.disk.fetched,
+            disk_evicted_pages: tier.disk.dropped,
+            disk_bad_pages: tier.disk.bad,
             retentions,
             forced_evictions,
             expired_retentions,
@@ -397,6 +647,7 @@ impl<I: Index> PrefixCache for Cache<I> {
             }
         }
         self.index.check(&self.requests, self.num_pages)?;
+        self.check_disk()?;
         if self.counters.hit_tokens > self.counters.query_tokens
             || self.counters.host_hit_tokens > self.counters.hit_tokens
         {
@@ -443,6 +694,14 @@ impl<I: Index> PrefixCache for Cache<I> {
             // Without a tier the digest is what it was before tiers existed.
             d.word(self.index.tier().host_pages as u64);
             d.word(self.index.host_free_pages() as u64);
+        }
+        if self.index.tier().disk.on() {
+            self.index.tier().disk.digest(&mut d);
+            d.word(self.fetches.len() as u64);
+            for (id, f) in &self.fetches {
+                d.word(*id);
+                d.pages(&f.host);
+            }
         }
         d.word(self.index.free_pages() as u64);
         d.word(self.index.evictable_pages() as u64);

@@ -43,6 +43,18 @@ pub struct CacheStats {
     pub forced_evictions: u64,
     /// Retentions that expired (the clock passed their time), so far.
     pub expired_retentions: u64,
+    /// Slots of the disk tier (0: none).
+    pub disk_pages: usize,
+    /// Disk slots holding nothing.
+    pub disk_free_pages: usize,
+    /// Pages written to the disk tier so far (dropped by the host tier, or persisted).
+    pub disk_written_pages: u64,
+    /// Pages read back from the disk tier into the host tier so far.
+    pub disk_fetched_pages: u64,
+    /// Disk pages dropped so far (to make room, or by `reset`).
+    pub disk_evicted_pages: u64,
+    /// Disk pages found torn or corrupted when read back (dropped, never served).
+    pub disk_bad_pages: u64,
 }
 
 impl CacheStats {

@@ -1,4 +1,4 @@
-//! What both indexes share of the host tier: the copy log and its counters.
+//! What both indexes share of the host and disk tiers: the copy log and its counters.
 //!
 //! With `host_pages > 0` a cached page is on the device or on the host. The index decides
 //! where each page goes; the owner of the KV tensors moves them. Every move is appended to the
@@ -8,8 +8,15 @@
 //! Inside an index, host pages share one id space with device pages so that an index entry is
 //! a plain [`PageId`]: device pages are `0..num_pages`, host page `h` is `num_pages + h`. Copies
 //! name pages per tier (`h`, not `num_pages + h`).
+//!
+//! With `disk_pages > 0` as well, a host page the host tier drops goes to a disk slot (a
+//! [`CopyKind::Spill`]); [`crate::PrefixCache::disk_persist`] writes every page the index holds
+//! that the disk lacks (spills from the host, [`CopyKind::Persist`] from the device). Pages
+//! come back from disk through the host by a prefetch (see `cache/mod.rs`), not through the log.
 
 use crate::arena::ids::PageId;
+use crate::cache::disk::Disk;
+use crate::wire::hash::BlockHash;
 
 /// Which way a [`PageCopy`] goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,6 +25,10 @@ pub enum CopyKind {
     Offload = 0,
     /// Host page `src` to device page `dst`: a request is about to read it.
     Load = 1,
+    /// Host page `src` to disk slot `dst`: the host tier drops the page, the disk keeps it.
+    Spill = 2,
+    /// Device page `src` to disk slot `dst`: a copy for `disk_persist`; the page stays.
+    Persist = 3,
 }
 
 /// One copy of a page's KV between the tiers; ids are per tier.
@@ -45,6 +56,18 @@ pub struct Tier {
     /// Host pages dropped so far (to make room, or by `reset`).
     pub dropped: u64,
     log: Vec<PageCopy>,
+    /// The disk tier behind the host tier (no slots: none).
+    pub disk: Disk,
+    /// Host pages (per tier) taken by prefetches in progress: in no list and not in the index.
+    pub reserved: Vec<PageId>,
+    /// Set while `reset` drops the host tier: nothing spills (the disk is cleared too).
+    pub resetting: bool,
+}
+
+impl Default for Disk {
+    fn default() -> Self {
+        Disk::new(0).expect("an empty disk tier")
+    }
 }
 
 impl Tier {
@@ -104,6 +127,40 @@ impl Tier {
         self.loaded += 1;
     }
 
+    /// Whether host pages the host tier drops go to disk now.
+    #[inline]
+    pub fn spills(&self) -> bool {
+        self.disk.on() && !self.resetting
+    }
+
+    /// Records that the host tier drops host page `h` (an index id) whose block key is `key`:
+    /// the disk keeps it (a spill copy when the disk lacked the key).
+    pub fn spill(&mut self, h: PageId, key: &BlockHash) {
+        if let Some(s) = self.disk.store(key) {
+            let src = self.local(h).0;
+            self.log.push(PageCopy {
+                kind: CopyKind::Spill,
+                src,
+                dst: s,
+            });
+        }
+    }
+
+    /// Records that index page `page` (device or host), whose block key is `key`, is written to
+    /// disk unless the disk holds the key already; the index keeps the page.
+    pub fn persist(&mut self, page: PageId, key: &BlockHash) {
+        if self.is_host(page) {
+            return self.spill(page, key);
+        }
+        if let Some(s) = self.disk.store(key) {
+            self.log.push(PageCopy {
+                kind: CopyKind::Persist,
+                src: page.0,
+                dst: s,
+            });
+        }
+    }
+
     /// The copies not drained yet, in order; the log is left empty.
     pub fn drain(&mut self) -> Vec<PageCopy> {
         std::mem::take(&mut self.log)
@@ -117,5 +174,7 @@ impl Tier {
     /// Heap bytes of the log.
     pub fn heap_bytes(&self) -> usize {
         self.log.capacity() * std::mem::size_of::<PageCopy>()
+            + self.disk.heap_bytes()
+            + self.reserved.capacity() * 4
     }
 }

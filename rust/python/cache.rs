@@ -324,8 +324,9 @@ impl PyCache {
 
     /// The copies between the tiers decided since the last call, in the order to perform them,
     /// as an int32 array ``[N, 3]`` of rows ``(kind, src, dst)``: kind ``COPY_OFFLOAD`` (0,
-    /// device page ``src`` to host page ``dst``) or ``COPY_LOAD`` (1, host page ``src`` to device
-    /// page ``dst``); ids per tier. Empties the log. Perform them in order before the next
+    /// device page ``src`` to host page ``dst``), ``COPY_LOAD`` (1, host page ``src`` to device
+    /// page ``dst``), ``COPY_SPILL`` (2, host page ``src`` to disk slot ``dst``) or
+    /// ``COPY_PERSIST`` (3, device page ``src`` to disk slot ``dst``); ids per tier. Empties the log. Perform them in order before the next
     /// computation that reads or writes a page they name (``KVCache`` does it in ``plan``).
     fn drain_copies<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let copies = slf.get().with(slf.py(), false, |c| Ok(c.drain_copies()))?;
@@ -341,6 +342,97 @@ impl PyCache {
     #[getter]
     fn host_pages(slf: &Bound<'_, Self>) -> PyResult<usize> {
         slf.get().with(slf.py(), false, |c| Ok(c.host_pages()))
+    }
+
+    /// Slots of the disk tier (0: none).
+    #[getter]
+    fn disk_pages(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.get().with(slf.py(), false, |c| Ok(c.disk_pages()))
+    }
+
+    /// Starts reading back from the disk tier the pages of ``tokens`` past what the device and
+    /// host tiers hold, while the disk holds them (see SEMANTICS.md, "Disk tier"). Returns
+    /// ``None`` when it holds none, else ``(id, from_token, slots, keys, host_pages)``: read disk
+    /// slot ``slots[i]`` (uint32), which must hold the page whose block key is
+    /// ``keys[32*i:32*i+32]``, into host page ``host_pages[i]``, check it, then call
+    /// :meth:`disk_confirm`. ``KVCache(..., disk_dir=...)`` does all of it in ``prefetch``.
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn disk_prefetch<'py>(
+        slf: &Bound<'py, Self>,
+        tokens: &Bound<'py, PyAny>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let py = slf.py();
+        let toks = convert::tokens("tokens", tokens)?;
+        let ns = convert::namespace(namespace)?;
+        let Some(f) = slf.get().with(py, true, |c| c.disk_prefetch(&toks, ns))? else {
+            return Ok(None);
+        };
+        let keys: Vec<u8> = f.keys.iter().flatten().copied().collect();
+        let items: Vec<PyObject> = vec![
+            f.id.into_pyobject(py)?.into_any().unbind(),
+            f.from.into_pyobject(py)?.into_any().unbind(),
+            PyArray1::from_vec(py, f.slots).into_any().unbind(),
+            PyBytes::new(py, &keys).into_any().unbind(),
+            PyArray1::from_vec(py, f.host).into_any().unbind(),
+        ];
+        Ok(Some(PyTuple::new(py, items)?))
+    }
+
+    /// Ends prefetch ``id``: its first ``good`` pages read well and enter the cache as host pages
+    /// (the part that still extends the cached prefix); with ``bad=True``, page ``good`` read torn
+    /// or corrupted and leaves the disk tier. Returns how many pages entered the cache.
+    #[pyo3(signature = (id, good, bad=false))]
+    fn disk_confirm(slf: &Bound<'_, Self>, id: u64, good: usize, bad: bool) -> PyResult<usize> {
+        slf.get()
+            .with(slf.py(), false, |c| c.disk_confirm(id, good, bad))
+    }
+
+    /// Logs a copy to disk (``COPY_SPILL`` from the host, ``COPY_PERSIST`` from the device) of
+    /// every page the cache holds that the disk tier lacks, to save the cache; returns how many.
+    fn disk_persist(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.get().with(slf.py(), true, |c| Ok(c.disk_persist()))
+    }
+
+    /// The disk tier's entries, least recently used first: ``(keys, slots)``, the 32-byte block
+    /// keys concatenated and a uint32 array of their slots.
+    fn disk_entries<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let entries = slf.get().with(py, true, |c| Ok(c.disk_entries()))?;
+        let keys: Vec<u8> = entries.iter().flat_map(|e| e.0).collect();
+        let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
+        let items: Vec<PyObject> = vec![
+            PyBytes::new(py, &keys).into_any().unbind(),
+            PyArray1::from_vec(py, slots).into_any().unbind(),
+        ];
+        PyTuple::new(py, items)
+    }
+
+    /// Fills the empty disk tier with entries an earlier process saved (as :meth:`disk_entries`
+    /// gave them): ``keys`` (32 bytes each, concatenated) and their ``slots``. ``ValueError``,
+    /// changing nothing, for a tier that is not empty, a slot past ``disk_pages``, or a slot or
+    /// key given twice.
+    fn disk_restore(slf: &Bound<'_, Self>, keys: &[u8], slots: &Bound<'_, PyAny>) -> PyResult<()> {
+        let slots = convert::tokens("slots", slots).or_else(|e| {
+            if slots.len().is_ok_and(|n| n == 0) {
+                Ok(Vec::new())
+            } else {
+                Err(e)
+            }
+        })?;
+        if keys.len() != 32 * slots.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "keys must be 32 bytes for each of the {} slots, got {} bytes",
+                slots.len(),
+                keys.len()
+            )));
+        }
+        let entries: Vec<([u8; 32], u32)> = keys
+            .chunks_exact(32)
+            .map(|k| k.try_into().expect("32 bytes"))
+            .zip(slots)
+            .collect();
+        slf.get().with(slf.py(), true, |c| c.disk_restore(&entries))
     }
 
     /// A snapshot of the page counts and hit counters.
@@ -518,15 +610,20 @@ pub struct PyRadixCache;
 impl PyRadixCache {
     #[new]
     #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None),
-        text_signature = "(num_pages, page_size=1, host_pages=0)"
+        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None),
+        text_signature = "(num_pages, page_size=1, host_pages=0, disk_pages=0)"
     )]
     fn new(
         py: Python<'_>,
         num_pages: &Bound<'_, PyAny>,
         page_size: Option<&Bound<'_, PyAny>>,
         host_pages: Option<&Bound<'_, PyAny>>,
+        disk_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let d = match disk_pages {
+            Some(d) => convert::count("disk_pages", d)?,
+            None => 0,
+        };
         let base = new_cache(
             py,
             num_pages,
@@ -534,7 +631,7 @@ impl PyRadixCache {
             host_pages,
             1,
             "RadixCache",
-            |n, p, h| Ok(Box::new(RadixCache::with_host(n, p, h)?)),
+            |n, p, h| Ok(Box::new(RadixCache::with_tiers(n, p, h, d)?)),
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(PyRadixCache))
     }
@@ -549,15 +646,20 @@ pub struct PyBlockCache;
 impl PyBlockCache {
     #[new]
     #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None),
-        text_signature = "(num_pages, page_size=16, host_pages=0)"
+        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None),
+        text_signature = "(num_pages, page_size=16, host_pages=0, disk_pages=0)"
     )]
     fn new(
         py: Python<'_>,
         num_pages: &Bound<'_, PyAny>,
         page_size: Option<&Bound<'_, PyAny>>,
         host_pages: Option<&Bound<'_, PyAny>>,
+        disk_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let d = match disk_pages {
+            Some(d) => convert::count("disk_pages", d)?,
+            None => 0,
+        };
         let base = new_cache(
             py,
             num_pages,
@@ -565,7 +667,7 @@ impl PyBlockCache {
             host_pages,
             16,
             "BlockCache",
-            |n, p, h| Ok(Box::new(BlockCache::with_host(n, p, h)?)),
+            |n, p, h| Ok(Box::new(BlockCache::with_tiers(n, p, h, d)?)),
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(PyBlockCache))
     }
@@ -794,6 +896,37 @@ impl PyCacheStats {
         self.0.expired_retentions
     }
 
+    /// Slots of the disk tier (0: none).
+    #[getter]
+    fn disk_pages(&self) -> usize {
+        self.0.disk_pages
+    }
+    /// Disk slots holding nothing.
+    #[getter]
+    fn disk_free_pages(&self) -> usize {
+        self.0.disk_free_pages
+    }
+    /// Pages written to the disk tier so far (dropped by the host tier, or persisted).
+    #[getter]
+    fn disk_written_pages(&self) -> u64 {
+        self.0.disk_written_pages
+    }
+    /// Pages read back from the disk tier into the host tier so far.
+    #[getter]
+    fn disk_fetched_pages(&self) -> u64 {
+        self.0.disk_fetched_pages
+    }
+    /// Disk pages dropped so far (to make room, or by ``reset``).
+    #[getter]
+    fn disk_evicted_pages(&self) -> u64 {
+        self.0.disk_evicted_pages
+    }
+    /// Disk pages found torn or corrupted when read back (dropped, never served).
+    #[getter]
+    fn disk_bad_pages(&self) -> u64 {
+        self.0.disk_bad_pages
+    }
+
     /// The fields as a dict.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let d = pyo3::types::PyDict::new(py);
@@ -817,6 +950,12 @@ impl PyCacheStats {
         d.set_item("retentions", s.retentions)?;
         d.set_item("forced_evictions", s.forced_evictions)?;
         d.set_item("expired_retentions", s.expired_retentions)?;
+        d.set_item("disk_pages", s.disk_pages)?;
+        d.set_item("disk_free_pages", s.disk_free_pages)?;
+        d.set_item("disk_written_pages", s.disk_written_pages)?;
+        d.set_item("disk_fetched_pages", s.disk_fetched_pages)?;
+        d.set_item("disk_evicted_pages", s.disk_evicted_pages)?;
+        d.set_item("disk_bad_pages", s.disk_bad_pages)?;
         Ok(d)
     }
 
@@ -829,7 +968,7 @@ impl PyCacheStats {
     fn __repr__(&self) -> String {
         let s = self.0;
         format!(
-            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={}{}{})",
+            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={}{}{}{})",
             s.num_pages, s.page_size, s.free_pages, s.evictable_pages, s.used_pages, s.queries, s.query_tokens, s.hit_tokens, s.hit_rate(), s.evicted_pages,
             if s.host_pages == 0 { String::new() } else {
                 format!(", host_pages={}, host_free_pages={}, host_hit_tokens={}, offloaded_pages={}, loaded_pages={}, host_evicted_pages={}",
@@ -838,6 +977,10 @@ impl PyCacheStats {
             if (s.retentions, s.forced_evictions, s.expired_retentions) == (0, 0, 0) { String::new() } else {
                 format!(", retentions={}, forced_evictions={}, expired_retentions={}",
                     s.retentions, s.forced_evictions, s.expired_retentions)
+            },
+            if s.disk_pages == 0 { String::new() } else {
+                format!(", disk_pages={}, disk_free_pages={}, disk_written_pages={}, disk_fetched_pages={}, disk_evicted_pages={}, disk_bad_pages={}",
+                    s.disk_pages, s.disk_free_pages, s.disk_written_pages, s.disk_fetched_pages, s.disk_evicted_pages, s.disk_bad_pages)
             }
         )
     }
@@ -941,6 +1084,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_sha256_cbor_none_hash, m)?)?;
     m.add("COPY_OFFLOAD", crate::cache::tier::CopyKind::Offload as i32)?;
     m.add("COPY_LOAD", crate::cache::tier::CopyKind::Load as i32)?;
+    m.add("COPY_SPILL", crate::cache::tier::CopyKind::Spill as i32)?;
+    m.add("COPY_PERSIST", crate::cache::tier::CopyKind::Persist as i32)?;
     m.add("EVICTION_CLASSES", crate::CLASSES)?;
     Ok(())
 }

@@ -9,6 +9,7 @@
 
 mod cache;
 mod convert;
+mod disk;
 mod plan;
 mod scheduler;
 
@@ -62,5 +63,6 @@ fn _radixkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cache::register(m)?;
     plan::register(m)?;
     scheduler::register(m)?;
+    disk::register(m)?;
     Ok(())
 }

@@ -226,10 +226,12 @@ pub(super) fn check_tree(
         }
     }
     for h in (0..host_pages as u32).map(PageId) {
-        let held = owner[t.tier.host_id(h).index()] + t.host_free.contains(h) as u8;
+        let held = owner[t.tier.host_id(h).index()]
+            + t.host_free.contains(h) as u8
+            + t.tier.reserved.contains(&h) as u8;
         if held != 1 {
             return corrupt(format!(
-                "host page {} is held {held} times (free, tree)",
+                "host page {} is held {held} times (free, tree, prefetches)",
                 h.0
             ));
         }

@@ -25,7 +25,7 @@ impl RadixIndex {
 
     /// Links a host edge that just became a host leaf after every host leaf used no later
     /// (walking from the back: edges come down to the host roughly in order of last use).
-    fn link_host_by_time(&mut self, id: NodeId) {
+    pub(super) fn link_host_by_time(&mut self, id: NodeId) {
         let t = self.node(id).time;
         let mut at = self.lru.back(HOST_LRU);
         while let Some(e) = at {
@@ -113,11 +113,22 @@ impl RadixIndex {
     fn trim_leaf(&mut self, leaf: NodeId, drop: usize, host: bool) {
         let p = self.page_size;
         let first = self.page_key(&self.node(leaf).key[..p]);
-        if self.events.on {
-            let keys = self.trailing_keys(leaf, drop);
-            self.events.removed(keys);
-        }
         let keep = self.node(leaf).pages.len() - drop;
+        let spill = host && self.tier.spills();
+        if self.events.on || spill {
+            let keys = self.trailing_keys(leaf, drop);
+            if spill {
+                // Deepest first: the disk drops its least recently stored slots first, so a
+                // path's tail goes before its head there too.
+                for i in (0..drop).rev() {
+                    let page = self.node(leaf).pages[keep + i];
+                    self.tier.spill(page, &keys[i]);
+                }
+            }
+            if self.events.on {
+                self.events.removed(keys);
+            }
+        }
         if host {
             let locals = self.host_locals(&self.node(leaf).pages[keep..]);
             self.host_free.insert_all(&locals);

@@ -37,6 +37,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
 mod check;
+mod disk;
 mod evict;
 mod freeset;
 mod retain;
@@ -665,7 +666,9 @@ impl Index for RadixIndex {
     /// with their last node.
     fn reset(&mut self) -> usize {
         if self.tier.on() {
+            self.tier.resetting = true;
             self.evict_host(usize::MAX);
+            self.tier.resetting = false;
         }
         let forced = self.retained.forced_pages; // a reset is asked for: nothing was forced
         let done = self.evict_device(usize::MAX, false);
@@ -695,6 +698,37 @@ impl Index for RadixIndex {
 
     fn host_free_pages(&self) -> usize {
         self.host_free.len()
+    }
+
+    fn take_host(&mut self, count: usize, out: &mut Vec<PageId>) {
+        let free = self.host_free.len();
+        if free < count {
+            self.evict_host(count - free);
+        }
+        self.host_free
+            .pop_many(count.min(self.host_free.len()), out);
+    }
+
+    fn free_host(&mut self, pages: &[PageId]) {
+        self.host_free.insert_all(pages);
+    }
+
+    fn touch_host(&mut self, tokens: &[u32], namespace: &Namespace) {
+        RadixIndex::touch_host(self, tokens, namespace)
+    }
+
+    fn adopt(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        from: usize,
+        host: &[PageId],
+    ) -> usize {
+        RadixIndex::adopt(self, tokens, namespace, from, host)
+    }
+
+    fn persist(&mut self) {
+        RadixIndex::persist(self)
     }
 
     fn tier(&self) -> &Tier {

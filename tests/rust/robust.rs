@@ -14,7 +14,11 @@ use std::collections::{BTreeMap, HashMap};
 
 #[derive(Debug, Clone)]
 enum Op {
-    Admit { base: usize, len: usize, ns: u8 },
+    Admit {
+        base: usize,
+        len: usize,
+        ns: u8,
+    },
     Fork(usize),
     Extend(usize, usize),
     Commit(usize, usize),
@@ -24,7 +28,23 @@ enum Op {
     Abort(usize),
     Evict(usize),
     Reset,
-    Match { base: usize, len: usize, ns: u8 },
+    Match {
+        base: usize,
+        len: usize,
+        ns: u8,
+    },
+    /// A read back from the disk tier (with `corrupt`, that page of it reads bad).
+    Prefetch {
+        base: usize,
+        len: usize,
+        ns: u8,
+        corrupt: Option<usize>,
+    },
+    /// Every page the cache holds written to disk.
+    Persist,
+    /// The process restarts: every request aborted, the cache persisted and emptied, the device
+    /// and host KV lost, the disk's index restored from what was saved.
+    Restart,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -40,6 +60,28 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..12usize).prop_map(Op::Evict),
         1 => Just(Op::Reset),
         1 => (0..6usize, 1..40usize, 0..12u8).prop_map(|(base, len, ns)| Op::Match { base, len, ns }),
+    ]
+}
+
+/// [`op`] with the disk tier's operations mixed in.
+fn disk_op() -> impl Strategy<Value = Op> {
+    let prefetch = (
+        0..6usize,
+        1..40usize,
+        0..12u8,
+        proptest::option::weighted(0.15, 0..8usize),
+    )
+        .prop_map(|(base, len, ns, corrupt)| Op::Prefetch {
+            base,
+            len,
+            ns,
+            corrupt,
+        });
+    prop_oneof![
+        12 => op(),
+        3 => prefetch,
+        1 => Just(Op::Persist),
+        1 => Just(Op::Restart),
     ]
 }
 
@@ -96,6 +138,7 @@ fn fingerprint(ns: &Namespace, tokens: &[u32]) -> u64 {
 struct Pools {
     dev: Vec<u64>,
     host: Vec<u64>,
+    disk: Vec<u64>,
 }
 
 impl Pools {
@@ -103,6 +146,7 @@ impl Pools {
         Pools {
             dev: vec![0; c.stats().num_pages],
             host: vec![0; c.host_pages()],
+            disk: vec![0; c.disk_pages()],
         }
     }
 
@@ -115,8 +159,64 @@ impl Pools {
             match cp.kind {
                 CopyKind::Offload => self.host[d] = self.dev[s],
                 CopyKind::Load => self.dev[d] = self.host[s],
+                CopyKind::Spill => self.disk[d] = self.host[s],
+                CopyKind::Persist => self.disk[d] = self.dev[s],
             }
         }
+        Ok(())
+    }
+
+    /// What an owner does to read pages back from disk: the copies logged so far performed
+    /// first (a spill must land before its slot is read), then each slot read and checked (its
+    /// KV against its prefix, as a checksum against the key), the good ones copied into their
+    /// host pages, and the prefetch confirmed. With `corrupt`, that page's bytes are damaged on
+    /// disk first: it must read bad and end the run there.
+    fn prefetch(
+        &mut self,
+        c: &mut dyn PrefixCache,
+        tokens: &[u32],
+        ns: Namespace,
+        corrupt: Option<usize>,
+    ) -> Result<(), Error> {
+        if c.disk_pages() == 0 {
+            return Ok(());
+        }
+        let before = c.match_prefix(tokens, &ns)?;
+        let Some(f) = c.disk_prefetch(tokens, ns.clone())? else {
+            return Ok(());
+        };
+        self.copy(c).expect("copies are performed");
+        let p = c.page_size();
+        assert_eq!(
+            f.from, before,
+            "a prefetch starts where the memory match ends"
+        );
+        if let Some(k) = corrupt {
+            let k = k % f.slots.len();
+            self.disk[f.slots[k] as usize] ^= 2;
+        }
+        let mut good = 0;
+        for (i, (&slot, &h)) in f.slots.iter().zip(&f.host).enumerate() {
+            let end = f.from + (i + 1) * p;
+            let want = fingerprint(&ns, &tokens[..end]);
+            let key = radixkv::block_hashes(&tokens[..end], p, &ns)[end / p - 1];
+            assert_eq!(f.keys[i], key, "slot {slot}: the key of another page");
+            if self.disk[slot as usize] != want {
+                assert_eq!(
+                    corrupt.map(|k| k % f.slots.len()),
+                    Some(i),
+                    "slot {slot} holds another page's KV"
+                );
+                break;
+            }
+            self.host[h as usize] = self.disk[slot as usize];
+            good += 1;
+        }
+        let bad = good < f.slots.len() && corrupt.is_some();
+        let used = c.disk_confirm(f.id, good, bad)?;
+        assert!(used <= good);
+        let after = c.match_prefix(tokens, &ns)?;
+        assert_eq!(after, before + used * p, "the pages read back are hits");
         Ok(())
     }
 
@@ -222,6 +322,30 @@ fn fuzz_cache(c: &mut dyn PrefixCache, ops: &[Op]) -> Result<(), TestCaseError> 
             }
             Op::Reset => {
                 c.reset();
+                Ok(())
+            }
+            Op::Prefetch {
+                base,
+                len,
+                ns,
+                corrupt,
+            } => kv.prefetch(c, &prompt(*base, *len), namespace(*ns), *corrupt),
+            Op::Persist => {
+                c.disk_persist();
+                Ok(())
+            }
+            Op::Restart => {
+                for r in live.drain(..) {
+                    c.abort(r).unwrap();
+                }
+                c.disk_persist();
+                kv.copy(c)?;
+                let entries = c.disk_entries();
+                c.reset();
+                kv.dev.fill(0);
+                kv.host.fill(0);
+                c.disk_restore(&entries).unwrap();
+                prop_assert_eq!(c.disk_entries(), entries);
                 Ok(())
             }
             Op::Match { base, len, ns } => {
@@ -465,6 +589,30 @@ proptest! {
         ops in vec(op(), 300..600),
     ) {
         let mut c = BlockCache::with_host(pool, p, host).unwrap();
+        fuzz_cache(&mut c, &ops)?;
+    }
+
+    #[test]
+    fn radix_cache_with_a_disk_tier_survives_long_random_sequences(
+        p in prop_oneof![Just(1usize), Just(2), Just(4)],
+        pool in 6..48usize,
+        host in prop_oneof![Just(1usize), 2..16usize],
+        disk in prop_oneof![Just(1usize), 2..24usize, 24..128usize],
+        ops in vec(disk_op(), 300..600),
+    ) {
+        let mut c = RadixCache::with_tiers(pool, p, host, disk).unwrap();
+        fuzz_cache(&mut c, &ops)?;
+    }
+
+    #[test]
+    fn block_cache_with_a_disk_tier_survives_long_random_sequences(
+        p in prop_oneof![Just(1usize), Just(2), Just(4)],
+        pool in 6..48usize,
+        host in prop_oneof![Just(1usize), 2..16usize],
+        disk in prop_oneof![Just(1usize), 2..24usize, 24..128usize],
+        ops in vec(disk_op(), 300..600),
+    ) {
+        let mut c = BlockCache::with_tiers(pool, p, host, disk).unwrap();
         fuzz_cache(&mut c, &ops)?;
     }
 
