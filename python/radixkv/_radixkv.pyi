@@ -1,7 +1,7 @@
 """Type stubs of the native core (``radixkv._radixkv``)."""
 
 from collections.abc import Sequence
-from typing import Any, final
+from typing import Any, Literal, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -174,13 +174,19 @@ class Cache:
     def match_prefix(self, tokens: _Tokens, namespace: _Namespace = None) -> int: ...
     def evict(self, num_pages: int) -> int: ...
     def reset(self) -> int: ...
-    def drain_copies(self) -> npt.NDArray[np.int32]:
+    @overload
+    def drain_copies(self, keys: Literal[False] = False) -> npt.NDArray[np.int32]:
         """The copies between the tiers decided since the last call, in order: int32 rows
         ``(kind, src, dst)``, kind ``COPY_OFFLOAD`` (device ``src`` to host ``dst``),
         ``COPY_LOAD`` (host ``src`` to device ``dst``), ``COPY_SPILL`` (host ``src`` to disk slot
         ``dst``) or ``COPY_PERSIST`` (device ``src`` to disk slot ``dst``), ids per tier; shape
         ``[N, 3]``. Empties the log. Perform them in order before the next computation on the
         pages they name, and before reading a disk slot they write."""
+
+    @overload
+    def drain_copies(self, keys: Literal[True]) -> tuple[npt.NDArray[np.int32], bytes]:
+        """With ``keys=True``: ``(rows, keys)``, the 32-byte block key of each disk copy in
+        order, concatenated."""
 
     @property
     def host_pages(self) -> int: ...

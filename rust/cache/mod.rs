@@ -101,6 +101,9 @@ pub trait PrefixCache: Send {
     /// The copies between the tiers decided since the last call, in the order to perform them;
     /// the log is left empty. Always empty without a host tier.
     fn drain_copies(&mut self) -> Vec<PageCopy>;
+    /// [`PrefixCache::drain_copies`] with the block key of each disk copy (`Spill`, `Persist`),
+    /// in order: what an owner with a disk tier writes beside each page.
+    fn drain_copies_keyed(&mut self) -> (Vec<PageCopy>, Vec<BlockHash>);
     /// Pages of the host tier (0: none).
     fn host_pages(&self) -> usize;
     /// Slots of the disk tier (0: none).
@@ -467,6 +470,10 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn drain_copies(&mut self) -> Vec<PageCopy> {
         self.index.tier_mut().drain()
+    }
+
+    fn drain_copies_keyed(&mut self) -> (Vec<PageCopy>, Vec<BlockHash>) {
+        self.index.tier_mut().drain_keyed()
     }
 
     fn host_pages(&self) -> usize {

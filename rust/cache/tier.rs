@@ -62,6 +62,9 @@ pub struct Tier {
     pub reserved: Vec<PageId>,
     /// Set while `reset` drops the host tier: nothing spills (the disk is cleared too).
     pub resetting: bool,
+    /// The block key of each disk copy in `log`, in order (what the owner writes beside the
+    /// page, so a slot's bytes always name the page they are).
+    disk_keys: Vec<BlockHash>,
 }
 
 impl Default for Disk {
@@ -143,6 +146,7 @@ impl Tier {
                 src,
                 dst: s,
             });
+            self.disk_keys.push(*key);
         }
     }
 
@@ -158,12 +162,22 @@ impl Tier {
                 src: page.0,
                 dst: s,
             });
+            self.disk_keys.push(*key);
         }
     }
 
     /// The copies not drained yet, in order; the log is left empty.
     pub fn drain(&mut self) -> Vec<PageCopy> {
+        self.disk_keys.clear();
         std::mem::take(&mut self.log)
+    }
+
+    /// [`Tier::drain`], with the block key of each disk copy, in order.
+    pub fn drain_keyed(&mut self) -> (Vec<PageCopy>, Vec<BlockHash>) {
+        (
+            std::mem::take(&mut self.log),
+            std::mem::take(&mut self.disk_keys),
+        )
     }
 
     /// Copies not drained yet.
@@ -176,5 +190,6 @@ impl Tier {
         self.log.capacity() * std::mem::size_of::<PageCopy>()
             + self.disk.heap_bytes()
             + self.reserved.capacity() * 4
+            + self.disk_keys.capacity() * 32
     }
 }

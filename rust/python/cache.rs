@@ -10,7 +10,7 @@ use crate::error::Result as CoreResult;
 use crate::wire::events::CacheEvent;
 use crate::wire::hash;
 use crate::{BlockCache, RadixCache};
-use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyResourceWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
@@ -328,14 +328,27 @@ impl PyCache {
     /// page ``dst``), ``COPY_SPILL`` (2, host page ``src`` to disk slot ``dst``) or
     /// ``COPY_PERSIST`` (3, device page ``src`` to disk slot ``dst``); ids per tier. Empties the log. Perform them in order before the next
     /// computation that reads or writes a page they name (``KVCache`` does it in ``plan``).
-    fn drain_copies<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let copies = slf.get().with(slf.py(), false, |c| Ok(c.drain_copies()))?;
+    ///
+    /// With ``keys=True``, returns ``(rows, keys)``: ``keys`` holds the 32-byte block key of each
+    /// disk copy (``COPY_SPILL``, ``COPY_PERSIST``) in order, concatenated: what the owner writes
+    /// beside the page, so that a slot always names the page its bytes are.
+    #[pyo3(signature = (keys=false))]
+    fn drain_copies<'py>(slf: &Bound<'py, Self>, keys: bool) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let (copies, disk_keys) = slf.get().with(py, false, |c| Ok(c.drain_copies_keyed()))?;
         let flat: Vec<i32> = copies
             .iter()
             .flat_map(|c| [c.kind as i32, c.src as i32, c.dst as i32])
             .collect();
         let n = copies.len();
-        PyArray1::from_vec(slf.py(), flat).reshape([n, 3])
+        let rows = PyArray1::from_vec(py, flat).reshape([n, 3])?.into_any();
+        if !keys {
+            return Ok(rows);
+        }
+        let bytes: Vec<u8> = disk_keys.iter().flatten().copied().collect();
+        let items: Vec<PyObject> =
+            vec![rows.unbind(), PyBytes::new(py, &bytes).into_any().unbind()];
+        Ok(PyTuple::new(py, items)?.into_any())
     }
 
     /// Pages of the host tier (0: none).
