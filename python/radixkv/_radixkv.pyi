@@ -194,9 +194,7 @@ class Cache:
     def disk_pages(self) -> int: ...
     def disk_prefetch(
         self, tokens: _Tokens, namespace: _Namespace = None
-    ) -> (
-        tuple[int, int, npt.NDArray[np.uint32], bytes, npt.NDArray[np.uint32]] | None
-    ):
+    ) -> tuple[int, int, npt.NDArray[np.uint32], bytes, npt.NDArray[np.uint32]] | None:
         """Starts reading back from disk the pages of ``tokens`` past the device and host
         match: ``(id, from_token, slots, keys, host_pages)`` (read ``slots[i]``, which must hold
         the page whose block key is ``keys[32*i:32*i+32]``, into ``host_pages[i]``, then
@@ -214,7 +212,9 @@ class Cache:
         """The disk tier's ``(keys, slots)``, least recently used first (32-byte keys
         concatenated)."""
 
-    def disk_restore(self, keys: bytes, slots: Sequence[int] | npt.NDArray[np.integer[Any]]) -> None:
+    def disk_restore(
+        self, keys: bytes, slots: Sequence[int] | npt.NDArray[np.integer[Any]]
+    ) -> None:
         """Fills the empty disk tier with entries saved by an earlier process."""
     @property
     def stats(self) -> CacheStats: ...

@@ -32,6 +32,16 @@ bytes per second in the long run (6.6 GB/s at the defaults), and ``KVCache`` run
 stream beside the compute. With ``host_pages == 0`` none of this runs and every figure is as
 without the tier.
 
+Disk tier (``disk_pages > 0``, with a host tier): pages the host tier drops go to disk (see
+``docs/SEMANTICS.md``, "Disk tier"). Before each admission, as :class:`radixkv.Engine` does, the
+waiting requests at the head of the queue (arrival order, up to the token budget) get their
+pages on disk past the device and host match read back into the host tier (``disk_prefetch``,
+every page taken as good), so that the admission finds them as host hits. The batch waits for
+the reads as well, at ``disk_bandwidth`` (``reads * page_bytes / disk_bandwidth``, not
+overlapped: conservative); the spills to disk are not costed (written in the background).
+``disk_hit_tokens``: of a batch's host hits, the tokens read back for its admitted requests (at
+most each one's hit).
+
 Replicas (:func:`replay_replicas`): K such servers, each with its own cache and pool, behind a
 router that sends each request, at its arrival, to one of them. The servers run side by side in
 simulated time: before a request is routed every server has run up to its arrival, so the router
@@ -79,6 +89,11 @@ DEFAULT_BALANCE_THRESHOLD = 131_072.0
 #: link, whose nominal rate is about 31.5 GB/s per direction (16 GT/s x 16 lanes, 128b/130b).
 DEFAULT_HOST_BANDWIDTH = 25e9
 
+#: Default of ``disk_bandwidth``, in bytes per second disk to host: 5 GB/s. An assumption, not a
+#: measurement: about what one PCIe 4.0 NVMe drive sustains in large sequential reads (drives
+#: are sold at 5-7 GB/s); ``benches/bench_disk.py`` measures the disk it runs on.
+DEFAULT_DISK_BANDWIDTH = 5e9
+
 #: Default of ``kv_bytes_per_token``: the KV of one token of Llama-3-8B in bf16, 128 KiB
 #: (32 layers x 8 KV heads x 128 dims x 2 tensors, K and V, x 2 bytes).
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072
@@ -102,11 +117,23 @@ class ReplayConfig:
     host_pages: int = 0
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    #: disk tier size in pages (0: none; needs a host tier); ``disk_bandwidth`` (bytes per
+    #: second disk to host) costs its reads
+    disk_pages: int = 0
+    disk_bandwidth: float = DEFAULT_DISK_BANDWIDTH
 
     def __post_init__(self) -> None:
         hp = self.host_pages
         if isinstance(hp, bool) or not isinstance(hp, int) or hp < 0:
             raise ValueError(f"host_pages must be an int >= 0, got {hp!r}")
+        dp = self.disk_pages
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 0:
+            raise ValueError(f"disk_pages must be an int >= 0, got {dp!r}")
+        if dp and not hp:
+            raise ValueError(f"disk_pages={dp} needs a host tier (host_pages > 0)")
+        dbw = self.disk_bandwidth
+        if isinstance(dbw, bool) or not isinstance(dbw, (int, float)) or not 0 < dbw < math.inf:
+            raise ValueError(f"disk_bandwidth must be a finite number > 0, got {dbw!r}")
         bw = self.host_bandwidth
         if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf:
             raise ValueError(f"host_bandwidth must be a finite number > 0, got {bw!r}")
@@ -118,6 +145,11 @@ class ReplayConfig:
     def page_load_seconds(self) -> float:
         """Seconds one page takes to load from the host tier."""
         return self.page_size * self.kv_bytes_per_token / self.host_bandwidth
+
+    @property
+    def page_read_seconds(self) -> float:
+        """Seconds one page takes to read from the disk tier."""
+        return self.page_size * self.kv_bytes_per_token / self.disk_bandwidth
 
 
 class _HitRates:
@@ -132,6 +164,8 @@ class _HitRates:
         def cached_tokens(self) -> int: ...
         @property
         def host_hit_tokens(self) -> int: ...
+        @property
+        def disk_hit_tokens(self) -> int: ...
 
     @property
     def hit_rate(self) -> float:
@@ -145,8 +179,15 @@ class _HitRates:
 
     @property
     def host_hit_rate(self) -> float:
-        """Prompt tokens found cached on the host (and loaded back), over prompt tokens."""
-        return _rate(self.host_hit_tokens, self.prompt_tokens)
+        """Prompt tokens found cached on the host (and loaded back) that were not read back
+        from disk for the request, over prompt tokens."""
+        return _rate(self.host_hit_tokens - self.disk_hit_tokens, self.prompt_tokens)
+
+    @property
+    def disk_hit_rate(self) -> float:
+        """Prompt tokens read back from disk for the request and served to it, over prompt
+        tokens."""
+        return _rate(self.disk_hit_tokens, self.prompt_tokens)
 
 
 @dataclass
@@ -175,6 +216,12 @@ class ReplayResult(_HitRates):
     offloaded_pages: int = 0
     host_evicted_pages: int = 0
     load_seconds: float = 0.0
+    #: Disk tier (all 0 without one): tokens read back and served (``disk_hit_tokens``, part
+    #: of ``host_hit_tokens``), pages read and written, and the time batches waited for reads
+    disk_hit_tokens: int = 0
+    disk_read_pages: int = 0
+    disk_written_pages: int = 0
+    read_seconds: float = 0.0
     queue_waits: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     #: time to first token of each admitted request, by its index in the trace
@@ -203,9 +250,14 @@ class _Server:
 
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, bar) -> None:
         self.requests, self.config, self.bar = requests, config, bar
-        self.cache = make_cache(config.cache, config.num_pages, config.page_size, config.host_pages)
+        self.cache = make_cache(
+            config.cache, config.num_pages, config.page_size, config.host_pages, config.disk_pages
+        )
         self.host = config.host_pages > 0
+        self.disk = config.disk_pages > 0
         self.loads = 0  # loads drained since the last batch started: it waits for them
+        self.reads = 0  # disk reads since the last batch started: it waits for them too
+        self.fetched: dict[int, int] = {}  # trace index -> tokens read back from disk for it
         self.sched = radixkv.Scheduler(self.cache, config.policy, config.max_wait)
         self.res = ReplayResult(config)
         self.waiting: dict[int, int] = {}  # scheduler id -> trace index
@@ -231,6 +283,23 @@ class _Server:
         self.outstanding += len(r.tokens)
         self.assigned += len(r.tokens)
         return True
+
+    def _prefetch_head(self, budget: int) -> None:
+        """Before an admission, as the engine does: the waiting requests at the head of the
+        queue (arrival order, up to ``budget`` prompt tokens) get their pages on disk past what
+        memory holds read back into the host tier (every page taken as good: no bytes here)."""
+        for idx in list(self.waiting.values()):
+            r = self.requests[idx]
+            fetch = self.cache.disk_prefetch(r.tokens, r.namespace)
+            if fetch is not None:
+                self._drain()  # the spills that made room
+                n = self.cache.disk_confirm(fetch[0], len(fetch[2]))
+                self.reads += len(fetch[2])
+                self.res.disk_read_pages += len(fetch[2])
+                self.fetched[idx] = self.fetched.get(idx, 0) + n * self.config.page_size
+            budget -= len(r.tokens)
+            if budget <= 0:
+                break
 
     def load(self, t: float) -> int:
         """Outstanding tokens at time ``t`` (at or after the start of the server's last batch):
@@ -275,12 +344,21 @@ class _Server:
         budget = self.config.token_budget - sum(n for _, n in work)
         room = self.config.max_running - len(self.decoding) - len(self.prefilling)
         if not blocked and budget > 0 and room > 0 and self.waiting:
+            if self.disk:
+                self._prefetch_head(budget)
+                host_before = self.cache.stats.host_hit_tokens
             admitted = self.sched.schedule(budget, room)
             if self.host:
                 self._drain()
+            fetched = 0
             for sid, req in admitted:
-                job = self._admit(self.waiting.pop(sid), req, now)
+                idx = self.waiting.pop(sid)
+                fetched += min(self.fetched.pop(idx, 0), req.num_cached)
+                job = self._admit(idx, req, now)
                 work.append((job, job.num_tokens - job.num_computed))
+            if self.disk:
+                host_hits = self.cache.stats.host_hit_tokens - host_before
+                self.res.disk_hit_tokens += min(fetched, host_hits)
         if not work:
             return None
         tokens = sum(n for _, n in work)
@@ -290,6 +368,11 @@ class _Server:
             self.loads = 0
             self.res.load_seconds += load
             done += load
+        if self.disk:
+            read = self.reads * self.config.page_read_seconds
+            self.reads = 0
+            self.res.read_seconds += read
+            done += read
         self.cache.commit_many([j.req for j, _ in work], [j.num_tokens for j, _ in work])
         self.res.computed_tokens += tokens
         for job, _ in work:
@@ -334,9 +417,11 @@ class _Server:
         and offloads."""
         kinds = self.cache.drain_copies()[:, 0]
         loads = int(np.count_nonzero(kinds == radixkv.COPY_LOAD))
+        offloads = int(np.count_nonzero(kinds == radixkv.COPY_OFFLOAD))
         self.loads += loads
         self.res.loaded_pages += loads
-        self.res.offloaded_pages += len(kinds) - loads
+        self.res.offloaded_pages += offloads
+        self.res.disk_written_pages += len(kinds) - loads - offloads
 
     def finish(self) -> None:
         """After the last batch: the cache's own totals into the result; checks the cache."""
@@ -462,6 +547,11 @@ class RoutedResult(_HitRates):
     def host_hit_tokens(self) -> int:
         """Cached tokens that were on a host tier, all replicas together."""
         return self._sum("host_hit_tokens")
+
+    @property
+    def disk_hit_tokens(self) -> int:
+        """Cached tokens read back from a disk tier, all replicas together."""
+        return self._sum("disk_hit_tokens")
 
     @property
     def loaded_pages(self) -> int:

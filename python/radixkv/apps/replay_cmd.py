@@ -41,6 +41,7 @@ from radixkv.apps.args import (
 )
 from radixkv.apps.replay import (
     DEFAULT_BALANCE_THRESHOLD,
+    DEFAULT_DISK_BANDWIDTH,
     DEFAULT_HOST_BANDWIDTH,
     DEFAULT_KV_BYTES_PER_TOKEN,
     ROUTERS,
@@ -120,6 +121,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "for its loads before computing (default: "
         f"{DEFAULT_HOST_BANDWIDTH / 1e9:g}, an assumption: about what host-to-device copies "
         "from pinned memory sustain on PCIe 4.0 x16, nominally 31.5 GB/s per direction)",
+    )
+    p.add_argument(
+        "--disk-pages",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="disk tier size in pages, behind --host-pages (per replica with --replicas): pages "
+        "the host tier drops go there and are read back when a request that needs them arrives "
+        "(default: 0, none)",
+    )
+    p.add_argument(
+        "--disk-bandwidth",
+        type=positive_float,
+        default=DEFAULT_DISK_BANDWIDTH / 1e9,
+        metavar="GBPS",
+        help="with --disk-pages: GB/s of reads from the disk tier; a batch waits for its "
+        f"reads (default: {DEFAULT_DISK_BANDWIDTH / 1e9:g}, an assumption: one PCIe 4.0 NVMe "
+        "drive's sequential reads)",
     )
     p.add_argument(
         "--kv-bytes-per-token",
@@ -372,6 +391,8 @@ def _config(args: argparse.Namespace, policy: str) -> ReplayConfig:
         host_pages=args.host_pages,
         host_bandwidth=args.host_bandwidth * 1e9,
         kv_bytes_per_token=args.kv_bytes_per_token,
+        disk_pages=args.disk_pages,
+        disk_bandwidth=args.disk_bandwidth * 1e9,
     )
 
 
@@ -506,8 +527,33 @@ def format_host_table(results: Sequence[ReplayResult | RoutedResult], labels: Se
             f"{r.loaded_pages:>10} {r.offloaded_pages:>10} {r.host_evicted_pages:>10} "
             f"{r.load_seconds:>9.2f}s"
         )
-    rows.append("hit rate = device + host; the ttft columns above include the load time")
+    if any(getattr(r, "disk_read_pages", 0) or r.disk_hit_tokens for r in results):
+        rows.append("")
+        rows += table_header(
+            [
+                ("disk tier", "", -24),
+                ("disk hits", "%", 9),
+                ("read", "pages", 10),
+                ("written", "pages", 10),
+                ("read time", "s", 10),
+            ]
+        )
+        for label, r in zip(labels, results):
+            rows.append(
+                f"{label:<24} {r.disk_hit_rate:>9.2%} {_sum_of(r, 'disk_read_pages'):>10} "
+                f"{_sum_of(r, 'disk_written_pages'):>10} {_sum_of(r, 'read_seconds'):>9.2f}s"
+            )
+        rows.append("hit rate = device + host + disk hits; ttft includes load and read time")
+    else:
+        rows.append("hit rate = device + host; the ttft columns above include the load time")
     return "\n".join(rows)
+
+
+def _sum_of(r: ReplayResult | RoutedResult, name: str):
+    """A result's counter, or the sum over a routed result's replicas."""
+    if isinstance(r, ReplayResult):
+        return getattr(r, name)
+    return sum(getattr(x, name) for x in r.replicas)
 
 
 def _pool_title(cfg: ReplayConfig) -> str:

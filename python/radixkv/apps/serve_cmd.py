@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 
 from radixkv.apps.args import (
     UsageError,
@@ -53,6 +54,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=nonnegative_int,
         default=0,
         help="pages of a host-memory tier under the pool (default: 0, no tier)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="a disk tier under the host tier, in DIR: pages the host tier drops go to disk, "
+        "the tier is saved at --save-every and on SIGTERM, and a server started again on DIR "
+        "finds them (default: none)",
+    )
+    p.add_argument(
+        "--disk-pages",
+        type=positive_int,
+        default=None,
+        help="pages of the disk tier with --cache-dir (default: 4 x the pool's pages)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=positive_float,
+        metavar="SECONDS",
+        default=60.0,
+        help="with --cache-dir: save the disk tier's index at most this often, after a step "
+        "(default: 60)",
+    )
+    p.add_argument(
+        "--on-cache-mismatch",
+        choices=("error", "reset"),
+        default="error",
+        help="with --cache-dir: what to do when DIR was written for another model, dtype or "
+        "page layout: refuse to start (error, the default) or start it empty (reset)",
     )
     p.add_argument(
         "--policy",
@@ -143,7 +173,15 @@ def build(args: argparse.Namespace):
         per_token *= torch.empty(0, dtype=spec.dtype).element_size()
         num_pages = max(int(gib * 2**30 // (per_token * page)), 1)
     cls = radixkv.RadixCache if args.cache == "radix" else radixkv.BlockCache
-    cache = cls(num_pages, page_size=page, host_pages=args.host_pages)
+    host_pages, disk_pages = args.host_pages, 0
+    if getattr(args, "cache_dir", None):
+        # Pages come back from disk through the host tier: one is needed, sized to the pool
+        # unless given.
+        host_pages = host_pages or num_pages
+        disk_pages = args.disk_pages or 4 * num_pages
+    elif getattr(args, "disk_pages", None):
+        raise UsageError("--disk-pages needs --cache-dir")
+    cache = cls(num_pages, page_size=page, host_pages=host_pages, disk_pages=disk_pages)
     publisher = None
     if args.kv_events:
         try:
@@ -151,15 +189,20 @@ def build(args: argparse.Namespace):
         except ImportError as e:
             raise UsageError(f"--kv-events needs radixkv[events] ({e})") from None
         publisher = ZmqPublisher(cache, endpoint=args.kv_events)
-    engine = radixkv.hf.engine(
-        model,
-        cache,
-        token_budget=args.token_budget,
-        max_batch=args.max_batch,
-        policy=args.policy,
-        prefix_caching=not args.no_prefix_caching,
-        tokenizer=tokenizer,
-    )
+    try:
+        engine = radixkv.hf.engine(
+            model,
+            cache,
+            token_budget=args.token_budget,
+            max_batch=args.max_batch,
+            policy=args.policy,
+            prefix_caching=not args.no_prefix_caching,
+            tokenizer=tokenizer,
+            disk_dir=getattr(args, "cache_dir", None),
+            on_mismatch=getattr(args, "on_cache_mismatch", "error"),
+        )
+    except radixkv.Error as e:  # a directory written for another model or layout
+        raise UsageError(str(e)) from None
     name = args.served_model_name or (
         "SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)
     )
@@ -167,7 +210,24 @@ def build(args: argparse.Namespace):
     loop = serve.EngineLoop(engine, max_waiting=args.max_waiting)
     if publisher is not None:
         loop.after_step.append(publisher.publish)
+    if engine.kv.disk is not None:
+        loop.after_step.append(Saver(engine.kv, args.save_every))
     return loop, serve.create_app(loop, tokenizer, config), config
+
+
+class Saver:
+    """After a step, on the engine thread: saves the disk tier when ``every`` seconds have
+    passed since the last save."""
+
+    def __init__(self, kv, every: float) -> None:
+        self.kv, self.every = kv, every
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.kv.save()
+            self.last = time.monotonic()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,6 +248,24 @@ def run(args: argparse.Namespace) -> int:
     # look like a crash (exit -15) to whoever supervises it. A handler that does nothing
     # lets the drained server exit 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    kv = loop.engine.kv
+    if kv.disk is not None:
+        print(
+            f"radixkv serve: disk tier in {args.cache_dir}, {kv.disk_pages} pages "
+            f"({kv.disk.restored_pages} restored)",
+            file=sys.stderr,
+            flush=True,
+        )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     print("radixkv serve: stopped; the requests in flight were drained", file=sys.stderr)
+    if kv.disk is not None:
+        if loop.alive:  # the engine thread did not stop in time: its pools may be in use
+            print("radixkv serve: the engine is still running; the disk tier was not saved")
+            return 1
+        saved = kv.save()
+        kv.close()
+        print(
+            f"radixkv serve: saved the disk tier in {args.cache_dir} ({saved} pages written)",
+            file=sys.stderr,
+        )
     return 0

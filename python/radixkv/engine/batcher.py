@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections.abc import Callable
 
 import radixkv
 from radixkv.engine.defaults import DEFAULT_POLICY
@@ -86,6 +87,9 @@ class Batcher:
         self.num_ended = 0
         self._unclosed: list[radixkv.Request] = []  # requests whose abort raised
         self._waiting: dict[int, Sequence] = {}  # scheduler id -> sequence
+        #: Called with each sequence at the head of the queue before an admission (the
+        #: engine's read-back from a disk tier); None: nothing.
+        self.prefetch: Callable[[Sequence], object] | None = None
         self._sid: dict[int, int] = {}  # sequence id -> scheduler id
         self._private = itertools.count()
 
@@ -162,6 +166,15 @@ class Batcher:
         room = self.max_batch - len(batch)
         if room <= 0 or budget <= 0 or not self._waiting:
             return
+        if self.prefetch is not None:
+            # The queue's head, up to the budget, gets its pages on disk read back first, so
+            # that the ranking and the admission see them as host hits.
+            left = budget
+            for seq in list(self._waiting.values()):
+                self.prefetch(seq)
+                left -= len(seq.target)
+                if left <= 0:
+                    break
         try:
             admitted = self.scheduler.schedule(budget, room)
         except CALL_ERRORS as e:  # no sequence to blame: none admitted this step

@@ -96,6 +96,9 @@ class EngineStats:
     mask_s: float = 0.0
     forced_tokens: int = 0
     jumps: int = 0
+    #: Disk tier: prompt tokens read back from disk at submit, and the time it took.
+    disk_tokens: int = 0
+    disk_s: float = 0.0
 
 
 class Engine:
@@ -205,6 +208,8 @@ class Engine:
         self.batcher = Batcher(
             kv.cache, token_budget, max_batch, self.prefix_caching, policy, max_wait
         )
+        if kv.disk is not None and self.prefix_caching:
+            self.batcher.prefetch = self._prefetch
         self.sequences: dict[int, Sequence] = {}
         self.release_hooks: list[Callable[[list[Sequence]], None]] = []
         self.stats = EngineStats()
@@ -221,6 +226,11 @@ class Engine:
         self._closed = False
         self._broken: radixkv.Error | None = None
         self._sampled: list[tuple[int, int]] | None = None
+        if group is not None and kv.disk is not None:
+            raise ValueError(
+                "a KVCache with a disk tier cannot run tensor-parallel yet: each rank would "
+                "read its own directory, and one bad page on one rank would part the ranks"
+            )
         if group is not None:
             self.lockstep = Lockstep(group, digest_every, bool(check_tokens))
             stats = kv.cache.stats
@@ -797,6 +807,13 @@ class Engine:
             if err is e:
                 raise
             raise err from e
+
+    def _prefetch(self, seq: Sequence) -> None:
+        """Reads back from the disk tier the pages of ``seq`` (waiting, about to be ranked for
+        admission) that memory lacks, into host pages: its admission finds them as host hits."""
+        t = time.perf_counter()
+        self.stats.disk_tokens += self.kv.prefetch(seq.target, seq.cache_namespace)
+        self.stats.disk_s += time.perf_counter() - t
 
     def _check_step(self, batch: list[Sequence]) -> None:
         """With a group: the ranks compare their batch (and every ``digest_every`` steps their

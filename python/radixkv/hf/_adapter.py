@@ -15,6 +15,8 @@ math (embeddings, norms, RoPE of any kind, MLPs, head), radixkv the paged attent
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -99,9 +101,16 @@ class HFCausalLM(torch.nn.Module):
         return f"HFCausalLM({type(self.model).__name__}, {self.spec})"
 
 
-def make_kv_cache(spec: ModelSpec, cache: radixkv.Cache) -> KVCache:
+def make_kv_cache(
+    spec: ModelSpec,
+    cache: radixkv.Cache,
+    disk_dir: str | os.PathLike[str] | None = None,
+    fingerprint: Mapping[str, object] | None = None,
+    on_mismatch: str = "error",
+) -> KVCache:
     """A :class:`radixkv.KVCache` for ``cache`` shaped as ``spec`` says; a cache with a host
-    tier gets its host pools in CPU memory."""
+    tier gets its host pools in CPU memory, one with a disk tier its pool under ``disk_dir``
+    (``fingerprint``: the model's, see :func:`radixkv.kv.disk_tier.model_fingerprint`)."""
     if not isinstance(cache, radixkv.Cache):
         raise ValueError(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
@@ -114,6 +123,9 @@ def make_kv_cache(spec: ModelSpec, cache: radixkv.Cache) -> KVCache:
         spec.dtype,
         spec.device,
         host_device="cpu" if cache.host_pages else None,
+        disk_dir=disk_dir,
+        fingerprint=fingerprint,
+        on_mismatch=on_mismatch,
     )
 
 
@@ -219,7 +231,13 @@ def _group_for(spec: ModelSpec, model: Any, group: Any) -> Any:
 
 
 def engine(
-    model: Any, cache: radixkv.Cache | KVCache, token_budget: int = 2048, **kwargs: Any
+    model: Any,
+    cache: radixkv.Cache | KVCache,
+    token_budget: int = 2048,
+    *,
+    disk_dir: str | os.PathLike[str] | None = None,
+    on_mismatch: str = "error",
+    **kwargs: Any,
 ) -> Engine:
     """A :class:`radixkv.Engine` (continuous batching, sessions, ``branch``, the scheduler)
     over the transformers causal LM ``model``.
@@ -241,6 +259,12 @@ def engine(
     default (``stop_tokens=``; ``submit(..., stop=())`` turns it off for one request), and
     ``tokenizer=`` gives results their text and makes ``stop_strings`` work.
 
+    ``disk_dir``: for a ``cache`` made with ``disk_pages > 0``, the directory of its disk tier,
+    fingerprinted with the model (:func:`radixkv.kv.disk_tier.model_fingerprint`: its config
+    and a digest of its weights), so that pages saved by one process (``engine.kv.save()``) are
+    hits for the next one over the same model and refused for another (``on_mismatch="error"``,
+    or ``"reset"`` to start empty).
+
     Raises ``ValueError`` saying why for a model radixkv cannot serve (sliding-window, chunked,
     hybrid or cross attention, encoder-decoders, composite models, heads that do not divide
     among the tensor-parallel ranks) and for bad arguments.
@@ -254,6 +278,16 @@ def engine(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
         )
     adapter = HFCausalLM(model)
-    kv = kv_for(adapter.spec, cache)
+    if disk_dir is not None:
+        if isinstance(cache, KVCache):
+            raise ValueError(
+                "disk_dir= is for a cache this call makes its KVCache for; a KVCache passed in "
+                "brings its own disk tier (KVCache(..., disk_dir=...))"
+            )
+        from radixkv.kv.disk_tier import model_fingerprint
+
+        kv = make_kv_cache(adapter.spec, cache, disk_dir, model_fingerprint(model), on_mismatch)
+    else:
+        kv = kv_for(adapter.spec, cache)
     kwargs.setdefault("stop_tokens", eos_token_ids(model))
     return Engine(adapter, kv, token_budget=token_budget, **kwargs)

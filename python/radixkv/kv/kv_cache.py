@@ -27,7 +27,8 @@ before it touches the pool, so the attention of layer ``l`` overlaps the copies 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ import torch
 
 import radixkv
 from radixkv.kv import backends as _backends
+from radixkv.kv.disk_tier import DiskTier
 from radixkv.kv.step import Step
 
 #: Element types the pool may hold.
@@ -43,6 +45,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Kinds of a row of ``cache.drain_copies()``, as the core defines them.
 COPY_OFFLOAD = radixkv.COPY_OFFLOAD
 COPY_LOAD = radixkv.COPY_LOAD
+COPY_SPILL = radixkv.COPY_SPILL
+COPY_PERSIST = radixkv.COPY_PERSIST
 
 #: One run of copies: ``(kind, segments)``, each segment ``(src_page, dst_page, num_pages)``
 #: copying ``num_pages`` consecutive pages. The segments of a run are independent of each other
@@ -225,6 +229,9 @@ class KVCache:
         device: str | torch.device = "cpu",
         attention: str = "auto",
         host_device: str | torch.device | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        fingerprint: Mapping[str, object] | None = None,
+        on_mismatch: str = "error",
     ) -> None:
         if not isinstance(cache, radixkv.Cache):
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
@@ -268,6 +275,22 @@ class KVCache:
             if self.device.type == "cuda":
                 self._copy_stream = torch.cuda.Stream(device=self.device)
         self._non_blocking = self.device.type == "cuda"
+        #: The disk tier's pool and copies (None without one; see :mod:`radixkv.kv.disk_tier`).
+        self.disk: DiskTier | None = None
+        self.disk_pages = cache.disk_pages
+        if disk_dir is None:
+            if self.disk_pages:
+                raise ValueError(
+                    f"the cache has a disk tier (disk_pages={self.disk_pages}): pass disk_dir "
+                    "(a directory) so the KVCache holds the disk pool and performs its copies"
+                )
+        elif not self.disk_pages:
+            raise ValueError(
+                f"disk_dir={os.fspath(disk_dir)!r} needs a cache with a disk tier, got one with "
+                "disk_pages=0 (make it with host_pages > 0 and disk_pages > 0)"
+            )
+        else:
+            self.disk = DiskTier(self, disk_dir, fingerprint, on_mismatch)
         self._gather_k: torch.Tensor | None = None
         self._gather_v: torch.Tensor | None = None
         self._backends: dict[str, Any] = {}
@@ -452,6 +475,8 @@ class KVCache:
         With ``overlap`` the events are returned for ``Step.attention`` to wait on, layer by
         layer; otherwise (and whenever no copy was queued) the current stream waits for all
         copies queued so far and ``None`` is returned."""
+        if log is None and self.disk is not None:
+            return self._apply_with_disk(), None
         if log is None:
             log = self.cache.drain_copies()
             if len(log):
@@ -483,6 +508,54 @@ class KVCache:
             self._last_event = None
             events = None
         return done, events
+
+    def _apply_with_disk(self) -> int:
+        """Drains the log with its disk keys and performs it in order, without overlap: each
+        stretch of tier copies as :meth:`_perform_runs` does, each stretch of disk copies through
+        the :class:`DiskTier` (pages copied out at once, written in the background)."""
+        assert self.disk is not None
+        rows, keys = self.cache.drain_copies(keys=True)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        done = 0
+        if self._runs:  # left by an earlier error
+            done += self._apply_copies(overlap=False, log=np.zeros((0, 3), np.int64))[0]
+        disk_row = (rows[:, 0] == COPY_SPILL) | (rows[:, 0] == COPY_PERSIST)
+        k = 0  # disk keys used so far
+        i = 0
+        while i < len(rows):
+            j = i
+            while j < len(rows) and disk_row[j] == disk_row[i]:
+                j += 1
+            if disk_row[i]:
+                self.disk.write(rows[i:j], keys[32 * k : 32 * (k + j - i)])
+                k += j - i
+                done += j - i
+            else:
+                done += self._apply_copies(overlap=False, log=rows[i:j])[0]
+            i = j
+        return done
+
+    def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any = None) -> int:
+        """Reads back from the disk tier the pages of ``tokens`` the device and host tiers lack,
+        so that admitting ``tokens`` next finds them (as host hits); returns how many tokens came
+        back. 0 without a disk tier. See :meth:`radixkv.kv.disk_tier.DiskTier.prefetch`."""
+        if self.disk is None:
+            return 0
+        return self.disk.prefetch(tokens, namespace)
+
+    def save(self) -> int:
+        """Saves the disk tier so that the next process opening ``disk_dir`` finds every page
+        the cache holds now; returns how many pages it wrote. ``ValueError`` without a disk
+        tier. See :meth:`radixkv.kv.disk_tier.DiskTier.save`."""
+        if self.disk is None:
+            raise ValueError("this KVCache has no disk tier (make it with disk_dir=...)")
+        return self.disk.save()
+
+    def close(self) -> None:
+        """Waits for the disk tier's queued writes and closes its files (saving nothing; call
+        :meth:`save` first to keep the pages). Nothing to do without a disk tier."""
+        if self.disk is not None:
+            self.disk.close()
 
     def _perform_runs(self, events: list[Any] | None) -> None:
         """Performs the queued runs, layer by layer (K then V of each segment), advancing

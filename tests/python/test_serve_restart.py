@@ -1,0 +1,134 @@
+"""`radixkv serve --cache-dir`: an agent's context outlives the server process. The server saves
+its disk tier on SIGTERM; one started again on the directory serves the next turn from it (the
+real model, the real command, the `openai` client), with the text a cold server gives; a
+directory written for another dtype is refused with a clear message."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+pytest.importorskip("torch", reason="radixkv serve needs torch")
+openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+
+from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+from test_serve import free_port  # noqa: E402
+
+if smollm2_path() is None:
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+
+SYSTEM = (
+    "You are a careful assistant for a build system. Answer in one short sentence. "
+    "Tools: read_file(path) returns a file; run(cmd) runs a shell command; search(q) greps the "
+    "repository. Prefer reading before running."
+)
+
+
+def start(port: int, cache_dir, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--num-pages", "512"]
+    cmd += ["--page-size", "16", "--host-pages", "256", "--cache-dir", str(cache_dir), *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, port: int) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"radixkv serve exited {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    pytest.fail("radixkv serve did not answer /health within 180 s")
+
+
+def chat(port: int, messages: list[dict]) -> tuple[str, int, int]:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=0
+    )
+    details = r.usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None else 0
+    return r.choices[0].message.content, r.usage.prompt_tokens, cached or 0
+
+
+def stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(120)
+    err = proc.stderr.read()
+    assert rc == 0, f"radixkv serve exited {rc} after SIGTERM: {err}"
+    return err
+
+
+def test_a_restarted_server_serves_the_next_turn_from_disk(tmp_path):
+    turn1 = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which tool shows me the Makefile?"},
+    ]
+    port = free_port()
+    proc = start(port, tmp_path / "cache")
+    try:
+        wait_ready(proc, port)
+        reply, _, _ = chat(port, turn1)
+        err = stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "saved the disk tier" in err, err
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And which one runs the tests?"},
+    ]
+    answers = {}
+    for name, cache_dir in (("restarted", tmp_path / "cache"), ("cold", tmp_path / "cold")):
+        port = free_port()
+        proc = start(port, cache_dir)
+        try:
+            wait_ready(proc, port)
+            answers[name] = chat(port, turn2)
+            stop(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text, prompt_tokens, cached = answers["restarted"]
+    cold_text, _, cold_cached = answers["cold"]
+    assert cold_cached == 0
+    # The whole first turn (system prompt, question, reply) came back from disk, but for the
+    # last partial page and what the chat template adds after it.
+    assert cached >= prompt_tokens - 40, (cached, prompt_tokens)
+    assert text == cold_text
+
+
+def test_a_directory_of_another_dtype_is_refused(tmp_path):
+    port = free_port()
+    proc = start(port, tmp_path / "cache")
+    try:
+        wait_ready(proc, port)
+        chat(port, [{"role": "user", "content": "Say hi."}])
+        stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = start(free_port(), tmp_path / "cache", "--dtype", "bfloat16")
+    try:
+        rc = proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert rc != 0
+    assert "dtype" in err and "float32" in err and "bfloat16" in err, err
+    assert "Traceback" not in err, err
