@@ -261,3 +261,33 @@ def test_a_server_killed_at_any_moment_leaves_a_directory_that_serves_exact_kv(t
         cache.check()
         kv.close()
     assert hits > 0, "no restart found anything on disk: the test saw nothing come back"
+
+
+def test_a_failing_disk_costs_hits_not_requests(tmp_path, monkeypatch):
+    """A disk that fails to write (full) or to read: the forward passes go on, every request
+    gets the tokens a dense recompute gives, and a warning says what happened."""
+    rng = np.random.default_rng(5)
+    cache = radixkv.RadixCache(24, 4, 8, 64)
+    kv = disk_kv(cache, tmp_path)
+    engine = radixkv.Engine(MODEL, kv)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kv.disk.pool, "write", full)
+    prompts = [ids(rng, 60) for _ in range(4)]
+    with pytest.warns(RuntimeWarning, match="writing the disk tier failed"):
+        for p in prompts:
+            assert run(engine, p).output == dense_greedy(MODEL, p, 4)
+    assert kv.disk.failed is not None
+    assert cache.stats.disk_written_pages > 0  # the index sent pages there: they are lost
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(kv.disk.pool, "read", broken)
+    again = np.concatenate([prompts[0], ids(rng, 2)])
+    with pytest.warns(RuntimeWarning, match="reading the disk tier failed"):
+        assert run(engine, again).output == dense_greedy(MODEL, again, 4)
+    assert engine.stats.disk_errors >= 1
+    cache.check()

@@ -45,6 +45,23 @@ def test_readme_retention_example_prints_what_it_says():
     assert out.getvalue().splitlines()[0] == "agent's next turn finds 0 tokens cached"
 
 
+def test_readme_disk_tier_example_prints_what_it_says():
+    pytest.importorskip("torch")
+    section = README.read_text().split("## Restarts: the disk tier", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), {})
+    assert out.getvalue().splitlines() == ["after the restart, cached: 288 of 307"]
+    # Without the disk tier the restart finds nothing.
+    plain = code.replace(", disk_pages=256", "").replace("disk_dir=cache_dir", "")
+    plain = plain.replace("engine.kv.save()", "").replace("engine.kv.close()", "")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(plain, str(README), "exec"), {})
+    assert out.getvalue().splitlines() == ["after the restart, cached: 0 of 307"]
+
+
 def test_readme_transformers_example_runs_and_reuses_the_prefix():
     pytest.importorskip("transformers")
     text = README.read_text()

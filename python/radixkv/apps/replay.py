@@ -33,10 +33,11 @@ stream beside the compute. With ``host_pages == 0`` none of this runs and every 
 without the tier.
 
 Disk tier (``disk_pages > 0``, with a host tier): pages the host tier drops go to disk (see
-``docs/SEMANTICS.md``, "Disk tier"). Before each admission, as :class:`radixkv.Engine` does, the
-waiting requests at the head of the queue (arrival order, up to the token budget) get their
-pages on disk past the device and host match read back into the host tier (``disk_prefetch``,
-every page taken as good), so that the admission finds them as host hits. The batch waits for
+``docs/SEMANTICS.md``, "Disk tier"). As :class:`radixkv.Engine` does, a request's pages on disk
+past the device and host match are read back into the host tier when it arrives
+(``disk_prefetch``, every page taken as good), and again before each admission for the requests
+at the head of the queue (arrival order, up to the token budget: what went back to disk while
+they waited), so that the admission finds them as host hits. The batch waits for
 the reads as well, at ``disk_bandwidth`` (``reads * page_bytes / disk_bandwidth``, not
 overlapped: conservative); the spills to disk are not costed (written in the background).
 ``disk_hit_tokens``: of a batch's host hits, the tokens read back for its admitted requests (at
@@ -280,23 +281,31 @@ class _Server:
             self.bar.update(1)
             return False
         self.waiting[sid] = idx
+        if self.disk:
+            self._prefetch(idx)
         self.outstanding += len(r.tokens)
         self.assigned += len(r.tokens)
         return True
 
+    def _prefetch(self, idx: int) -> None:
+        """Reads back from disk, into the host tier, the pages of request ``idx`` past what
+        memory holds (every page taken as good: no bytes here)."""
+        r = self.requests[idx]
+        fetch = self.cache.disk_prefetch(r.tokens, r.namespace)
+        if fetch is not None:
+            self._drain()  # the spills that made room
+            n = self.cache.disk_confirm(fetch[0], len(fetch[2]))
+            self.reads += len(fetch[2])
+            self.res.disk_read_pages += len(fetch[2])
+            self.fetched[idx] = self.fetched.get(idx, 0) + n * self.config.page_size
+
     def _prefetch_head(self, budget: int) -> None:
         """Before an admission, as the engine does: the waiting requests at the head of the
-        queue (arrival order, up to ``budget`` prompt tokens) get their pages on disk past what
-        memory holds read back into the host tier (every page taken as good: no bytes here)."""
+        queue (arrival order, up to ``budget`` prompt tokens) read back again what of theirs
+        went to disk while they waited."""
         for idx in list(self.waiting.values()):
             r = self.requests[idx]
-            fetch = self.cache.disk_prefetch(r.tokens, r.namespace)
-            if fetch is not None:
-                self._drain()  # the spills that made room
-                n = self.cache.disk_confirm(fetch[0], len(fetch[2]))
-                self.reads += len(fetch[2])
-                self.res.disk_read_pages += len(fetch[2])
-                self.fetched[idx] = self.fetched.get(idx, 0) + n * self.config.page_size
+            self._prefetch(idx)
             budget -= len(r.tokens)
             if budget <= 0:
                 break

@@ -226,7 +226,11 @@ class Saver:
     def __call__(self) -> None:
         now = time.monotonic()
         if now - self.last >= self.every:
-            self.kv.save()
+            self.last = now
+            try:
+                self.kv.save()
+            except (OSError, RuntimeError) as e:  # the server goes on; the next save retries
+                print(f"radixkv serve: saving the disk tier failed: {e}", file=sys.stderr)
             self.last = time.monotonic()
 
 

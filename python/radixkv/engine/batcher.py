@@ -167,8 +167,8 @@ class Batcher:
         if room <= 0 or budget <= 0 or not self._waiting:
             return
         if self.prefetch is not None:
-            # The queue's head, up to the budget, gets its pages on disk read back first, so
-            # that the ranking and the admission see them as host hits.
+            # The queue's head, up to the budget, gets what of it went to disk while it waited
+            # read back first, so that the ranking and the admission see it as host hits.
             left = budget
             for seq in list(self._waiting.values()):
                 self.prefetch(seq)

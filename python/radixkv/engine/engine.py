@@ -60,6 +60,7 @@ import inspect
 import itertools
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ class EngineStats:
     #: Disk tier: prompt tokens read back from disk at submit, and the time it took.
     disk_tokens: int = 0
     disk_s: float = 0.0
+    disk_errors: int = 0
 
 
 class Engine:
@@ -552,6 +554,10 @@ class Engine:
         except BaseException:
             del self.sequences[seq.id]
             raise
+        if self.batcher.prefetch is not None:
+            # Its pages on disk come back at once (and again, for what went back while it
+            # waited, when it reaches the head of the queue).
+            self._prefetch(seq)
         return seq
 
     def branch(
@@ -812,7 +818,18 @@ class Engine:
         """Reads back from the disk tier the pages of ``seq`` (waiting, about to be ranked for
         admission) that memory lacks, into host pages: its admission finds them as host hits."""
         t = time.perf_counter()
-        self.stats.disk_tokens += self.kv.prefetch(seq.target, seq.cache_namespace)
+        try:
+            self.stats.disk_tokens += self.kv.prefetch(seq.target, seq.cache_namespace)
+        except (OSError, RuntimeError) as e:
+            # A disk that fails to read costs the hit, not the request: its tokens are
+            # computed (the cache confirmed nothing it did not read).
+            self.stats.disk_errors += 1
+            if self.stats.disk_errors == 1:
+                warnings.warn(
+                    f"reading the disk tier failed ({e}); requests compute what it held",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self.stats.disk_s += time.perf_counter() - t
 
     def _check_step(self, batch: list[Sequence]) -> None:

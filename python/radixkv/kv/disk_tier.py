@@ -27,6 +27,7 @@ from the tier (``disk_bad_pages``) and its tokens are computed again.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,8 @@ class DiskTier:
                 ) from None
         #: Pages this process restored from the directory at open.
         self.restored_pages = len(slots)
+        #: The error that stopped writes to the disk (None while it works).
+        self.failed: BaseException | None = None
 
     # ---- pages <-> bytes ------------------------------------------------------------------
 
@@ -139,7 +142,20 @@ class DiskTier:
                 payload = self._page_bytes(kv.k, kv.v, src)
             else:
                 raise ValueError(f"disk copy row {i} has kind {kind}, not a disk copy")
-            self.pool.write(dst, keys[32 * i : 32 * i + 32], payload)
+            if self.failed is not None:
+                continue  # the disk failed: the page is lost (a later read of it fails too)
+            try:
+                self.pool.write(dst, keys[32 * i : 32 * i + 32], payload)
+            except (OSError, RuntimeError) as e:
+                # A full or failing disk must not stop the forward passes: the pages it should
+                # have taken are lost, and reading them back fails its check, so nothing wrong
+                # is ever served.
+                self.failed = e
+                warnings.warn(
+                    f"writing the disk tier failed ({e}); its pages from now on are lost",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     # ---- reading back, saving ------------------------------------------------------------
 

@@ -22,6 +22,10 @@ every :meth:`KVCache.plan`):
 On CUDA the copies run on a side stream that waits for the compute queued before them; one
 event per layer marks that layer's copies done, and ``Step.attention(layer, ...)`` waits for it
 before it touches the pool, so the attention of layer ``l`` overlaps the copies of later layers.
+
+With a disk tier as well (``disk_pages > 0``, ``KVCache(..., disk_dir=...)``) the log also holds
+``spill(h, s)`` and ``persist(d, s)``, performed through :mod:`radixkv.kv.disk_tier` (a log
+holding them is performed without that overlap).
 """
 
 from __future__ import annotations
@@ -214,6 +218,18 @@ class KVCache:
     (:meth:`apply_copies`); code that reads or writes the pools of a request's pages outside a
     planned step must call :meth:`apply_copies` itself, after the cache call that admitted or
     extended the request. Without a tier ``host_device`` must be ``None``.
+
+    Disk tier: for a cache made with ``disk_pages > 0`` (behind a host tier), ``disk_dir`` (a
+    directory, created if missing) is required and gets the disk pool (:mod:`radixkv.kv.disk`:
+    one preallocated file, each page written with its block key and checksum). The copies the
+    index logs to disk are performed by :meth:`apply_copies` with the rest (pages copied out at
+    once, written by a background thread); :meth:`prefetch` reads a prompt's pages back before
+    it is admitted (the engine does it for every request), :meth:`save` makes the directory
+    hold every page the cache holds, and a ``KVCache`` opened later on the directory restores
+    its index. ``fingerprint`` (e.g. :func:`radixkv.kv.disk_tier.model_fingerprint`) names
+    what the KV depends on beyond the pool's layout; a directory written under another one, or
+    another layout, raises :class:`radixkv.kv.disk.DiskMismatchError` (``on_mismatch="error"``)
+    or starts empty (``"reset"``). Without a disk tier ``disk_dir`` must be ``None``.
 
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.

@@ -8,6 +8,7 @@ is ``model.layers.0.self_attn.q_proj.weight`` there), so loading is a rename of 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -228,10 +229,15 @@ class CausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         host_device: str | torch.device | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        on_mismatch: str = "error",
     ) -> KVCache:
         """A :class:`radixkv.KVCache` shaped for this model (its dtype and device by default);
         for a shard (:meth:`shard`), for its slice of the KV heads. A cache with a host tier
-        (``host_pages > 0``) gets its host pools on ``host_device``, the CPU by default."""
+        (``host_pages > 0``) gets its host pools on ``host_device``, the CPU by default; one
+        with a disk tier (``disk_pages > 0``) its disk pool in ``disk_dir``, fingerprinted with
+        this model (:func:`radixkv.kv.disk_tier.model_fingerprint`: config and weights)."""
+        from radixkv.kv.disk_tier import model_fingerprint
         from radixkv.kv.kv_cache import KVCache
 
         p = self.embed_tokens.weight
@@ -244,6 +250,9 @@ class CausalLM(nn.Module):
             dtype=dtype or p.dtype,
             device=device or p.device,
             host_device=host_device or ("cpu" if cache.host_pages else None),
+            disk_dir=disk_dir,
+            fingerprint=model_fingerprint(self) if disk_dir is not None else None,
+            on_mismatch=on_mismatch,
         )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
