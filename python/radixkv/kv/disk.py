@@ -40,7 +40,7 @@ is refused (:class:`DiskMismatchError`) or reset (``on_mismatch="reset"``).
 
 Crash rules:
 
-- Pages are written in place, by one background thread (:meth:`DiskPool.write`), one ``pwrite``
+- Pages are written in place, by one background thread (:meth:`DiskPool.write`), one ``pwritev``
   of header and payload each; a crash may tear a page, and a slot may be overwritten (reused)
   after the last :meth:`DiskPool.save`.
 - The manifest is only replaced atomically (``manifest.bin.tmp``, ``fsync``, ``os.replace``,
@@ -197,6 +197,10 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
     return got
 
 
+#: Bytes of pages queued for the writer at most; a write past it waits for the disk.
+MAX_QUEUED_BYTES = 256 * 2**20
+
+
 class _WriterState:
     """What the caller's thread and the worker share (the worker holds no reference to the
     pool, so that a pool nobody closed can still be collected)."""
@@ -342,7 +346,9 @@ class DiskPool:
             os.close(fd)
             raise
 
-        self._queue: queue.Queue[Any] = queue.Queue()
+        # Bounded: when the disk is slower than the pages coming down, a write waits for room
+        # (at most MAX_QUEUED_BYTES of pages wait in memory) instead of memory growing.
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(4, MAX_QUEUED_BYTES // page_bytes))
         self._state = _WriterState()
         self._thread_box: list[threading.Thread | None] = [None]
         self._fd_box = [fd]
