@@ -53,10 +53,12 @@ pub struct Disk {
 }
 
 impl Disk {
-    /// A tier of `pages` slots, every one free (front to back: `0, 1, ...`).
+    /// A tier of `pages` slots, every one free (front to back: `pages - 1, ..., 1, 0`: pages
+    /// are stored a path's tail first, so they take decreasing slots and a path reads back
+    /// from increasing ones).
     pub fn new(pages: usize) -> Result<Self> {
         let mut lists = Links::try_new(2, pages)?;
-        for s in 0..pages as u32 {
+        for s in (0..pages as u32).rev() {
             lists.push_back(FREE, PageId(s));
         }
         Ok(Disk {
@@ -120,6 +122,19 @@ impl Disk {
         self.lists.push_back(LRU, PageId(s));
         self.written += 1;
         Some(s)
+    }
+
+    /// [`Disk::store`] for the pages of one run (`keys` in page order), from the last page to
+    /// the first, so that the run's tail is the least recently used; with FREE handing out
+    /// slots from the top down, the run's new pages take increasing slots along it (and so do
+    /// a path's pages stored a run at a time, deepest first): read back, a run is one read of
+    /// consecutive slots. `None` where the tier holds the key already. The writes must be
+    /// performed in that order too (tail first): a run longer than the tier's unpinned slots
+    /// reuses its own slots, and the page stored last in a slot is the one it holds.
+    pub fn store_run(&mut self, keys: &[BlockHash]) -> Vec<Option<u32>> {
+        let mut out: Vec<Option<u32>> = keys.iter().rev().map(|k| self.store(k)).collect();
+        out.reverse();
+        out
     }
 
     /// Keeps slot `s` (holding a key) from being dropped until [`Disk::unpin`].

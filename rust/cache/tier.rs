@@ -150,6 +150,33 @@ impl Tier {
         }
     }
 
+    /// [`Tier::spill`] of a run of host pages (index ids, in page order) with their keys: the
+    /// disk stores them tail first (see [`Disk::store_run`]), and the copies are logged so.
+    pub fn spill_run(&mut self, pages: &[PageId], keys: &[BlockHash]) {
+        self.copy_run(pages, keys)
+    }
+
+    /// [`Tier::persist`] of a run of index pages (device or host, in page order).
+    pub fn persist_run(&mut self, pages: &[PageId], keys: &[BlockHash]) {
+        self.copy_run(pages, keys)
+    }
+
+    fn copy_run(&mut self, pages: &[PageId], keys: &[BlockHash]) {
+        let slots = self.disk.store_run(keys);
+        // Logged in the order the disk stored them, the run's tail first: where the run reused
+        // one of its own slots, the page stored last there is the one the slot holds.
+        for ((&page, key), slot) in pages.iter().zip(keys).zip(slots).rev() {
+            let Some(dst) = slot else { continue };
+            let (kind, src) = if self.is_host(page) {
+                (CopyKind::Spill, self.local(page).0)
+            } else {
+                (CopyKind::Persist, page.0)
+            };
+            self.log.push(PageCopy { kind, src, dst });
+            self.disk_keys.push(*key);
+        }
+    }
+
     /// Records that index page `page` (device or host), whose block key is `key`, is written to
     /// disk unless the disk holds the key already; the index keeps the page.
     pub fn persist(&mut self, page: PageId, key: &BlockHash) {

@@ -122,16 +122,8 @@ impl RadixIndex {
             let id = NodeId(raw);
             self.fill_block_keys(id);
             let n = self.node(id);
-            let todo: Vec<(PageId, BlockHash)> = n
-                .pages
-                .iter()
-                .copied()
-                .zip(n.block_keys.iter().copied())
-                .rev()
-                .collect();
-            for (page, key) in todo {
-                self.tier.persist(page, &key);
-            }
+            let (pages, keys) = (n.pages.clone(), n.block_keys.clone());
+            self.tier.persist_run(&pages, &keys);
         }
     }
 }

@@ -118,12 +118,10 @@ impl RadixIndex {
         if self.events.on || spill {
             let keys = self.trailing_keys(leaf, drop);
             if spill {
-                // Deepest first: the disk drops its least recently stored slots first, so a
-                // path's tail goes before its head there too.
-                for i in (0..drop).rev() {
-                    let page = self.node(leaf).pages[keep + i];
-                    self.tier.spill(page, &keys[i]);
-                }
+                // Stored deepest first (the disk drops its least recently stored slots first,
+                // so a path's tail goes before its head there too), in consecutive slots.
+                let pages = self.node(leaf).pages[keep..].to_vec();
+                self.tier.spill_run(&pages, &keys);
             }
             if self.events.on {
                 self.events.removed(keys);

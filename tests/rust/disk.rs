@@ -60,6 +60,12 @@ fn a_prompt_goes_to_disk_and_comes_back_by_prefetch() {
             (0, 4, keys.clone()),
             "{kind}"
         );
+        // Stored tail first from the top of the tier down: one run of slots along the prompt.
+        assert!(
+            f.slots.windows(2).all(|w| w[1] == w[0] + 1),
+            "{kind}: {:?}",
+            f.slots
+        );
         c.check().unwrap();
         // Until confirmed the pages are no hit, and their host pages are nobody's.
         assert_eq!(c.match_prefix(&a, &None).unwrap(), 0, "{kind}");

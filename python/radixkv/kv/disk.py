@@ -199,6 +199,8 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
 
 #: Bytes of pages queued for the writer at most; a write past it waits for the disk.
 MAX_QUEUED_BYTES = 256 * 2**20
+#: Bytes one read takes at most (a run of consecutive slots longer than this is split).
+MAX_READ_BYTES = 8 * 2**20
 
 
 class _WriterState:
@@ -665,7 +667,8 @@ class DiskPool:
         of the file, bad magic, another key, another payload length, or a checksum mismatch).
 
         Waits first for every queued write, so a read sees the writes queued before it. Runs of
-        consecutive slot ids (in the order given) are read with one ``pread`` each. Counts
+        consecutive slot ids (in the order given) are read with one ``pread`` each, up to
+        ``MAX_READ_BYTES`` a read. Counts
         ``pages_read``, ``bytes_read`` and ``bad_pages``. ``ValueError`` naming the value for a
         slot out of range or ``keys`` of the wrong length."""
         self._check_usable()
@@ -679,9 +682,12 @@ class DiskPool:
         sb, pb = self.slot_bytes, self.page_bytes
         order = ids.tolist()
         i = 0
+        # A run is cut at MAX_READ_BYTES: one huge read into a fresh buffer spends longer
+        # faulting the buffer's memory in than the reads of its pieces take.
+        per_read = max(1, MAX_READ_BYTES // sb)
         while i < n:
             j = i + 1
-            while j < n and order[j] == order[j - 1] + 1:
+            while j < n and order[j] == order[j - 1] + 1 and j - i < per_read:
                 j += 1
             first = order[i]
             size = (j - i - 1) * sb + HEADER + pb
