@@ -186,6 +186,14 @@ class RefStats:
     retentions: int = 0
     forced_evictions: int = 0
     expired_retentions: int = 0
+    # Nor the disk tier (tests/rust/robust.rs drives it against a KV oracle): these walks have
+    # none, and its counters stay 0.
+    disk_pages: int = 0
+    disk_free_pages: int = 0
+    disk_written_pages: int = 0
+    disk_fetched_pages: int = 0
+    disk_evicted_pages: int = 0
+    disk_bad_pages: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -29,16 +29,13 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 import radixkv
 from radixkv.kv.disk import DiskPool
-
-if TYPE_CHECKING:
-    from radixkv.kv.kv_cache import KVCache
 
 #: The layout of a page's bytes on disk, recorded in the directory's fingerprint.
 PAGE_LAYOUT = "layer-major: K[l] then V[l], each [page_size, num_kv_heads, head_dim]"
@@ -59,7 +56,7 @@ class DiskTier:
 
     def __init__(
         self,
-        kv: KVCache,
+        kv: Any,  # the KVCache (not imported: kv_cache imports this module)
         path: str | os.PathLike[str],
         fingerprint: Mapping[str, object] | None = None,
         on_mismatch: str = "error",
