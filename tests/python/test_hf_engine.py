@@ -186,16 +186,8 @@ def _model(config):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
+# Sliding-window models are served (tests/python/test_hf_window.py).
 REFUSED = [
-    pytest.param(lambda: build_model("mistral", sliding_window=16), "sliding", id="mistral-swa"),
-    pytest.param(
-        lambda: build_model(
-            "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1
-        ),
-        "sliding_attention",
-        id="qwen2-swa",
-    ),
-    pytest.param(lambda: _model(_config("Gemma2Config")), "sliding_attention", id="gemma2"),
     pytest.param(lambda: _model(_config("Llama4TextConfig")), "chunked", id="llama4-chunked"),
     pytest.param(
         lambda: _model(_config("JambaConfig", use_mamba_kernels=False)),

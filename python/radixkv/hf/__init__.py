@@ -1,9 +1,10 @@
 """radixkv.hf: Hugging Face transformers causal LMs on radixkv's paged, prefix-cached KV.
 
 transformers does the model math; radixkv holds the KV and serves cached prefixes. Any
-decoder-only model whose every layer uses full causal self-attention through transformers'
-``AttentionInterface`` runs without code of ours (Llama, Mistral without a sliding window,
-Qwen2, Qwen3, Gemma, Phi-3, ...):
+decoder-only model whose every layer uses causal self-attention through transformers'
+``AttentionInterface``, full or through a sliding window, runs without code of ours (Llama,
+Mistral, Qwen2, Qwen3, Gemma, Gemma 2 and 3, Cohere2, gpt-oss, Phi-3, ...; windows, softcapping
+and sinks through :mod:`radixkv.kv.windowed`):
 
 - :func:`engine`: a :class:`radixkv.Engine` over the model (continuous batching, sessions,
   ``branch``, the scheduler), as with radixkv's built-in models.

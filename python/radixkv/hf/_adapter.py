@@ -44,7 +44,7 @@ class HFCausalLM(torch.nn.Module):
     reads ``config.vocab_size``).
 
     Construction checks the model (:func:`check_model`: ``ValueError`` saying why for
-    sliding-window, chunked, hybrid or cross attention, and the like), then runs one probe token
+    chunked, hybrid or cross attention, and the like), then runs one probe token
     through a scratch pool to check that every layer's attention goes through radixkv with the
     KV shape the config gives. The model keeps its own attention implementation outside
     ``forward``: plain ``model.generate`` works on it as before.
@@ -265,8 +265,8 @@ def engine(
     hits for the next one over the same model and refused for another (``on_mismatch="error"``,
     or ``"reset"`` to start empty).
 
-    Raises ``ValueError`` saying why for a model radixkv cannot serve (sliding-window, chunked,
-    hybrid or cross attention, encoder-decoders, composite models, heads that do not divide
+    Raises ``ValueError`` saying why for a model radixkv cannot serve (chunked, hybrid or
+    cross attention, encoder-decoders, composite models, heads that do not divide
     among the tensor-parallel ranks) and for bad arguments.
     """
     spec = check_model(model)

@@ -71,6 +71,12 @@ class PrefixCache:
         namespace: str | bytes | None = None,
     ) -> None:
         self.spec = check_model(model)
+        if self.spec.windowed:
+            raise ValueError(
+                f"{type(model).__name__} has sliding-window layers: radixkv.hf.PrefixCache hands "
+                "prefixes to generate() in a DynamicCache, whose window layers drop old keys; "
+                "serve it with radixkv.hf.engine, which keeps every token's KV"
+            )
         if self.spec.tp_size > 1:
             raise ValueError(
                 f"radixkv.hf.PrefixCache serves one process; this model is tensor-parallel "

@@ -35,6 +35,9 @@ STEP_KWARG = "radixkv_step"
 #: The keyword argument of a probe forward: a list each attention call appends its
 #: ``(layer, query heads)`` to.
 CALLS_KWARG = "radixkv_calls"
+#: The layer types (``config.layer_types``) radixkv.hf serves: full causal attention, and
+#: causal attention through a sliding window (served exactly over the full KV).
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 #: The oldest transformers whose attention interface and caches this package relies on.
 MIN_TRANSFORMERS = (4, 56)
 
@@ -67,12 +70,11 @@ def paged_attention(
             "forward given a radixkv step); set the model back to 'sdpa' or 'eager' to use it "
             "on its own"
         )
-    for name in ("sliding_window", "softcap", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"{type(module).__name__} passes {name}={kwargs[name]!r} to its attention: "
-                "radixkv.hf serves full causal attention only"
-            )
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(
+            f"{type(module).__name__} passes a position_bias to its attention: radixkv.hf "
+            "serves causal attention with RoPE (optionally windowed, softcapped or with sinks)"
+        )
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise ValueError(
             f"{type(module).__name__} is not causal: radixkv.hf serves causal attention only"
@@ -88,7 +90,19 @@ def paged_attention(
         calls.append((layer, query.shape[1]))
     # [1, H, T, D] -> [T, H, D]: views, no copy.
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    out = step.attention(layer, q, k, v, scaling)
+    # What a layer of Mistral, Qwen2, Gemma 2/3, Cohere2 or gpt-oss adds to causal attention:
+    # its sliding window, Gemma 2's softcapping, gpt-oss's sinks (radixkv.kv.windowed).
+    window = kwargs.get("sliding_window")
+    out = step.attention(
+        layer,
+        q,
+        k,
+        v,
+        scaling,
+        window=int(window) if window is not None else None,
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
     return out.unsqueeze(0), None
 
 
@@ -141,6 +155,9 @@ class ModelSpec:
     num_heads: int = 0
     #: The tensor-parallel degree transformers sharded the model with (``tp_plan=...``), else 1.
     tp_size: int = 1
+    #: Whether some layer attends through a sliding window (radixkv keeps every token's KV
+    #: and masks the window: see :mod:`radixkv.kv.windowed`).
+    windowed: bool = False
 
 
 def tp_size(model: Any) -> int:
@@ -230,9 +247,10 @@ def rope_types(model: Any) -> set[str]:
 
 def check_model(model: Any) -> ModelSpec:
     """The :class:`ModelSpec` of ``model``, a transformers causal LM every layer of which uses
-    full causal self-attention; ``ValueError`` saying why for anything else (sliding-window,
-    chunked, hybrid linear/SSM or cross attention, an encoder-decoder, a composite model, a
-    model in training mode, a pool dtype radixkv does not hold)."""
+    causal self-attention, full or through a sliding window (softcapped or with sinks as Gemma
+    2 and gpt-oss have them); ``ValueError`` saying why for anything else (chunked, hybrid
+    linear/SSM or cross attention, an encoder-decoder, a composite model, a model in training
+    mode, a pool dtype radixkv does not hold)."""
     if not isinstance(model, transformers.PreTrainedModel):
         raise ValueError(
             f"model must be a transformers PreTrainedModel (AutoModelForCausalLM), got "
@@ -253,18 +271,22 @@ def check_model(model: Any) -> ModelSpec:
         raise ValueError(f"{name} is not a generative model (it has no generate())")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({t for t in layer_types if t != "full_attention"})
+        other = sorted({t for t in layer_types if t not in SERVED_LAYER_TYPES})
         if other:
             raise ValueError(
                 f"{name} has {', '.join(repr(t) for t in other)} layers (config.layer_types): "
-                "radixkv.hf serves models whose every layer is full causal attention"
+                "radixkv.hf serves full and sliding-window causal attention layers only "
+                f"({', '.join(SERVED_LAYER_TYPES)})"
             )
     window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and layer_types is None:
-        raise ValueError(
-            f"{name} uses sliding-window attention (config.sliding_window={window}): radixkv.hf "
-            "serves full causal attention only"
+    windowed = bool(
+        (layer_types is not None and "sliding_attention" in layer_types)
+        or (
+            layer_types is None
+            and window is not None
+            and getattr(config, "use_sliding_window", True)
         )
+    )
     for attr in ("attention_chunk_size", "attn_layer_period", "layers_block_type", "ssm_cfg"):
         if getattr(config, attr, None) is not None:
             raise ValueError(
@@ -326,4 +348,5 @@ def check_model(model: Any) -> ModelSpec:
         logits_to_keep="logits_to_keep" in params,
         num_heads=heads // tp,
         tp_size=tp,
+        windowed=windowed,
     )

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import radixkv
+from radixkv.kv import windowed as _windowed
 from radixkv.kv.backends import Group, slot_matrix
 
 
@@ -191,6 +192,10 @@ class Step:
         k: torch.Tensor,
         v: torch.Tensor,
         scale: float | None = None,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Writes ``k``/``v`` (``[T, Hkv, D]``) into the pool at the new tokens' slots, then
         attends each query of ``q`` (``[T, Hq, D]``) to its request's keys up to its own
@@ -198,6 +203,11 @@ class Step:
 
         ``layer`` must be an int in ``[0, num_layers)``; ``q``, ``k`` and ``v`` floating-point
         torch tensors (``TypeError`` otherwise, raised before anything is written).
+
+        For the layers of models that need them (:mod:`radixkv.kv.windowed`): ``window``, a
+        sliding window of that many keys (a query at position ``p`` sees ``p - window < j <=
+        p``); ``softcap``, scores squashed to ``softcap * tanh(s / softcap)``; ``sinks``, one
+        logit per query head joining each softmax. The pool keeps every token's KV either way.
         """
         kv = self.kv
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
@@ -217,6 +227,10 @@ class Step:
         for name, x in (("k", k), ("v", v)):
             if tuple(x.shape) != (t, hkv, d):
                 raise ValueError(f"{name} must be [{t}, {hkv}, {d}], got {tuple(x.shape)}")
+        if window is not None or softcap is not None or sinks is not None:
+            _windowed.check_extras(window, softcap, sinks, q.shape[1])
+            if window is not None and self.max_kv_len <= window:
+                window = None  # every key is in every query's window: plain causal attention
         self.check_current()
         if self._copy_events is not None:  # the tier's copies of this layer, on a side stream
             torch.cuda.current_stream(kv.device).wait_event(self._copy_events[layer])
@@ -228,6 +242,10 @@ class Step:
         q = q.to(pool_k.dtype)
         if scale is None:
             scale = 1.0 / math.sqrt(d)  # explicit: compiled backends specialise on it
+        if window is not None or softcap is not None or sinks is not None:
+            return _windowed.attend_exact(self, layer, q, scale, window, softcap, sinks).to(
+                out_dtype
+            )
         if len(self._groups) == 1 and self._groups[0][1].rows is None:
             backend, g = self._groups[0]
             return backend.attend(self, g, layer, q, k, v, scale).to(out_dtype)

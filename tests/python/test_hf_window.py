@@ -1,0 +1,196 @@
+"""Sliding-window and hybrid local/global models on radixkv (issue: the models agents run
+today): Mistral with ``sliding_window``, Qwen2 with ``use_sliding_window``, Gemma 2 (local and
+global layers, logit softcapping), Gemma 3 (5 local layers to 1 global, local RoPE), Cohere2 and
+gpt-oss (alternating layers, attention sinks, experts). Tiny random models with windows of 8
+tokens, so that every prompt crosses them: ``radixkv.hf.engine`` gives transformers' own greedy
+tokens over multi-turn sessions and branches longer than the window, under eviction pressure,
+and a batched forward over cached prefixes gives transformers' full-forward logits (float32,
+atol 1e-4). The pool keeps every token's KV and the window masks what each query reads
+(:mod:`radixkv.kv.windowed`), so every later turn reuses its whole cached prefix."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import radixkv  # noqa: E402
+import radixkv.hf  # noqa: E402
+from hf_models import VOCAB, greedy_reference, randomize  # noqa: E402
+from test_hf_engine import cached_prefix_logits_match, tokens  # noqa: E402
+
+torch.set_num_threads(1)
+
+WINDOW = 8
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+
+
+def _configs() -> dict[str, object]:
+    t = transformers
+    local_global = ["sliding_attention", "full_attention"]
+    return {
+        "mistral-swa": t.MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=WINDOW),
+        "qwen2-swa": t.Qwen2Config(
+            **_COMMON,
+            num_hidden_layers=2,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        ),
+        "gemma2": t.Gemma2Config(
+            **_COMMON,
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=16,
+            layer_types=local_global,
+        ),
+        "gemma3": t.Gemma3TextConfig(
+            **_COMMON,
+            num_hidden_layers=6,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        ),
+        "cohere2": t.Cohere2Config(
+            **_COMMON, num_hidden_layers=2, sliding_window=WINDOW, layer_types=local_global
+        ),
+        "gpt-oss": t.GptOssConfig(
+            **_COMMON,
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            layer_types=local_global,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    }
+
+
+ARCHS = list(_configs())
+
+
+def build(arch: str, seed: int = 3):
+    config = _configs()[arch]
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch != "gpt-oss":
+        return randomize(model, seed)
+    # gpt-oss keeps its experts as 3-D tensors [experts, in, out] and has 1-D sinks and
+    # biases: drawn at unit activation scale too (sinks as logits of unit scale).
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 3:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request):
+    return build(request.param)
+
+
+#: Pools small enough that the branches below evict (the trunk reaches 82 tokens, each
+#: branch adds its own).
+CACHES = [
+    pytest.param(lambda: radixkv.RadixCache(100, page_size=1), id="radix-p1"),
+    pytest.param(lambda: radixkv.BlockCache(7, page_size=16), id="block-p16"),
+]
+
+
+@pytest.mark.parametrize("make_cache", CACHES)
+def test_sessions_and_branches_longer_than_the_window_match_transformers(model, make_cache):
+    rng = np.random.default_rng(1)
+    eng = radixkv.hf.engine(model, make_cache(), token_budget=48, max_batch=4)
+    session = radixkv.Session(eng, system=tokens(rng, 3 * WINDOW))
+    cached = []
+    for turn, n in enumerate((5, 13, 3, 21)):
+        prompt = np.concatenate([session.history, tokens(rng, n)])
+        result = session.send(prompt[len(session.history) :], max_new_tokens=4)
+        assert result.output == greedy_reference(model, prompt, 4)
+        cached.append(result.cached_tokens)
+        if turn == 1:  # another tenant's long prompt evicts most of the session meanwhile
+            other = tokens(rng, 90)
+            (res,) = eng.generate([other], max_new_tokens=1, namespace="other", release=True)
+            assert res.output == greedy_reference(model, other, 1)
+    # Later turns find the conversation so far (the window does not limit reuse: the pool
+    # keeps every token's KV), but for pages the small pool evicted.
+    assert cached[1] > 0 and cached[3] > 0
+    messages = [tokens(rng, 2), tokens(rng, WINDOW + 3), []]
+    for msg, result in zip(messages, session.branch(messages, max_new_tokens=3)):
+        prompt = np.concatenate([session.history, np.asarray(msg, dtype=np.uint32)])
+        assert result.output == greedy_reference(model, prompt, 3)
+    eng.cache.check()
+    assert eng.cache.stats.evicted_pages > 0, "the pool never ran short: no eviction pressure"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "make_cache",
+    [
+        pytest.param(lambda: radixkv.RadixCache(512, page_size=1), id="radix-p1"),
+        pytest.param(lambda: radixkv.BlockCache(32, page_size=16), id="block-p16"),
+    ],
+)
+def test_cached_prefix_logits_equal_the_full_forward(arch, make_cache):
+    """Requests with cached prefixes longer than the window, batched with a fresh one, give
+    transformers' logits over each whole sequence."""
+    cached_prefix_logits_match(build(arch, seed=7), make_cache, atol=1e-4)
+
+
+def test_the_window_changes_the_output():
+    """The masks are not vacuous: the same weights without a window give other logits."""
+    windowed = build("mistral-swa", seed=7)
+    full = transformers.AutoModelForCausalLM.from_config(
+        transformers.MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=None),
+        dtype=torch.float32,
+    ).eval()
+    full.load_state_dict(windowed.state_dict())
+    ids = torch.as_tensor(tokens(np.random.default_rng(0), 40).astype(np.int64))[None]
+    with torch.no_grad():
+        a, b = windowed(ids).logits[0, -1], full(ids).logits[0, -1]
+    assert not torch.allclose(a, b, atol=1e-3)
+    cache = radixkv.RadixCache(64)
+    (res,) = radixkv.hf.engine(windowed, cache).generate([ids[0].tolist()], max_new_tokens=3)
+    assert res.output == greedy_reference(windowed, ids[0].tolist(), 3)
+
+
+def test_prefix_cache_refuses_windowed_models_and_says_what_serves_them():
+    with pytest.raises(ValueError, match=r"radixkv\.hf\.engine"):
+        radixkv.hf.PrefixCache(build("gemma2"), radixkv.RadixCache(16))
+
+
+def test_bad_window_arguments_are_refused():
+    from radixkv.kv.windowed import check_extras
+
+    with pytest.raises(ValueError, match="window"):
+        check_extras(0, None, None, 4)
+    with pytest.raises(ValueError, match="softcap"):
+        check_extras(None, -1.0, None, 4)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        check_extras(None, None, torch.zeros(3), 4)
