@@ -177,31 +177,64 @@ class SdpaBackend:
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         scale: float | None,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """``window``: a sliding window of that many keys (a query at position ``p`` sees keys
+        ``p - window < j <= p``), one mask per window size per step, shared by its layers."""
         st = g.state
         kv = step.kv
         t, hq, d = q.shape
         hkv = kv.num_kv_heads
         b = len(g.req)
+        mask = st["mask"] if window is None else self._window_mask(step, g, window)
         if st["fresh"]:
             # The keys are exactly the new tokens: no gather, top-left causal is right here.
             qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_new, v_new))
-            return sdpa(qh, kh, vh, None, True, scale)[0].transpose(0, 1)
+            return sdpa(qh, kh, vh, mask, mask is None, scale)[0].transpose(0, 1)
         keys, values = _gather(kv, layer, st["slots"])  # [B, Hkv, L, D]
         if g.is_decode:
             # One query per request; fold each KV group's query heads into rows.
             qb = q.view(b, hkv, hq // hkv, d)
-            o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=st["mask"], scale=scale)
+            o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale)
             return o.reshape(b, hq, d)
         max_q = st["max_q"]
         if st["pad"]:
             qb = q.index_select(0, st["q_index"]).view(b, max_q, hq, d)
         else:
             qb = q.unsqueeze(0)
-        o = sdpa(qb.transpose(1, 2), keys, values, st["mask"], False, scale).transpose(1, 2)
+        o = sdpa(qb.transpose(1, 2), keys, values, mask, False, scale).transpose(1, 2)
         if st["pad"]:
             return o.reshape(b * max_q, hq, d).index_select(0, st["unpad"])
         return o.reshape(t, hq, d)
+
+    @staticmethod
+    def _window_mask(step: Step, g: Group, window: int) -> torch.Tensor:
+        """The additive mask of ``g`` for a sliding window of ``window`` keys: the causal mask
+        :meth:`prepare` builds, narrowed to ``p - window < j <= p`` (made once a step)."""
+        st = g.state
+        masks = st.setdefault("window_masks", {})
+        m = masks.get(window)
+        if m is not None:
+            return m
+        kv = step.kv
+        b = len(g.req)
+        if st["fresh"]:  # keys are the new tokens, at positions 0 .. T - 1
+            keys = torch.arange(int(g.q_len[0]), device=kv.device)
+            q_pos = keys.view(1, -1)
+        else:
+            keys = torch.arange(st["max_kv"], device=kv.device)
+            if g.is_decode:
+                q_pos = (g.seq_lens.long() - 1).view(b, 1)
+            elif st["pad"]:
+                q_pos = g.positions[st["q_index"]].view(b, st["max_q"])
+            else:
+                q_pos = g.positions.view(1, -1)
+        p = q_pos[:, :, None]
+        allowed = ((keys <= p) & (keys > p - window)).unsqueeze(1)  # [B or 1, 1, Q, L]
+        m = torch.zeros(allowed.shape, dtype=kv.dtype, device=kv.device)
+        m = m.masked_fill_(~allowed, float("-inf"))
+        masks[window] = m
+        return m
 
 
 def slot_matrix(block_table: torch.Tensor, max_kv_len: int, page_size: int) -> torch.Tensor:
