@@ -24,6 +24,10 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   KV), ``radixkv_kv_offloaded_pages_total`` (device pages whose KV went to the host instead of
   being dropped), ``radixkv_kv_loaded_pages_total`` (host pages loaded back to the device) and
   ``radixkv_kv_host_evicted_pages_total`` (pages dropped from the host tier).
+- With a disk tier (``disk_pages > 0``): ``radixkv_kv_disk_pages{state="free"|"cached"}``,
+  ``radixkv_kv_disk_written_pages_total``, ``radixkv_kv_disk_fetched_pages_total`` (read back
+  for a prompt), ``radixkv_kv_disk_evicted_pages_total`` and ``radixkv_kv_disk_bad_pages_total``
+  (read back torn or corrupted, recomputed).
 - With a scheduler: ``radixkv_scheduler_waiting`` (requests waiting) and the histogram
   ``radixkv_scheduler_wait_calls`` (schedule calls each admitted request waited through).
 - With an engine: ``radixkv_engine_requests_total`` (finished requests), the histograms
@@ -162,6 +166,7 @@ class CacheCollector(Collector):
         self.cache, self.scheduler, self.engine = cache, scheduler, engine
         # Fixed when the cache is built, so describe() knows the families without a snapshot.
         self.host_tier = int(getattr(cache, "host_pages", 0) or 0) > 0
+        self.disk_tier = int(getattr(cache, "disk_pages", 0) or 0) > 0
         self._names = list(labels)
         self._values = [labels[k] for k in self._names]
         # Engine requests are folded into these as they finish. Ids grow as requests are
@@ -276,6 +281,8 @@ class CacheCollector(Collector):
         out.append(pages)
         if self.host_tier:
             out.extend(self._host_families(s))
+        if self.disk_tier:
+            out.extend(self._disk_families(s))
         if self.scheduler is not None:
             out.append(
                 self._gauge(
@@ -334,6 +341,41 @@ class CacheCollector(Collector):
                 "radixkv_kv_host_evicted_pages",
                 "Pages dropped from the host tier (to make room, and by reset).",
                 s.host_evicted_pages if live else None,
+            ),
+        ]
+
+    def _disk_families(self, s: Any) -> list[Any]:
+        """The disk tier's families (``s``: a stats snapshot, or None for names only)."""
+        live = s is not None
+        pages = GaugeMetricFamily(
+            "radixkv_kv_disk_pages",
+            "Disk tier pages by state: free (hold nothing), cached (hold a page's KV).",
+            labels=[*self._names, "state"],
+        )
+        if live:
+            pages.add_metric([*self._values, "free"], s.disk_free_pages)
+            pages.add_metric([*self._values, "cached"], s.disk_pages - s.disk_free_pages)
+        return [
+            pages,
+            self._counter(
+                "radixkv_kv_disk_written_pages",
+                "Pages written to the disk tier (dropped by the host tier, or saved).",
+                s.disk_written_pages if live else None,
+            ),
+            self._counter(
+                "radixkv_kv_disk_fetched_pages",
+                "Disk tier pages read back into the host tier for a prompt.",
+                s.disk_fetched_pages if live else None,
+            ),
+            self._counter(
+                "radixkv_kv_disk_evicted_pages",
+                "Pages dropped from the disk tier (to make room, and by reset).",
+                s.disk_evicted_pages if live else None,
+            ),
+            self._counter(
+                "radixkv_kv_disk_bad_pages",
+                "Disk tier pages that read back torn or corrupted (dropped, never served).",
+                s.disk_bad_pages if live else None,
             ),
         ]
 

@@ -308,6 +308,53 @@ def test_host_tier_samples_match_the_cache(make, length):
         server.server_close()
 
 
+DISK_FAMILIES = {
+    "radixkv_kv_disk_pages",
+    "radixkv_kv_disk_written_pages",
+    "radixkv_kv_disk_fetched_pages",
+    "radixkv_kv_disk_evicted_pages",
+    "radixkv_kv_disk_bad_pages",
+}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: radixkv.RadixCache(8, 4, 4, 32), id="radix"),
+        pytest.param(lambda: radixkv.BlockCache(8, 4, 4, 32), id="block"),
+    ],
+)
+def test_disk_tier_samples_match_the_cache(make):
+    cache = make()
+    collector = CacheCollector(cache, labels={"worker": "w0"})
+    assert DISK_FAMILIES <= family_names(collector)
+    assert not DISK_FAMILIES & family_names(CacheCollector(radixkv.RadixCache(8, 4, 4)))
+    prompts = [np.arange(25, dtype=np.uint32) + 1000 * (i + 1) for i in range(4)]
+    for p in prompts:  # through a pool and a host tier that hold one: the rest goes to disk
+        req = cache.admit(p)
+        cache.commit(req, req.num_tokens)
+        cache.finish(req)
+    cache.drain_copies()
+    fetch = cache.disk_prefetch(prompts[0])
+    assert fetch is not None
+    cache.disk_confirm(fetch[0], 1, bad=True)
+    s = cache.stats
+    assert s.disk_written_pages > 0 and s.disk_fetched_pages == 1 and s.disk_bad_pages == 1
+    text = generate_latest_of(collector)
+    m = {
+        (f.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+    }
+    w = (("worker", "w0"),)
+    assert m[("radixkv_kv_disk_pages", (("state", "free"), *w))] == s.disk_free_pages
+    assert m[("radixkv_kv_disk_pages", (("state", "cached"), *w))] == (
+        s.disk_pages - s.disk_free_pages
+    )
+    for field in ("written", "fetched", "evicted", "bad"):
+        assert m[(f"radixkv_kv_disk_{field}_pages", w)] == getattr(s, f"disk_{field}_pages")
+
+
 def generate_latest_of(collector):
     """The text exposition of a registry holding ``collector``."""
     reg = CollectorRegistry()
