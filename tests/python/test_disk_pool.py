@@ -59,6 +59,8 @@ def payload(k: bytes, page_bytes: int = PB) -> np.ndarray:
 
 
 def open_pool(path, num_pages: int = N, page_bytes: int = PB, fingerprint=None, **kw) -> DiskPool:
+    # Without the header scan unless asked: these tests pin down the manifest's own rules.
+    kw.setdefault("recover", False)
     return DiskPool(path, num_pages, page_bytes, FP if fingerprint is None else fingerprint, **kw)
 
 
@@ -158,8 +160,10 @@ def test_write_save_reopen_reads_the_exact_bytes(tmp_path):
     s0 = int(slots[0]) * SB  # the slot layout, byte for byte
     k0 = key(f"p{slots[0]}")
     assert raw[s0 : s0 + 8] == b"RKVPAGE1" and raw[s0 + 8 : s0 + 40] == k0
-    assert raw[s0 + 40 : s0 + 72] == _page_checksum(k0, payload(k0))
-    assert struct.unpack_from("<Q", raw, s0 + 72)[0] == PB and raw[s0 + 80 : s0 + 128] == bytes(48)
+    setup = raw[s0 + 80 : s0 + 112]
+    assert setup == pool.setup and len(setup) == 32
+    assert raw[s0 + 40 : s0 + 72] == _page_checksum(k0 + setup, payload(k0))
+    assert struct.unpack_from("<Q", raw, s0 + 72)[0] == PB and raw[s0 + 112 : s0 + 128] == bytes(16)
     assert raw[s0 + 128 : s0 + 128 + PB] == payload(k0).tobytes()
     header, got_keys, got_slots = parse_manifest((d / "manifest.bin").read_bytes())
     assert header == {
@@ -761,3 +765,51 @@ def test_writer_killed_at_random_never_leaves_a_wrong_page(tmp_path):
                     good_reads += 1
             assert pool.bad_pages == sum(p is None for p in pages)
     assert good_reads > 0, f"nothing was ever readable ({bad_reads} bad)"
+
+
+# --------------------------------------------------------------------------- recovery
+
+
+def test_pages_written_after_the_last_save_are_recovered_from_their_headers(tmp_path):
+    with open_pool(tmp_path) as pool:
+        for s in range(4):
+            pool.write(s, key(s), payload(key(s)))
+        pool.save(b"".join(key(s) for s in range(2)), np.arange(2, dtype=np.uint32))
+        for s in range(4, 7):  # never saved: a crash now would lose them without the scan
+            pool.write(s, key(s), payload(key(s)))
+        pool.write(1, key("new1"), payload(key("new1")))  # slot 1 reused after the save
+        pool.flush()
+    with reopen_quietly(tmp_path, recover=False) as pool:
+        assert pool.entries[1].tolist() == [0, 1]  # the manifest alone
+    with reopen_quietly(tmp_path, recover=True) as pool:
+        keys, slots = pool.entries
+        got = {int(s): keys[32 * i : 32 * i + 32] for i, s in enumerate(slots)}
+        # The saved entry still in its slot first, then every header of this setup, in slot
+        # order; slot 1 names the key written there last.
+        assert slots.tolist()[0] == 0
+        assert got == {s: key(s) for s in (0, 2, 3, 4, 5, 6)} | {1: key("new1")}
+        assert pool.recovered == 6
+        pages = pool.read(slots, keys)
+        assert all(good(p, got[int(s)]) for p, s in zip(pages, slots))
+
+
+def test_recovery_ignores_pages_of_another_setup_and_reading_them_is_refused(tmp_path):
+    """A process of another model (on_mismatch="reset") writes into the directory and dies
+    before saving: its pages have the same keys as ours (the same prompts), valid checksums,
+    and are still never this pool's."""
+    with open_pool(tmp_path) as pool:
+        for s in range(3):
+            pool.write(s, key(s), payload(key(s)))
+        pool.save(b"".join(key(s) for s in range(3)), np.arange(3, dtype=np.uint32))
+    other = {**FP, "weights": "another model"}
+    with pytest.warns(RuntimeWarning, match="another setup"):
+        intruder = open_pool(tmp_path, fingerprint=other, on_mismatch="reset")
+    with intruder:
+        intruder.write(1, key(1), payload(key(9)))  # our key, another model's bytes
+        intruder.write(5, key(5), payload(key(5)))
+        intruder.flush()
+    with reopen_quietly(tmp_path, recover=True) as pool:
+        _, slots = pool.entries
+        assert slots.tolist() == [0, 2]  # slot 1 and slot 5 hold the other setup's pages
+        assert pool.read([1], key(1)) == [None]
+        assert pool.bad_pages == 1

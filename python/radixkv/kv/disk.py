@@ -15,9 +15,10 @@ Slot ``s`` starts at byte ``s * slot_bytes`` (``slot_bytes = round_up(HEADER + p
   offset  size         field
   0       8            magic b"RKVPAGE1"
   8       32           the page's key
-  40      32           checksum = _page_checksum(key, payload)   (blake3 over key and payload)
+  40      32           checksum = _page_checksum(key + setup, payload)   (blake3)
   72      8            payload length, u64 little-endian (= page_bytes)
-  80      48           zeros
+  80      32           setup: blake3 of the pool's fingerprint and layout
+  112     16           zeros
   128     page_bytes   payload
 ```
 
@@ -48,9 +49,15 @@ Crash rules:
   holds the last saved manifest whole, or none. A manifest that is truncated, has a bad magic,
   fails its checksum, or lists a slot or a key twice is treated as missing (a ``RuntimeWarning``;
   the pool starts empty); a leftover ``manifest.bin.tmp`` is removed.
-- Every page read is checked against the key the caller expects there and against its checksum
-  (:meth:`DiskPool.read`): a page torn by a crash, overwritten after the last save, or corrupted on
-  disk is reported bad (``None``) and the caller recomputes it; it is never served.
+- Every page read is checked against the key the caller expects there, against the pool's
+  setup (a page another model or layout wrote into this directory is not this pool's, whatever
+  its key) and against its checksum (:meth:`DiskPool.read`): a page torn by a crash, overwritten
+  after the last save, written for another setup or corrupted on disk is reported bad (``None``)
+  and the caller recomputes it; it is never served.
+- At open (``recover=True``) every slot's header is read: pages written after the last save
+  (its manifest does not list them, or lists another key in their slot) are entries again, after
+  the saved ones, so a crash loses no page that reached the disk. Only headers of this setup
+  count; each page is still checked when it is read.
 
 This module needs only numpy and the standard library (no torch).
 """
@@ -94,7 +101,7 @@ MANIFEST_TMP = "manifest.bin.tmp"
 #: What ``on_mismatch`` may be.
 ON_MISMATCH = ("error", "reset")
 
-_HEADER_STRUCT = struct.Struct("<8s32s32sQ")  # magic, key, checksum, payload length
+_HEADER_STRUCT = struct.Struct("<8s32s32sQ32s")  # magic, key, checksum, length, setup
 _CHECKSUM_BYTES = 32
 #: Fields of the manifest's JSON header that fix the data file's layout.
 _LAYOUT_FIELDS = ("format", "num_pages", "page_bytes", "slot_bytes")
@@ -217,7 +224,12 @@ class _WriterState:
 
 
 def _writer(
-    q: queue.Queue[Any], fd: int, slot_bytes: int, page_bytes: int, state: _WriterState
+    q: queue.Queue[Any],
+    fd: int,
+    slot_bytes: int,
+    page_bytes: int,
+    setup: bytes,
+    state: _WriterState,
 ) -> None:
     """The background writer: performs queued ``(slot, key, payload)`` writes until ``None``.
     After an error it keeps the first one in ``state`` and drops the writes queued after it."""
@@ -229,8 +241,8 @@ def _writer(
             slot, key, payload = item
             if state.error is None:
                 try:
-                    digest = _page_checksum(key, payload)
-                    header = _HEADER_STRUCT.pack(PAGE_MAGIC, key, digest, page_bytes)
+                    digest = _page_checksum(key + setup, payload)
+                    header = _HEADER_STRUCT.pack(PAGE_MAGIC, key, digest, page_bytes, setup)
                     header += bytes(HEADER - len(header))
                     n = _pwrite_all(fd, header, payload, slot * slot_bytes)
                 except BaseException as e:  # kept, re-raised by the caller
@@ -278,6 +290,11 @@ class DiskPool:
     layout accounts for is refused (``ValueError``) with ``"error"`` and emptied with
     ``"reset"``; a shorter one is extended.
 
+    ``recover`` (default True): read every slot's header at open, so that pages written after
+    the last save (and so missing from its manifest) are entries again, after the saved ones
+    (:attr:`recovered` counts them); only headers of this pool's setup (fingerprint and layout)
+    count. One small read a slot (about a second for a million slots).
+
     ``ValueError`` naming the argument for a ``num_pages`` or ``page_bytes`` that is not a
     positive int, an ``on_mismatch`` other than ``"error"``/``"reset"``, a ``fingerprint`` that
     is not JSON-serializable, or a ``path`` that is not a directory; ``TypeError`` for a
@@ -295,6 +312,7 @@ class DiskPool:
         page_bytes: int,
         fingerprint: Mapping[str, object],
         on_mismatch: str = "error",
+        recover: bool = True,
     ) -> None:
         self._closed = True  # until the data file is open (so __repr__/close work on errors)
         self.num_pages = _positive("num_pages", num_pages)
@@ -304,6 +322,19 @@ class DiskPool:
         self.on_mismatch = on_mismatch
         self.fingerprint = _normalize_fingerprint(fingerprint)
         self.slot_bytes = slot_bytes_for(self.page_bytes)
+        #: What every page header of this pool names: its fingerprint and layout, digested.
+        self.setup = _page_checksum(
+            b"radixkv.disk.setup",
+            _canonical(
+                {
+                    "fingerprint": self.fingerprint,
+                    "format": FORMAT,
+                    "num_pages": self.num_pages,
+                    "page_bytes": self.page_bytes,
+                    "slot_bytes": self.slot_bytes,
+                }
+            ).encode(),
+        )
         if self.num_pages > 2**32 - 1:
             raise ValueError(f"num_pages must be below 2**32 (slots are u32), got {num_pages!r}")
         self.path = os.fspath(path)
@@ -317,6 +348,7 @@ class DiskPool:
 
         self._keys = b""
         self._slots = np.zeros(0, np.uint32)
+        self._recover_on = bool(recover)
         layout_known, layout_differs = self._open_manifest()
 
         fd = os.open(self._data_path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -348,6 +380,14 @@ class DiskPool:
             os.close(fd)
             raise
 
+        #: Entries the header scan found that the manifest did not list (see ``recover``).
+        self.recovered = 0
+        if recover and size > 0:
+            try:
+                self._recover(fd)
+            except BaseException:
+                os.close(fd)
+                raise
         # Bounded: when the disk is slower than the pages coming down, a write waits for room
         # (at most MAX_QUEUED_BYTES of pages wait in memory) instead of memory growing.
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(4, MAX_QUEUED_BYTES // page_bytes))
@@ -365,10 +405,50 @@ class DiskPool:
 
     # ----------------------------------------------------------------------------- manifest
 
+    def _recover(self, fd: int) -> None:
+        """Reads every slot's header: the manifest's entries whose slot still names their key
+        stay (in their order), then the slots of this setup it does not list, in slot order
+        (a key held by two slots keeps the first)."""
+        n, sb = self.num_pages, self.slot_bytes
+        found: dict[int, bytes] = {}
+        size = _HEADER_STRUCT.size
+        for slot in range(n):
+            head = os.pread(fd, size, slot * sb)
+            if len(head) < size:
+                break
+            magic, key, _, length, setup = _HEADER_STRUCT.unpack(head)
+            if magic == PAGE_MAGIC and setup == self.setup and length == self.page_bytes:
+                found[slot] = key
+        keys: list[bytes] = []
+        slots: list[int] = []
+        seen: set[bytes] = set()
+        saved = self._keys
+        for i, slot in enumerate(self._slots.tolist()):
+            key = saved[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+            if found.get(slot) == key and key not in seen:
+                keys.append(key)
+                slots.append(slot)
+                seen.add(key)
+        listed = set(slots)
+        for slot, key in found.items():
+            if slot not in listed and key not in seen:
+                keys.append(key)
+                slots.append(slot)
+                seen.add(key)
+                self.recovered += 1
+        self._keys = b"".join(keys)
+        self._slots = np.asarray(slots, dtype=np.uint32)
+        self._slots.flags.writeable = False
+
     def _damaged(self, why: str) -> None:
+        then = (
+            "the pool starts from what the page headers name"
+            if self._recover_on
+            else "the pool starts empty (its pages will be recomputed)"
+        )
         warnings.warn(
             f"DiskPool at {self.path!r}: the directory's index ({MANIFEST_FILE}) was damaged "
-            f"({why}); the pool starts empty (its pages will be recomputed)",
+            f"({why}); {then}",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -650,7 +730,14 @@ class DiskPool:
         if self._thread_box[0] is None:
             thread = threading.Thread(
                 target=_writer,
-                args=(self._queue, self._fd_box[0], self.slot_bytes, self.page_bytes, self._state),
+                args=(
+                    self._queue,
+                    self._fd_box[0],
+                    self.slot_bytes,
+                    self.page_bytes,
+                    self.setup,
+                    self._state,
+                ),
                 name=f"radixkv-disk-writer({self.path})",
                 daemon=True,
             )
@@ -709,12 +796,14 @@ class DiskPool:
         end = off + HEADER + self.page_bytes
         if got < end:
             return None
-        magic, key, digest, length = _HEADER_STRUCT.unpack_from(buf.data, off)
+        magic, key, digest, length, setup = _HEADER_STRUCT.unpack_from(buf.data, off)
         expected = keys[index * KEY_BYTES : (index + 1) * KEY_BYTES]
         if magic != PAGE_MAGIC or key != expected or length != self.page_bytes:
             return None
+        if setup != self.setup:  # written by another model or layout into this directory
+            return None
         payload = buf[off + HEADER : end]
-        if _page_checksum(expected, payload) != digest:
+        if _page_checksum(expected + setup, payload) != digest:
             return None
         return payload
 
