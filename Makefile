@@ -55,7 +55,9 @@ OLDEST_WHEEL := $(OLDEST_DIR)/wheels/.built
 # The oldest-Python test installs this very wheel, and checks its tag first.
 WHEEL_FLAGS := --release --zig --compatibility manylinux2014
 
-$(OLDEST_WHEEL): $(DEPS) $(RUST)
+# Rebuilt when the Rust or the Python of the package changes: the wheel carries both.
+PYSRC        := $(shell find python/radixkv -type f ! -name '*.so' ! -path '*/__pycache__/*')
+$(OLDEST_WHEEL): $(DEPS) $(RUST) $(PYSRC)
 	rm -rf $(OLDEST_DIR)/wheels
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m maturin build $(WHEEL_FLAGS) --quiet -o $(OLDEST_DIR)/wheels
 	ls $(OLDEST_DIR)/wheels/radixkv-*-manylinux2014_x86_64*.whl

@@ -41,11 +41,13 @@ def test_demo_refuses_a_missing_or_unsupported_model_in_one_line(tmp_path, capsy
     base = ["demo", "--quick", "--out", str(tmp_path)]
     assert cli.main([*base, "--model", str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip().endswith("does not exist")
-    swa = hf_models.build_model("mistral", seed=1, sliding_window=16)
-    hf_models.save_model(swa, tmp_path / "swa")
-    assert cli.main([*base, "--model", str(tmp_path / "swa")]) == 2
+    # RoPE that transformers recomputes from each forward's length: refused.
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    bad = hf_models.build_model("llama", seed=1, rope_parameters=dynamic)
+    hf_models.save_model(bad, tmp_path / "dynamic")
+    assert cli.main([*base, "--model", str(tmp_path / "dynamic")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("radixkv: error: demo: --model") and "sliding-window" in err
+    assert err.startswith("radixkv: error: demo: --model") and "rope_type='dynamic'" in err
     assert cli.main([*base, "--model", str(tmp_path), "--checkpoint", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
 
