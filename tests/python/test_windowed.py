@@ -67,3 +67,26 @@ def test_sdpa_window_masks_equal_the_exact_reference(shape, window):
         assert not torch.allclose(got, full, atol=1e-3), "the window masked nothing"
     for r in reqs:
         cache.abort(r)
+
+
+@pytest.mark.parametrize("window", [None, 4, 200])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_softcap_and_sinks_on_sdpa_equal_the_exact_reference(shape, window):
+    """Gemma 2's softcapping and gpt-oss's sinks through the SDPA backend's batched layout
+    (scores computed explicitly) give what the per-request reference gives."""
+    cache = radixkv.RadixCache(512, page_size=1)
+    kv = KVCache(cache, 1, HKV, D, attention="sdpa")
+    fill(kv, 3)
+    step, reqs = step_for(kv, cache, SHAPES[shape])
+    g = torch.Generator().manual_seed(4)
+    t = step.num_tokens
+    q, k, v = (3 * torch.randn(t, h, D, generator=g) for h in (H, HKV, HKV))
+    sinks = torch.randn(H, generator=g)
+    for softcap, sink in ((2.0, None), (None, sinks), (5.0, sinks)):
+        got = step.attention(0, q, k, v, window=window, softcap=softcap, sinks=sink)
+        want = attend_exact(step, 0, q, 1.0 / D**0.5, window, softcap, sink)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        plain = step.attention(0, q, k, v, window=window)
+        assert not torch.allclose(got, plain, atol=1e-3), "softcap or sinks changed nothing"
+    for r in reqs:
+        cache.abort(r)

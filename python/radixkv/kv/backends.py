@@ -178,21 +178,35 @@ class SdpaBackend:
         v_new: torch.Tensor,
         scale: float | None,
         window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``window``: a sliding window of that many keys (a query at position ``p`` sees keys
-        ``p - window < j <= p``), one mask per window size per step, shared by its layers."""
+        ``p - window < j <= p``), one mask per window size per step, shared by its layers.
+        ``softcap``/``sinks`` (Gemma 2, gpt-oss; see :mod:`radixkv.kv.windowed`): the same
+        gathered keys and masks, scores computed explicitly in float32 (SDPA has neither)."""
         st = g.state
         kv = step.kv
         t, hq, d = q.shape
         hkv = kv.num_kv_heads
         b = len(g.req)
         mask = st["mask"] if window is None else self._window_mask(step, g, window)
+        extras = softcap is not None or sinks is not None
         if st["fresh"]:
             # The keys are exactly the new tokens: no gather, top-left causal is right here.
             qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_new, v_new))
+            if extras:
+                return _explicit(qh, kh, vh, mask, mask is None, scale, softcap, sinks)[
+                    0
+                ].transpose(0, 1)
             return sdpa(qh, kh, vh, mask, mask is None, scale)[0].transpose(0, 1)
         keys, values = _gather(kv, layer, st["slots"])  # [B, Hkv, L, D]
         if g.is_decode:
+            if extras:
+                qh = q.view(b, hq, 1, d)
+                return _explicit(qh, keys, values, mask, False, scale, softcap, sinks).view(
+                    b, hq, d
+                )
             # One query per request; fold each KV group's query heads into rows.
             qb = q.view(b, hkv, hq // hkv, d)
             o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale)
@@ -202,7 +216,11 @@ class SdpaBackend:
             qb = q.index_select(0, st["q_index"]).view(b, max_q, hq, d)
         else:
             qb = q.unsqueeze(0)
-        o = sdpa(qb.transpose(1, 2), keys, values, mask, False, scale).transpose(1, 2)
+        if extras:
+            o = _explicit(qb.transpose(1, 2), keys, values, mask, False, scale, softcap, sinks)
+        else:
+            o = sdpa(qb.transpose(1, 2), keys, values, mask, False, scale)
+        o = o.transpose(1, 2)
         if st["pad"]:
             return o.reshape(b * max_q, hq, d).index_select(0, st["unpad"])
         return o.reshape(t, hq, d)
@@ -235,6 +253,44 @@ class SdpaBackend:
         m = m.masked_fill_(~allowed, float("-inf"))
         masks[window] = m
         return m
+
+
+def _explicit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention over head-major ``[B, H, Q, D]`` queries and ``[B, Hkv, L, D]`` keys with the
+    scores computed explicitly in float32: softcapped (``softcap * tanh(s / softcap)``), the
+    additive ``mask`` (or top-left causal), then a sink logit per head joining the softmax.
+    Returns ``q``'s dtype."""
+    hq, d = q.shape[1], q.shape[-1]
+    group = hq // k.shape[1]
+    kf, vf = k.float(), v.float()
+    if group > 1:
+        kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * (scale if scale else d**-0.5)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s + mask.float()
+    elif causal:
+        n_q, n_k = s.shape[-2], s.shape[-1]
+        top_left = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~top_left, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, hq, 1, 1).expand(s.shape[0], hq, s.shape[2], 1)
+        s = torch.cat([s, sink], dim=-1)
+        s = s - s.amax(dim=-1, keepdim=True)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, vf).to(q.dtype)
 
 
 def slot_matrix(block_table: torch.Tensor, max_kv_len: int, page_size: int) -> torch.Tensor:

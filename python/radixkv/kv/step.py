@@ -242,21 +242,22 @@ class Step:
         q = q.to(pool_k.dtype)
         if scale is None:
             scale = 1.0 / math.sqrt(d)  # explicit: compiled backends specialise on it
-        if (
-            softcap is not None
-            or sinks is not None
-            or (window is not None and not all(b.name == "sdpa" for b, _ in self._groups))
-        ):
+        extras = window is not None or softcap is not None or sinks is not None
+        if extras and not all(b.name == "sdpa" for b, _ in self._groups):
+            # Only the SDPA backend takes windows, softcaps and sinks: the exact reference.
             return _windowed.attend_exact(self, layer, q, scale, window, softcap, sinks).to(
                 out_dtype
             )
-        if window is not None:  # SDPA over a window mask, per group
+        if extras:  # the SDPA backend's gathered keys and masks, per group
             out = torch.empty_like(q)
             for backend, g in self._groups:
                 rows = g.rows
                 if rows is None:
-                    return backend.attend(self, g, layer, q, k, v, scale, window).to(out_dtype)
-                o = backend.attend(self, g, layer, q[rows], k[rows], v[rows], scale, window)
+                    o = backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks)
+                    return o.to(out_dtype)
+                o = backend.attend(
+                    self, g, layer, q[rows], k[rows], v[rows], scale, window, softcap, sinks
+                )
                 out.index_copy_(0, rows, o)
             return out.to(out_dtype)
         if len(self._groups) == 1 and self._groups[0][1].rows is None:
