@@ -87,7 +87,7 @@ impl BlockIndex {
         order.extend(pinned);
         for page in order {
             let key = self.recs.hash(page).expect("listed pages are hashed");
-            self.tier.persist(page, &key);
+            self.tier.send_to_disk(&[page], &[key]);
         }
     }
 }

@@ -302,7 +302,7 @@ impl BlockIndex {
         let h = self.lists.pop_front(HOST_EVICTABLE)?;
         if self.tier.spills() {
             let key = self.recs.hash(h).expect("host evictable pages are hashed");
-            self.tier.spill(h, &key);
+            self.tier.send_to_disk(&[h], &[key]);
         }
         self.unhash(h);
         self.tier.dropped += 1;

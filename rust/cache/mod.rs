@@ -491,6 +491,9 @@ impl<I: Index> PrefixCache for Cache<I> {
                 "the cache has no disk tier (disk_pages=0): nothing to prefetch",
             ));
         }
+        if self.index.tier().disk.held() == 0 {
+            return Ok(None); // nothing to find: no lookup, no hashing
+        }
         let p = self.index.page_size();
         let limit = match_limit(tokens.len(), p);
         let found = self.index.lookup(&tokens[..limit], &namespace);

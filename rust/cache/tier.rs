@@ -11,7 +11,8 @@
 //!
 //! With `disk_pages > 0` as well, a host page the host tier drops goes to a disk slot (a
 //! [`CopyKind::Spill`]); [`crate::PrefixCache::disk_persist`] writes every page the index holds
-//! that the disk lacks (spills from the host, [`CopyKind::Persist`] from the device). Pages
+//! that the disk lacks (spills from the host, [`CopyKind::Persist`] from the device): both
+//! through [`Tier::send_to_disk`]. Pages
 //! come back from disk through the host by a prefetch (see `cache/mod.rs`), not through the log.
 
 use crate::arena::ids::PageId;
@@ -136,35 +137,13 @@ impl Tier {
         self.disk.on() && !self.resetting
     }
 
-    /// Records that the host tier drops host page `h` (an index id) whose block key is `key`:
-    /// the disk keeps it (a spill copy when the disk lacked the key).
-    pub fn spill(&mut self, h: PageId, key: &BlockHash) {
-        if let Some(s) = self.disk.store(key) {
-            let src = self.local(h).0;
-            self.log.push(PageCopy {
-                kind: CopyKind::Spill,
-                src,
-                dst: s,
-            });
-            self.disk_keys.push(*key);
-        }
-    }
-
-    /// [`Tier::spill`] of a run of host pages (index ids, in page order) with their keys: the
-    /// disk stores them tail first (see [`Disk::store_run`]), and the copies are logged so.
-    pub fn spill_run(&mut self, pages: &[PageId], keys: &[BlockHash]) {
-        self.copy_run(pages, keys)
-    }
-
-    /// [`Tier::persist`] of a run of index pages (device or host, in page order).
-    pub fn persist_run(&mut self, pages: &[PageId], keys: &[BlockHash]) {
-        self.copy_run(pages, keys)
-    }
-
-    fn copy_run(&mut self, pages: &[PageId], keys: &[BlockHash]) {
+    /// Records that the index pages `pages` (device or host, one run in page order), whose block
+    /// keys are `keys`, go to disk: the disk stores them tail first (see [`Disk::store_run`]),
+    /// and for each key it lacked a copy is logged, in that order (`Spill` from a host page,
+    /// `Persist` from a device page). Where the run reused one of its own slots, the page
+    /// stored last there is the one the slot holds.
+    pub fn send_to_disk(&mut self, pages: &[PageId], keys: &[BlockHash]) {
         let slots = self.disk.store_run(keys);
-        // Logged in the order the disk stored them, the run's tail first: where the run reused
-        // one of its own slots, the page stored last there is the one the slot holds.
         for ((&page, key), slot) in pages.iter().zip(keys).zip(slots).rev() {
             let Some(dst) = slot else { continue };
             let (kind, src) = if self.is_host(page) {
@@ -173,22 +152,6 @@ impl Tier {
                 (CopyKind::Persist, page.0)
             };
             self.log.push(PageCopy { kind, src, dst });
-            self.disk_keys.push(*key);
-        }
-    }
-
-    /// Records that index page `page` (device or host), whose block key is `key`, is written to
-    /// disk unless the disk holds the key already; the index keeps the page.
-    pub fn persist(&mut self, page: PageId, key: &BlockHash) {
-        if self.is_host(page) {
-            return self.spill(page, key);
-        }
-        if let Some(s) = self.disk.store(key) {
-            self.log.push(PageCopy {
-                kind: CopyKind::Persist,
-                src: page.0,
-                dst: s,
-            });
             self.disk_keys.push(*key);
         }
     }

@@ -44,16 +44,10 @@ impl RadixIndex {
             parent,
             key: tokens[matched..end].to_vec(),
             pages,
-            children: ChildMap::default(),
-            lock: 0,
             host: true,
-            dev_children: 0,
             time: now,
             alive: true,
-            ns: None,
-            block_keys: Vec::new(),
-            class: 0,
-            soft: 0,
+            ..Node::default()
         });
         if self.node(parent).host && self.lru.is_linked(parent) {
             // No longer a host leaf.
@@ -123,7 +117,7 @@ impl RadixIndex {
             self.fill_block_keys(id);
             let n = self.node(id);
             let (pages, keys) = (n.pages.clone(), n.block_keys.clone());
-            self.tier.persist_run(&pages, &keys);
+            self.tier.send_to_disk(&pages, &keys);
         }
     }
 }

@@ -121,7 +121,7 @@ impl RadixIndex {
                 // Stored deepest first (the disk drops its least recently stored slots first,
                 // so a path's tail goes before its head there too), in consecutive slots.
                 let pages = self.node(leaf).pages[keep..].to_vec();
-                self.tier.spill_run(&pages, &keys);
+                self.tier.send_to_disk(&pages, &keys);
             }
             if self.events.on {
                 self.events.removed(keys);

@@ -594,16 +594,9 @@ impl Index for RadixIndex {
                         parent: node,
                         key: r.tokens[pos..upto].to_vec(),
                         pages,
-                        children: ChildMap::default(),
-                        lock: 0,
-                        host: false,
-                        dev_children: 0,
                         time: now,
                         alive: true,
-                        ns: None,
-                        block_keys: Vec::new(),
-                        class: 0,
-                        soft: 0,
+                        ..Node::default()
                     });
                     let par = self.node_mut(node);
                     par.children.insert(k, leaf);

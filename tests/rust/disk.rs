@@ -2,9 +2,7 @@
 //! goes, how a prompt's pages come back (prefetch, confirm), what a bad page costs, persist and
 //! restore across caches, reset, the errors. `robust.rs` drives it at random against a KV oracle.
 
-use radixkv::{
-    block_hashes, BlockCache, BlockHash, CacheEvent, CopyKind, PageCopy, PrefixCache, RadixCache,
-};
+use radixkv::{block_hashes, BlockCache, BlockHash, CacheEvent, CopyKind, PrefixCache, RadixCache};
 
 fn caches(n: usize, p: usize, h: usize, d: usize) -> [(&'static str, Box<dyn PrefixCache>); 2] {
     [
@@ -19,22 +17,23 @@ fn caches(n: usize, p: usize, h: usize, d: usize) -> [(&'static str, Box<dyn Pre
     ]
 }
 
-fn run(c: &mut dyn PrefixCache, tokens: &[u32]) {
-    let r = c.admit(tokens, None).unwrap();
-    c.commit(r, tokens.len()).unwrap();
-    c.finish(r).unwrap();
-    c.check().unwrap();
-}
-
-fn copies(c: &mut dyn PrefixCache) -> Vec<(CopyKind, u32, u32)> {
-    c.drain_copies()
-        .into_iter()
-        .map(|PageCopy { kind, src, dst }| (kind, src, dst))
-        .collect()
-}
+mod common;
+use common::{copies, run};
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| seed * 1000 + i).collect()
+}
+
+/// In a cache of 5 device and 4 host pages of 2 tokens: a prompt of four full pages computed,
+/// then two others that push it off the device and off the host, onto the disk; the copies
+/// drained. Returns the prompt.
+fn on_disk(c: &mut dyn PrefixCache) -> Vec<u32> {
+    let a = prompt(1, 9);
+    run(c, &a);
+    run(c, &prompt(2, 9)); // a's pages go to the host
+    run(c, &prompt(3, 9)); // and from the host to disk
+    copies(c);
+    a
 }
 
 /// A prompt pushed off the device and the host lands on disk, keyed by its block hashes, and
@@ -85,11 +84,7 @@ fn a_prompt_goes_to_disk_and_comes_back_by_prefetch() {
 #[test]
 fn a_page_read_back_keeps_its_slot() {
     for (kind, mut c) in caches(5, 2, 4, 16) {
-        let a = prompt(1, 9);
-        run(&mut *c, &a);
-        run(&mut *c, &prompt(2, 9));
-        run(&mut *c, &prompt(3, 9));
-        copies(&mut *c);
+        let a = on_disk(&mut *c);
         let f = c.disk_prefetch(&a, None).unwrap().unwrap();
         c.disk_confirm(f.id, 4, false).unwrap();
         assert!(c.disk_prefetch(&a, None).unwrap().is_none(), "{kind}");
@@ -115,11 +110,7 @@ fn a_page_read_back_keeps_its_slot() {
 #[test]
 fn a_bad_page_ends_the_run_and_leaves_the_disk() {
     for (kind, mut c) in caches(5, 2, 4, 16) {
-        let a = prompt(1, 9);
-        run(&mut *c, &a);
-        run(&mut *c, &prompt(2, 9));
-        run(&mut *c, &prompt(3, 9));
-        copies(&mut *c);
+        let a = on_disk(&mut *c);
         let f = c.disk_prefetch(&a, None).unwrap().unwrap();
         assert_eq!(c.disk_confirm(f.id, 2, true).unwrap(), 2, "{kind}");
         assert_eq!(c.match_prefix(&a, &None).unwrap(), 4, "{kind}");
@@ -204,11 +195,7 @@ fn a_prefetch_keeps_its_own_host_pages() {
 #[test]
 fn reset_clears_the_disk_and_cancels_prefetches() {
     for (kind, mut c) in caches(5, 2, 4, 16) {
-        let a = prompt(1, 9);
-        run(&mut *c, &a);
-        run(&mut *c, &prompt(2, 9));
-        run(&mut *c, &prompt(3, 9));
-        copies(&mut *c);
+        let a = on_disk(&mut *c);
         let f = c.disk_prefetch(&a, None).unwrap().unwrap();
         c.reset();
         c.check().unwrap();
@@ -226,11 +213,7 @@ fn reset_clears_the_disk_and_cancels_prefetches() {
 fn events_follow_the_pages_in_and_out_of_memory() {
     for (kind, mut c) in caches(5, 2, 4, 16) {
         c.record_events(true);
-        let a = prompt(1, 9);
-        run(&mut *c, &a);
-        run(&mut *c, &prompt(2, 9));
-        run(&mut *c, &prompt(3, 9));
-        copies(&mut *c);
+        let a = on_disk(&mut *c);
         let keys = block_hashes(&a[..8], 2, &None);
         let removed: Vec<BlockHash> = c
             .drain_events()

@@ -2,21 +2,10 @@
 //! what a hit on the host costs, the copy log, the counters and the events. The fuzz tests
 //! (`robust.rs`) drive both tiers at random against a KV oracle; these pin the rules down.
 
-use radixkv::{BlockCache, CacheEvent, CopyKind, Error, PageCopy, PageId, PrefixCache, RadixCache};
+use radixkv::{BlockCache, CacheEvent, CopyKind, Error, PageId, PrefixCache, RadixCache};
 
-fn run(c: &mut dyn PrefixCache, tokens: &[u32]) {
-    let r = c.admit(tokens, None).unwrap();
-    c.commit(r, tokens.len()).unwrap();
-    c.finish(r).unwrap();
-    c.check().unwrap();
-}
-
-fn copies(c: &mut dyn PrefixCache) -> Vec<(CopyKind, u32, u32)> {
-    c.drain_copies()
-        .into_iter()
-        .map(|PageCopy { kind, src, dst }| (kind, src, dst))
-        .collect()
-}
+mod common;
+use common::{copies, run};
 
 fn caches(
     num_pages: usize,

@@ -1,4 +1,4 @@
-//! The test harness shared by `tests/radix.rs` and `tests/block.rs`.
+//! The test harness shared by the test files (`tests/radix.rs`, `tests/block.rs`, the tier tests).
 #![allow(dead_code)] // each test file uses its own subset
 
 /// `at_page_sizes!(name, body, [1, 4])`: a test `name::at_page_sizes` that runs `body(p)` at
@@ -15,7 +15,23 @@ macro_rules! at_page_sizes {
     };
 }
 
-use radixkv::{CacheStats, Error, Namespace, PrefixCache, RequestId};
+use radixkv::{CacheStats, CopyKind, Error, Namespace, PageCopy, PrefixCache, RequestId};
+
+/// Admits `tokens`, computes them all and finishes; `check()` after.
+pub fn run(c: &mut dyn PrefixCache, tokens: &[u32]) {
+    let r = c.admit(tokens, None).unwrap();
+    c.commit(r, tokens.len()).unwrap();
+    c.finish(r).unwrap();
+    c.check().unwrap();
+}
+
+/// The copies the cache logged since the last drain, as `(kind, src, dst)`.
+pub fn copies(c: &mut dyn PrefixCache) -> Vec<(CopyKind, u32, u32)> {
+    c.drain_copies()
+        .into_iter()
+        .map(|PageCopy { kind, src, dst }| (kind, src, dst))
+        .collect()
+}
 
 pub struct Ck<C: PrefixCache> {
     pub c: C,
