@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -53,34 +52,23 @@ LLAMA8B = dict(params=8.03e9, layers=32, attn_dim=4096, kv_bytes=131_072)
 
 
 def serve(port: int, cache_dir: Path, threads: int, num_pages: int) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port)]
-    cmd += ["--num-pages", str(num_pages), "--page-size", "16", "--host-pages", str(num_pages)]
-    cmd += ["--cache-dir", str(cache_dir)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    import httpx
+    """The real server on ``cache_dir``, once it answers."""
+    import serve_process
 
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"radixkv serve exited {proc.returncode}: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError("radixkv serve did not answer /health in 300 s")
+    args = ["--num-pages", str(num_pages), "--page-size", "16", "--host-pages", str(num_pages)]
+    return serve_process.start(
+        port, *args, "--cache-dir", str(cache_dir), threads=threads, timeout=300
+    )
 
 
 def stop(proc: subprocess.Popen) -> float:
     """SIGTERM, then the seconds until it exited (it saves its disk tier first)."""
+    import serve_process
+
     t0 = time.perf_counter()
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(300)
+    rc, err = serve_process.stop(proc, timeout=300)
     if rc != 0:
-        raise RuntimeError(f"radixkv serve exited {rc}: {proc.stderr.read()}")
+        raise RuntimeError(f"radixkv serve exited {rc}: {err}")
     return time.perf_counter() - t0
 
 
@@ -326,6 +314,8 @@ def replay_tiers(args) -> None:
     big, tiers = results["device only, same total"], results["device + host + disk"]
     ratio = tiers.hit_rate / big.hit_rate if big.hit_rate else float("nan")
     verdict = "met" if ratio >= 0.95 else "short"
+    if args.quick:  # pools this small queue most of 400 requests: the ratio says nothing
+        verdict = "not judged with --quick"
     print(f"tiers / same-size device pool, hit rate: {ratio:.3f}x (goal >= 0.95x: {verdict})")
 
 

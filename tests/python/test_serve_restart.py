@@ -5,11 +5,7 @@ directory written for another dtype is refused with a clear message."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
@@ -17,6 +13,7 @@ pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
 pytest.importorskip("torch", reason="radixkv serve needs torch")
 openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
 
+import serve_process  # noqa: E402
 from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
 from test_serve import free_port  # noqa: E402
 
@@ -30,28 +27,11 @@ SYSTEM = (
 )
 
 
-def start(port: int, cache_dir, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--num-pages", "512"]
-    cmd += ["--page-size", "16", "--host-pages", "256", "--cache-dir", str(cache_dir), *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_ready(proc: subprocess.Popen, port: int) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"radixkv serve exited {proc.returncode}: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    pytest.fail("radixkv serve did not answer /health within 180 s")
+def options(cache_dir, *extra: str) -> list[str]:
+    """The server's options: a small pool, page 16, a host tier and the disk tier in
+    ``cache_dir``."""
+    pool = ["--num-pages", "512", "--page-size", "16", "--host-pages", "256"]
+    return [*pool, "--cache-dir", str(cache_dir), *extra]
 
 
 def chat(port: int, messages: list[dict]) -> tuple[str, int, int]:
@@ -65,9 +45,7 @@ def chat(port: int, messages: list[dict]) -> tuple[str, int, int]:
 
 
 def stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(120)
-    err = proc.stderr.read()
+    rc, err = serve_process.stop(proc)
     assert rc == 0, f"radixkv serve exited {rc} after SIGTERM: {err}"
     return err
 
@@ -78,9 +56,8 @@ def test_a_restarted_server_serves_the_next_turn_from_disk(tmp_path):
         {"role": "user", "content": "Which tool shows me the Makefile?"},
     ]
     port = free_port()
-    proc = start(port, tmp_path / "cache")
+    proc = serve_process.start(port, *options(tmp_path / "cache"))
     try:
-        wait_ready(proc, port)
         reply, _, _ = chat(port, turn1)
         err = stop(proc)
     finally:
@@ -95,9 +72,8 @@ def test_a_restarted_server_serves_the_next_turn_from_disk(tmp_path):
     answers = {}
     for name, cache_dir in (("restarted", tmp_path / "cache"), ("cold", tmp_path / "cold")):
         port = free_port()
-        proc = start(port, cache_dir)
+        proc = serve_process.start(port, *options(cache_dir))
         try:
-            wait_ready(proc, port)
             answers[name] = chat(port, turn2)
             stop(proc)
         finally:
@@ -114,15 +90,14 @@ def test_a_restarted_server_serves_the_next_turn_from_disk(tmp_path):
 
 def test_a_directory_of_another_dtype_is_refused(tmp_path):
     port = free_port()
-    proc = start(port, tmp_path / "cache")
+    proc = serve_process.start(port, *options(tmp_path / "cache"))
     try:
-        wait_ready(proc, port)
         chat(port, [{"role": "user", "content": "Say hi."}])
         stop(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
-    proc = start(free_port(), tmp_path / "cache", "--dtype", "bfloat16")
+    proc = serve_process.spawn(free_port(), *options(tmp_path / "cache", "--dtype", "bfloat16"))
     try:
         rc = proc.wait(180)
     finally:

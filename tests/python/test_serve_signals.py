@@ -6,12 +6,8 @@ client. Skips with a reason where the model package cannot be installed; ``make 
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 
@@ -19,6 +15,7 @@ pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
 pytest.importorskip("torch", reason="radixkv serve needs torch")
 openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
 
+import serve_process  # noqa: E402
 from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
 from test_serve import free_port  # noqa: E402
 
@@ -26,29 +23,9 @@ if smollm2_path() is None:
     pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
 
 
-def start_server(port: int) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--num-pages", "4096"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    import httpx
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"radixkv serve exited {proc.returncode}: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    pytest.fail("radixkv serve did not answer /health within 180 s")
-
-
 def test_sigterm_drains_the_streams_in_flight_then_exits_0():
     port = free_port()
-    proc = start_server(port)
+    proc = serve_process.start(port, "--num-pages", "4096")
     try:
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0

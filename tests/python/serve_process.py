@@ -1,0 +1,44 @@
+"""`radixkv serve` as a real process, for the tests and benches that start one: spawn it, wait
+until it answers ``/health``, stop it with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def spawn(port: int, *args: str, threads: int = 2) -> subprocess.Popen:
+    """``radixkv serve --port PORT ARGS...`` started, not waited for (``threads`` CPU threads)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def start(port: int, *args: str, threads: int = 2, timeout: float = 180.0) -> subprocess.Popen:
+    """:func:`spawn`, then wait until it answers ``GET /health``. ``RuntimeError`` with its
+    stderr if it exits first, or (killed) if it does not answer within ``timeout`` seconds."""
+    import httpx
+
+    proc = spawn(port, *args, threads=threads)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"radixkv serve exited {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(f"radixkv serve did not answer /health within {timeout:g} s")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str]:
+    """SIGTERM, then ``(exit status, stderr)`` once it exited (within ``timeout`` seconds)."""
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout)
+    return rc, proc.stderr.read()
