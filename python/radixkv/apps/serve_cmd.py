@@ -224,9 +224,7 @@ class Saver:
         self.last = time.monotonic()
 
     def __call__(self) -> None:
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            self.last = now
+        if time.monotonic() - self.last >= self.every:
             try:
                 self.kv.save()
             except (OSError, RuntimeError) as e:  # the server goes on; the next save retries
@@ -264,7 +262,10 @@ def run(args: argparse.Namespace) -> int:
     print("radixkv serve: stopped; the requests in flight were drained", file=sys.stderr)
     if kv.disk is not None:
         if loop.alive:  # the engine thread did not stop in time: its pools may be in use
-            print("radixkv serve: the engine is still running; the disk tier was not saved")
+            print(
+                "radixkv serve: the engine is still running; the disk tier was not saved",
+                file=sys.stderr,
+            )
             return 1
         saved = kv.save()
         kv.close()

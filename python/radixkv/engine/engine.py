@@ -97,7 +97,8 @@ class EngineStats:
     mask_s: float = 0.0
     forced_tokens: int = 0
     jumps: int = 0
-    #: Disk tier: prompt tokens read back from disk at submit, and the time it took.
+    #: Disk tier: prompt tokens read back from disk (at submit and at the queue's head), the
+    #: time it took, and the reads that failed.
     disk_tokens: int = 0
     disk_s: float = 0.0
     disk_errors: int = 0
