@@ -396,7 +396,14 @@ impl PyCache {
     /// (the part that still extends the cached prefix); with ``bad=True``, page ``good`` read torn
     /// or corrupted and leaves the disk tier. Returns how many pages entered the cache.
     #[pyo3(signature = (id, good, bad=false))]
-    fn disk_confirm(slf: &Bound<'_, Self>, id: u64, good: usize, bad: bool) -> PyResult<usize> {
+    fn disk_confirm(
+        slf: &Bound<'_, Self>,
+        id: &Bound<'_, PyAny>,
+        good: &Bound<'_, PyAny>,
+        bad: bool,
+    ) -> PyResult<usize> {
+        let id = convert::count("id", id)? as u64;
+        let good = convert::count("good", good)?;
         slf.get()
             .with(slf.py(), false, |c| c.disk_confirm(id, good, bad))
     }

@@ -291,3 +291,27 @@ def test_a_failing_disk_costs_hits_not_requests(tmp_path, monkeypatch):
         assert run(engine, again).output == dense_greedy(MODEL, again, 4)
     assert engine.stats.disk_errors >= 1
     cache.check()
+
+
+def test_the_disk_calls_name_their_bad_arguments_and_change_nothing():
+    cache = radixkv.RadixCache(8, 4, 4, 32)
+    for args, err, match in (
+        ((1, -1), ValueError, "good must be >= 0, got -1"),
+        ((-2, 0), ValueError, "id must be >= 0, got -2"),
+        (("x", 0), TypeError, "id must be an int"),
+        ((1, 1.5), TypeError, "good must be an int"),
+        ((1, 0), ValueError, "no prefetch 1 is in progress"),
+    ):
+        with pytest.raises(err, match=match):
+            cache.disk_confirm(*args)
+    with pytest.raises(ValueError, match="at least one token"):
+        cache.disk_prefetch([])
+    with pytest.raises(ValueError, match="32 bytes for each of the 1 slots, got 31"):
+        cache.disk_restore(b"x" * 31, [0])
+    with pytest.raises(ValueError, match="slot 99, past disk_pages=32"):
+        cache.disk_restore(b"x" * 32, [99])
+    with pytest.raises(ValueError, match="no disk tier"):
+        radixkv.RadixCache(8, 4, 4).disk_prefetch([1, 2, 3])
+    cache.check()
+    s = cache.stats
+    assert (s.disk_free_pages, s.host_free_pages, len(cache.disk_entries()[1])) == (32, 4, 0)
