@@ -53,6 +53,12 @@ pub struct StepPlan {
     pub max_kv_len: usize,
     /// Longest query run (`q_start[b + 1] - q_start[b]`).
     pub max_q_len: usize,
+    /// With a window group (else empty): `[T]` slot each new token's K/V is written to in the
+    /// window layers' pool.
+    pub window_write_slots: Vec<i64>,
+    /// With a window group (else empty): `[B, max_pages]` like `block_table`, of window pages;
+    /// a released page (which no query of the step reads) and the padding are page 0.
+    pub window_block_table: Vec<i32>,
 }
 
 /// Plans a step over `requests`, each of which must have at least one token left to compute.
@@ -73,6 +79,13 @@ pub fn plan_step(requests: &[RequestView<'_>]) -> std::result::Result<StepPlan, 
             .extend(r.tokens[start..end].iter().map(|&t| t as i64));
         s.positions.extend(start as i64..end as i64);
         r.extend_slots(start, end, &mut s.write_slots);
+        if !r.window_pages.is_empty() {
+            let p = r.page_size as i64;
+            s.window_write_slots
+                .extend((start..end).map(|i| {
+                    r.window_pages[i / r.page_size] as i64 * p + (i % r.page_size) as i64
+                }));
+        }
         s.q_start.push(s.input_ids.len() as i64);
         s.kv_len.push(end as i64);
         s.last_token_index.push(s.input_ids.len() as i64 - 1);
@@ -97,6 +110,19 @@ pub fn plan_step(requests: &[RequestView<'_>]) -> std::result::Result<StepPlan, 
         s.block_table.extend_from_slice(&s.paged_kv_indices[lo..hi]);
         s.block_table
             .resize(s.block_table.len() + s.max_pages - (hi - lo), 0);
+        let w = requests[b].window_pages;
+        if !w.is_empty() {
+            let row = &w[..hi - lo];
+            s.window_block_table.extend(row.iter().map(|&x| {
+                if x == crate::cache::window::GONE {
+                    0
+                } else {
+                    x as i32
+                }
+            }));
+            s.window_block_table
+                .resize(s.window_block_table.len() + s.max_pages - (hi - lo), 0);
+        }
     }
     Ok(s)
 }
@@ -116,6 +142,7 @@ mod tests {
             num_cached: 2,
             num_computed: 2,
             page_size: 2,
+            window_pages: &[],
         };
         let b = RequestView {
             tokens: &[1, 2],
@@ -124,6 +151,7 @@ mod tests {
             num_cached: 0,
             num_computed: 1,
             page_size: 2,
+            window_pages: &[],
         };
         let s = plan_step(&[a, b]).unwrap();
         assert_eq!(s.input_ids, vec![7, 8, 9, 2]);

@@ -18,6 +18,7 @@ pub(crate) mod request;
 pub(crate) mod retention;
 pub(crate) mod stats;
 pub(crate) mod tier;
+pub(crate) mod window;
 
 use digest::StateDigest;
 
@@ -108,6 +109,9 @@ pub trait PrefixCache: Send {
     fn host_pages(&self) -> usize;
     /// Slots of the disk tier (0: none).
     fn disk_pages(&self) -> usize;
+    /// The window group's `(window, pages)`: tokens a window layer's query reads, and pages of
+    /// its pool (`(0, 0)`: no window group).
+    fn window(&self) -> (usize, usize);
     /// Starts reading back from disk the pages of `tokens` past what the device and host tiers
     /// hold, while the disk holds them: their slots are pinned and host pages taken for them
     /// (the host tier dropping its least recently used pages to make room). `None` when the
@@ -180,6 +184,8 @@ pub struct Cache<I: Index> {
     next_fetch: u64,
     /// Advanced by `reset`: a prefetch started before a reset enters nothing.
     epoch: u64,
+    /// The sliding-window layer group (no pages: none).
+    window: window::Window,
 }
 
 /// A prefetch from disk the owner is performing: read `slots[i]` (holding the page whose block
@@ -262,7 +268,90 @@ impl<I: Index> Cache<I> {
             fetches: Default::default(),
             next_fetch: 1,
             epoch: 0,
+            window: window::Window::new(0, 0, page_size).map_err(too_large)?,
         })
+    }
+
+    /// [`Cache::with_tiers`], and a window group of `window_pages` pages for layers with a
+    /// sliding window of `window` tokens where both are above 0 (see [`Cache::with_window`]).
+    pub fn with_groups(
+        num_pages: usize,
+        page_size: usize,
+        host_pages: usize,
+        disk_pages: usize,
+        window: usize,
+        window_pages: usize,
+    ) -> Result<Self> {
+        if window == 0 && window_pages == 0 {
+            return Self::with_tiers(num_pages, page_size, host_pages, disk_pages);
+        }
+        if host_pages > 0 || disk_pages > 0 {
+            return Err(invalid(format!(
+                "a window group (window={window}) with a host or disk tier (host_pages=\
+                 {host_pages}, disk_pages={disk_pages}) is not supported in this version"
+            )));
+        }
+        Self::with_window(num_pages, page_size, window, window_pages)
+    }
+
+    /// A cache whose sliding-window layers (each query reads the last `window` keys) keep their
+    /// KV in a pool of their own, of `window_pages` pages: the full-attention pages are the
+    /// index's as always; a window page is held only while a live request's next query reads
+    /// it (see `cache/window.rs` and SEMANTICS.md, "Sliding-window layers"). No host or disk
+    /// tier in this version.
+    pub fn with_window(
+        num_pages: usize,
+        page_size: usize,
+        window: usize,
+        window_pages: usize,
+    ) -> Result<Self> {
+        let mut c = Self::new(num_pages, page_size)?;
+        if window == 0 || window_pages == 0 {
+            return Err(invalid(format!(
+                "a window group needs window >= 1 (tokens) and window_pages >= 1, got \
+                 window={window} and window_pages={window_pages}"
+            )));
+        }
+        if window_pages > i32::MAX as usize
+            || window_pages
+                .checked_mul(page_size)
+                .is_none_or(|s| s > i64::MAX as usize)
+        {
+            return Err(invalid(format!(
+                "window_pages must be below 2**31 and window_pages * page_size fit in int64, \
+                 got {window_pages}"
+            )));
+        }
+        c.window = window::Window::new(window, window_pages, page_size).map_err(|e| {
+            invalid(format!(
+                "window_pages={window_pages} is too large for this machine: {e}"
+            ))
+        })?;
+        Ok(c)
+    }
+
+    /// The longest prefix of `tokens[..limit]` a request can start from: the index's match,
+    /// cut (with a window group) to the longest one whose window is cached. Returns the lookup
+    /// of the cut prefix, the block keys of its pages (with a window group), and the pages the
+    /// cut took off.
+    fn find(
+        &self,
+        tokens: &[u32],
+        namespace: &Namespace,
+    ) -> (index::Found<I::At>, Vec<BlockHash>, usize) {
+        let found = self.index.lookup(tokens, namespace);
+        if !self.window.on() || found.matched == 0 {
+            return (found, Vec::new(), 0);
+        }
+        let p = self.index.page_size();
+        let mut keys = crate::wire::hash::block_hashes(&tokens[..found.matched], p, namespace);
+        let m = found.matched / p;
+        let k = self.window.cut(&keys, m);
+        if k == m {
+            return (found, keys, 0);
+        }
+        keys.truncate(k);
+        (self.index.lookup(&tokens[..k * p], namespace), keys, m - k)
     }
 
     /// The index, for the indexes' own unit tests.
@@ -281,10 +370,14 @@ impl<I: Index> Cache<I> {
     fn open(&mut self, tokens: Cow<'_, [u32]>, namespace: Namespace) -> Result<RequestId> {
         check_prompt(&tokens)?;
         let (p, n) = (self.index.page_size(), tokens.len());
-        let found = self.index.lookup(&tokens[..match_limit(n, p)], &namespace);
+        let (found, keys, cut) = self.find(&tokens[..match_limit(n, p)], &namespace);
         let (matched, host) = (found.matched, found.host);
         let needed = n.div_ceil(p) - matched / p;
         self.reserve(needed + host, found.evictable)?;
+        if self.window.on() {
+            let pinned = self.window.evictable_among(&keys, matched / p);
+            self.window.reserve(needed, pinned)?;
+        }
         // Nothing below can fail.
         let mut pages = Vec::with_capacity(n.div_ceil(p));
         let mut ext = self.index.pin(found, &namespace, &mut pages);
@@ -299,6 +392,14 @@ impl<I: Index> Cache<I> {
             self.counters.host_hit_tokens += (host * p) as u64;
         }
         self.counters.record_query(n, matched);
+        let mut win = window::WindowPages::default();
+        if self.window.on() {
+            win = self.window.open(keys, matched / p, n.div_ceil(p));
+            if cut > 0 {
+                self.window.cut_hits += 1;
+                self.window.cut_tokens += (cut * p) as u64;
+            }
+        }
         Ok(self.requests.insert(Request {
             tokens: tokens.into_owned(),
             namespace,
@@ -307,6 +408,7 @@ impl<I: Index> Cache<I> {
             num_computed: matched,
             published: matched,
             ext,
+            win,
         }))
     }
 
@@ -317,8 +419,42 @@ impl<I: Index> Cache<I> {
             let upto = r.num_computed / self.index.page_size() * self.index.page_size();
             self.index.publish(&mut r, upto);
         }
+        self.close_window(&mut r, publish);
         self.index.release(&r);
         Ok(())
+    }
+
+    /// A request's window pages after a publish: entered under their keys, the pages its next
+    /// query no longer reads released.
+    fn advance_window(window: &mut window::Window, r: &mut Request<I::Ext>, p: usize) {
+        if window.on() {
+            let Request {
+                win,
+                tokens,
+                namespace,
+                published,
+                num_computed,
+                ..
+            } = r;
+            window.advance(
+                win,
+                tokens,
+                namespace,
+                *published / p,
+                hold_from(*num_computed, tokens.len(), p),
+            );
+        }
+    }
+
+    /// Releases a closing request's window pages, entering its published ones first when
+    /// `publish`.
+    fn close_window(&mut self, r: &mut Request<I::Ext>, publish: bool) {
+        if self.window.on() {
+            if publish {
+                Self::advance_window(&mut self.window, r, self.index.page_size());
+            }
+            self.window.close(&r.win);
+        }
     }
 
     /// The disk tier's own invariants, and that the prefetches in progress account for exactly
@@ -371,9 +507,16 @@ impl<I: Index> PrefixCache for Cache<I> {
         let r = self.requests.get(id)?;
         let needed = (r.tokens.len() + tokens.len()).div_ceil(p) - r.pages.len();
         self.reserve(needed, 0)?;
+        if self.window.on() {
+            self.window.reserve(needed, 0)?;
+        }
         let r = self.requests.get_mut(id)?;
         self.counters.evicted_pages += self.index.allocate(needed, &mut r.pages) as u64;
         r.tokens.extend_from_slice(tokens);
+        if self.window.on() {
+            self.window.grow(&mut r.win, r.pages.len());
+            Self::advance_window(&mut self.window, r, p);
+        }
         Ok(())
     }
 
@@ -383,6 +526,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         check_commit(num_computed, r.num_computed, r.tokens.len())?;
         r.num_computed = num_computed;
         self.index.publish(r, num_computed / p * p);
+        Self::advance_window(&mut self.window, r, p);
         Ok(())
     }
 
@@ -418,6 +562,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.index.publish(&mut r, upto);
         let until = (retain > 0.0).then_some(self.now + retain);
         let rid = self.index.retain(&r, class, until);
+        self.close_window(&mut r, true);
         self.index.release(&r);
         Ok(rid)
     }
@@ -444,7 +589,7 @@ impl<I: Index> PrefixCache for Cache<I> {
     fn match_prefix(&self, tokens: &[u32], namespace: &Namespace) -> Result<usize> {
         check_prompt(tokens)?;
         let limit = match_limit(tokens.len(), self.index.page_size());
-        Ok(self.index.lookup(&tokens[..limit], namespace).matched)
+        Ok(self.find(&tokens[..limit], namespace).0.matched)
     }
 
     fn evict(&mut self, num_pages: usize) -> usize {
@@ -460,6 +605,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.index.tier_mut().disk.clear();
         let done = self.index.reset();
         self.counters.evicted_pages += done as u64;
+        self.window.reset();
         let done = done + (self.index.tier().dropped - host_before) as usize;
         // With no live request nothing is pinned: the index is empty now.
         if done > 0 && self.index.events().on && self.requests.is_empty() {
@@ -482,6 +628,10 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn disk_pages(&self) -> usize {
         self.index.tier().disk.pages
+    }
+
+    fn window(&self) -> (usize, usize) {
+        (self.window.window, self.window.pages)
     }
 
     fn disk_prefetch(&mut self, tokens: &[u32], namespace: Namespace) -> Result<Option<DiskFetch>> {
@@ -634,6 +784,13 @@ impl<I: Index> PrefixCache for Cache<I> {
             disk_fetched_pages: tier.disk.fetched,
             disk_evicted_pages: tier.disk.dropped,
             disk_bad_pages: tier.disk.bad,
+            window: self.window.window,
+            window_pages: self.window.pages,
+            window_free_pages: self.window.free_pages(),
+            window_evictable_pages: self.window.evictable_pages(),
+            window_cut_hits: self.window.cut_hits,
+            window_cut_tokens: self.window.cut_tokens,
+            window_evicted_pages: self.window.evicted,
             retentions,
             forced_evictions,
             expired_retentions,
@@ -658,6 +815,14 @@ impl<I: Index> PrefixCache for Cache<I> {
         }
         self.index.check(&self.requests, self.num_pages)?;
         self.check_disk()?;
+        if self.window.on() {
+            self.window.check(self.requests.iter().map(|r| {
+                let from = hold_from(r.num_computed, r.tokens.len(), p);
+                (&r.win, r.pages.len(), r.published / p, from)
+            }))?;
+        } else if self.requests.iter().any(|r| !r.win.pages.is_empty()) {
+            return crate::error::corrupt("a request holds window pages without a window group");
+        }
         if self.counters.hit_tokens > self.counters.query_tokens
             || self.counters.host_hit_tokens > self.counters.hit_tokens
         {
@@ -673,7 +838,7 @@ impl<I: Index> PrefixCache for Cache<I> {
     }
 
     fn metadata_bytes(&self) -> usize {
-        self.index.metadata_bytes() + self.index.tier().heap_bytes()
+        self.index.metadata_bytes() + self.index.tier().heap_bytes() + self.window.heap_bytes()
     }
 
     fn page_size(&self) -> usize {
@@ -713,6 +878,10 @@ impl<I: Index> PrefixCache for Cache<I> {
                 d.pages(&f.host);
             }
         }
+        if self.window.on() {
+            // Without a window group the digest is what it was before groups existed.
+            self.window.digest(&mut d);
+        }
         d.word(self.index.free_pages() as u64);
         d.word(self.index.evictable_pages() as u64);
         self.index.digest(&mut d);
@@ -725,6 +894,12 @@ impl<I: Index> PrefixCache for Cache<I> {
             d.word(r.num_computed as u64);
             d.word(r.published as u64);
             d.pages(&r.pages);
+            if self.window.on() {
+                d.word(r.win.lo as u64);
+                for &w in &r.win.pages[r.win.lo..] {
+                    d.word(w as u64);
+                }
+            }
         }
         d.finish()
     }
@@ -810,6 +985,14 @@ fn check_commit(num_computed: usize, current: usize, num_tokens: usize) -> Resul
         )));
     }
     Ok(())
+}
+
+/// Where a request's window pages start to be held: at the window a hit at its last computed
+/// page boundary within the match limit reads (`(b + 1 - window) / P` for that boundary `b`),
+/// so that a fork or the next turn finds its window; the next query, at `num_computed`, reads
+/// from there or later.
+fn hold_from(num_computed: usize, num_tokens: usize, page_size: usize) -> usize {
+    num_computed.min(num_tokens - 1) / page_size * page_size
 }
 
 /// The most tokens a match may cover: at least one token is left to compute, whole pages only.

@@ -25,6 +25,9 @@ pub struct RequestView<'a> {
     pub num_computed: usize,
     /// Tokens per page.
     pub page_size: usize,
+    /// With a window group: one window page per page, [`crate::cache::window::GONE`] where
+    /// released (empty without one).
+    pub window_pages: &'a [u32],
 }
 
 impl RequestView<'_> {
@@ -81,6 +84,8 @@ pub struct Request<X> {
     pub published: usize,
     /// The index's own state of this request.
     pub ext: X,
+    /// The request's window pages (empty without a window group).
+    pub win: crate::cache::window::WindowPages,
 }
 
 impl<X> Request<X> {
@@ -93,6 +98,7 @@ impl<X> Request<X> {
             num_cached: self.num_cached,
             num_computed: self.num_computed,
             page_size,
+            window_pages: &self.win.pages,
         }
     }
 }
@@ -202,6 +208,7 @@ mod tests {
             num_computed: 0,
             published: 0,
             ext: (),
+            win: Default::default(),
         }
     }
 

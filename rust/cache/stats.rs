@@ -55,6 +55,21 @@ pub struct CacheStats {
     pub disk_evicted_pages: u64,
     /// Disk pages found torn or corrupted when read back (dropped, never served).
     pub disk_bad_pages: u64,
+    /// Tokens a sliding-window layer's query reads (0: no window group).
+    pub window: usize,
+    /// Pages of the window group's pool (0: none).
+    pub window_pages: usize,
+    /// Window pages holding nothing.
+    pub window_free_pages: usize,
+    /// Cached window pages no live request holds (dropped first when the group needs room).
+    pub window_evictable_pages: usize,
+    /// Admissions whose hit a window cut short: the full pages went further, but the window
+    /// pages of the longer prefix were gone.
+    pub window_cut_hits: u64,
+    /// Tokens those admissions recomputed because of the cut.
+    pub window_cut_tokens: u64,
+    /// Cached window pages dropped so far (to make room, or by `reset`).
+    pub window_evicted_pages: u64,
 }
 
 impl CacheStats {

@@ -363,6 +363,19 @@ impl PyCache {
         slf.get().with(slf.py(), false, |c| Ok(c.disk_pages()))
     }
 
+    /// Tokens a sliding-window layer's query reads, itself included (0: no window group; see
+    /// SEMANTICS.md, "Sliding-window layers").
+    #[getter]
+    fn window(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.get().with(slf.py(), false, |c| Ok(c.window().0))
+    }
+
+    /// Pages of the window group's pool (0: no window group).
+    #[getter]
+    fn window_pages(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.get().with(slf.py(), false, |c| Ok(c.window().1))
+    }
+
     /// Starts reading back from the disk tier the pages of ``tokens`` past what the device and
     /// host tiers hold, while the disk holds them (see SEMANTICS.md, "Disk tier"). Returns
     /// ``None`` when it holds none, else ``(id, from_token, slots, keys, host_pages)``: read disk
@@ -600,6 +613,14 @@ fn pool_args(
     Ok((n, p, h))
 }
 
+/// A count argument that defaults to 0.
+fn opt_count(name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    match value {
+        Some(v) if !v.is_none() => convert::count(name, v),
+        _ => Ok(0),
+    }
+}
+
 /// The base of a new `RadixCache` or `BlockCache`: the pool arguments checked (`page_size`
 /// defaulting to `default_page`, `host_pages` to 0), then the core `make` builds.
 fn new_cache(
@@ -630,20 +651,24 @@ pub struct PyRadixCache;
 impl PyRadixCache {
     #[new]
     #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None),
-        text_signature = "(num_pages, page_size=1, host_pages=0, disk_pages=0)"
+        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None),
+        text_signature = "(num_pages, page_size=1, host_pages=0, disk_pages=0, *, window=0, window_pages=0)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_pages: &Bound<'_, PyAny>,
         page_size: Option<&Bound<'_, PyAny>>,
         host_pages: Option<&Bound<'_, PyAny>>,
         disk_pages: Option<&Bound<'_, PyAny>>,
+        window: Option<&Bound<'_, PyAny>>,
+        window_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let d = match disk_pages {
-            Some(d) => convert::count("disk_pages", d)?,
-            None => 0,
-        };
+        let d = opt_count("disk_pages", disk_pages)?;
+        let (w, wp) = (
+            opt_count("window", window)?,
+            opt_count("window_pages", window_pages)?,
+        );
         let base = new_cache(
             py,
             num_pages,
@@ -651,7 +676,7 @@ impl PyRadixCache {
             host_pages,
             1,
             "RadixCache",
-            |n, p, h| Ok(Box::new(RadixCache::with_tiers(n, p, h, d)?)),
+            |n, p, h| Ok(Box::new(RadixCache::with_groups(n, p, h, d, w, wp)?)),
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(PyRadixCache))
     }
@@ -666,20 +691,24 @@ pub struct PyBlockCache;
 impl PyBlockCache {
     #[new]
     #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None),
-        text_signature = "(num_pages, page_size=16, host_pages=0, disk_pages=0)"
+        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None),
+        text_signature = "(num_pages, page_size=16, host_pages=0, disk_pages=0, *, window=0, window_pages=0)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_pages: &Bound<'_, PyAny>,
         page_size: Option<&Bound<'_, PyAny>>,
         host_pages: Option<&Bound<'_, PyAny>>,
         disk_pages: Option<&Bound<'_, PyAny>>,
+        window: Option<&Bound<'_, PyAny>>,
+        window_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let d = match disk_pages {
-            Some(d) => convert::count("disk_pages", d)?,
-            None => 0,
-        };
+        let d = opt_count("disk_pages", disk_pages)?;
+        let (w, wp) = (
+            opt_count("window", window)?,
+            opt_count("window_pages", window_pages)?,
+        );
         let base = new_cache(
             py,
             num_pages,
@@ -687,7 +716,7 @@ impl PyBlockCache {
             host_pages,
             16,
             "BlockCache",
-            |n, p, h| Ok(Box::new(BlockCache::with_tiers(n, p, h, d)?)),
+            |n, p, h| Ok(Box::new(BlockCache::with_groups(n, p, h, d, w, wp)?)),
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(PyBlockCache))
     }
@@ -765,6 +794,14 @@ impl PyRequest {
     #[getter]
     fn pages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let v = self.view(|r| r.pages.iter().map(|p| p.0 as i32).collect::<Vec<_>>())?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    /// With a window group: the window page of each page, numpy int32, ``-1`` where released
+    /// (pages no later query of the request reads); empty without one.
+    #[getter]
+    fn window_pages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let v = self.view(|r| r.window_pages.iter().map(|&w| w as i32).collect::<Vec<_>>())?;
         Ok(PyArray1::from_vec(py, v))
     }
 
@@ -946,6 +983,42 @@ impl PyCacheStats {
     fn disk_bad_pages(&self) -> u64 {
         self.0.disk_bad_pages
     }
+    /// Tokens a sliding-window layer's query reads (0: no window group).
+    #[getter]
+    fn window(&self) -> usize {
+        self.0.window
+    }
+    /// Pages of the window group's pool (0: none).
+    #[getter]
+    fn window_pages(&self) -> usize {
+        self.0.window_pages
+    }
+    /// Window pages holding nothing.
+    #[getter]
+    fn window_free_pages(&self) -> usize {
+        self.0.window_free_pages
+    }
+    /// Cached window pages no live request holds (dropped first when the group needs room).
+    #[getter]
+    fn window_evictable_pages(&self) -> usize {
+        self.0.window_evictable_pages
+    }
+    /// Admissions whose hit a window cut short (the full pages went further, the window pages
+    /// of the longer prefix were gone).
+    #[getter]
+    fn window_cut_hits(&self) -> u64 {
+        self.0.window_cut_hits
+    }
+    /// Tokens those admissions recomputed because of the cut.
+    #[getter]
+    fn window_cut_tokens(&self) -> u64 {
+        self.0.window_cut_tokens
+    }
+    /// Cached window pages dropped so far (to make room, or by ``reset``).
+    #[getter]
+    fn window_evicted_pages(&self) -> u64 {
+        self.0.window_evicted_pages
+    }
 
     /// The fields as a dict.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
@@ -976,6 +1049,13 @@ impl PyCacheStats {
         d.set_item("disk_fetched_pages", s.disk_fetched_pages)?;
         d.set_item("disk_evicted_pages", s.disk_evicted_pages)?;
         d.set_item("disk_bad_pages", s.disk_bad_pages)?;
+        d.set_item("window", s.window)?;
+        d.set_item("window_pages", s.window_pages)?;
+        d.set_item("window_free_pages", s.window_free_pages)?;
+        d.set_item("window_evictable_pages", s.window_evictable_pages)?;
+        d.set_item("window_cut_hits", s.window_cut_hits)?;
+        d.set_item("window_cut_tokens", s.window_cut_tokens)?;
+        d.set_item("window_evicted_pages", s.window_evicted_pages)?;
         Ok(d)
     }
 
@@ -988,7 +1068,7 @@ impl PyCacheStats {
     fn __repr__(&self) -> String {
         let s = self.0;
         format!(
-            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={}{}{}{})",
+            "CacheStats(num_pages={}, page_size={}, free_pages={}, evictable_pages={}, used_pages={}, queries={}, query_tokens={}, hit_tokens={}, hit_rate={:.4}, evicted_pages={}{}{}{}{})",
             s.num_pages, s.page_size, s.free_pages, s.evictable_pages, s.used_pages, s.queries, s.query_tokens, s.hit_tokens, s.hit_rate(), s.evicted_pages,
             if s.host_pages == 0 { String::new() } else {
                 format!(", host_pages={}, host_free_pages={}, host_hit_tokens={}, offloaded_pages={}, loaded_pages={}, host_evicted_pages={}",
@@ -1001,6 +1081,10 @@ impl PyCacheStats {
             if s.disk_pages == 0 { String::new() } else {
                 format!(", disk_pages={}, disk_free_pages={}, disk_written_pages={}, disk_fetched_pages={}, disk_evicted_pages={}, disk_bad_pages={}",
                     s.disk_pages, s.disk_free_pages, s.disk_written_pages, s.disk_fetched_pages, s.disk_evicted_pages, s.disk_bad_pages)
+            },
+            if s.window_pages == 0 { String::new() } else {
+                format!(", window={}, window_pages={}, window_free_pages={}, window_evictable_pages={}, window_cut_hits={}, window_cut_tokens={}, window_evicted_pages={}",
+                    s.window, s.window_pages, s.window_free_pages, s.window_evictable_pages, s.window_cut_hits, s.window_cut_tokens, s.window_evicted_pages)
             }
         )
     }

@@ -62,6 +62,25 @@ impl PyStepPlan {
     fn last_token_index<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         arr(py, &self.plan.last_token_index)
     }
+    /// int64 ``[T]``: with a window group, each new token's slot in the window layers' pool
+    /// (empty without one).
+    #[getter]
+    fn window_write_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        arr(py, &self.plan.window_write_slots)
+    }
+
+    /// int32 ``[B, max_pages]``: with a window group, request ``b``'s window pages (page 0 where
+    /// released and as padding); ``[B, 0]`` without one.
+    #[getter]
+    fn window_block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let cols = if self.plan.window_block_table.is_empty() {
+            0
+        } else {
+            self.plan.max_pages
+        };
+        arr(py, &self.plan.window_block_table).reshape([self.plan.kv_len.len(), cols])
+    }
+
     /// int32 ``[B, max_pages]``: request ``b``'s pages, then page 0 as padding.
     #[getter]
     fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {

@@ -240,6 +240,10 @@ impl Scheduler {
 
     /// Cached prefix of a waiting request as ranked in pass `stamp` (after `match_all`).
     fn estimate(&self, cache: &dyn PrefixCache, id: u64, w: &Waiting, stamp: u64) -> usize {
+        if cache.window().1 > 0 {
+            // A window can cut a hit short of the full pages the trie matched: ask the cache.
+            return cache.match_prefix(&w.tokens, &w.namespace).unwrap_or(0);
+        }
         self.trie
             .estimate(cache, id, &w.path, &w.tokens[..w.limit], stamp)
     }

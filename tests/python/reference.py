@@ -194,6 +194,14 @@ class RefStats:
     disk_fetched_pages: int = 0
     disk_evicted_pages: int = 0
     disk_bad_pages: int = 0
+    # The window group (reference_window.py sets them; 0 without one).
+    window: int = 0
+    window_pages: int = 0
+    window_free_pages: int = 0
+    window_evictable_pages: int = 0
+    window_cut_hits: int = 0
+    window_cut_tokens: int = 0
+    window_evicted_pages: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -229,6 +237,11 @@ class RefRequest:
         # of each page published by another request first, pinned in place of its duplicate.
         self.hashes: list[bytes] = []
         self.stored: list[tuple[int, int]] = []
+        # With a window group (reference_window.py): window page per page (-1: released), the
+        # first held page, the block keys of the published pages.
+        self._wpages: list[int] = []
+        self.wlo = 0
+        self.wkeys: list[bytes] = []
         self.closed = False
 
     def _live(self):
@@ -255,6 +268,10 @@ class RefRequest:
     @property
     def num_computed(self) -> int:
         return self._live()._num_computed
+
+    @property
+    def window_pages(self) -> list[int]:
+        return list(self._live()._wpages)
 
     @property
     def slots(self) -> list[int]:

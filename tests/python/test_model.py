@@ -35,6 +35,7 @@ from hypothesis.stateful import (
 import radixkv
 import reference
 from reference import RefBlockCache, RefRadixCache
+from reference_window import RefWindowBlockCache, RefWindowRadixCache
 
 NAMESPACES = st.sampled_from([None, "a", b"a", "b", ""])
 MAX_LIVE = 12
@@ -73,6 +74,7 @@ def request_state(req: Any) -> dict[str, Any]:
         "pages": [int(x) for x in req.pages],
         "slots": [int(x) for x in req.slots],
         "tokens": [int(x) for x in req.tokens],
+        "window_pages": [int(x) for x in req.window_pages],
     }
 
 
@@ -82,10 +84,15 @@ def make_machine(
     trunk_pages: int,
     pool: tuple[int, int],
     host: tuple[int, int] = (0, 0),
+    window: tuple[int, int] | None = None,
 ) -> type[RuleBasedStateMachine]:
-    """A state machine class for one cache kind and page size; ``host`` bounds ``host_pages``."""
+    """A state machine class for one cache kind and page size; ``host`` bounds ``host_pages``;
+    ``window`` (no host tier then) bounds the window of a window group, whose pool is drawn
+    from ``pool`` as well (reference_window.py is its model)."""
     real_cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
-    ref_cls = RefRadixCache if kind == "radix" else RefBlockCache
+    ref_cls: Any = RefRadixCache if kind == "radix" else RefBlockCache
+    if window is not None:
+        ref_cls = RefWindowRadixCache if kind == "radix" else RefWindowBlockCache
     p = page_size
     trunk_len = trunk_pages * p
     trunks = [[1000 * (j + 1) + i for i in range(trunk_len)] for j in range(3)]
@@ -146,8 +153,18 @@ def make_machine(
             self.live.remove(pair)
             self.closed.append(pair)
 
-        @initialize(num_pages=st.integers(*pool), host_pages=st.integers(*host))
-        def create(self, num_pages: int, host_pages: int = 0) -> None:
+        @initialize(
+            num_pages=st.integers(*pool),
+            host_pages=st.integers(*host),
+            win=st.integers(*(window or (0, 0))),
+            window_pages=st.integers(*pool),
+        )
+        def create(self, num_pages: int, host_pages: int, win: int, window_pages: int) -> None:
+            if window is not None:
+                self.real = real_cls(num_pages, p, window=win, window_pages=window_pages)
+                self.ref = ref_cls(num_pages, p, window=win, window_pages=window_pages)
+                assert (self.real.window, self.real.window_pages) == (win, window_pages)
+                return
             self.real = real_cls(num_pages, p, host_pages=host_pages)
             self.ref = ref_cls(num_pages, p, host_pages=host_pages)
             assert self.real.host_pages == host_pages
@@ -285,6 +302,8 @@ def make_machine(
     Machine.__name__ = (
         f"{kind.title()}P{p}Host{host[1]}Machine" if host[1] else f"{kind.title()}P{p}Machine"
     )
+    if window is not None:
+        Machine.__name__ = f"{kind.title()}P{p}Window{window[1]}Machine"
     return Machine
 
 
@@ -417,3 +436,19 @@ def test_bad_host_pages_are_refused_alike(kind, host_pages):
         real_cls(4, 4, host_pages=host_pages)
     assert str(got.value) == str(want.value)
     assert repr(host_pages) in str(want.value) or type(host_pages).__name__ in str(want.value)
+
+
+# With a window group: windows shorter and longer than a page, pools from tight (every admission
+# evicts window pages, hits are cut) to roomy. The window pages, their ids, the hit lengths and
+# the window counters of the real caches must be those of reference_window.py.
+def window_case(kind: str, p: int, trunk_pages: int, pool: tuple[int, int], window: tuple):
+    """The TestCase of a machine with a window group, under ``SETTINGS``."""
+    case = make_machine(kind, p, trunk_pages=trunk_pages, pool=pool, window=window).TestCase
+    case.settings = SETTINGS
+    return case
+
+
+TestRadixP1Window = window_case("radix", 1, 12, pool=(6, 40), window=(1, 10))
+TestRadixP4Window = window_case("radix", 4, 6, pool=(4, 24), window=(1, 14))
+TestBlockP4Window = window_case("block", 4, 6, pool=(4, 24), window=(1, 14))
+TestBlockP16Window = window_case("block", 16, 4, pool=(4, 16), window=(4, 40))

@@ -73,6 +73,27 @@ class Oracle:
         self.host = np.full(s.host_pages * s.page_size, -1, dtype=np.int64)
         self.live: list[tuple[Any, list[int]]] = []
         self.copies = {OFFLOAD: 0, LOAD: 0}
+        # With a window group, its pool too: a window layer's KV of each token.
+        self.window = s.window
+        self.wkv = np.full(s.window_pages * s.page_size, -1, dtype=np.int64)
+
+    def window_slots(self, req: Any, start: int, end: int) -> np.ndarray:
+        """Window-pool slots of tokens ``start..end`` of ``req``; each page must be held."""
+        p = self.page_size
+        w = np.asarray(req.window_pages, dtype=np.int64)
+        i = np.arange(start, end)
+        pages = w[i // p]
+        assert (pages >= 0).all(), f"{req!r} reads or writes a released window page"
+        return pages * p + i % p
+
+    def window_holds(self, req: Any, fps: list[int], what: str) -> None:
+        """The keys the request's next query reads (``num_computed - window < j``) hold its own
+        window KV."""
+        c = req.num_computed
+        lo = max(0, c + 1 - self.window)
+        got = self.wkv[self.window_slots(req, lo, c)]
+        bad = np.flatnonzero(got != np.array(fps[lo:c], dtype=np.int64))
+        assert not len(bad), f"window token {lo + bad[:1]} of {req!r} {what}"
 
     def sync(self) -> None:
         """Performs the cache's copy log in order, then poisons each page copied from."""
@@ -100,6 +121,8 @@ class Oracle:
         got = self.kv[np.asarray(req.slots[:c], dtype=np.int64)]
         bad = np.flatnonzero(got != np.array(fps[:c], dtype=np.int64))
         assert not len(bad), f"cached token {bad[:1]} of {req!r} holds KV of another prefix"
+        if self.window:
+            self.window_holds(req, fps, "holds window KV of another prefix")
         self.live.append((req, fps))
 
     def compute(self, req: Any, upto: int) -> None:
@@ -107,6 +130,8 @@ class Oracle:
         fps = self.fp(req)
         start = req.num_computed
         self.kv[np.asarray(req.slots[start:upto], dtype=np.int64)] = fps[start:upto]
+        if self.window:
+            self.wkv[self.window_slots(req, start, upto)] = fps[start:upto]
         self.cache.commit(req, upto)
         self.sync()
 
@@ -129,6 +154,8 @@ class Oracle:
             got = self.kv[np.asarray(req.slots[:c], dtype=np.int64)]
             bad = np.flatnonzero(got != np.array(fps[:c], dtype=np.int64))
             assert not len(bad), f"computed token {bad[:1]} of {req!r} was overwritten"
+            if self.window:
+                self.window_holds(req, fps, "was overwritten")
         self.cache.check()
 
 
@@ -397,3 +424,34 @@ def test_the_traffic_catches_a_page_reused_while_referenced():
     with pytest.raises(AssertionError, match=r"overwritten|another prefix|a fork found"):
         for seed in range(5):
             run_sessions(ForgetfulRefcountCache(12, 16), seed)
+
+
+# (kind, page size, device pages, window, window pages): windows under and over a page, window
+# pools from a few windows' worth (hits cut, window pages evicted all the time) to roomy.
+WINDOW_CONFIGS = [
+    ("radix", 1, 40, 5, 16),
+    ("radix", 1, 40, 12, 60),
+    ("radix", 4, 20, 3, 8),
+    ("radix", 4, 20, 9, 40),
+    ("radix", 16, 14, 20, 12),
+    ("block", 4, 20, 6, 10),
+    ("block", 16, 14, 30, 14),
+]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "kind,p,num_pages,window,window_pages",
+    WINDOW_CONFIGS,
+    ids=[f"{k}-p{p}-w{w}-{wp}" for k, p, _, w, wp in WINDOW_CONFIGS],
+)
+def test_window_kv_is_always_the_prefix_kv(kind, p, num_pages, window, window_pages, seed):
+    """With a window group: a hit's last window, and every live request's, holds window KV of
+    its own prefix, under eviction of both kinds of page."""
+    cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    cache = cls(num_pages, p, window=window, window_pages=window_pages)
+    counts = run_sessions(cache, seed)
+    s = cache.stats
+    assert counts["hits"] > 5, counts
+    assert counts["out_of_pages"] > 0, counts
+    assert s.window_evicted_pages > 0 or s.window_cut_hits > 0, s

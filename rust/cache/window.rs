@@ -1,0 +1,398 @@
+//! The sliding-window layer group, shared by both caches: the pages of the layers whose queries
+//! attend only to the last `window` keys.
+//!
+//! A cache built with `window > 0` keeps two kinds of page for every page of tokens:
+//!
+//! ```text
+//!   full group   (the index: radix tree or block map)   every cached page, as without a window
+//!   window group (this file, its own pool of pages)     a page only while someone can read it
+//!
+//!   request, next query at position t:   [ gone ........ | held: window pages | new pages ]
+//!                                        0        first_needed(t)            t
+//! ```
+//!
+//! A query at position `t` reads keys `t - window < j <= t` (transformers' sliding window). A
+//! request holds its window pages from what a hit at its last computed page boundary `b` would
+//! read (page `(b + 1 - window) / P`, `b = min(num_computed, num_tokens - 1)` rounded down to a
+//! page): its next query reads from there or later, and a fork or its next turn finds its
+//! window. Each commit releases the pages below. A released page that is published stays cached, evictable (least recently released
+//! first), so that a branch at that point can still find it; an unpublished one is freed.
+//!
+//! Window pages are found by their block key (DESIGN.md's `h_i`, which names the namespace and
+//! the whole prefix), so that one group serves both indexes and a window page never outlives the
+//! meaning of its key. A hit of `k` pages needs the index's `k` full pages and the window pages
+//! of pages `first_needed(k * P) .. k`; [`Window::cut`] finds the longest such `k` from the right.
+
+use crate::arena::ids::PageId;
+use crate::arena::links::{Links, ListId};
+use crate::cache::digest::StateDigest;
+use crate::error::{corrupt, Result};
+use crate::wire::hash::{next_hash, root_hash, BlockHash, Namespace};
+use std::collections::HashMap;
+
+/// Window pages holding nothing, taken front first (lowest ids first at the start).
+const FREE: ListId = ListId(0);
+/// Cached window pages no live request holds, least recently released at the front.
+const LRU: ListId = ListId(1);
+
+/// A request's entry for a page whose window page it released.
+pub const GONE: u32 = u32::MAX;
+
+/// A live request's part of the window group.
+#[derive(Debug, Clone, Default)]
+pub struct WindowPages {
+    /// One entry per page of the request: its window page, [`GONE`] once released.
+    pub pages: Vec<u32>,
+    /// Pages `0..lo` are released; `lo..` are held.
+    pub lo: usize,
+    /// Block keys of the request's first `keys.len()` pages: those the window group has seen
+    /// published (the same count as the request's `published / P`).
+    pub keys: Vec<BlockHash>,
+}
+
+/// The window group of a cache (`pages == 0`: none).
+#[derive(Debug)]
+pub struct Window {
+    /// Tokens each query of a window layer attends to (itself included).
+    pub window: usize,
+    /// Pages of the group's pool.
+    pub pages: usize,
+    page_size: usize,
+    map: HashMap<BlockHash, u32>,
+    /// The key each page is cached under, where `cached`.
+    key: Vec<BlockHash>,
+    cached: Vec<bool>,
+    /// Live requests holding each page.
+    refs: Vec<u32>,
+    lists: Links<PageId>,
+    /// Admissions whose hit the window cut short (the full pages went further).
+    pub cut_hits: u64,
+    /// Tokens those admissions recomputed because of the cut.
+    pub cut_tokens: u64,
+    /// Cached window pages dropped so far (to make room, or by `reset`).
+    pub evicted: u64,
+}
+
+impl Window {
+    /// A group of `pages` pages for a window of `window` tokens (`pages == 0`: none).
+    pub fn new(window: usize, pages: usize, page_size: usize) -> Result<Self> {
+        let mut lists = Links::try_new(2, pages)?;
+        for p in 0..pages as u32 {
+            lists.push_back(FREE, PageId(p));
+        }
+        Ok(Window {
+            window,
+            pages,
+            page_size,
+            map: HashMap::new(),
+            key: crate::error::try_vec(pages, [0u8; 32])?,
+            cached: crate::error::try_vec(pages, false)?,
+            refs: crate::error::try_vec(pages, 0)?,
+            lists,
+            cut_hits: 0,
+            cut_tokens: 0,
+            evicted: 0,
+        })
+    }
+
+    /// Whether the cache has a window group.
+    #[inline]
+    pub fn on(&self) -> bool {
+        self.pages > 0
+    }
+
+    /// The first page a query at position `t` reads.
+    #[inline]
+    pub fn first_needed(&self, t: usize) -> usize {
+        (t + 1).saturating_sub(self.window) / self.page_size
+    }
+
+    /// Pages holding nothing.
+    pub fn free_pages(&self) -> usize {
+        self.lists.len(FREE)
+    }
+
+    /// Cached pages no live request holds.
+    pub fn evictable_pages(&self) -> usize {
+        self.lists.len(LRU)
+    }
+
+    /// The longest hit of at most `m` pages whose window is cached: `keys` are the block keys
+    /// of the prompt's first `m` pages (whose full pages the index holds).
+    pub fn cut(&self, keys: &[BlockHash], m: usize) -> usize {
+        let mut k = m;
+        'next: while k > 0 {
+            let lo = self.first_needed(k * self.page_size);
+            for j in (lo..k).rev() {
+                if !self.map.contains_key(&keys[j]) {
+                    k = j; // pages past a missing one cannot end a hit
+                    continue 'next;
+                }
+            }
+            return k;
+        }
+        0
+    }
+
+    /// Of the pages a hit of `k` pages pins (`first_needed(k * P)..k`), how many are evictable
+    /// now.
+    pub fn evictable_among(&self, keys: &[BlockHash], k: usize) -> usize {
+        let lo = self.first_needed(k * self.page_size).min(k);
+        keys[lo..k]
+            .iter()
+            .filter(|key| self.refs[self.map[*key] as usize] == 0)
+            .count()
+    }
+
+    /// Fails unless `needed` pages are free or evictable, not counting `pinned` evictable pages
+    /// the call is about to hold.
+    pub fn reserve(&self, needed: usize, pinned: usize) -> Result<()> {
+        let available = self.free_pages() + self.evictable_pages() - pinned;
+        if needed > available {
+            return Err(crate::error::Error::OutOfPages { needed, available });
+        }
+        Ok(())
+    }
+
+    /// The window pages of a new request with a hit of `k` pages (`keys[..k]` cached) and
+    /// `total` pages in all: the hit's window held, fresh pages for the rest.
+    pub fn open(&mut self, keys: Vec<BlockHash>, k: usize, total: usize) -> WindowPages {
+        let lo = self.first_needed(k * self.page_size).min(k);
+        let mut pages = vec![GONE; lo];
+        pages.reserve(total - lo);
+        for key in &keys[lo..k] {
+            let w = self.map[key];
+            self.hold(w);
+            pages.push(w);
+        }
+        let mut out = WindowPages { pages, lo, keys };
+        self.grow(&mut out, total);
+        out
+    }
+
+    /// Fresh pages for a request's pages up to `total` (the caller reserved them).
+    pub fn grow(&mut self, r: &mut WindowPages, total: usize) {
+        while r.pages.len() < total {
+            let w = self.take();
+            r.pages.push(w);
+        }
+    }
+
+    /// After a commit or an extend, or before a close: enters the request's computed full
+    /// pages up to `published` (a page count) under their keys, then releases the pages below
+    /// what a hit of `next` tokens reads (see the module's doc for `next`).
+    pub fn advance(
+        &mut self,
+        r: &mut WindowPages,
+        tokens: &[u32],
+        namespace: &Namespace,
+        published: usize,
+        next: usize,
+    ) {
+        let p = self.page_size;
+        while r.keys.len() < published {
+            let j = r.keys.len();
+            let prev = match r.keys.last() {
+                Some(h) => *h,
+                None => root_hash(p, namespace),
+            };
+            let key = next_hash(&prev, &tokens[j * p..(j + 1) * p]);
+            r.keys.push(key);
+            let w = r.pages[j];
+            if w != GONE && !self.map.contains_key(&key) {
+                self.map.insert(key, w);
+                self.key[w as usize] = key;
+                self.cached[w as usize] = true;
+            }
+        }
+        let lo = self.first_needed(next).min(r.pages.len());
+        while r.lo < lo {
+            let w = std::mem::replace(&mut r.pages[r.lo], GONE);
+            self.unhold(w);
+            r.lo += 1;
+        }
+    }
+
+    /// Releases every page a closing request holds.
+    pub fn close(&mut self, r: &WindowPages) {
+        for &w in &r.pages[r.lo..] {
+            self.unhold(w);
+        }
+    }
+
+    /// Drops every cached page no request holds; returns how many.
+    pub fn reset(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(w) = self.lists.pop_front(LRU) {
+            self.uncache(w.0);
+            self.lists.push_back(FREE, w);
+            n += 1;
+        }
+        self.evicted += n as u64;
+        n
+    }
+
+    fn hold(&mut self, w: u32) {
+        if self.refs[w as usize] == 0 {
+            self.lists.remove(LRU, PageId(w));
+        }
+        self.refs[w as usize] += 1;
+    }
+
+    fn unhold(&mut self, w: u32) {
+        let i = w as usize;
+        self.refs[i] -= 1;
+        if self.refs[i] == 0 {
+            let list = if self.cached[i] { LRU } else { FREE };
+            self.lists.push_back(list, PageId(w));
+        }
+    }
+
+    /// A page for new KV, held once: FREE's front, else the least recently released cached page.
+    fn take(&mut self) -> u32 {
+        let w = match self.lists.pop_front(FREE) {
+            Some(w) => w.0,
+            None => {
+                let w = self.lists.pop_front(LRU).expect("window pages reserved").0;
+                self.uncache(w);
+                self.evicted += 1;
+                w
+            }
+        };
+        self.refs[w as usize] = 1;
+        w
+    }
+
+    fn uncache(&mut self, w: u32) {
+        let i = w as usize;
+        if self.cached[i] {
+            self.map.remove(&self.key[i]);
+            self.cached[i] = false;
+        }
+    }
+
+    /// Heap bytes of the group's bookkeeping.
+    pub fn heap_bytes(&self) -> usize {
+        self.map.capacity() * (32 + 4 + 8)
+            + self.key.capacity() * 32
+            + self.cached.capacity()
+            + self.refs.capacity() * 4
+            + self.lists.heap_bytes()
+    }
+
+    /// The group's invariants against the live requests' window pages, recomputed from
+    /// scratch: each page free, cached and unheld (on LRU), or held (on no list) as many times
+    /// as requests name it; the map and the keys agree; each request holds exactly the pages
+    /// a hit at its boundary `next` reads and what follows (`first_needed(next)..`); a page
+    /// nobody else can
+    /// find (uncached) is held by one request.
+    pub fn check<'a>(
+        &self,
+        requests: impl Iterator<Item = (&'a WindowPages, usize, usize, usize)>,
+    ) -> Result<()> {
+        let mut refs = vec![0u32; self.pages];
+        for (r, num_pages, published, next) in requests {
+            if r.pages.len() != num_pages {
+                return corrupt(format!(
+                    "a request has {} window entries for {num_pages} pages",
+                    r.pages.len()
+                ));
+            }
+            if r.keys.len() != published {
+                return corrupt(format!(
+                    "a request's window group saw {} pages published, the index {published}",
+                    r.keys.len()
+                ));
+            }
+            let lo = self.first_needed(next).min(num_pages);
+            if r.lo != lo {
+                return corrupt(format!(
+                    "a request holds window pages from page {}, a hit of its {next} tokens reads \
+                     from page {lo}",
+                    r.lo
+                ));
+            }
+            for (j, &w) in r.pages.iter().enumerate() {
+                if (w == GONE) != (j < r.lo) {
+                    return corrupt(format!("window entry {j} of a request is {w}, lo {lo}"));
+                }
+                if w != GONE {
+                    if w as usize >= self.pages {
+                        return corrupt(format!("window page {w} is past the pool"));
+                    }
+                    refs[w as usize] += 1;
+                    if j < r.keys.len()
+                        && self.cached[w as usize]
+                        && self.key[w as usize] != r.keys[j]
+                    {
+                        return corrupt(format!("window page {w} is cached under another key"));
+                    }
+                }
+            }
+        }
+        let (mut free, mut lru) = (0, 0);
+        for (i, &n) in refs.iter().enumerate() {
+            let id = PageId(i as u32);
+            if n != self.refs[i] {
+                return corrupt(format!(
+                    "window page {i} is held {} times, requests name it {n} times",
+                    self.refs[i]
+                ));
+            }
+            if n > 1 && !self.cached[i] {
+                return corrupt(format!("uncached window page {i} is held by {n} requests"));
+            }
+            if self.cached[i] && self.map.get(&self.key[i]) != Some(&(i as u32)) {
+                return corrupt(format!("cached window page {i} is not found by its key"));
+            }
+            let linked = self.lists.is_linked(id);
+            if (n == 0) != linked {
+                return corrupt(format!("window page {i}: held {n} times, listed {linked}"));
+            }
+            if n == 0 {
+                if self.cached[i] {
+                    lru += 1
+                } else {
+                    free += 1
+                }
+            }
+        }
+        if free != self.free_pages() || lru != self.evictable_pages() {
+            return corrupt(format!(
+                "window lists hold {} free and {} evictable pages, {free} and {lru} expected",
+                self.free_pages(),
+                self.evictable_pages()
+            ));
+        }
+        if self.map.len() != self.cached.iter().filter(|&&c| c).count() {
+            return corrupt("the window map and the cached pages differ in number");
+        }
+        Ok(())
+    }
+
+    /// Feeds the group's state into `d`: sizes, the free list in order, the LRU list in order
+    /// with each page's key, and each cached held page's key in page order.
+    pub fn digest(&self, d: &mut StateDigest) {
+        d.word(self.window as u64);
+        d.word(self.pages as u64);
+        for list in [FREE, LRU] {
+            d.word(self.lists.len(list) as u64);
+            for w in self.lists.iter(list) {
+                d.word(w.0 as u64);
+                if list == LRU {
+                    d.bytes(&self.key[w.0 as usize]);
+                }
+            }
+        }
+        for i in 0..self.pages {
+            if self.refs[i] > 0 {
+                d.word(i as u64);
+                d.word(self.refs[i] as u64);
+                d.word(self.cached[i] as u64);
+                if self.cached[i] {
+                    d.bytes(&self.key[i]);
+                }
+            }
+        }
+    }
+}
