@@ -114,6 +114,20 @@ class CacheStats:
     def disk_evicted_pages(self) -> int: ...
     @property
     def disk_bad_pages(self) -> int: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def window_pages(self) -> int: ...
+    @property
+    def window_free_pages(self) -> int: ...
+    @property
+    def window_evictable_pages(self) -> int: ...
+    @property
+    def window_cut_hits(self) -> int: ...
+    @property
+    def window_cut_tokens(self) -> int: ...
+    @property
+    def window_evicted_pages(self) -> int: ...
     def as_dict(self) -> dict[str, float]: ...
 
 @final
@@ -130,6 +144,9 @@ class Request:
     def num_computed(self) -> int: ...
     @property
     def pages(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def window_pages(self) -> npt.NDArray[np.int32]:
+        """With a window group: each page's window page, ``-1`` where released."""
     @property
     def slots(self) -> npt.NDArray[np.int64]: ...
     @property
@@ -192,6 +209,12 @@ class Cache:
     def host_pages(self) -> int: ...
     @property
     def disk_pages(self) -> int: ...
+    @property
+    def window(self) -> int:
+        """Tokens a sliding-window layer's query reads (0: no window group)."""
+    @property
+    def window_pages(self) -> int:
+        """Pages of the window group's pool (0: none)."""
     def disk_prefetch(
         self, tokens: _Tokens, namespace: _Namespace = None
     ) -> tuple[int, int, npt.NDArray[np.uint32], bytes, npt.NDArray[np.uint32]] | None:
@@ -246,7 +269,14 @@ class RadixCache(Cache):
     """A prefix cache indexed by a compressed radix tree over token ids."""
 
     def __new__(
-        cls, num_pages: int, page_size: int = 1, host_pages: int = 0, disk_pages: int = 0
+        cls,
+        num_pages: int,
+        page_size: int = 1,
+        host_pages: int = 0,
+        disk_pages: int = 0,
+        *,
+        window: int = 0,
+        window_pages: int = 0,
     ) -> RadixCache: ...
 
 @final
@@ -254,7 +284,14 @@ class BlockCache(Cache):
     """A prefix cache indexed by chained block hashes (full pages only)."""
 
     def __new__(
-        cls, num_pages: int, page_size: int = 16, host_pages: int = 0, disk_pages: int = 0
+        cls,
+        num_pages: int,
+        page_size: int = 16,
+        host_pages: int = 0,
+        disk_pages: int = 0,
+        *,
+        window: int = 0,
+        window_pages: int = 0,
     ) -> BlockCache: ...
 
 @final
@@ -364,6 +401,12 @@ class StepPlan:
     def positions(self) -> npt.NDArray[np.int64]: ...
     @property
     def write_slots(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def window_write_slots(self) -> npt.NDArray[np.int64]:
+        """With a window group: each new token's slot in the window layers' pool."""
+    @property
+    def window_block_table(self) -> npt.NDArray[np.int32]:
+        """With a window group: ``[B, max_pages]`` window pages (0 where released)."""
     @property
     def q_start(self) -> npt.NDArray[np.int64]: ...
     @property

@@ -315,7 +315,7 @@ impl<I: Index> Cache<I> {
         if window_pages > i32::MAX as usize
             || window_pages
                 .checked_mul(page_size)
-                .is_none_or(|s| s > i64::MAX as usize)
+                .map_or(true, |s| s > i64::MAX as usize)
         {
             return Err(invalid(format!(
                 "window_pages must be below 2**31 and window_pages * page_size fit in int64, \

@@ -6,8 +6,9 @@ Naive on purpose, rule by rule: window pages are found by the block key of their
 ``(k * P + 1 - window) // P .. k``, the longest such ``k`` found from the right; a request holds
 the window pages from ``(b + 1 - window) // P`` on, ``b`` its last computed page boundary within
 the match limit (``min(num_computed, num_tokens - 1)`` rounded down to a page), and each commit
-and extend releases the pages below (published ones stay cached, least recently released evicted first; the others are
-freed). It predicts every window page id and counter of the real caches.
+and extend releases the pages below (published ones stay cached, least recently released
+evicted first; the others are freed). It predicts every window page id and counter of the real
+caches.
 """
 
 from __future__ import annotations
@@ -106,8 +107,7 @@ class _WindowModel:
         available = len(self._wfree) + len(self._wlru) - pinned
         if needed > available:
             raise radixkv.OutOfPages(
-                f"out of pages: needs {needed} window pages, only {available} are free or "
-                "evictable"
+                f"out of pages: needs {needed} window pages, only {available} are free or evictable"
             )
 
     def _advance(self, r: RefRequest) -> None:

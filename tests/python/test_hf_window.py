@@ -120,6 +120,16 @@ def model(request):
 CACHES = [
     pytest.param(lambda: radixkv.RadixCache(100, page_size=1), id="radix-p1"),
     pytest.param(lambda: radixkv.BlockCache(7, page_size=16), id="block-p16"),
+    # With a window group: the window layers' pools hold a few windows' worth of pages, so
+    # window pages are released and evicted and some hits are cut to where a window is cached.
+    pytest.param(
+        lambda: radixkv.RadixCache(100, page_size=1, window=WINDOW, window_pages=72),
+        id="radix-p1-window",
+    ),
+    pytest.param(
+        lambda: radixkv.BlockCache(7, page_size=16, window=WINDOW, window_pages=6),
+        id="block-p16-window",
+    ),
 ]
 
 
@@ -146,7 +156,11 @@ def test_sessions_and_branches_longer_than_the_window_match_transformers(model, 
         prompt = np.concatenate([session.history, np.asarray(msg, dtype=np.uint32)])
         assert result.output == greedy_reference(model, prompt, 3)
     eng.cache.check()
-    assert eng.cache.stats.evicted_pages > 0, "the pool never ran short: no eviction pressure"
+    s = eng.cache.stats
+    assert s.evicted_pages > 0, "the pool never ran short: no eviction pressure"
+    if s.window_pages:
+        # The window pool ran short too, and held less than the sessions' tokens.
+        assert s.window_evicted_pages > 0 and s.window_cut_hits > 0, s
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -155,6 +169,14 @@ def test_sessions_and_branches_longer_than_the_window_match_transformers(model, 
     [
         pytest.param(lambda: radixkv.RadixCache(512, page_size=1), id="radix-p1"),
         pytest.param(lambda: radixkv.BlockCache(32, page_size=16), id="block-p16"),
+        pytest.param(
+            lambda: radixkv.RadixCache(512, page_size=1, window=WINDOW, window_pages=512),
+            id="radix-p1-window",
+        ),
+        pytest.param(
+            lambda: radixkv.BlockCache(32, page_size=16, window=WINDOW, window_pages=32),
+            id="block-p16-window",
+        ),
     ],
 )
 def test_cached_prefix_logits_equal_the_full_forward(arch, make_cache):

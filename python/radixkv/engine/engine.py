@@ -1187,6 +1187,11 @@ class Engine:
             f"{stats.free_pages} free and {stats.evictable_pages} evictable; {outside} of its "
             f"{stats.used_pages} used pages are pinned by requests this engine did not open"
         )
+        if stats.window_pages:
+            pool += (
+                f"; its window pool of {stats.window_pages} pages has {stats.window_free_pages} "
+                f"free and {stats.window_evictable_pages} evictable"
+            )
         cause = b.last_error
         if cause is not None:
             pool += f"; the scheduler's last admission attempt raised {cause!r}"

@@ -115,6 +115,19 @@ def make_kv_cache(
         raise ValueError(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
         )
+    window_layers: tuple[int, ...] = ()
+    if cache.window:
+        if not spec.window_layers:
+            raise ValueError(
+                f"the cache has a window group (window={cache.window}) but the model has no "
+                "sliding-window layers: make the cache without window= and window_pages="
+            )
+        if cache.window < spec.window:
+            raise ValueError(
+                f"the cache's window group holds the last {cache.window} keys, the model's "
+                f"sliding_window is {spec.window}: make it with window={spec.window}"
+            )
+        window_layers = spec.window_layers
     return KVCache(
         cache,
         spec.num_layers,
@@ -126,6 +139,7 @@ def make_kv_cache(
         disk_dir=disk_dir,
         fingerprint=fingerprint,
         on_mismatch=on_mismatch,
+        window_layers=window_layers,
     )
 
 

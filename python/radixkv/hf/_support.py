@@ -158,6 +158,10 @@ class ModelSpec:
     #: Whether some layer attends through a sliding window (radixkv keeps every token's KV
     #: and masks the window: see :mod:`radixkv.kv.windowed`).
     windowed: bool = False
+    #: The sliding window (``config.sliding_window``) and the layers that attend through it:
+    #: what a cache with a window group serves from its window pool.
+    window: int = 0
+    window_layers: tuple[int, ...] = ()
 
 
 def tp_size(model: Any) -> int:
@@ -349,4 +353,10 @@ def check_model(model: Any) -> ModelSpec:
         num_heads=heads // tp,
         tp_size=tp,
         windowed=windowed,
+        window=int(window) if windowed else 0,
+        window_layers=tuple(
+            i
+            for i in range(num_layers)
+            if windowed and (layer_types is None or layer_types[i] == "sliding_attention")
+        ),
     )

@@ -162,6 +162,30 @@ def copy_runs(log: np.ndarray, num_pages: int, host_pages: int) -> list[CopyRun]
     return [(k, [(s, d, n) for s, d, n in run]) for k, run in runs]
 
 
+def _window_layers(layers: Any, num_layers: int, cache: radixkv.Cache) -> frozenset[int]:
+    """The window layers, checked against the cache's window group."""
+    try:
+        out = sorted({int(x) for x in layers})
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"window_layers must be a sequence of layer indices, got {layers!r}"
+        ) from None
+    bad = [x for x in out if not 0 <= x < num_layers]
+    if bad:
+        raise ValueError(f"window_layers must be in [0, {num_layers}), got {bad[0]}")
+    if out and not cache.window:
+        raise ValueError(
+            f"window_layers={out} needs a cache with a window group: make it with window= and "
+            "window_pages="
+        )
+    if cache.window and not out:
+        raise ValueError(
+            f"the cache has a window group (window={cache.window}, window_pages="
+            f"{cache.window_pages}): pass window_layers, the layers that attend through it"
+        )
+    return frozenset(out)
+
+
 def _host_device(host_device: str | torch.device | None, host_pages: int) -> torch.device | None:
     """The checked ``host_device`` of a ``KVCache`` over a cache with ``host_pages`` host pages."""
     if host_device is None:
@@ -231,6 +255,13 @@ class KVCache:
     another layout, raises :class:`radixkv.kv.disk.DiskMismatchError` (``on_mismatch="error"``)
     or starts empty (``"reset"``). Without a disk tier ``disk_dir`` must be ``None``.
 
+    Sliding-window layers: for a cache made with ``window=W, window_pages=N`` (see SEMANTICS.md,
+    "Sliding-window layers"), ``window_layers`` names the layers whose queries attend to the last
+    ``W`` keys (or fewer); their pools are ``[N * page_size, num_kv_heads, head_dim]``, indexed by
+    each request's ``window_pages``, and ``Step.attention`` of such a layer must pass
+    ``window=`` (at most ``W``). The other layers' pools are the full ones. Without a window group
+    ``window_layers`` must be empty.
+
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.
     """
@@ -248,6 +279,7 @@ class KVCache:
         disk_dir: str | os.PathLike[str] | None = None,
         fingerprint: Mapping[str, object] | None = None,
         on_mismatch: str = "error",
+        window_layers: Sequence[int] = (),
     ) -> None:
         if not isinstance(cache, radixkv.Cache):
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
@@ -268,9 +300,18 @@ class KVCache:
         self.page_size = cache.page_size
         self.num_pages = cache.num_pages
         self.num_slots = self.num_pages * self.page_size
+        #: Tokens a window layer's query reads (0: no window group), the window layers, and the
+        #: slots of their pools.
+        self.window = cache.window
+        self.window_layers = _window_layers(window_layers, self.num_layers, cache)
+        self.num_window_slots = cache.window_pages * self.page_size
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        wshape = (self.num_window_slots, self.num_kv_heads, self.head_dim)
+        self.k, self.v = [], []
+        for layer in range(num_layers):
+            rows = wshape if layer in self.window_layers else shape
+            self.k.append(torch.zeros(rows, dtype=dtype, device=self.device))
+            self.v.append(torch.zeros(rows, dtype=dtype, device=self.device))
         #: Host pages of the cache's host tier (0: no tier; every host attribute below empty).
         self.host_pages = host_pages
         self.host_device = host

@@ -122,19 +122,33 @@ class Step:
         self.seq_lens, self.qo_indptr, self.paged_kv_indptr = v32[1], v32[2], v32[3]
         self.paged_kv_last_page_len, self.paged_kv_indices = v32[4], v32[5]
         self._kv_slots: torch.Tensor | None = None
-        self._groups = self._make_groups(q_start, kv_len, q_len)
+        self._lens = (q_start, kv_len, q_len)
+        self._groups = self._make_groups(q_start, kv_len, q_len, self.block_table)
         self.backends = [backend.name for backend, _ in self._groups]
+        # The window layers' page table and write slots (a cache with a window group only);
+        # their groups are made on the first window layer's call.
+        self._window_groups: list[tuple[Any, Group]] | None = None
+        if getattr(kv, "window_layers", None):
+            self.window_write_slots = torch.from_numpy(plan.window_write_slots).to(dev)
+            self.window_block_table = torch.from_numpy(plan.window_block_table).to(dev)
 
     def _make_groups(
-        self, q_start: np.ndarray, kv_len: np.ndarray, q_len: np.ndarray
+        self,
+        q_start: np.ndarray,
+        kv_len: np.ndarray,
+        q_len: np.ndarray,
+        block_table: torch.Tensor,
+        sdpa_only: bool = False,
     ) -> list[tuple[Any, Group]]:
         """Decode and prefill requests as one group, or two where their backends differ; each
-        prepared by its backend."""
+        prepared by its backend (the SDPA backend for every group with ``sdpa_only``)."""
         kv = self.kv
         decode = q_len == 1
         n_dec = int(decode.sum())
         b = len(q_len)
-        if 0 < n_dec < b:
+        if sdpa_only:
+            parts = [(kv._backend("sdpa"), np.arange(b))]
+        elif 0 < n_dec < b:
             parts = [
                 (kv.backend_for(True, n_dec), np.flatnonzero(decode)),
                 (kv.backend_for(False, b - n_dec), np.flatnonzero(~decode)),
@@ -153,7 +167,7 @@ class Step:
                     kv_len=kv_len,
                     q_start=q_start,
                     positions=self.positions,
-                    block_table=self.block_table,
+                    block_table=block_table,
                     seq_lens=self.seq_lens,
                     is_decode=bool(decode.all()),
                 )
@@ -169,7 +183,7 @@ class Step:
                     kv_len=kv_len[req],
                     q_start=np.concatenate([[0], np.cumsum(q_len[req])]),
                     positions=self.positions.index_select(0, rows),
-                    block_table=self.block_table.index_select(0, idx)[:, :pages],
+                    block_table=block_table.index_select(0, idx)[:, :pages],
                     seq_lens=self.seq_lens.index_select(0, idx),
                     is_decode=bool(decode[req].all()),
                 )
@@ -229,9 +243,18 @@ class Step:
                 raise ValueError(f"{name} must be [{t}, {hkv}, {d}], got {tuple(x.shape)}")
         if window is not None or softcap is not None or sinks is not None:
             _windowed.check_extras(window, softcap, sinks, q.shape[1])
-            if window is not None and self.max_kv_len <= window:
-                window = None  # every key is in every query's window: plain causal attention
+        windowed_pool = layer in getattr(kv, "window_layers", ())
+        if windowed_pool and (window is None or window > kv.window):
+            raise ValueError(
+                f"layer {layer} keeps its KV in the window pool, which holds the last "
+                f"{kv.window} keys of each request: pass window= at most {kv.window}, got "
+                f"{window!r}"
+            )
+        if window is not None and self.max_kv_len <= window:
+            window = None  # every key is in every query's window: plain causal attention
         self.check_current()
+        if windowed_pool:
+            return self._attend_window(layer, q, k, v, scale, window, softcap, sinks)
         if self._copy_events is not None:  # the tier's copies of this layer, on a side stream
             torch.cuda.current_stream(kv.device).wait_event(self._copy_events[layer])
         pool_k, pool_v = kv.k[layer], kv.v[layer]
@@ -270,6 +293,36 @@ class Step:
             o = backend.attend(self, g, layer, q[rows], k[rows], v[rows], scale)
             out.index_copy_(0, rows, o)
         return out.to(out_dtype)
+
+    def _attend_window(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A window layer: K/V written to the window pool, then the SDPA backend over the window
+        page table (released pages read as page 0, which the window mask hides: they lie before
+        every query's window). ``window`` is ``None`` when every key is in every window."""
+        kv = self.kv
+        pool_k, pool_v = kv.k[layer], kv.v[layer]
+        k, v = k.to(pool_k.dtype), v.to(pool_v.dtype)
+        pool_k.index_copy_(0, self.window_write_slots, k)
+        pool_v.index_copy_(0, self.window_write_slots, v)
+        out_dtype = q.dtype
+        q = q.to(pool_k.dtype)
+        if scale is None:
+            scale = 1.0 / math.sqrt(kv.head_dim)
+        if self._window_groups is None:
+            self._window_groups = self._make_groups(
+                *self._lens, self.window_block_table, sdpa_only=True
+            )
+        ((backend, g),) = self._window_groups
+        return backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks).to(out_dtype)
 
     def check_current(self) -> None:
         """Raises :class:`radixkv.StaleStepError`, naming this step and the request, unless every
