@@ -215,6 +215,9 @@ class Cache:
     @property
     def window_pages(self) -> int:
         """Pages of the window group's pool (0: none)."""
+    @property
+    def window_chunk(self) -> int | None:
+        """With a window group: the most tokens to append to one request in one step."""
     def disk_prefetch(
         self, tokens: _Tokens, namespace: _Namespace = None
     ) -> tuple[int, int, npt.NDArray[np.uint32], bytes, npt.NDArray[np.uint32]] | None:

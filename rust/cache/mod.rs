@@ -21,6 +21,7 @@ pub(crate) mod tier;
 pub(crate) mod window;
 
 use digest::StateDigest;
+use window::hold_from;
 
 /// A prefix cache over a fixed pool of pages: the operations of the design, for either index.
 ///
@@ -112,6 +113,18 @@ pub trait PrefixCache: Send {
     /// The window group's `(window, pages)`: tokens a window layer's query reads, and pages of
     /// its pool (`(0, 0)`: no window group).
     fn window(&self) -> (usize, usize);
+    /// With a window group: the most tokens to append to one request in one step (an
+    /// admission's uncached part, a prefill chunk) so that it fits the window pool beside a
+    /// hit's window (`(window_pages - ceil(window / P) - 2) * P`, at least one page); without
+    /// one, unbounded (`usize::MAX`). Past it a chunk could never fit, however much is evicted.
+    fn window_chunk(&self) -> usize {
+        let (w, pages) = self.window();
+        if pages == 0 {
+            return usize::MAX;
+        }
+        let p = self.page_size();
+        pages.saturating_sub(w.div_ceil(p) + 2).max(1) * p
+    }
     /// Starts reading back from disk the pages of `tokens` past what the device and host tiers
     /// hold, while the disk holds them: their slots are pinned and host pages taken for them
     /// (the host tier dropping its least recently used pages to make room). `None` when the
@@ -294,66 +307,6 @@ impl<I: Index> Cache<I> {
         Self::with_window(num_pages, page_size, window, window_pages)
     }
 
-    /// A cache whose sliding-window layers (each query reads the last `window` keys) keep their
-    /// KV in a pool of their own, of `window_pages` pages: the full-attention pages are the
-    /// index's as always; a window page is held only while a live request's next query reads
-    /// it (see `cache/window.rs` and SEMANTICS.md, "Sliding-window layers"). No host or disk
-    /// tier in this version.
-    pub fn with_window(
-        num_pages: usize,
-        page_size: usize,
-        window: usize,
-        window_pages: usize,
-    ) -> Result<Self> {
-        let mut c = Self::new(num_pages, page_size)?;
-        if window == 0 || window_pages == 0 {
-            return Err(invalid(format!(
-                "a window group needs window >= 1 (tokens) and window_pages >= 1, got \
-                 window={window} and window_pages={window_pages}"
-            )));
-        }
-        if window_pages > i32::MAX as usize
-            || window_pages
-                .checked_mul(page_size)
-                .map_or(true, |s| s > i64::MAX as usize)
-        {
-            return Err(invalid(format!(
-                "window_pages must be below 2**31 and window_pages * page_size fit in int64, \
-                 got {window_pages}"
-            )));
-        }
-        c.window = window::Window::new(window, window_pages, page_size).map_err(|e| {
-            invalid(format!(
-                "window_pages={window_pages} is too large for this machine: {e}"
-            ))
-        })?;
-        Ok(c)
-    }
-
-    /// The longest prefix of `tokens[..limit]` a request can start from: the index's match,
-    /// cut (with a window group) to the longest one whose window is cached. Returns the lookup
-    /// of the cut prefix, the block keys of its pages (with a window group), and the pages the
-    /// cut took off.
-    fn find(
-        &self,
-        tokens: &[u32],
-        namespace: &Namespace,
-    ) -> (index::Found<I::At>, Vec<BlockHash>, usize) {
-        let found = self.index.lookup(tokens, namespace);
-        if !self.window.on() || found.matched == 0 {
-            return (found, Vec::new(), 0);
-        }
-        let p = self.index.page_size();
-        let mut keys = crate::wire::hash::block_hashes(&tokens[..found.matched], p, namespace);
-        let m = found.matched / p;
-        let k = self.window.cut(&keys, m);
-        if k == m {
-            return (found, keys, 0);
-        }
-        keys.truncate(k);
-        (self.index.lookup(&tokens[..k * p], namespace), keys, m - k)
-    }
-
     /// The index, for the indexes' own unit tests.
     #[cfg(test)]
     pub(crate) fn index(&self) -> &I {
@@ -422,39 +375,6 @@ impl<I: Index> Cache<I> {
         self.close_window(&mut r, publish);
         self.index.release(&r);
         Ok(())
-    }
-
-    /// A request's window pages after a publish: entered under their keys, the pages its next
-    /// query no longer reads released.
-    fn advance_window(window: &mut window::Window, r: &mut Request<I::Ext>, p: usize) {
-        if window.on() {
-            let Request {
-                win,
-                tokens,
-                namespace,
-                published,
-                num_computed,
-                ..
-            } = r;
-            window.advance(
-                win,
-                tokens,
-                namespace,
-                *published / p,
-                hold_from(*num_computed, tokens.len(), p),
-            );
-        }
-    }
-
-    /// Releases a closing request's window pages, entering its published ones first when
-    /// `publish`.
-    fn close_window(&mut self, r: &mut Request<I::Ext>, publish: bool) {
-        if self.window.on() {
-            if publish {
-                Self::advance_window(&mut self.window, r, self.index.page_size());
-            }
-            self.window.close(&r.win);
-        }
     }
 
     /// The disk tier's own invariants, and that the prefetches in progress account for exactly
@@ -985,14 +905,6 @@ fn check_commit(num_computed: usize, current: usize, num_tokens: usize) -> Resul
         )));
     }
     Ok(())
-}
-
-/// Where a request's window pages start to be held: at the window a hit at its last computed
-/// page boundary within the match limit reads (`(b + 1 - window) / P` for that boundary `b`),
-/// so that a fork or the next turn finds its window; the next query, at `num_computed`, reads
-/// from there or later.
-fn hold_from(num_computed: usize, num_tokens: usize, page_size: usize) -> usize {
-    num_computed.min(num_tokens - 1) / page_size * page_size
 }
 
 /// The most tokens a match may cover: at least one token is left to compute, whole pages only.

@@ -26,7 +26,10 @@
 use crate::arena::ids::PageId;
 use crate::arena::links::{Links, ListId};
 use crate::cache::digest::StateDigest;
-use crate::error::{corrupt, Result};
+use crate::cache::index::{Found, Index};
+use crate::cache::request::Request;
+use crate::cache::Cache;
+use crate::error::{corrupt, invalid, Result};
 use crate::wire::hash::{next_hash, root_hash, BlockHash, Namespace};
 use std::collections::HashMap;
 
@@ -395,4 +398,109 @@ impl Window {
             }
         }
     }
+}
+
+/// The life cycle's part of the window group: construction, the cut hit, and the window pages
+/// of requests as they commit and close.
+impl<I: Index> Cache<I> {
+    /// A cache whose sliding-window layers (each query reads the last `window` keys) keep their
+    /// KV in a pool of their own, of `window_pages` pages: the full-attention pages are the
+    /// index's as always; a window page is held only while a live request's next query reads
+    /// it (see `cache/window.rs` and SEMANTICS.md, "Sliding-window layers"). No host or disk
+    /// tier in this version.
+    pub fn with_window(
+        num_pages: usize,
+        page_size: usize,
+        window: usize,
+        window_pages: usize,
+    ) -> Result<Self> {
+        let mut c = Self::new(num_pages, page_size)?;
+        if window == 0 || window_pages == 0 {
+            return Err(invalid(format!(
+                "a window group needs window >= 1 (tokens) and window_pages >= 1, got \
+                 window={window} and window_pages={window_pages}"
+            )));
+        }
+        if window_pages > i32::MAX as usize
+            || window_pages
+                .checked_mul(page_size)
+                .map_or(true, |s| s > i64::MAX as usize)
+        {
+            return Err(invalid(format!(
+                "window_pages must be below 2**31 and window_pages * page_size fit in int64, \
+                 got {window_pages}"
+            )));
+        }
+        c.window = Window::new(window, window_pages, page_size).map_err(|e| {
+            invalid(format!(
+                "window_pages={window_pages} is too large for this machine: {e}"
+            ))
+        })?;
+        Ok(c)
+    }
+
+    /// The longest prefix of `tokens[..limit]` a request can start from: the index's match,
+    /// cut (with a window group) to the longest one whose window is cached. Returns the lookup
+    /// of the cut prefix, the block keys of its pages (with a window group), and the pages the
+    /// cut took off.
+    pub(crate) fn find(
+        &self,
+        tokens: &[u32],
+        namespace: &Namespace,
+    ) -> (Found<I::At>, Vec<BlockHash>, usize) {
+        let found = self.index.lookup(tokens, namespace);
+        if !self.window.on() || found.matched == 0 {
+            return (found, Vec::new(), 0);
+        }
+        let p = self.index.page_size();
+        let mut keys = crate::wire::hash::block_hashes(&tokens[..found.matched], p, namespace);
+        let m = found.matched / p;
+        let k = self.window.cut(&keys, m);
+        if k == m {
+            return (found, keys, 0);
+        }
+        keys.truncate(k);
+        (self.index.lookup(&tokens[..k * p], namespace), keys, m - k)
+    }
+
+    /// A request's window pages after a publish: entered under their keys, the pages its next
+    /// query no longer reads released.
+    pub(crate) fn advance_window(window: &mut Window, r: &mut Request<I::Ext>, p: usize) {
+        if window.on() {
+            let Request {
+                win,
+                tokens,
+                namespace,
+                published,
+                num_computed,
+                ..
+            } = r;
+            window.advance(
+                win,
+                tokens,
+                namespace,
+                *published / p,
+                hold_from(*num_computed, tokens.len(), p),
+            );
+        }
+    }
+
+    /// Releases a closing request's window pages, entering its published ones first when
+    /// `publish`.
+    pub(crate) fn close_window(&mut self, r: &mut Request<I::Ext>, publish: bool) {
+        if self.window.on() {
+            if publish {
+                Self::advance_window(&mut self.window, r, self.index.page_size());
+            }
+            self.window.close(&r.win);
+        }
+    }
+}
+
+/// Where a request's window pages start to be held: at the window a hit at its last computed
+/// page boundary within the match limit reads (`(b + 1 - window) / P` for that boundary `b`),
+/// so that a fork or the next turn finds its window; the next query, at `num_computed`, reads
+/// from there or later.
+pub(crate) fn hold_from(num_computed: usize, num_tokens: usize, page_size: usize) -> usize {
+    num_computed.min(num_tokens - 1) / page_size * page_size
 }

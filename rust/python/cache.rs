@@ -376,6 +376,16 @@ impl PyCache {
         slf.get().with(slf.py(), false, |c| Ok(c.window().1))
     }
 
+    /// With a window group, the most tokens to append to one request in one step (a prefill
+    /// chunk) so that it fits the window pool beside a hit's window; ``None`` without one.
+    /// The scheduler caps admissions by it; an engine caps its prefill chunks.
+    #[getter]
+    fn window_chunk(slf: &Bound<'_, Self>) -> PyResult<Option<usize>> {
+        slf.get().with(slf.py(), false, |c| {
+            Ok((c.window().1 > 0).then(|| c.window_chunk()))
+        })
+    }
+
     /// Starts reading back from the disk tier the pages of ``tokens`` past what the device and
     /// host tiers hold, while the disk holds them (see SEMANTICS.md, "Disk tier"). Returns
     /// ``None`` when it holds none, else ``(id, from_token, slots, keys, host_pages)``: read disk

@@ -342,7 +342,9 @@ impl Scheduler {
                 continue;
             }
             // `cached` is whole pages, so the match limit of the shortened prompt keeps it whole.
-            let take = (w.tokens.len() - cached).min(budget);
+            let take = (w.tokens.len() - cached)
+                .min(budget)
+                .min(cache.window_chunk());
             let request = match cache.admit(&w.tokens[..cached + take], w.namespace.clone()) {
                 Ok(r) => r,
                 Err(_) if stops => break,

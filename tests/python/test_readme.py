@@ -191,3 +191,17 @@ def test_readme_maps_vllm_metrics_to_names_radixkv_exports():
     assert (
         "radixkv_prefix_cache_hits_total" in ours and "radixkv_prefix_cache_queries_total" in ours
     )
+
+
+def test_readme_window_group_example_prints_what_it_says():
+    pytest.importorskip("transformers")
+    section = README.read_text().split("### Sliding-window models: a window group", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), {})
+    assert out.getvalue().splitlines() == [
+        "turn 0: 508 tokens, 0 cached",
+        "turn 1: 520 tokens, 511 cached",
+        "KV pools: 512 KiB, not 2048 KiB",
+    ]

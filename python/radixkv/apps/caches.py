@@ -8,12 +8,20 @@ KINDS = ("radix", "block")
 
 
 def make_cache(
-    kind: str, num_pages: int, page_size: int, host_pages: int = 0, disk_pages: int = 0
+    kind: str,
+    num_pages: int,
+    page_size: int,
+    host_pages: int = 0,
+    disk_pages: int = 0,
+    window: int = 0,
+    window_pages: int = 0,
 ) -> radixkv.Cache:
     """A ``RadixCache`` (``kind="radix"``) or ``BlockCache`` (``kind="block"``), with a host
-    tier of ``host_pages`` pages and a disk tier of ``disk_pages`` pages when those are > 0."""
+    tier of ``host_pages`` pages, a disk tier of ``disk_pages`` pages and a window group of
+    ``window_pages`` pages for a sliding window of ``window`` tokens when those are > 0."""
+    win = {"window": window, "window_pages": window_pages} if window or window_pages else {}
     if kind == "radix":
-        return radixkv.RadixCache(num_pages, page_size, host_pages, disk_pages)
+        return radixkv.RadixCache(num_pages, page_size, host_pages, disk_pages, **win)
     if kind == "block":
-        return radixkv.BlockCache(num_pages, page_size, host_pages, disk_pages)
+        return radixkv.BlockCache(num_pages, page_size, host_pages, disk_pages, **win)
     raise ValueError(f"cache must be 'radix' or 'block', got {kind!r}")

@@ -122,8 +122,20 @@ class ReplayConfig:
     #: second disk to host) costs its reads
     disk_pages: int = 0
     disk_bandwidth: float = DEFAULT_DISK_BANDWIDTH
+    #: a window group (0: none): the sliding window of the model's window layers, in tokens,
+    #: and the pages of their pool (see SEMANTICS.md, "Sliding-window layers")
+    window: int = 0
+    window_pages: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("window", "window_pages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if bool(self.window) != bool(self.window_pages):
+            raise ValueError(
+                f"window={self.window} and window_pages={self.window_pages}: give both or neither"
+            )
         hp = self.host_pages
         if isinstance(hp, bool) or not isinstance(hp, int) or hp < 0:
             raise ValueError(f"host_pages must be an int >= 0, got {hp!r}")
@@ -208,6 +220,8 @@ class ReplayResult(_HitRates):
     config: ReplayConfig
     requests: int = 0
     dropped: int = 0
+    #: prompts given back while in progress and queued again (a window pool's chunks)
+    preempted: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
@@ -244,6 +258,9 @@ class _Prefill:
     req: radixkv.Request
     num_tokens: int
     num_computed: int
+    #: tokens cached at admission, and the queue wait recorded then
+    cached: int = 0
+    wait: float = 0.0
 
 
 class _Server:
@@ -252,10 +269,18 @@ class _Server:
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, bar) -> None:
         self.requests, self.config, self.bar = requests, config, bar
         self.cache = make_cache(
-            config.cache, config.num_pages, config.page_size, config.host_pages, config.disk_pages
+            config.cache,
+            config.num_pages,
+            config.page_size,
+            config.host_pages,
+            config.disk_pages,
+            config.window,
+            config.window_pages,
         )
         self.host = config.host_pages > 0
         self.disk = config.disk_pages > 0
+        # A window pool caps how much of one prompt a step computes (SEMANTICS.md).
+        self.chunk = self.cache.window_chunk or config.token_budget
         self.loads = 0  # loads drained since the last batch started: it waits for them
         self.reads = 0  # disk reads since the last batch started: it waits for them too
         self.fetched: dict[int, int] = {}  # trace index -> tokens read back from disk for it
@@ -350,6 +375,11 @@ class _Server:
         """Forms one batch at ``now`` and computes it; returns when it is done (None: nothing
         could be computed)."""
         work, blocked = self._grow(self.config.token_budget)
+        while blocked and not work and len(self.prefilling) > 1:
+            # Prompts admitted in part (a window pool caps each step's chunk) hold pages the
+            # oldest needs to go on: the newest gives them back, as an engine preempts.
+            self._preempt_newest()
+            work, blocked = self._grow(self.config.token_budget)
         budget = self.config.token_budget - sum(n for _, n in work)
         room = self.config.max_running - len(self.decoding) - len(self.prefilling)
         if not blocked and budget > 0 and room > 0 and self.waiting:
@@ -400,7 +430,7 @@ class _Server:
         for job in self.prefilling:
             if budget <= 0:
                 break
-            n = min(len(self.requests[job.idx].tokens) - job.num_tokens, budget)
+            n = min(len(self.requests[job.idx].tokens) - job.num_tokens, budget, self.chunk)
             plan.append((job, n))
             budget -= n
         chunks = [self.requests[j.idx].tokens[j.num_tokens : j.num_tokens + n] for j, n in plan]
@@ -412,14 +442,29 @@ class _Server:
         return plan[:grown], grown < len(plan)
 
     def _admit(self, idx: int, req: radixkv.Request, now: float) -> _Prefill:
-        job = _Prefill(idx, req, req.num_tokens, req.num_computed)
+        wait = now - self.requests[idx].arrival
+        job = _Prefill(idx, req, req.num_tokens, req.num_computed, req.num_computed, wait)
         res = self.res
         res.requests += 1
         res.prompt_tokens += len(self.requests[idx].tokens)
         res.cached_tokens += job.num_computed
-        res.queue_waits.append(now - self.requests[idx].arrival)
+        res.queue_waits.append(wait)
         self.prefilling.append(job)
         return job
+
+    def _preempt_newest(self) -> None:
+        """Aborts the newest prompt in progress and queues it again, its admission uncounted
+        (it counts when it is admitted again)."""
+        job = self.prefilling.pop()
+        self.cache.abort(job.req)
+        r, res = self.requests[job.idx], self.res
+        res.requests -= 1
+        res.prompt_tokens -= len(r.tokens)
+        res.cached_tokens -= job.cached
+        res.queue_waits.remove(job.wait)
+        res.preempted += 1
+        sid = self.sched.add(r.tokens, r.namespace, max_new_tokens=r.output_length)
+        self.waiting[sid] = job.idx
 
     def _drain(self) -> None:
         """Empties the cache's copy log and counts its loads (the next batch waits for them)

@@ -132,6 +132,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: 0, none)",
     )
     p.add_argument(
+        "--window",
+        type=nonnegative_int,
+        default=0,
+        metavar="TOKENS",
+        help="a window group for a model with sliding-window layers of this many tokens, with "
+        "--window-pages pages: a hit also needs its last window's window pages (default: 0, "
+        "none)",
+    )
+    p.add_argument(
+        "--window-pages",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="pages of the window group's pool (with --window)",
+    )
+    p.add_argument(
         "--disk-bandwidth",
         type=positive_float,
         default=DEFAULT_DISK_BANDWIDTH / 1e9,
@@ -393,6 +409,8 @@ def _config(args: argparse.Namespace, policy: str) -> ReplayConfig:
         kv_bytes_per_token=args.kv_bytes_per_token,
         disk_pages=args.disk_pages,
         disk_bandwidth=args.disk_bandwidth * 1e9,
+        window=args.window,
+        window_pages=args.window_pages,
     )
 
 

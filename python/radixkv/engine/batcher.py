@@ -197,7 +197,9 @@ class Batcher:
         budget = self.token_budget
         while True:
             room = self.max_batch - len(batch)
-            plan = self._plan_growth(self.running[len(batch) :], budget, room)
+            plan = self._plan_growth(
+                self.running[len(batch) :], budget, room, getattr(self.cache, "window_chunk", None)
+            )
             if not plan:
                 return
             chunks = [seq.tokens(seq.num_tokens, n) for seq, n in plan]
@@ -233,13 +235,16 @@ class Batcher:
         return len(plan), False
 
     @staticmethod
-    def _plan_growth(seqs: list[Sequence], budget: int, room: int) -> list[tuple[Sequence, int]]:
-        """``(sequence, tokens to append)`` for the first of ``seqs`` that fit."""
+    def _plan_growth(
+        seqs: list[Sequence], budget: int, room: int, chunk: int | None = None
+    ) -> list[tuple[Sequence, int]]:
+        """``(sequence, tokens to append)`` for the first of ``seqs`` that fit; ``chunk``
+        caps one sequence's tokens (a window pool's ``window_chunk``)."""
         plan = []
         for seq in seqs:
             if len(plan) >= room or budget <= 0:
                 break
-            n = min(seq.target_len - seq.num_tokens, budget)
+            n = min(seq.target_len - seq.num_tokens, budget, chunk or budget)
             plan.append((seq, n))
             budget -= n
         return plan
