@@ -114,7 +114,7 @@ pub fn plan_step(requests: &[RequestView<'_>]) -> std::result::Result<StepPlan, 
         if !w.is_empty() {
             let row = &w[..hi - lo];
             s.window_block_table.extend(row.iter().map(|&x| {
-                if x == crate::cache::window::GONE {
+                if x == crate::cache::request::GONE {
                     0
                 } else {
                     x as i32

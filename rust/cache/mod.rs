@@ -18,7 +18,7 @@ pub(crate) mod request;
 pub(crate) mod retention;
 pub(crate) mod stats;
 pub(crate) mod tier;
-pub(crate) mod window;
+mod window;
 
 use digest::StateDigest;
 use window::hold_from;
@@ -345,7 +345,7 @@ impl<I: Index> Cache<I> {
             self.counters.host_hit_tokens += (host * p) as u64;
         }
         self.counters.record_query(n, matched);
-        let mut win = window::WindowPages::default();
+        let mut win = request::WindowPages::default();
         if self.window.on() {
             win = self.window.open(keys, matched / p, n.div_ceil(p));
             if cut > 0 {

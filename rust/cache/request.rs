@@ -8,7 +8,7 @@ pub use crate::arena::ids::PageId;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::wire::hash::Namespace;
+use crate::wire::hash::{BlockHash, Namespace};
 
 /// A read-only view of one live request.
 #[derive(Debug, Clone, Copy)]
@@ -25,7 +25,7 @@ pub struct RequestView<'a> {
     pub num_computed: usize,
     /// Tokens per page.
     pub page_size: usize,
-    /// With a window group: one window page per page, [`crate::cache::window::GONE`] where
+    /// With a window group: one window page per page, [`GONE`] where
     /// released (empty without one).
     pub window_pages: &'a [u32],
 }
@@ -50,6 +50,21 @@ impl RequestView<'_> {
             out.extend((start..end).map(|i| self.slot(i)));
         }
     }
+}
+
+/// A request's entry for a page whose window page it released.
+pub const GONE: u32 = u32::MAX;
+
+/// A live request's part of the window group.
+#[derive(Debug, Clone, Default)]
+pub struct WindowPages {
+    /// One entry per page of the request: its window page, [`GONE`] once released.
+    pub pages: Vec<u32>,
+    /// Pages `0..lo` are released; `lo..` are held.
+    pub lo: usize,
+    /// Block keys of the request's first `keys.len()` pages: those the window group has seen
+    /// published (the same count as the request's `published / P`).
+    pub keys: Vec<BlockHash>,
 }
 
 static NEXT_CACHE_ID: AtomicU32 = AtomicU32::new(1);
@@ -85,7 +100,7 @@ pub struct Request<X> {
     /// The index's own state of this request.
     pub ext: X,
     /// The request's window pages (empty without a window group).
-    pub win: crate::cache::window::WindowPages,
+    pub win: WindowPages,
 }
 
 impl<X> Request<X> {

@@ -27,7 +27,7 @@ use crate::arena::ids::PageId;
 use crate::arena::links::{Links, ListId};
 use crate::cache::digest::StateDigest;
 use crate::cache::index::{Found, Index};
-use crate::cache::request::Request;
+use crate::cache::request::{Request, WindowPages, GONE};
 use crate::cache::Cache;
 use crate::error::{corrupt, invalid, Result};
 use crate::wire::hash::{next_hash, root_hash, BlockHash, Namespace};
@@ -37,21 +37,6 @@ use std::collections::HashMap;
 const FREE: ListId = ListId(0);
 /// Cached window pages no live request holds, least recently released at the front.
 const LRU: ListId = ListId(1);
-
-/// A request's entry for a page whose window page it released.
-pub const GONE: u32 = u32::MAX;
-
-/// A live request's part of the window group.
-#[derive(Debug, Clone, Default)]
-pub struct WindowPages {
-    /// One entry per page of the request: its window page, [`GONE`] once released.
-    pub pages: Vec<u32>,
-    /// Pages `0..lo` are released; `lo..` are held.
-    pub lo: usize,
-    /// Block keys of the request's first `keys.len()` pages: those the window group has seen
-    /// published (the same count as the request's `published / P`).
-    pub keys: Vec<BlockHash>,
-}
 
 /// The window group of a cache (`pages == 0`: none).
 #[derive(Debug)]

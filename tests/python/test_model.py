@@ -159,7 +159,9 @@ def make_machine(
             win=st.integers(*(window or (0, 0))),
             window_pages=st.integers(*pool),
         )
-        def create(self, num_pages: int, host_pages: int, win: int, window_pages: int) -> None:
+        def create(
+            self, num_pages: int, host_pages: int = 0, win: int = 0, window_pages: int = 0
+        ) -> None:
             if window is not None:
                 self.real = real_cls(num_pages, p, window=win, window_pages=window_pages)
                 self.ref = ref_cls(num_pages, p, window=win, window_pages=window_pages)

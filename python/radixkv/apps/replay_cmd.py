@@ -145,7 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=nonnegative_int,
         default=0,
         metavar="N",
-        help="pages of the window group's pool (with --window)",
+        help="pages of the window group's pool (with --window; default: 0)",
     )
     p.add_argument(
         "--disk-bandwidth",
