@@ -188,3 +188,43 @@ fn digests_agree_across_equal_runs_and_differ_on_window_state() {
     assert_eq!(run(false), run(false));
     assert_ne!(run(false), run(true));
 }
+
+#[test]
+fn lpm_ranks_by_the_hit_the_window_allows() {
+    use radixkv::{Policy, Scheduler};
+    let p = 4;
+    for mut c in caches(p, 8, 24, 256) {
+        // `long` is cached in full pages, but another request's pages push its window pages
+        // out; `short` is cached whole in both groups.
+        let long = toks(64, 11);
+        let short = toks(24, 12);
+        for t in [&long, &short] {
+            let r = c.admit(t, None).unwrap();
+            c.commit(r, t.len()).unwrap();
+            c.finish(r).unwrap();
+        }
+        let hog = c.admit(&toks(80, 13), None).unwrap();
+        c.commit(hog, 80).unwrap();
+        c.finish(hog).unwrap();
+        let mut a = long.clone();
+        a.push(1);
+        let mut b = short.clone();
+        b.push(1);
+        let (cut_long, hit_short) = (
+            c.match_prefix(&a, &None).unwrap(),
+            c.match_prefix(&b, &None).unwrap(),
+        );
+        assert!(cut_long < hit_short, "{cut_long} {hit_short}");
+        let mut s = Scheduler::new(&*c, Policy::Lpm, 0);
+        let ia = s.add(&a, None, 0, 1).unwrap();
+        let ib = s.add(&b, None, 0, 1).unwrap();
+        // The trie sees 64 cached tokens for `a`; the cache allows fewer than `b`'s 24.
+        let out = s.schedule(&mut *c, 1, 1);
+        assert_eq!(out.iter().map(|x| x.id).collect::<Vec<_>>(), vec![ib]);
+        let _ = ia;
+        for x in &out {
+            c.abort(x.request).unwrap();
+        }
+        c.check().unwrap();
+    }
+}
