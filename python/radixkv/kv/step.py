@@ -253,18 +253,19 @@ class Step:
         if window is not None and self.max_kv_len <= window:
             window = None  # every key is in every query's window: plain causal attention
         self.check_current()
-        if windowed_pool:
-            return self._attend_window(layer, q, k, v, scale, window, softcap, sinks)
         if self._copy_events is not None:  # the tier's copies of this layer, on a side stream
             torch.cuda.current_stream(kv.device).wait_event(self._copy_events[layer])
         pool_k, pool_v = kv.k[layer], kv.v[layer]
+        slots = self.window_write_slots if windowed_pool else self.write_slots
         k, v = k.to(pool_k.dtype), v.to(pool_v.dtype)
-        pool_k.index_copy_(0, self.write_slots, k)
-        pool_v.index_copy_(0, self.write_slots, v)
+        pool_k.index_copy_(0, slots, k)
+        pool_v.index_copy_(0, slots, v)
         out_dtype = q.dtype
         q = q.to(pool_k.dtype)
         if scale is None:
             scale = 1.0 / math.sqrt(d)  # explicit: compiled backends specialise on it
+        if windowed_pool:
+            return self._attend_window(layer, q, k, v, scale, window, softcap, sinks).to(out_dtype)
         extras = window is not None or softcap is not None or sinks is not None
         if extras and not all(b.name == "sdpa" for b, _ in self._groups):
             # Only the SDPA backend takes windows, softcaps and sinks: the exact reference.
@@ -300,29 +301,20 @@ class Step:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        scale: float | None,
+        scale: float,
         window: int | None,
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A window layer: K/V written to the window pool, then the SDPA backend over the window
+        """A window layer, its K/V already in the window pool: the SDPA backend over the window
         page table (released pages read as page 0, which the window mask hides: they lie before
         every query's window). ``window`` is ``None`` when every key is in every window."""
-        kv = self.kv
-        pool_k, pool_v = kv.k[layer], kv.v[layer]
-        k, v = k.to(pool_k.dtype), v.to(pool_v.dtype)
-        pool_k.index_copy_(0, self.window_write_slots, k)
-        pool_v.index_copy_(0, self.window_write_slots, v)
-        out_dtype = q.dtype
-        q = q.to(pool_k.dtype)
-        if scale is None:
-            scale = 1.0 / math.sqrt(kv.head_dim)
         if self._window_groups is None:
             self._window_groups = self._make_groups(
                 *self._lens, self.window_block_table, sdpa_only=True
             )
         ((backend, g),) = self._window_groups
-        return backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks).to(out_dtype)
+        return backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks)
 
     def check_current(self) -> None:
         """Raises :class:`radixkv.StaleStepError`, naming this step and the request, unless every
