@@ -12,6 +12,8 @@ __all__ = [
     "COPY_OFFLOAD",
     "COPY_PERSIST",
     "COPY_SPILL",
+    "COPY_WINDOW_LOAD",
+    "COPY_WINDOW_OFFLOAD",
     "EVICTION_CLASSES",
     "BlockCache",
     "Cache",
@@ -50,6 +52,8 @@ COPY_OFFLOAD: int
 COPY_LOAD: int
 COPY_SPILL: int
 COPY_PERSIST: int
+COPY_WINDOW_OFFLOAD: int
+COPY_WINDOW_LOAD: int
 #: Eviction classes of cached pages: ``finish(..., priority=0 .. EVICTION_CLASSES - 1)``.
 EVICTION_CLASSES: int
 
@@ -128,6 +132,12 @@ class CacheStats:
     def window_cut_tokens(self) -> int: ...
     @property
     def window_evicted_pages(self) -> int: ...
+    @property
+    def window_host_used_pages(self) -> int: ...
+    @property
+    def window_offloaded_pages(self) -> int: ...
+    @property
+    def window_loaded_pages(self) -> int: ...
     def as_dict(self) -> dict[str, float]: ...
 
 @final
@@ -216,6 +226,9 @@ class Cache:
     def window_pages(self) -> int:
         """Pages of the window group's pool (0: none)."""
     @property
+    def window_host_pages(self) -> int:
+        """Pages of the window group's host tier (0: none)."""
+    @property
     def window_chunk(self) -> int | None:
         """With a window group: the most tokens to append to one request in one step."""
     def disk_prefetch(
@@ -250,7 +263,9 @@ class Cache:
 
     def drain_events(self) -> list[tuple[Any, ...]]:
         """The KV events recorded since the last call, in order: ``("stored", namespace,
-        parent, keys, tokens)``, ``("removed", keys)`` and ``("cleared",)``."""
+        parent, keys, tokens)``, ``("removed", keys)`` and ``("cleared",)``; with a window
+        group also ``("window_stored", namespace, parent, keys, tokens)`` and
+        ``("window_removed", keys)`` (window pages entering and leaving the group)."""
 
     def check(self) -> None: ...
     def _panic_for_test(self) -> None:
@@ -280,6 +295,7 @@ class RadixCache(Cache):
         *,
         window: int = 0,
         window_pages: int = 0,
+        window_host_pages: int | None = None,
     ) -> RadixCache: ...
 
 @final
@@ -295,6 +311,7 @@ class BlockCache(Cache):
         *,
         window: int = 0,
         window_pages: int = 0,
+        window_host_pages: int | None = None,
     ) -> BlockCache: ...
 
 @final

@@ -12,8 +12,9 @@ Wire format (as vLLM's ``ZmqEventPublisher``)::
     PUB frames:    [topic, seq (8 bytes, big-endian), msgpack(KVEventBatch)]
     KVEventBatch:  [ts, [event, ...], data_parallel_rank]
     BlockStored:   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                    lora_id, medium, lora_name(, extra_keys)]
-    BlockRemoved:  ["BlockRemoved", block_hashes, medium]
+                    lora_id, medium, lora_name(, extra_keys(, group_idx, kv_cache_spec_kind,
+                    kv_cache_spec_sliding_window))]
+    BlockRemoved:  ["BlockRemoved", block_hashes, medium(, group_idx)]
     AllBlocksCleared: ["AllBlocksCleared"]
     replay (ROUTER): request [b"", start_seq (8 bytes)] -> one [b"", seq, payload] per buffered
                      batch with seq >= start_seq, then [b"", seq = -1, b""]
@@ -30,6 +31,14 @@ value); ``block_hash="sha256_cbor"`` sends vLLM's default block hashes, computed
 each published chain (see ``docs/EVENTS.md``), so an indexer that hashes prompts the vLLM way
 finds radixkv's blocks. For a ``RadixCache`` a block is a ``page_size`` group of tokens along
 a published path.
+
+A cache with a sliding-window group (``window=``) publishes two KV cache groups, as vLLM's
+hybrid KV cache manager does: every event says its group (``group_idx`` 0, ``kv_cache_spec_kind
+"full_attention"``: the full pages; ``group_idx`` 1, ``"sliding_window"`` with
+``kv_cache_spec_sliding_window``: the window pages, under the same block hashes). A prefix is a
+hit where group 0 holds all its blocks and group 1 the blocks of its last window (see
+``docs/SEMANTICS.md``, "Sliding-window layers"); a router that reads group 0 only overestimates
+hits by the window cut. A cache without a window group sends no group fields, as before.
 """
 
 import threading
@@ -66,6 +75,11 @@ BLOCK_HASHES = ("blake3", "sha256_cbor")
 #: The name ``docs/DESIGN``'s contract gives ``block_hash="blake3"``: accepted as the same value.
 BLAKE3_ALIAS = "radixkv"
 
+#: The KV cache groups of a cache with a window group, as vLLM numbers and names them:
+#: ``(group_idx, kv_cache_spec_kind)`` of its full pages and of its window pages.
+FULL_GROUP = (0, "full_attention")
+WINDOW_GROUP = (1, "sliding_window")
+
 #: The replay socket's end-of-stream sequence number.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -99,10 +113,14 @@ def event_types(layout: str = "array") -> dict[str, type]:
         medium: str | None
         lora_name: str | None
         extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[bytes | int]
         medium: str | None
+        group_idx: int | None = None
 
     class AllBlocksCleared(KVCacheEvent):
         pass
@@ -253,10 +271,13 @@ class ZmqPublisher:
         self.cache, self.block_hash, self.medium = cache, block_hash, medium
         self.data_parallel_rank, self.int_hashes = data_parallel_rank, int_hashes
         self.page_size = cache.page_size
+        #: The cache's sliding window in tokens (0: no window group, no group fields sent).
+        self.window = int(getattr(cache, "window", 0) or 0)
         self._topic = topic.encode()
         self._none_hash = none_hash(hash_seed)
-        # radixkv key -> sha256_cbor hash of every block announced and not removed.
+        # radixkv key -> sha256_cbor hash of every block announced and not removed, per group.
         self._sha: dict[bytes, bytes] = {}
+        self._wsha: dict[bytes, bytes] = {}
         self._seq = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -291,58 +312,83 @@ class ZmqPublisher:
     def _ext(self, h: bytes) -> bytes | int:
         return int.from_bytes(h[-8:], "big") if self.int_hashes else h
 
+    def _group(self, window: bool) -> dict[str, Any]:
+        """The group fields of an event of the full or the window group (none without one)."""
+        if not self.window:
+            return {}
+        idx, kind = WINDOW_GROUP if window else FULL_GROUP
+        out: dict[str, Any] = {"group_idx": idx, "kv_cache_spec_kind": kind}
+        if window:
+            out["kv_cache_spec_sliding_window"] = self.window
+        return out
+
+    def _stored_event(self, ev: tuple, window: bool) -> Any:
+        """The ``BlockStored`` of a ``stored``/``window_stored`` event (None: a chain whose
+        vLLM hashes cannot be known, below a block announced before recording began)."""
+        _, ns, parent, keys, tokens = ev
+        tokens = [int(t) for t in tokens]
+        p = self.page_size
+        sha_of = self._wsha if window else self._sha
+        extra = None
+        if self.block_hash == "sha256_cbor":
+            # A block's hash depends on its prefix only: a parent known in either group serves.
+            prev = self._none_hash if parent is None else self._sha.get(parent)
+            if prev is None:
+                prev = self._wsha.get(parent)
+            if prev is None:
+                return None
+            parent_out: bytes | None = None if parent is None else prev
+            salt = ns if parent is None and ns else None
+            hashes = _sha256_cbor_chain(prev, tokens[: len(keys) * p], p, salt)
+            sha_of.update(zip(keys, hashes))
+        else:
+            parent_out, hashes = parent, list(keys)
+        if parent is None and ns:  # the namespace salts the first block (cache_salt)
+            try:
+                salt_key: str | bytes = ns.decode("utf-8")
+            except UnicodeDecodeError:
+                salt_key = ns
+            extra = [(salt_key,)] + [None] * (len(keys) - 1)
+        return self._stored(
+            block_hashes=[self._ext(h) for h in hashes],
+            parent_block_hash=None if parent_out is None else self._ext(parent_out),
+            token_ids=tokens,
+            block_size=p,
+            lora_id=None,
+            medium=self.medium,
+            lora_name=None,
+            extra_keys=extra,
+            **self._group(window),
+        )
+
     def _convert(self, raw: list[tuple]) -> list[Any]:
         out: list[Any] = []
         sha = self.block_hash == "sha256_cbor"
-        p = self.page_size
         for ev in raw:
             kind = ev[0]
-            if kind == "stored":
-                _, ns, parent, keys, tokens = ev
-                tokens = [int(t) for t in tokens]
-                extra = None
-                if sha and parent is not None and parent not in self._sha:
-                    continue  # below a block cached before recording began: no vLLM hash known
-                if sha:
-                    prev = self._none_hash if parent is None else self._sha[parent]
-                    parent_out: bytes | None = None if parent is None else prev
-                    salt = ns if parent is None and ns else None
-                    hashes = _sha256_cbor_chain(prev, tokens[: len(keys) * p], p, salt)
-                    self._sha.update(zip(keys, hashes))
-                else:
-                    parent_out, hashes = parent, list(keys)
-                if parent is None and ns:  # the namespace salts the first block (cache_salt)
-                    try:
-                        salt_key: str | bytes = ns.decode("utf-8")
-                    except UnicodeDecodeError:
-                        salt_key = ns
-                    extra = [(salt_key,)] + [None] * (len(keys) - 1)
-                out.append(
-                    self._stored(
-                        block_hashes=[self._ext(h) for h in hashes],
-                        parent_block_hash=None if parent_out is None else self._ext(parent_out),
-                        token_ids=tokens,
-                        block_size=p,
-                        lora_id=None,
-                        medium=self.medium,
-                        lora_name=None,
-                        extra_keys=extra,
-                    )
-                )
-            elif kind == "removed":
+            if kind in ("stored", "window_stored"):
+                stored = self._stored_event(ev, kind == "window_stored")
+                if stored is not None:
+                    out.append(stored)
+            elif kind in ("removed", "window_removed"):
+                window = kind == "window_removed"
                 keys = ev[1]
                 if sha:
-                    hashes = [self._sha.pop(k) for k in keys if k in self._sha]
+                    sha_of = self._wsha if window else self._sha
+                    hashes = [sha_of.pop(k) for k in keys if k in sha_of]
                 else:
                     hashes = list(keys)
                 if hashes:
+                    group = self._group(window)
+                    idx = {"group_idx": group["group_idx"]} if group else {}
                     out.append(
                         self._removed(
-                            block_hashes=[self._ext(h) for h in hashes], medium=self.medium
+                            block_hashes=[self._ext(h) for h in hashes], medium=self.medium, **idx
                         )
                     )
             elif kind == "cleared":
                 self._sha.clear()
+                self._wsha.clear()
                 out.append(self._cleared())
             else:  # pragma: no cover - the core records only these
                 raise ValueError(f"unknown cache event {kind!r}")

@@ -19,6 +19,7 @@ pub(crate) mod retention;
 pub(crate) mod stats;
 pub(crate) mod tier;
 mod window;
+mod window_host;
 
 use digest::StateDigest;
 use window::hold_from;
@@ -101,7 +102,8 @@ pub trait PrefixCache: Send {
     /// Drops every evictable page, of both tiers; returns how many.
     fn reset(&mut self) -> usize;
     /// The copies between the tiers decided since the last call, in the order to perform them;
-    /// the log is left empty. Always empty without a host tier.
+    /// the log is left empty. Always empty without a host tier. The window host tier's copies
+    /// (`WindowOffload`, `WindowLoad`) come after the full group's: they touch other pools.
     fn drain_copies(&mut self) -> Vec<PageCopy>;
     /// [`PrefixCache::drain_copies`] with the block key of each disk copy (`Spill`, `Persist`),
     /// in order: what an owner with a disk tier writes beside each page.
@@ -113,6 +115,12 @@ pub trait PrefixCache: Send {
     /// The window group's `(window, pages)`: tokens a window layer's query reads, and pages of
     /// its pool (`(0, 0)`: no window group).
     fn window(&self) -> (usize, usize);
+    /// Pages of the window group's host tier (0: none): where its cached pages go when its
+    /// pool needs room, copied with `WindowOffload`/`WindowLoad` between the window layers'
+    /// pools.
+    fn window_host_pages(&self) -> usize {
+        0
+    }
     /// With a window group: the most tokens to append to one request in one step (an
     /// admission's uncached part, a prefill chunk) so that it fits the window pool beside a
     /// hit's window (`(window_pages - ceil(window / P) - 2) * P`, at least one page); without
@@ -281,12 +289,15 @@ impl<I: Index> Cache<I> {
             fetches: Default::default(),
             next_fetch: 1,
             epoch: 0,
-            window: window::Window::new(0, 0, page_size).map_err(too_large)?,
+            window: window::Window::new(0, 0, page_size, 0).map_err(too_large)?,
         })
     }
 
     /// [`Cache::with_tiers`], and a window group of `window_pages` pages for layers with a
-    /// sliding window of `window` tokens where both are above 0 (see [`Cache::with_window`]).
+    /// sliding window of `window` tokens where both are above 0 (see [`Cache::with_window`]),
+    /// whose cached pages go to a window host tier of `window_host_pages` pages when the pool
+    /// needs room (0: none; it needs the full group's host tier). No disk tier with a window
+    /// group in this version.
     pub fn with_groups(
         num_pages: usize,
         page_size: usize,
@@ -294,17 +305,25 @@ impl<I: Index> Cache<I> {
         disk_pages: usize,
         window: usize,
         window_pages: usize,
+        window_host_pages: usize,
     ) -> Result<Self> {
         if window == 0 && window_pages == 0 {
+            if window_host_pages > 0 {
+                return Err(invalid(format!(
+                    "window_host_pages={window_host_pages} needs a window group: pass window= \
+                     and window_pages= as well"
+                )));
+            }
             return Self::with_tiers(num_pages, page_size, host_pages, disk_pages);
         }
-        if host_pages > 0 || disk_pages > 0 {
+        if disk_pages > 0 {
             return Err(invalid(format!(
-                "a window group (window={window}) with a host or disk tier (host_pages=\
-                 {host_pages}, disk_pages={disk_pages}) is not supported in this version"
+                "a window group (window={window}) with a disk tier (disk_pages={disk_pages}) is \
+                 not supported in this version: window pages do not reach the disk"
             )));
         }
-        Self::with_window(num_pages, page_size, window, window_pages)
+        let c = Self::with_tiers(num_pages, page_size, host_pages, 0)?;
+        Self::windowed(c, window, window_pages, window_host_pages)
     }
 
     /// The index, for the indexes' own unit tests.
@@ -328,8 +347,8 @@ impl<I: Index> Cache<I> {
         let needed = n.div_ceil(p) - matched / p;
         self.reserve(needed + host, found.evictable)?;
         if self.window.on() {
-            let pinned = self.window.evictable_among(&keys, matched / p);
-            self.window.reserve(needed, pinned)?;
+            let (pinned, loads) = self.window.hit_pages(&keys, matched / p);
+            self.window.reserve(needed + loads, pinned)?;
         }
         // Nothing below can fail.
         let mut pages = Vec::with_capacity(n.div_ceil(p));
@@ -347,7 +366,9 @@ impl<I: Index> Cache<I> {
         self.counters.record_query(n, matched);
         let mut win = request::WindowPages::default();
         if self.window.on() {
-            win = self.window.open(keys, matched / p, n.div_ceil(p));
+            win = self
+                .window
+                .open(keys, matched / p, n.div_ceil(p), self.index.events());
             if cut > 0 {
                 self.window.cut_hits += 1;
                 self.window.cut_tokens += (cut * p) as u64;
@@ -434,8 +455,9 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.counters.evicted_pages += self.index.allocate(needed, &mut r.pages) as u64;
         r.tokens.extend_from_slice(tokens);
         if self.window.on() {
-            self.window.grow(&mut r.win, r.pages.len());
-            Self::advance_window(&mut self.window, r, p);
+            let log = self.index.events();
+            self.window.grow(&mut r.win, r.pages.len(), log);
+            Self::advance_window(&mut self.window, r, p, log);
         }
         Ok(())
     }
@@ -446,7 +468,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         check_commit(num_computed, r.num_computed, r.tokens.len())?;
         r.num_computed = num_computed;
         self.index.publish(r, num_computed / p * p);
-        Self::advance_window(&mut self.window, r, p);
+        Self::advance_window(&mut self.window, r, p, self.index.events());
         Ok(())
     }
 
@@ -525,7 +547,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.index.tier_mut().disk.clear();
         let done = self.index.reset();
         self.counters.evicted_pages += done as u64;
-        self.window.reset();
+        self.window.reset(self.index.events());
         let done = done + (self.index.tier().dropped - host_before) as usize;
         // With no live request nothing is pinned: the index is empty now.
         if done > 0 && self.index.events().on && self.requests.is_empty() {
@@ -535,11 +557,15 @@ impl<I: Index> PrefixCache for Cache<I> {
     }
 
     fn drain_copies(&mut self) -> Vec<PageCopy> {
-        self.index.tier_mut().drain()
+        let mut copies = self.index.tier_mut().drain();
+        copies.extend(self.window.host.drain());
+        copies
     }
 
     fn drain_copies_keyed(&mut self) -> (Vec<PageCopy>, Vec<BlockHash>) {
-        self.index.tier_mut().drain_keyed()
+        let (mut copies, keys) = self.index.tier_mut().drain_keyed();
+        copies.extend(self.window.host.drain());
+        (copies, keys)
     }
 
     fn host_pages(&self) -> usize {
@@ -548,6 +574,10 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn disk_pages(&self) -> usize {
         self.index.tier().disk.pages
+    }
+
+    fn window_host_pages(&self) -> usize {
+        self.window.host.slots
     }
 
     fn window(&self) -> (usize, usize) {
@@ -711,6 +741,9 @@ impl<I: Index> PrefixCache for Cache<I> {
             window_cut_hits: self.window.cut_hits,
             window_cut_tokens: self.window.cut_tokens,
             window_evicted_pages: self.window.evicted,
+            window_host_used_pages: self.window.host.len(),
+            window_offloaded_pages: self.window.host.offloaded,
+            window_loaded_pages: self.window.host.loaded,
             retentions,
             forced_evictions,
             expired_retentions,

@@ -70,6 +70,12 @@ pub struct CacheStats {
     pub window_cut_tokens: u64,
     /// Cached window pages dropped so far (to make room, or by `reset`).
     pub window_evicted_pages: u64,
+    /// Window pages on the window host tier now.
+    pub window_host_used_pages: usize,
+    /// Window pages moved to the window host tier so far.
+    pub window_offloaded_pages: u64,
+    /// Window pages moved back from it so far (each for a hit).
+    pub window_loaded_pages: u64,
 }
 
 impl CacheStats {

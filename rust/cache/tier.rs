@@ -30,6 +30,11 @@ pub enum CopyKind {
     Spill = 2,
     /// Device page `src` to disk slot `dst`: a copy for `disk_persist`; the page stays.
     Persist = 3,
+    /// Window page `src` to window host page `dst` (the window layers' pools only; see
+    /// `cache/window_host.rs`): its KV leaves the window pool, its key stays in the group.
+    WindowOffload = 4,
+    /// Window host page `src` to window page `dst`: a hit is about to read it.
+    WindowLoad = 5,
 }
 
 /// One copy of a page's KV between the tiers; ids are per tier.

@@ -28,8 +28,10 @@ use crate::arena::links::{Links, ListId};
 use crate::cache::digest::StateDigest;
 use crate::cache::index::{Found, Index};
 use crate::cache::request::{Request, WindowPages, GONE};
+use crate::cache::window_host::WindowHost;
 use crate::cache::Cache;
 use crate::error::{corrupt, invalid, Result};
+use crate::wire::events::EventLog;
 use crate::wire::hash::{next_hash, root_hash, BlockHash, Namespace};
 use std::collections::HashMap;
 
@@ -59,11 +61,15 @@ pub struct Window {
     pub cut_tokens: u64,
     /// Cached window pages dropped so far (to make room, or by `reset`).
     pub evicted: u64,
+    /// Where cached pages go when the pool needs room, with a host tier (see
+    /// `cache/window_host.rs`).
+    pub host: WindowHost,
 }
 
 impl Window {
-    /// A group of `pages` pages for a window of `window` tokens (`pages == 0`: none).
-    pub fn new(window: usize, pages: usize, page_size: usize) -> Result<Self> {
+    /// A group of `pages` pages for a window of `window` tokens (`pages == 0`: none), with a
+    /// host tier of `host_pages` pages (0: none).
+    pub fn new(window: usize, pages: usize, page_size: usize, host_pages: usize) -> Result<Self> {
         let mut lists = Links::try_new(2, pages)?;
         for p in 0..pages as u32 {
             lists.push_back(FREE, PageId(p));
@@ -80,6 +86,7 @@ impl Window {
             cut_hits: 0,
             cut_tokens: 0,
             evicted: 0,
+            host: WindowHost::new(host_pages)?,
         })
     }
 
@@ -112,7 +119,7 @@ impl Window {
         'next: while k > 0 {
             let lo = self.first_needed(k * self.page_size);
             for j in (lo..k).rev() {
-                if !self.map.contains_key(&keys[j]) {
+                if !self.map.contains_key(&keys[j]) && !self.host.holds(&keys[j]) {
                     k = j; // pages past a missing one cannot end a hit
                     continue 'next;
                 }
@@ -122,14 +129,19 @@ impl Window {
         0
     }
 
-    /// Of the pages a hit of `k` pages pins (`first_needed(k * P)..k`), how many are evictable
-    /// now.
-    pub fn evictable_among(&self, keys: &[BlockHash], k: usize) -> usize {
+    /// Of the pages a hit of `k` pages holds (`first_needed(k * P)..k`), how many are evictable
+    /// now (in the pool, unheld) and how many must come back from the host tier (each needs a
+    /// page).
+    pub fn hit_pages(&self, keys: &[BlockHash], k: usize) -> (usize, usize) {
         let lo = self.first_needed(k * self.page_size).min(k);
-        keys[lo..k]
-            .iter()
-            .filter(|key| self.refs[self.map[*key] as usize] == 0)
-            .count()
+        let (mut evictable, mut host) = (0, 0);
+        for key in &keys[lo..k] {
+            match self.map.get(key) {
+                Some(&w) => evictable += (self.refs[w as usize] == 0) as usize,
+                None => host += 1,
+            }
+        }
+        (evictable, host)
     }
 
     /// Fails unless `needed` pages are free or evictable, not counting `pinned` evictable pages
@@ -144,24 +156,48 @@ impl Window {
 
     /// The window pages of a new request with a hit of `k` pages (`keys[..k]` cached) and
     /// `total` pages in all: the hit's window held, fresh pages for the rest.
-    pub fn open(&mut self, keys: Vec<BlockHash>, k: usize, total: usize) -> WindowPages {
+    pub fn open(
+        &mut self,
+        keys: Vec<BlockHash>,
+        k: usize,
+        total: usize,
+        log: &mut EventLog,
+    ) -> WindowPages {
         let lo = self.first_needed(k * self.page_size).min(k);
         let mut pages = vec![GONE; lo];
         pages.reserve(total - lo);
-        for key in &keys[lo..k] {
-            let w = self.map[key];
-            self.hold(w);
-            pages.push(w);
+        // The pool's pages first, so that taking pages for the host's ones evicts none of them;
+        // the host's slots pinned, so that offloads to make room drop none of them.
+        let mut loads = Vec::new();
+        for (j, key) in keys.iter().enumerate().take(k).skip(lo) {
+            match self.map.get(key) {
+                Some(&w) => {
+                    self.hold(w);
+                    pages.push(w);
+                }
+                None => {
+                    loads.push((j, self.host.pin(key)));
+                    pages.push(GONE);
+                }
+            }
+        }
+        for (j, h) in loads {
+            let w = self.take(log);
+            self.host.load(h, w);
+            self.map.insert(keys[j], w);
+            self.key[w as usize] = keys[j];
+            self.cached[w as usize] = true;
+            pages[j] = w;
         }
         let mut out = WindowPages { pages, lo, keys };
-        self.grow(&mut out, total);
+        self.grow(&mut out, total, log);
         out
     }
 
     /// Fresh pages for a request's pages up to `total` (the caller reserved them).
-    pub fn grow(&mut self, r: &mut WindowPages, total: usize) {
+    pub fn grow(&mut self, r: &mut WindowPages, total: usize, log: &mut EventLog) {
         while r.pages.len() < total {
-            let w = self.take();
+            let w = self.take(log);
             r.pages.push(w);
         }
     }
@@ -176,8 +212,11 @@ impl Window {
         namespace: &Namespace,
         published: usize,
         next: usize,
+        log: &mut EventLog,
     ) {
         let p = self.page_size;
+        // The run of pages entered, for one event: its first page and keys.
+        let (mut first, mut run) = (0, Vec::new());
         while r.keys.len() < published {
             let j = r.keys.len();
             let prev = match r.keys.last() {
@@ -187,11 +226,30 @@ impl Window {
             let key = next_hash(&prev, &tokens[j * p..(j + 1) * p]);
             r.keys.push(key);
             let w = r.pages[j];
-            if w != GONE && !self.map.contains_key(&key) {
+            if w != GONE && !self.map.contains_key(&key) && !self.host.holds(&key) {
                 self.map.insert(key, w);
                 self.key[w as usize] = key;
                 self.cached[w as usize] = true;
+                if log.on {
+                    if run.is_empty() {
+                        first = j;
+                    } else if first + run.len() != j {
+                        Self::stored(
+                            log,
+                            r,
+                            tokens,
+                            namespace,
+                            (first, p),
+                            std::mem::take(&mut run),
+                        );
+                        first = j;
+                    }
+                    run.push(key);
+                }
             }
+        }
+        if !run.is_empty() {
+            Self::stored(log, r, tokens, namespace, (first, p), run);
         }
         let lo = self.first_needed(next).min(r.pages.len());
         while r.lo < lo {
@@ -199,6 +257,21 @@ impl Window {
             self.unhold(w);
             r.lo += 1;
         }
+    }
+
+    /// Records that the window pages of `run` (pages `first..` of `r`, `p` tokens each) entered
+    /// the group.
+    fn stored(
+        log: &mut EventLog,
+        r: &WindowPages,
+        tokens: &[u32],
+        namespace: &Namespace,
+        (first, p): (usize, usize),
+        run: Vec<BlockHash>,
+    ) {
+        let parent = first.checked_sub(1).map(|i| r.keys[i]);
+        let tokens = tokens[first * p..(first + run.len()) * p].to_vec();
+        log.window_stored(namespace, parent, run, tokens);
     }
 
     /// Releases every page a closing request holds.
@@ -209,10 +282,10 @@ impl Window {
     }
 
     /// Drops every cached page no request holds; returns how many.
-    pub fn reset(&mut self) -> usize {
-        let mut n = 0;
+    pub fn reset(&mut self, log: &mut EventLog) -> usize {
+        let mut n = self.host.reset(log);
         while let Some(w) = self.lists.pop_front(LRU) {
-            self.uncache(w.0);
+            self.uncache(w.0, log);
             self.lists.push_back(FREE, w);
             n += 1;
         }
@@ -236,14 +309,26 @@ impl Window {
         }
     }
 
-    /// A page for new KV, held once: FREE's front, else the least recently released cached page.
-    fn take(&mut self) -> u32 {
+    /// A page for new KV, held once: FREE's front, else the least recently released cached page
+    /// (its KV offloaded first, with a host tier).
+    fn take(&mut self, log: &mut EventLog) -> u32 {
         let w = match self.lists.pop_front(FREE) {
             Some(w) => w.0,
             None => {
                 let w = self.lists.pop_front(LRU).expect("window pages reserved").0;
-                self.uncache(w);
-                self.evicted += 1;
+                if self.host.slots > 0 {
+                    let key = self.key[w as usize];
+                    self.map.remove(&key);
+                    self.cached[w as usize] = false;
+                    let (moved, dropped) = self.host.offload(w, key, log);
+                    if !moved && log.on {
+                        log.window_removed(key);
+                    }
+                    self.evicted += (!moved) as u64 + dropped as u64;
+                } else {
+                    self.uncache(w, log);
+                    self.evicted += 1;
+                }
                 w
             }
         };
@@ -251,11 +336,14 @@ impl Window {
         w
     }
 
-    fn uncache(&mut self, w: u32) {
+    fn uncache(&mut self, w: u32, log: &mut EventLog) {
         let i = w as usize;
         if self.cached[i] {
             self.map.remove(&self.key[i]);
             self.cached[i] = false;
+            if log.on {
+                log.window_removed(self.key[i]);
+            }
         }
     }
 
@@ -266,6 +354,7 @@ impl Window {
             + self.cached.capacity()
             + self.refs.capacity() * 4
             + self.lists.heap_bytes()
+            + self.host.heap_bytes()
     }
 
     /// The group's invariants against the live requests' window pages, recomputed from
@@ -355,7 +444,7 @@ impl Window {
         if self.map.len() != self.cached.iter().filter(|&&c| c).count() {
             return corrupt("the window map and the cached pages differ in number");
         }
-        Ok(())
+        self.host.check(|key| self.map.contains_key(key))
     }
 
     /// Feeds the group's state into `d`: sizes, the free list in order, the LRU list in order
@@ -382,6 +471,7 @@ impl Window {
                 }
             }
         }
+        self.host.digest(d);
     }
 }
 
@@ -391,15 +481,24 @@ impl<I: Index> Cache<I> {
     /// A cache whose sliding-window layers (each query reads the last `window` keys) keep their
     /// KV in a pool of their own, of `window_pages` pages: the full-attention pages are the
     /// index's as always; a window page is held only while a live request's next query reads
-    /// it (see `cache/window.rs` and SEMANTICS.md, "Sliding-window layers"). No host or disk
-    /// tier in this version.
+    /// it (see `cache/window.rs` and SEMANTICS.md, "Sliding-window layers").
     pub fn with_window(
         num_pages: usize,
         page_size: usize,
         window: usize,
         window_pages: usize,
     ) -> Result<Self> {
-        let mut c = Self::new(num_pages, page_size)?;
+        Self::windowed(Self::new(num_pages, page_size)?, window, window_pages, 0)
+    }
+
+    /// `c` given a window group of `window_pages` pages and a window host tier of `host_pages`.
+    pub(crate) fn windowed(
+        mut c: Self,
+        window: usize,
+        window_pages: usize,
+        host_pages: usize,
+    ) -> Result<Self> {
+        let page_size = c.index.page_size();
         if window == 0 || window_pages == 0 {
             return Err(invalid(format!(
                 "a window group needs window >= 1 (tokens) and window_pages >= 1, got \
@@ -416,9 +515,25 @@ impl<I: Index> Cache<I> {
                  got {window_pages}"
             )));
         }
-        c.window = Window::new(window, window_pages, page_size).map_err(|e| {
+        if host_pages > i32::MAX as usize
+            || host_pages
+                .checked_mul(page_size)
+                .map_or(true, |s| s > i64::MAX as usize)
+        {
+            return Err(invalid(format!(
+                "window_host_pages must be below 2**31 and window_host_pages * page_size fit in \
+                 int64, got {host_pages}"
+            )));
+        }
+        if host_pages > 0 && !c.index.tier().on() {
+            return Err(invalid(format!(
+                "window_host_pages={host_pages} needs a host tier: pass host_pages > 0 as well"
+            )));
+        }
+        c.window = Window::new(window, window_pages, page_size, host_pages).map_err(|e| {
             invalid(format!(
-                "window_pages={window_pages} is too large for this machine: {e}"
+                "window_pages={window_pages} with window_host_pages={host_pages} is too large for \
+                 this machine: {e}"
             ))
         })?;
         Ok(c)
@@ -450,7 +565,12 @@ impl<I: Index> Cache<I> {
 
     /// A request's window pages after a publish: entered under their keys, the pages its next
     /// query no longer reads released.
-    pub(crate) fn advance_window(window: &mut Window, r: &mut Request<I::Ext>, p: usize) {
+    pub(crate) fn advance_window(
+        window: &mut Window,
+        r: &mut Request<I::Ext>,
+        p: usize,
+        log: &mut EventLog,
+    ) {
         if window.on() {
             let Request {
                 win,
@@ -466,6 +586,7 @@ impl<I: Index> Cache<I> {
                 namespace,
                 *published / p,
                 hold_from(*num_computed, tokens.len(), p),
+                log,
             );
         }
     }
@@ -475,7 +596,8 @@ impl<I: Index> Cache<I> {
     pub(crate) fn close_window(&mut self, r: &mut Request<I::Ext>, publish: bool) {
         if self.window.on() {
             if publish {
-                Self::advance_window(&mut self.window, r, self.index.page_size());
+                let p = self.index.page_size();
+                Self::advance_window(&mut self.window, r, p, self.index.events());
             }
             self.window.close(&r.win);
         }

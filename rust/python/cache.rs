@@ -326,7 +326,10 @@ impl PyCache {
     /// as an int32 array ``[N, 3]`` of rows ``(kind, src, dst)``: kind ``COPY_OFFLOAD`` (0,
     /// device page ``src`` to host page ``dst``), ``COPY_LOAD`` (1, host page ``src`` to device
     /// page ``dst``), ``COPY_SPILL`` (2, host page ``src`` to disk slot ``dst``) or
-    /// ``COPY_PERSIST`` (3, device page ``src`` to disk slot ``dst``); ids per tier. Empties the log. Perform them in order before the next
+    /// ``COPY_PERSIST`` (3, device page ``src`` to disk slot ``dst``); with a window host tier
+    /// also ``COPY_WINDOW_OFFLOAD`` (4, window page ``src`` to window host page ``dst``) and
+    /// ``COPY_WINDOW_LOAD`` (5, window host page ``src`` to window page ``dst``), which touch the
+    /// window layers' pools only; ids per tier. Empties the log. Perform them in order before the next
     /// computation that reads or writes a page they name (``KVCache`` does it in ``plan``).
     ///
     /// With ``keys=True``, returns ``(rows, keys)``: ``keys`` holds the 32-byte block key of each
@@ -374,6 +377,15 @@ impl PyCache {
     #[getter]
     fn window_pages(slf: &Bound<'_, Self>) -> PyResult<usize> {
         slf.get().with(slf.py(), false, |c| Ok(c.window().1))
+    }
+
+    /// Pages of the window group's host tier (0: none): where cached window pages go when the
+    /// window pool needs room (``COPY_WINDOW_OFFLOAD``), and come back from for a hit
+    /// (``COPY_WINDOW_LOAD``).
+    #[getter]
+    fn window_host_pages(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        slf.get()
+            .with(slf.py(), false, |c| Ok(c.window_host_pages()))
     }
 
     /// With a window group, the most tokens to append to one request in one step (a prefill
@@ -499,12 +511,25 @@ impl PyCache {
     /// The KV events recorded since the last call, in order: ``("stored", namespace, parent,
     /// keys, tokens)`` (full pages entered the index: their radixkv block keys, the key before
     /// the first or None, their tokens as numpy uint32, the namespace as bytes or None),
-    /// ``("removed", keys)`` and ``("cleared",)`` (a reset left the index empty).
+    /// ``("removed", keys)`` and ``("cleared",)`` (a reset left the index empty, and the window
+    /// group). A cache with a window group also records ``("window_stored", namespace, parent,
+    /// keys, tokens)`` and ``("window_removed", keys)``: window pages entering and leaving the
+    /// window group, under the same block keys.
     fn drain_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let py = slf.py();
         let events = slf.get().with(py, false, |c| Ok(c.drain_events()))?;
         let keys = |hs: &[crate::wire::hash::BlockHash]| -> Vec<Bound<'py, PyBytes>> {
             hs.iter().map(|h| PyBytes::new(py, h)).collect()
+        };
+        let stored = |what: &'static str,
+                      ns: crate::wire::hash::Namespace,
+                      parent: Option<crate::wire::hash::BlockHash>,
+                      hashes: &[crate::wire::hash::BlockHash],
+                      tokens: Vec<u32>| {
+            let ns = ns.map(|n| PyBytes::new(py, &n));
+            let parent = parent.map(|h| PyBytes::new(py, &h));
+            let toks = PyArray1::from_vec(py, tokens);
+            (what, ns, parent, keys(hashes), toks).into_pyobject(py)
         };
         events
             .into_iter()
@@ -514,13 +539,17 @@ impl PyCache {
                     parent,
                     hashes,
                     tokens,
-                } => {
-                    let ns = namespace.map(|n| PyBytes::new(py, &n));
-                    let parent = parent.map(|h| PyBytes::new(py, &h));
-                    let toks = PyArray1::from_vec(py, tokens);
-                    ("stored", ns, parent, keys(&hashes), toks).into_pyobject(py)
-                }
+                } => stored("stored", namespace, parent, &hashes, tokens),
+                CacheEvent::WindowStored {
+                    namespace,
+                    parent,
+                    hashes,
+                    tokens,
+                } => stored("window_stored", namespace, parent, &hashes, tokens),
                 CacheEvent::Removed { hashes } => ("removed", keys(&hashes)).into_pyobject(py),
+                CacheEvent::WindowRemoved { hashes } => {
+                    ("window_removed", keys(&hashes)).into_pyobject(py)
+                }
                 CacheEvent::Cleared => ("cleared",).into_pyobject(py),
             })
             .collect()
@@ -631,6 +660,24 @@ fn opt_count(name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
     }
 }
 
+/// The window group's arguments checked: `(window, window_pages, window_host_pages)`, the last
+/// `None` where not given (it defaults to the cache's `host_pages`).
+fn window_args(
+    window: Option<&Bound<'_, PyAny>>,
+    window_pages: Option<&Bound<'_, PyAny>>,
+    window_host_pages: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(usize, usize, Option<usize>)> {
+    let host = match window_host_pages {
+        Some(v) if !v.is_none() => Some(convert::count("window_host_pages", v)?),
+        _ => None,
+    };
+    Ok((
+        opt_count("window", window)?,
+        opt_count("window_pages", window_pages)?,
+        host,
+    ))
+}
+
 /// The base of a new `RadixCache` or `BlockCache`: the pool arguments checked (`page_size`
 /// defaulting to `default_page`, `host_pages` to 0), then the core `make` builds.
 fn new_cache(
@@ -661,8 +708,8 @@ pub struct PyRadixCache;
 impl PyRadixCache {
     #[new]
     #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None),
-        text_signature = "(num_pages, page_size=1, host_pages=0, disk_pages=0, *, window=0, window_pages=0)"
+        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None),
+        text_signature = "(num_pages, page_size=1, host_pages=0, disk_pages=0, *, window=0, window_pages=0, window_host_pages=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -673,12 +720,10 @@ impl PyRadixCache {
         disk_pages: Option<&Bound<'_, PyAny>>,
         window: Option<&Bound<'_, PyAny>>,
         window_pages: Option<&Bound<'_, PyAny>>,
+        window_host_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let d = opt_count("disk_pages", disk_pages)?;
-        let (w, wp) = (
-            opt_count("window", window)?,
-            opt_count("window_pages", window_pages)?,
-        );
+        let (w, wp, wh) = window_args(window, window_pages, window_host_pages)?;
         let base = new_cache(
             py,
             num_pages,
@@ -686,7 +731,10 @@ impl PyRadixCache {
             host_pages,
             1,
             "RadixCache",
-            |n, p, h| Ok(Box::new(RadixCache::with_groups(n, p, h, d, w, wp)?)),
+            |n, p, h| {
+                let wh = wh.unwrap_or(if w > 0 || wp > 0 { h } else { 0 });
+                Ok(Box::new(RadixCache::with_groups(n, p, h, d, w, wp, wh)?))
+            },
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(PyRadixCache))
     }
@@ -701,8 +749,8 @@ pub struct PyBlockCache;
 impl PyBlockCache {
     #[new]
     #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None),
-        text_signature = "(num_pages, page_size=16, host_pages=0, disk_pages=0, *, window=0, window_pages=0)"
+        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None),
+        text_signature = "(num_pages, page_size=16, host_pages=0, disk_pages=0, *, window=0, window_pages=0, window_host_pages=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -713,12 +761,10 @@ impl PyBlockCache {
         disk_pages: Option<&Bound<'_, PyAny>>,
         window: Option<&Bound<'_, PyAny>>,
         window_pages: Option<&Bound<'_, PyAny>>,
+        window_host_pages: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let d = opt_count("disk_pages", disk_pages)?;
-        let (w, wp) = (
-            opt_count("window", window)?,
-            opt_count("window_pages", window_pages)?,
-        );
+        let (w, wp, wh) = window_args(window, window_pages, window_host_pages)?;
         let base = new_cache(
             py,
             num_pages,
@@ -726,7 +772,10 @@ impl PyBlockCache {
             host_pages,
             16,
             "BlockCache",
-            |n, p, h| Ok(Box::new(BlockCache::with_groups(n, p, h, d, w, wp)?)),
+            |n, p, h| {
+                let wh = wh.unwrap_or(if w > 0 || wp > 0 { h } else { 0 });
+                Ok(Box::new(BlockCache::with_groups(n, p, h, d, w, wp, wh)?))
+            },
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(PyBlockCache))
     }
@@ -1029,6 +1078,21 @@ impl PyCacheStats {
     fn window_evicted_pages(&self) -> u64 {
         self.0.window_evicted_pages
     }
+    /// Window pages on the window host tier now.
+    #[getter]
+    fn window_host_used_pages(&self) -> usize {
+        self.0.window_host_used_pages
+    }
+    /// Window pages moved to the window host tier so far.
+    #[getter]
+    fn window_offloaded_pages(&self) -> u64 {
+        self.0.window_offloaded_pages
+    }
+    /// Window pages moved back from the window host tier so far (each for a hit).
+    #[getter]
+    fn window_loaded_pages(&self) -> u64 {
+        self.0.window_loaded_pages
+    }
 
     /// The fields as a dict.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
@@ -1066,6 +1130,9 @@ impl PyCacheStats {
         d.set_item("window_cut_hits", s.window_cut_hits)?;
         d.set_item("window_cut_tokens", s.window_cut_tokens)?;
         d.set_item("window_evicted_pages", s.window_evicted_pages)?;
+        d.set_item("window_host_used_pages", s.window_host_used_pages)?;
+        d.set_item("window_offloaded_pages", s.window_offloaded_pages)?;
+        d.set_item("window_loaded_pages", s.window_loaded_pages)?;
         Ok(d)
     }
 
@@ -1093,8 +1160,8 @@ impl PyCacheStats {
                     s.disk_pages, s.disk_free_pages, s.disk_written_pages, s.disk_fetched_pages, s.disk_evicted_pages, s.disk_bad_pages)
             },
             if s.window_pages == 0 { String::new() } else {
-                format!(", window={}, window_pages={}, window_free_pages={}, window_evictable_pages={}, window_cut_hits={}, window_cut_tokens={}, window_evicted_pages={}",
-                    s.window, s.window_pages, s.window_free_pages, s.window_evictable_pages, s.window_cut_hits, s.window_cut_tokens, s.window_evicted_pages)
+                format!(", window={}, window_pages={}, window_free_pages={}, window_evictable_pages={}, window_cut_hits={}, window_cut_tokens={}, window_evicted_pages={}, window_host_used_pages={}, window_offloaded_pages={}, window_loaded_pages={}",
+                    s.window, s.window_pages, s.window_free_pages, s.window_evictable_pages, s.window_cut_hits, s.window_cut_tokens, s.window_evicted_pages, s.window_host_used_pages, s.window_offloaded_pages, s.window_loaded_pages)
             }
         )
     }
@@ -1200,6 +1267,14 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("COPY_LOAD", crate::cache::tier::CopyKind::Load as i32)?;
     m.add("COPY_SPILL", crate::cache::tier::CopyKind::Spill as i32)?;
     m.add("COPY_PERSIST", crate::cache::tier::CopyKind::Persist as i32)?;
+    m.add(
+        "COPY_WINDOW_OFFLOAD",
+        crate::cache::tier::CopyKind::WindowOffload as i32,
+    )?;
+    m.add(
+        "COPY_WINDOW_LOAD",
+        crate::cache::tier::CopyKind::WindowLoad as i32,
+    )?;
     m.add("EVICTION_CLASSES", crate::CLASSES)?;
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! What a cache records for routers, when asked to: blocks published and removed, and resets.
 //!
 //! A block is a full page named by its radixkv block key (`hash::block_hashes` of its whole
-//! prefix, in its namespace), the same for both indexes. Recording is off by default; off, each
+//! prefix, in its namespace), the same for both indexes. A cache with a sliding-window group
+//! records its window pages too, as events of their own ([`CacheEvent::WindowStored`],
+//! [`CacheEvent::WindowRemoved`]) under the same keys. Recording is off by default; off, each
 //! hook is one branch on [`EventLog::on`].
 
 use crate::wire::hash::Namespace;
@@ -26,8 +28,25 @@ pub enum CacheEvent {
         /// Their keys.
         hashes: Vec<BlockHash>,
     },
-    /// The index holds nothing any more (after `reset`).
+    /// The index holds nothing any more (after `reset`), nor the window group.
     Cleared,
+    /// Window pages of consecutive full pages of one prefix became findable in the window
+    /// group (see `cache/window.rs`): a hit ending at or past them may read them.
+    WindowStored {
+        /// Namespace of the prefix.
+        namespace: Namespace,
+        /// Key of the page before the first (`None`: the first page of a prompt).
+        parent: Option<BlockHash>,
+        /// Keys of the pages, in order.
+        hashes: Vec<BlockHash>,
+        /// Their tokens, `page_size` per key.
+        tokens: Vec<u32>,
+    },
+    /// Window pages left the window group (their full pages may still be cached).
+    WindowRemoved {
+        /// Their keys.
+        hashes: Vec<BlockHash>,
+    },
 }
 
 /// The recorded events of one index.
@@ -100,6 +119,35 @@ impl EventLog {
         }
     }
 
+    /// Records that the window pages of `hashes` (the pages of `tokens`, `parent` the key of
+    /// the page before) entered the window group.
+    pub fn window_stored(
+        &mut self,
+        namespace: &Namespace,
+        parent: Option<BlockHash>,
+        hashes: Vec<BlockHash>,
+        tokens: Vec<u32>,
+    ) {
+        if !hashes.is_empty() {
+            self.events.push(CacheEvent::WindowStored {
+                namespace: namespace.clone(),
+                parent,
+                hashes,
+                tokens,
+            });
+        }
+    }
+
+    /// Records that the window page of `hash` left the window group.
+    pub fn window_removed(&mut self, hash: BlockHash) {
+        if let Some(CacheEvent::WindowRemoved { hashes }) = self.events.last_mut() {
+            hashes.push(hash); // one event for a run of removals
+        } else {
+            self.events
+                .push(CacheEvent::WindowRemoved { hashes: vec![hash] });
+        }
+    }
+
     /// Number of events recorded and not drained.
     pub fn len(&self) -> usize {
         self.events.len()
@@ -134,6 +182,9 @@ mod tests {
                     }
                 }
                 CacheEvent::Cleared => set.clear(),
+                CacheEvent::WindowStored { .. } | CacheEvent::WindowRemoved { .. } => {
+                    panic!("a window event from a cache without a window group")
+                }
             }
         }
     }

@@ -202,6 +202,9 @@ class RefStats:
     window_cut_hits: int = 0
     window_cut_tokens: int = 0
     window_evicted_pages: int = 0
+    window_host_used_pages: int = 0
+    window_offloaded_pages: int = 0
+    window_loaded_pages: int = 0
 
     @property
     def hit_rate(self) -> float:

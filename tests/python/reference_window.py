@@ -7,14 +7,19 @@ Naive on purpose, rule by rule: window pages are found by the block key of their
 the window pages from ``(b + 1 - window) // P`` on, ``b`` its last computed page boundary within
 the match limit (``min(num_computed, num_tokens - 1)`` rounded down to a page), and each commit
 and extend releases the pages below (published ones stay cached, least recently released
-evicted first; the others are freed). It predicts every window page id and counter of the real
-caches.
+evicted first; the others are freed). With a host tier the window group has one of its own:
+a cached window page the pool gives up goes there (a free host page, else the least recently
+offloaded one, whose page is dropped), and a hit whose window has pages there takes a fresh
+window page for each and logs the load. It predicts every window page id, window copy and
+counter of the real caches.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any
+
+import numpy as np
 
 import radixkv
 from reference import (
@@ -28,6 +33,8 @@ from reference import (
 )
 
 GONE = -1  # what ``Request.window_pages`` shows for a released page
+WOFFLOAD = 4  # radixkv.COPY_WINDOW_OFFLOAD: window page src -> window host page dst
+WLOAD = 5  # radixkv.COPY_WINDOW_LOAD: window host page src -> window page dst
 
 
 class _WindowModel:
@@ -35,10 +42,30 @@ class _WindowModel:
 
     page_size: int
 
-    def __init__(self, num_pages: int, page_size: int, *, window: int, window_pages: int):
-        super().__init__(num_pages, page_size)  # type: ignore[call-arg]
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        host_pages: int = 0,
+        *,
+        window: int,
+        window_pages: int,
+        window_host_pages: int | None = None,
+    ):
+        super().__init__(num_pages, page_size, host_pages)  # type: ignore[call-arg]
         if window < 1 or window_pages < 1:
             raise ValueError(f"window={window} and window_pages={window_pages} must be >= 1")
+        whost = host_pages if window_host_pages is None else window_host_pages
+        if whost and not host_pages:
+            raise ValueError(f"window_host_pages={whost} needs a host tier")
+        self.window_host_pages = whost
+        self._hfree: list[int] = list(range(whost))  # front first
+        self._hlru: OrderedDict[int, None] = OrderedDict()  # least recently offloaded first
+        self._hmap: dict[bytes, int] = {}
+        self._hkey: dict[int, bytes] = {}
+        self._wcopies: list[tuple[int, int, int]] = []
+        self.window_offloaded_pages = 0
+        self.window_loaded_pages = 0
         self.window = window
         self.window_pages = window_pages
         self._wfree: list[int] = list(range(window_pages))  # front first
@@ -67,7 +94,8 @@ class _WindowModel:
     def _cut(self, keys: list[bytes], m: int) -> int:
         """The longest hit of at most ``m`` pages whose last window is cached."""
         for k in range(m, 0, -1):
-            if all(key in self._wmap for key in keys[self._first_needed(k * self.page_size) : k]):
+            lo = self._first_needed(k * self.page_size)
+            if all(key in self._wmap or key in self._hmap for key in keys[lo:k]):
                 return k
         return 0
 
@@ -85,10 +113,38 @@ class _WindowModel:
             w = self._wfree.pop(0)
         else:
             w, _ = self._wlru.popitem(last=False)
-            self._wmap.pop(self._wkey.pop(w))
-            self.window_evicted_pages += 1
+            key = self._wkey.pop(w)
+            self._wmap.pop(key)
+            if self.window_host_pages:
+                self._offload(w, key)
+            else:
+                self.window_evicted_pages += 1
         self._wrefs[w] = 1
         return w
+
+    def _offload(self, w: int, key: bytes) -> None:
+        """Window page ``w`` (of ``key``) to a host page: a free one, else the least recently
+        offloaded one (its page dropped); dropped itself when every host page is pinned."""
+        if self._hfree:
+            h = self._hfree.pop(0)
+        elif self._hlru:
+            h, _ = self._hlru.popitem(last=False)
+            self._hmap.pop(self._hkey.pop(h))
+            self.window_evicted_pages += 1
+        else:
+            self.window_evicted_pages += 1
+            return
+        self._hmap[key] = h
+        self._hkey[h] = key
+        self._hlru[h] = None
+        self._wcopies.append((WOFFLOAD, w, h))
+        self.window_offloaded_pages += 1
+
+    def drain_copies(self) -> Any:
+        full = super().drain_copies()  # type: ignore[misc]
+        window = np.array(self._wcopies, dtype=np.int32).reshape(-1, 3)
+        self._wcopies = []
+        return np.concatenate([full, window]).astype(np.int32)
 
     def _hold(self, w: int) -> None:
         if self._wrefs[w] == 0:
@@ -120,7 +176,7 @@ class _WindowModel:
             key = next_hash(prev, r._tokens[j * p : (j + 1) * p])
             r.wkeys.append(key)
             w = r._wpages[j]
-            if w != GONE and key not in self._wmap:
+            if w != GONE and key not in self._wmap and key not in self._hmap:
                 self._wmap[key] = w
                 self._wkey[w] = key
         b = min(r._num_computed, len(r._tokens) - 1) // p * p  # the last boundary a hit can end
@@ -138,14 +194,33 @@ class _WindowModel:
         keys, cut = self._last
         k = len(keys)
         lo = min(self._first_needed(k * p), k)
-        pinned = sum(1 for key in keys[lo:k] if self._wrefs[self._wmap[key]] == 0)
-        self._wreserve(ceil_div(len(toks), p) - k, pinned)
+        in_pool = [key for key in keys[lo:k] if key in self._wmap]
+        pinned = sum(1 for key in in_pool if self._wrefs[self._wmap[key]] == 0)
+        loads = k - lo - len(in_pool)
+        self._wreserve(ceil_div(len(toks), p) - k + loads, pinned)
         req = super()._admit(toks, namespace, ns)  # type: ignore[misc]
         assert req._num_cached == k * p
         pages = [GONE] * lo
-        for key in keys[lo:k]:
-            self._hold(self._wmap[key])
-            pages.append(self._wmap[key])
+        # The pool's pages held first, the host's pinned (out of the drop order), then loaded.
+        on_host = []
+        for j in range(lo, k):
+            if keys[j] in self._wmap:
+                self._hold(self._wmap[keys[j]])
+                pages.append(self._wmap[keys[j]])
+            else:
+                h = self._hmap[keys[j]]
+                del self._hlru[h]
+                on_host.append((j, h))
+                pages.append(GONE)
+        for j, h in on_host:
+            w = self._take()
+            del self._hmap[self._hkey.pop(h)]
+            self._hfree.append(h)
+            self._wcopies.append((WLOAD, h, w))
+            self.window_loaded_pages += 1
+            self._wmap[keys[j]] = w
+            self._wkey[w] = keys[j]
+            pages[j] = w
         while len(pages) < len(req._pages):
             pages.append(self._take())
         req._wpages, req.wlo, req.wkeys = pages, lo, list(keys)
@@ -181,6 +256,11 @@ class _WindowModel:
 
     def reset(self) -> int:
         done = super().reset()  # type: ignore[misc]
+        while self._hlru:
+            h, _ = self._hlru.popitem(last=False)
+            del self._hmap[self._hkey.pop(h)]
+            self._hfree.append(h)
+            self.window_evicted_pages += 1
         while self._wlru:
             w, _ = self._wlru.popitem(last=False)
             self._wmap.pop(self._wkey.pop(w))
@@ -198,6 +278,9 @@ class _WindowModel:
         s.window_cut_hits = self.window_cut_hits
         s.window_cut_tokens = self.window_cut_tokens
         s.window_evicted_pages = self.window_evicted_pages
+        s.window_host_used_pages = len(self._hmap)
+        s.window_offloaded_pages = self.window_offloaded_pages
+        s.window_loaded_pages = self.window_loaded_pages
         return s
 
     def check(self) -> None:
@@ -205,6 +288,12 @@ class _WindowModel:
         held = sum(1 for n in self._wrefs if n > 0)
         assert held + len(self._wfree) + len(self._wlru) == self.window_pages
         assert len(self._wmap) == len(self._wkey)
+        assert (
+            len(self._hfree) + len(self._hlru)
+            == self.window_host_pages
+            == (len(self._hfree) + len(self._hmap))
+        )
+        assert not set(self._hmap) & set(self._wmap)
 
 
 class RefWindowRadixCache(_WindowModel, RefRadixCache):

@@ -351,3 +351,100 @@ def test_one_name_for_radixkv_block_keys():
                 p.close()
     with pytest.raises(ValueError, match="'blake3' or 'sha256_cbor'"):
         ZmqPublisher(cache, "tcp://127.0.0.1:*", block_hash="md5")
+
+
+WINDOW_CACHES = [
+    pytest.param(lambda: radixkv.RadixCache(400, 1, window=8, window_pages=40), id="radix-p1"),
+    pytest.param(lambda: radixkv.RadixCache(120, 4, window=8, window_pages=14), id="radix-p4"),
+    pytest.param(lambda: radixkv.BlockCache(120, 4, window=8, window_pages=14), id="block-p4"),
+]
+
+
+def predicted_hit(full, window, tokens, p, w, algorithm):
+    """The hit a router computes from the two groups' blocks: the longest prefix whose blocks
+    group 0 holds and whose last window's blocks group 1 holds (tokens[:-1], whole pages)."""
+    limit = (len(tokens) - 1) // p * p
+    keys = radixkv.block_hashes(tokens[:limit], p, None, algorithm=algorithm)
+    m = 0
+    while m < len(keys) and keys[m] in full:
+        m += 1
+    for k in range(m, -1, -1):
+        lo = min(max(0, k * p + 1 - w) // p, k)
+        if all(h in window for h in keys[lo:k]):
+            return k * p
+    raise AssertionError("k = 0 always holds")
+
+
+@pytest.mark.parametrize("block_hash", ["blake3", "sha256_cbor"])
+@pytest.mark.parametrize("make_cache", WINDOW_CACHES)
+def test_window_group_events_let_a_router_predict_every_hit(make_cache, block_hash):
+    """Over the wire, a cache with a window group publishes two vLLM KV cache groups; a router
+    that keeps both predicts every hit the window rule allows, under eviction of window pages."""
+    cache = make_cache()
+    p, w = cache.page_size, cache.window
+    pub = ZmqPublisher(cache, "tcp://127.0.0.1:*", topic="kv", block_hash=block_hash)
+    sub, decoder = subscriber(pub.endpoint, "kv")
+    groups = {0: set(), 1: set()}
+    kinds = set()
+
+    def consume():
+        if not pub.publish():
+            return
+        for _, batch in receive_all(sub, decoder, pub._seq - 1):
+            for ev in batch.events:
+                name = type(ev).__name__
+                if name == "BlockStored":
+                    kinds.add(
+                        (ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
+                    )
+                    groups[ev.group_idx].update(ev.block_hashes)
+                elif name == "BlockRemoved":
+                    for h in ev.block_hashes:
+                        groups[ev.group_idx].remove(h)  # only what was stored is removed
+                else:
+                    groups[0].clear()
+                    groups[1].clear()
+
+    try:
+        slow_join(pub, sub, decoder)
+        consume()
+        rng = np.random.default_rng(3)
+        sessions = [[int(x) for x in rng.integers(0, 99, 10)] for _ in range(5)]
+        for turn in range(80):
+            s = int(rng.integers(0, len(sessions)))
+            t = list(sessions[s])
+            if turn % 9 == 4:
+                t = t[: len(t) // 2]  # a branch from inside the session
+            t += [int(x) for x in rng.integers(100, 200, int(rng.integers(1, 7)))]
+            if len(t) > 40:
+                t = [int(x) for x in rng.integers(0, 99, 10)]  # a new session
+            if turn % 4 == 0:
+                consume()
+                assert predicted_hit(groups[0], groups[1], t, p, w, block_hash) == (
+                    cache.match_prefix(t)
+                ), f"turn {turn}"
+            run(cache, t)
+            sessions[s] = t
+        consume()
+        assert cache.stats.window_evicted_pages > 0  # the window pool evicted
+        assert len(groups[1]) == cache.stats.window_evictable_pages
+        assert kinds == {(0, "full_attention", None), (1, "sliding_window", w)}
+        cache.reset()
+        consume()
+        assert not groups[0] and not groups[1]
+    finally:
+        pub.close()
+        sub.close(linger=0)
+    cache.check()
+
+
+def test_no_group_fields_without_a_window_group():
+    cache = radixkv.RadixCache(50, 4)
+    pub = ZmqPublisher(cache, "inproc://no-groups", topic="kv")
+    try:
+        run(cache, list(range(20)))
+        events = pub._convert(cache.drain_events())
+        assert events and all(ev.group_idx is None for ev in events)
+        assert b"full_attention" not in msgspec.msgpack.encode(events)
+    finally:
+        pub.close()

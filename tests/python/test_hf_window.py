@@ -130,6 +130,11 @@ CACHES = [
         lambda: radixkv.BlockCache(7, page_size=16, window=WINDOW, window_pages=6),
         id="block-p16-window",
     ),
+    # With both host tiers: evicted pages of either group go to host memory and come back.
+    pytest.param(
+        lambda: radixkv.RadixCache(100, 1, host_pages=80, window=WINDOW, window_pages=72),
+        id="radix-p1-window-host",
+    ),
 ]
 
 
@@ -158,7 +163,11 @@ def test_sessions_and_branches_longer_than_the_window_match_transformers(model, 
     eng.cache.check()
     s = eng.cache.stats
     assert s.evicted_pages > 0, "the pool never ran short: no eviction pressure"
-    if s.window_pages:
+    if eng.cache.window_host_pages:
+        # Pages of both groups went down to the host and came back for hits.
+        assert s.offloaded_pages > 0 and s.window_offloaded_pages > 0, s
+        assert s.loaded_pages > 0 and s.window_loaded_pages > 0, s
+    elif s.window_pages:
         # The window pool ran short too, and held less than the sessions' tokens.
         assert s.window_evicted_pages > 0 and s.window_cut_hits > 0, s
 

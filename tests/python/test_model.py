@@ -87,8 +87,9 @@ def make_machine(
     window: tuple[int, int] | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A state machine class for one cache kind and page size; ``host`` bounds ``host_pages``;
-    ``window`` (no host tier then) bounds the window of a window group, whose pool is drawn
-    from ``pool`` as well (reference_window.py is its model)."""
+    ``window`` bounds the window of a window group, whose pool is drawn from ``pool`` as well
+    and whose host tier (with ``host``) from ``host`` too (reference_window.py is its
+    model)."""
     real_cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
     ref_cls: Any = RefRadixCache if kind == "radix" else RefBlockCache
     if window is not None:
@@ -158,14 +159,23 @@ def make_machine(
             host_pages=st.integers(*host),
             win=st.integers(*(window or (0, 0))),
             window_pages=st.integers(*pool),
+            window_host=st.integers(*host),
         )
         def create(
-            self, num_pages: int, host_pages: int = 0, win: int = 0, window_pages: int = 0
+            self,
+            num_pages: int,
+            host_pages: int = 0,
+            win: int = 0,
+            window_pages: int = 0,
+            window_host: int = 0,
         ) -> None:
             if window is not None:
-                self.real = real_cls(num_pages, p, window=win, window_pages=window_pages)
-                self.ref = ref_cls(num_pages, p, window=win, window_pages=window_pages)
+                wh = window_host if host_pages else 0
+                args = dict(window=win, window_pages=window_pages, window_host_pages=wh)
+                self.real = real_cls(num_pages, p, host_pages, **args)
+                self.ref = ref_cls(num_pages, p, host_pages, **args)
                 assert (self.real.window, self.real.window_pages) == (win, window_pages)
+                assert self.real.window_host_pages == wh
                 return
             self.real = real_cls(num_pages, p, host_pages=host_pages)
             self.ref = ref_cls(num_pages, p, host_pages=host_pages)
@@ -454,3 +464,18 @@ TestRadixP1Window = window_case("radix", 1, 12, pool=(6, 40), window=(1, 10))
 TestRadixP4Window = window_case("radix", 4, 6, pool=(4, 24), window=(1, 14))
 TestBlockP4Window = window_case("block", 4, 6, pool=(4, 24), window=(1, 14))
 TestBlockP16Window = window_case("block", 16, 4, pool=(4, 16), window=(4, 40))
+
+
+# Both groups' host tiers: full pages and window pages go down and come back; every window copy,
+# its page ids and order, must be reference_window.py's.
+def window_host_case(kind: str, p: int, trunk_pages: int, pool: tuple, window: tuple, host: tuple):
+    case = make_machine(
+        kind, p, trunk_pages=trunk_pages, pool=pool, host=host, window=window
+    ).TestCase
+    case.settings = SETTINGS
+    return case
+
+
+TestRadixP1WindowHost = window_host_case("radix", 1, 12, (6, 40), (1, 10), (1, 24))
+TestRadixP4WindowHost = window_host_case("radix", 4, 6, (4, 24), (1, 14), (1, 12))
+TestBlockP4WindowHost = window_host_case("block", 4, 6, (4, 24), (1, 14), (1, 12))

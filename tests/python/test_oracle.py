@@ -59,6 +59,7 @@ def fingerprints(namespace: Any, tokens: list[int]) -> list[int]:
 
 
 OFFLOAD, LOAD = radixkv.COPY_OFFLOAD, radixkv.COPY_LOAD
+WOFFLOAD, WLOAD = radixkv.COPY_WINDOW_OFFLOAD, radixkv.COPY_WINDOW_LOAD
 POISON = -2  # what a page holds once its KV went to the other tier
 
 
@@ -72,10 +73,13 @@ class Oracle:
         self.kv = np.full(s.num_pages * s.page_size, -1, dtype=np.int64)
         self.host = np.full(s.host_pages * s.page_size, -1, dtype=np.int64)
         self.live: list[tuple[Any, list[int]]] = []
-        self.copies = {OFFLOAD: 0, LOAD: 0}
-        # With a window group, its pool too: a window layer's KV of each token.
+        self.copies = {OFFLOAD: 0, LOAD: 0, WOFFLOAD: 0, WLOAD: 0}
+        # With a window group, its pool too: a window layer's KV of each token (and its host
+        # tier's).
         self.window = s.window
         self.wkv = np.full(s.window_pages * s.page_size, -1, dtype=np.int64)
+        whost = getattr(cache, "window_host_pages", 0)  # a broken-on-purpose model has none
+        self.whost = np.full(whost * s.page_size, -1, dtype=np.int64)
 
     def window_slots(self, req: Any, start: int, end: int) -> np.ndarray:
         """Window-pool slots of tokens ``start..end`` of ``req``; each page must be held."""
@@ -100,14 +104,17 @@ class Oracle:
         log = self.cache.drain_copies()
         assert log.dtype == np.int32 and log.ndim == 2 and log.shape[1] == 3, log
         p = self.page_size
+        pools = {
+            OFFLOAD: (self.kv, self.host),
+            LOAD: (self.host, self.kv),
+            WOFFLOAD: (self.wkv, self.whost),
+            WLOAD: (self.whost, self.wkv),
+        }
         for kind, src, dst in log.tolist():
-            if kind == OFFLOAD:
-                self.host[dst * p : (dst + 1) * p] = self.kv[src * p : (src + 1) * p]
-                self.kv[src * p : (src + 1) * p] = POISON
-            else:
-                assert kind == LOAD, f"unknown copy kind {kind}"
-                self.kv[dst * p : (dst + 1) * p] = self.host[src * p : (src + 1) * p]
-                self.host[src * p : (src + 1) * p] = POISON
+            assert kind in pools, f"unknown copy kind {kind}"
+            a, b = pools[kind]
+            b[dst * p : (dst + 1) * p] = a[src * p : (src + 1) * p]
+            a[src * p : (src + 1) * p] = POISON
             self.copies[kind] += 1
 
     def fp(self, req: Any) -> list[int]:
@@ -237,6 +244,10 @@ def run_sessions(cache: Any, seed: int, steps: int = 300) -> dict:
     counts["offloads"] = oracle.copies[OFFLOAD]
     counts["loads"] = oracle.copies[LOAD]
     assert counts["offloads"] == s.offloaded_pages and counts["loads"] == s.loaded_pages, counts
+    counts["window_offloads"] = oracle.copies[WOFFLOAD]
+    counts["window_loads"] = oracle.copies[WLOAD]
+    assert counts["window_offloads"] == s.window_offloaded_pages, counts
+    assert counts["window_loads"] == s.window_loaded_pages, counts
     return counts
 
 
@@ -455,3 +466,53 @@ def test_window_kv_is_always_the_prefix_kv(kind, p, num_pages, window, window_pa
     assert counts["hits"] > 5, counts
     assert counts["out_of_pages"] > 0, counts
     assert s.window_evicted_pages > 0 or s.window_cut_hits > 0, s
+
+
+# (kind, page size, device pages, host pages, window, window pages, window host pages): both
+# groups' host tiers, from a page or two (dropped all the time) to several windows' worth.
+WINDOW_HOST_CONFIGS = [
+    ("radix", 1, 40, 30, 5, 16, 12),
+    ("radix", 1, 30, 60, 12, 40, 3),
+    ("radix", 4, 20, 16, 3, 8, 8),
+    ("radix", 4, 16, 24, 9, 30, 20),
+    ("block", 4, 20, 20, 6, 10, 6),
+    ("block", 16, 14, 10, 30, 14, 2),
+]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "kind,p,num_pages,host_pages,window,window_pages,window_host",
+    WINDOW_HOST_CONFIGS,
+    ids=[f"{k}-p{p}-h{h}-w{w}-{wp}-{wh}" for k, p, _, h, w, wp, wh in WINDOW_HOST_CONFIGS],
+)
+def test_window_kv_is_the_prefix_kv_from_either_tier(
+    kind, p, num_pages, host_pages, window, window_pages, window_host, seed
+):
+    """With both host tiers: performing the copy log (full pages and window pages, each to its
+    own pool) keeps every hit's window and every live request's exact."""
+    cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    cache = cls(
+        num_pages,
+        p,
+        host_pages=host_pages,
+        window=window,
+        window_pages=window_pages,
+        window_host_pages=window_host,
+    )
+    assert cache.window_host_pages == window_host
+    counts = run_sessions(cache, seed)
+    assert counts["hits"] > 5, counts
+    assert counts["window_offloads"] > 0, counts
+
+
+def test_window_host_loads_happen_and_the_default_follows_host_pages():
+    """Across the seeds window pages come back from the host for hits; window_host_pages
+    defaults to host_pages."""
+    loads = 0
+    for seed in range(4):
+        cache = radixkv.RadixCache(40, 1, host_pages=30, window=5, window_pages=16)
+        assert cache.window_host_pages == 30
+        loads += run_sessions(cache, seed)["window_loads"]
+    assert loads > 0
+    assert radixkv.RadixCache(40, 1, window=5, window_pages=16).window_host_pages == 0

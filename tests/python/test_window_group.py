@@ -20,20 +20,56 @@ H, HKV, D = 4, 2, 8
 LAYERS = 3  # layer 1 attends to the full context, layers 0 and 2 through the window
 
 
-def drive(p: int, window: int, window_pages: int, extras: dict, seed: int) -> dict:
-    """Random traffic on a window-group cache; every step's window layers checked against
-    ``attend_exact`` over a twin pool that keeps every token (fed the same K/V)."""
+def drive(
+    p: int,
+    window: int,
+    window_pages: int,
+    extras: dict,
+    seed: int,
+    host: int = 0,
+    window_host: int = 0,
+    tokens: int = 160,
+) -> dict:
+    """Random traffic on a window-group cache (with ``host`` > 0, both host tiers); every
+    step's window layers checked against ``attend_exact`` over a twin pool that keeps every
+    token (fed the same K/V, and the same copies of full pages between the tiers)."""
     rng = random.Random(seed)
-    cache = radixkv.RadixCache(160 // p, p, window=window, window_pages=window_pages)
-    kv = KVCache(cache, LAYERS, HKV, D, attention="sdpa", window_layers=[0, 2])
-    twin = KVCache(radixkv.RadixCache(160 // p, p), LAYERS, HKV, D, attention="sdpa")
+    tiers = {"host_pages": host, "window_host_pages": window_host} if host else {}
+    cache = radixkv.RadixCache(tokens // p, p, window=window, window_pages=window_pages, **tiers)
+    kv = KVCache(
+        cache,
+        LAYERS,
+        HKV,
+        D,
+        attention="sdpa",
+        window_layers=[0, 2],
+        host_device="cpu" if host else None,
+    )
+    twin = KVCache(radixkv.RadixCache(tokens // p, p), LAYERS, HKV, D, attention="sdpa")
     # The twin pool is indexed by the real cache's full slots: same pages, every token kept.
     twin.k = [torch.zeros(cache.num_pages * p, HKV, D) for _ in range(LAYERS)]
     twin.v = [torch.zeros(cache.num_pages * p, HKV, D) for _ in range(LAYERS)]
+    twin_host = [torch.zeros(host * p, 2, HKV, D) for _ in range(LAYERS)]
+
+    def copies() -> None:
+        """Performs the cache's copy log on the real pools, and its full copies on the twin."""
+        rows = cache.drain_copies()
+        kv.apply_copies(rows)
+        for kind, src, dst in rows.tolist():
+            a, b = src * p, dst * p
+            for layer in range(LAYERS):
+                if kind == radixkv.COPY_OFFLOAD:
+                    twin_host[layer][b : b + p, 0] = twin.k[layer][a : a + p]
+                    twin_host[layer][b : b + p, 1] = twin.v[layer][a : a + p]
+                elif kind == radixkv.COPY_LOAD:
+                    twin.k[layer][b : b + p] = twin_host[layer][a : a + p, 0]
+                    twin.v[layer][b : b + p] = twin_host[layer][a : a + p, 1]
+        counts["window_loads"] += int((rows[:, 0] == radixkv.COPY_WINDOW_LOAD).sum())
+
     g = torch.Generator().manual_seed(seed)
     live: list = []
     histories: list[list[int]] = [[7] * (3 * p)]
-    counts = {"steps": 0, "cut": 0, "out_of_pages": 0}
+    counts = {"steps": 0, "cut": 0, "out_of_pages": 0, "window_loads": 0}
 
     def admit(tokens: list[int]) -> None:
         try:
@@ -75,6 +111,7 @@ def drive(p: int, window: int, window_pages: int, extras: dict, seed: int) -> di
             reqs = [r for r in live if r.num_computed < r.num_tokens]
             if not reqs:
                 continue
+            copies()
             step = kv.plan(reqs)
             t = step.num_tokens
             for layer in range(LAYERS):
@@ -93,6 +130,7 @@ def drive(p: int, window: int, window_pages: int, extras: dict, seed: int) -> di
     s = cache.stats
     counts["cut"] = s.window_cut_hits
     counts["evicted"] = s.window_evicted_pages
+    counts["loaded"] = s.loaded_pages
     for r in list(live):
         cache.abort(r)
     cache.check()
@@ -133,6 +171,23 @@ def test_window_pool_attends_as_the_full_pool(p, window, window_pages, seed):
     assert counts["evicted"] > 0, counts
 
 
+@pytest.mark.parametrize(
+    "p,window,window_pages,host,window_host", [(1, 6, 30, 40, 20), (4, 5, 10, 12, 6)]
+)
+def test_window_pool_with_host_tiers_attends_as_the_full_pool(
+    p, window, window_pages, host, window_host
+):
+    """Full pages and window pages go down to their host tiers and come back for hits: the
+    window layers still attend as the full-pool twin does."""
+    total = {"window_loads": 0, "loaded": 0}
+    for seed in range(3):
+        counts = drive(p, window, window_pages, {}, seed, host, window_host, tokens=48)
+        assert counts["steps"] > 30, counts
+        for k in total:
+            total[k] += counts[k]
+    assert total["window_loads"] > 0 and total["loaded"] > 0, total
+
+
 def test_window_pool_with_softcap_and_sinks():
     sinks = torch.linspace(-1.0, 1.0, H)
     counts = drive(4, 9, 16, {"softcap": 5.0, "sinks": sinks}, seed=5)
@@ -142,8 +197,12 @@ def test_window_pool_with_softcap_and_sinks():
 def test_bad_window_group_arguments_are_named():
     with pytest.raises(ValueError, match="window_pages=0"):
         radixkv.RadixCache(16, window=4)
-    with pytest.raises(ValueError, match="host"):
-        radixkv.BlockCache(16, 4, host_pages=4, window=4, window_pages=4)
+    with pytest.raises(ValueError, match="with a disk tier"):
+        radixkv.BlockCache(16, 4, host_pages=4, disk_pages=4, window=4, window_pages=4)
+    with pytest.raises(ValueError, match="window_host_pages=2 needs a host tier"):
+        radixkv.BlockCache(16, 4, window=4, window_pages=4, window_host_pages=2)
+    with pytest.raises(ValueError, match="window_host_pages"):
+        radixkv.BlockCache(16, 4, host_pages=4, window=4, window_pages=4, window_host_pages=-1)
     with pytest.raises(TypeError, match="window"):
         radixkv.RadixCache(16, window="4", window_pages=4)
     cache = radixkv.RadixCache(16, window=4, window_pages=8)

@@ -161,6 +161,9 @@ impl Pools {
                 CopyKind::Load => self.dev[d] = self.host[s],
                 CopyKind::Spill => self.disk[d] = self.host[s],
                 CopyKind::Persist => self.disk[d] = self.dev[s],
+                CopyKind::WindowOffload | CopyKind::WindowLoad => {
+                    prop_assert!(false, "a window copy from a cache without a window group")
+                }
             }
         }
         Ok(())

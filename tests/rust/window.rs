@@ -1,7 +1,7 @@
 //! The sliding-window group of both caches: what a request holds, what a hit needs, what is
 //! released, and the invariants `check()` recomputes, at page sizes 1 and 4.
 
-use radixkv::{BlockCache, Error, PrefixCache, RadixCache, RequestId};
+use radixkv::{BlockCache, CacheEvent, Error, PrefixCache, RadixCache, RequestId};
 
 fn caches(p: usize, window: usize, wpages: usize, pages: usize) -> Vec<Box<dyn PrefixCache>> {
     vec![
@@ -164,11 +164,11 @@ fn bad_window_arguments_are_named() {
             .to_string();
         assert!(e.contains("window"), "{e}");
     }
-    let e = RadixCache::with_groups(16, 1, 8, 0, 4, 4)
+    let e = RadixCache::with_groups(16, 1, 8, 4, 4, 4, 0)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("host"), "{e}");
-    let c = RadixCache::with_groups(16, 1, 0, 0, 0, 0).unwrap();
+    assert!(e.contains("with a disk tier (disk_pages=4)"), "{e}");
+    let c = RadixCache::with_groups(16, 1, 0, 0, 0, 0, 0).unwrap();
     assert_eq!(c.window(), (0, 0));
 }
 
@@ -227,4 +227,190 @@ fn lpm_ranks_by_the_hit_the_window_allows() {
         }
         c.check().unwrap();
     }
+}
+
+/// What a router knows from the events alone: the full pages and the window pages cached.
+#[derive(Default)]
+struct RouterView {
+    full: std::collections::HashSet<radixkv::BlockHash>,
+    window: std::collections::HashSet<radixkv::BlockHash>,
+}
+
+impl RouterView {
+    fn apply(&mut self, events: Vec<CacheEvent>) {
+        for e in events {
+            match e {
+                CacheEvent::Stored { hashes, .. } => self.full.extend(hashes),
+                CacheEvent::WindowStored { hashes, .. } => {
+                    for h in hashes {
+                        assert!(self.window.insert(h), "a window page stored twice");
+                    }
+                }
+                CacheEvent::Removed { hashes } => {
+                    for h in hashes {
+                        assert!(self.full.remove(&h), "removed a full page never stored");
+                    }
+                }
+                CacheEvent::WindowRemoved { hashes } => {
+                    for h in hashes {
+                        assert!(self.window.remove(&h), "removed a window page never stored");
+                    }
+                }
+                CacheEvent::Cleared => {
+                    self.full.clear();
+                    self.window.clear();
+                }
+            }
+        }
+    }
+
+    /// The hit the window rule allows over the pages these events say are cached.
+    fn hit(&self, tokens: &[u32], p: usize, window: usize) -> usize {
+        let limit = (tokens.len() - 1) / p * p;
+        let keys = radixkv::block_hashes(&tokens[..limit], p, &None);
+        let m = keys.iter().take_while(|k| self.full.contains(*k)).count();
+        (0..=m)
+            .rev()
+            .find(|&k| {
+                let lo = ((k * p + 1).saturating_sub(window) / p).min(k);
+                keys[lo..k].iter().all(|h| self.window.contains(h))
+            })
+            .unwrap()
+            * p
+    }
+}
+
+#[test]
+fn events_tell_a_router_the_hit_the_window_allows() {
+    // Agent-like traffic (sessions growing turn by turn, branches, a shared prefix) on a window
+    // pool small enough to evict: a router that replays the events predicts every hit.
+    for p in [1usize, 4] {
+        let wp = if p == 1 { 48 } else { 14 };
+        let mut all = caches(p, 8, wp, 400);
+        // With a window host tier: moves record nothing, drops from the host record removals.
+        all.push(Box::new(
+            RadixCache::with_groups(400, p, 50, 0, 8, wp, 12 / p).unwrap(),
+        ));
+        all.push(Box::new(
+            BlockCache::with_groups(400, p, 50, 0, 8, wp, 12 / p).unwrap(),
+        ));
+        for (i, mut c) in all.into_iter().enumerate() {
+            c.record_events(true);
+            let mut view = RouterView::default();
+            let mut sessions: Vec<Vec<u32>> = (0..5).map(|s| toks(10 + s, s as u32)).collect();
+            let mut rng = 7u64;
+            for step in 0..120 {
+                rng = rng
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let s = (rng >> 33) as usize % sessions.len();
+                let mut t = sessions[s].clone();
+                if step % 9 == 4 {
+                    t.truncate(t.len() / 2); // a branch from inside the session
+                }
+                t.extend((0..(rng >> 40) as u32 % 6 + 1).map(|i| i + step * 31 + 5));
+                if t.len() > 40 {
+                    t = toks(10, step + 100); // the session ends, a new one starts
+                }
+                view.apply(c.drain_events());
+                assert_eq!(
+                    view.hit(&t, p, 8),
+                    c.match_prefix(&t, &None).unwrap(),
+                    "P={p} step {step}"
+                );
+                let r = c.admit(&t, None).unwrap();
+                c.commit(r, t.len()).unwrap();
+                c.finish(r).unwrap();
+                sessions[s] = t;
+                if step == 60 {
+                    c.evict(5);
+                }
+            }
+            view.apply(c.drain_events());
+            c.check().unwrap();
+            let s = c.stats();
+            assert_eq!(
+                view.window.len(),
+                s.window_evictable_pages + s.window_host_used_pages
+            );
+            assert!(s.window_evicted_pages > 0, "the pool never evicted");
+            assert_eq!(i >= 2, s.window_loaded_pages > 0, "{i}: {s:?}");
+            c.reset();
+            view.apply(c.drain_events());
+            assert!(view.full.is_empty() && view.window.is_empty());
+        }
+    }
+}
+
+#[test]
+fn a_paused_session_finds_its_window_on_the_host() {
+    // Session A pauses; five other sessions push its window pages out of the window pool. With
+    // a window host tier they went to the host and come back for A's next turn; without one the
+    // hit is cut to where A's window is still cached.
+    for p in [1usize, 4] {
+        let wpages = if p == 1 { 40 } else { 12 };
+        for host in [0usize, 160 / p] {
+            let make: [Box<dyn PrefixCache>; 2] = [
+                Box::new(RadixCache::with_groups(400, p, 64, 0, 8, wpages, host).unwrap()),
+                Box::new(BlockCache::with_groups(400, p, 64, 0, 8, wpages, host).unwrap()),
+            ];
+            for mut c in make {
+                let a = toks(30, 1);
+                let r = c.admit(&a, None).unwrap();
+                c.commit(r, 30).unwrap();
+                c.finish(r).unwrap();
+                for s in 2..7 {
+                    let t = toks(30, s);
+                    let r = c.admit(&t, None).unwrap();
+                    c.commit(r, 30).unwrap();
+                    c.finish(r).unwrap();
+                }
+                c.check().unwrap();
+                let stats = c.stats();
+                assert_eq!(stats.window_host_used_pages > 0, host > 0);
+                let mut next = a.clone();
+                next.extend([5, 6, 7]);
+                let want = 30 / p * p; // all of A that was published (whole pages)
+                let hit = c.match_prefix(&next, &None).unwrap();
+                if host == 0 {
+                    assert!(hit < want, "P={p}: a window gone from the pool still hit");
+                    continue;
+                }
+                assert_eq!(hit, want, "P={p}: the window on the host was not found");
+                c.drain_copies();
+                let r = c.admit(&next, None).unwrap();
+                assert_eq!(c.request(r).unwrap().num_cached, want);
+                let loads: Vec<_> = c
+                    .drain_copies()
+                    .into_iter()
+                    .filter(|x| x.kind == radixkv::CopyKind::WindowLoad)
+                    .collect();
+                let held: Vec<u32> = c.request(r).unwrap().window_pages.to_vec();
+                // One load per page of the hit's window, each into a page the request holds.
+                let lo = (want + 1).saturating_sub(8) / p;
+                assert_eq!(loads.len(), want / p - lo, "P={p}");
+                for x in &loads {
+                    assert!(held.contains(&x.dst) && (x.src as usize) < host);
+                }
+                assert_eq!(c.stats().window_loaded_pages, loads.len() as u64);
+                c.check().unwrap();
+                c.finish(r).unwrap();
+                c.check().unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn window_host_arguments_are_checked() {
+    let e = RadixCache::with_groups(16, 1, 0, 0, 4, 8, 4)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("window_host_pages=4 needs a host tier"), "{e}");
+    let e = RadixCache::with_groups(16, 1, 8, 0, 0, 0, 4)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs a window group"), "{e}");
+    let c = BlockCache::with_groups(16, 4, 8, 0, 4, 8, 4).unwrap();
+    assert_eq!(c.window_host_pages(), 4);
 }

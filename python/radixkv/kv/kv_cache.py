@@ -19,6 +19,10 @@ every :meth:`KVCache.plan`):
   load(h, d):     k[l][d*P:(d+1)*P]      <- host_k[l][h*P:(h+1)*P]
 ```
 
+With a window group (``window_layers``) the full copies touch the full layers only, and the
+window group's own host tier logs ``window_offload``/``window_load`` rows, performed the same way
+on the window layers' pools.
+
 On CUDA the copies run on a side stream that waits for the compute queued before them; one
 event per layer marks that layer's copies done, and ``Step.attention(layer, ...)`` waits for it
 before it touches the pool, so the attention of layer ``l`` overlaps the copies of later layers.
@@ -51,6 +55,8 @@ COPY_OFFLOAD = radixkv.COPY_OFFLOAD
 COPY_LOAD = radixkv.COPY_LOAD
 COPY_SPILL = radixkv.COPY_SPILL
 COPY_PERSIST = radixkv.COPY_PERSIST
+COPY_WINDOW_OFFLOAD = radixkv.COPY_WINDOW_OFFLOAD
+COPY_WINDOW_LOAD = radixkv.COPY_WINDOW_LOAD
 
 #: One run of copies: ``(kind, segments)``, each segment ``(src_page, dst_page, num_pages)``
 #: copying ``num_pages`` consecutive pages. The segments of a run are independent of each other
@@ -72,17 +78,38 @@ def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _log_error(i: int, row: Any, num_pages: int, host_pages: int, why: str = "") -> ValueError:
+def _limits(
+    num_pages: int, host_pages: int, window_pages: int = 0, window_host_pages: int = 0
+) -> dict[int, tuple[int, int]]:
+    """``kind -> (source pages, destination pages)`` of the copy kinds a pool of these tiers
+    performs (the window kinds only with a window host tier)."""
+    out = {COPY_OFFLOAD: (num_pages, host_pages), COPY_LOAD: (host_pages, num_pages)}
+    if window_host_pages:
+        out[COPY_WINDOW_OFFLOAD] = (window_pages, window_host_pages)
+        out[COPY_WINDOW_LOAD] = (window_host_pages, window_pages)
+    return out
+
+
+def _log_error(i: int, row: Any, limits: dict[int, tuple[int, int]], why: str = "") -> ValueError:
     """The error for row ``i`` of a copy log (``why``: what is wrong besides the ranges)."""
+    num_pages, host_pages = limits[COPY_OFFLOAD]
+    more = ""
+    if COPY_WINDOW_OFFLOAD in limits:
+        wp, wh = limits[COPY_WINDOW_OFFLOAD]
+        more = (
+            f", kind {COPY_WINDOW_OFFLOAD} = window page < {wp} -> window host page < {wh}, "
+            f"kind {COPY_WINDOW_LOAD} = the other way"
+        )
     return ValueError(
         f"log row {i} = {list(row)} is not a copy ({why}kind {COPY_OFFLOAD} = offload "
         f"device page < {num_pages} -> host page < {host_pages}, kind {COPY_LOAD} = load "
-        "host page -> device page)"
+        f"host page -> device page{more})"
     )
 
 
-def _check_log(log: Any, num_pages: int, host_pages: int) -> np.ndarray:
-    """``log`` as checked int64 rows ``[N, 3]`` (see :func:`copy_runs` for what is refused)."""
+def _check_log(log: Any, limits: dict[int, tuple[int, int]]) -> np.ndarray:
+    """``log`` as checked int64 rows ``[N, 3]`` (see :func:`copy_runs` for what is refused);
+    ``limits`` as :func:`_limits` gives them."""
     try:
         rows = np.asarray(log)
         if rows.dtype.kind not in "iu" and not isinstance(log, np.ndarray):
@@ -102,29 +129,38 @@ def _check_log(log: Any, num_pages: int, host_pages: int) -> np.ndarray:
             too_big = np.asarray(rows > np.iinfo(np.int64).max).any(axis=1, keepdims=True)
             wide = np.where(too_big, -1, wide)
         kind, src, dst = wide[:, 0], wide[:, 1], wide[:, 2]
-        offload = kind == COPY_OFFLOAD
-        src_limit = np.where(offload, num_pages, host_pages)
-        dst_limit = np.where(offload, host_pages, num_pages)
-        bad = ~(offload | (kind == COPY_LOAD)) | (src < 0) | (src >= src_limit)
-        bad |= (dst < 0) | (dst >= dst_limit)
+        known = np.zeros(len(wide), dtype=bool)
+        src_limit = np.zeros(len(wide), dtype=np.int64)
+        dst_limit = np.zeros(len(wide), dtype=np.int64)
+        for k, (ls, ld) in limits.items():
+            this = kind == k
+            known |= this
+            src_limit[this], dst_limit[this] = ls, ld
+        bad = ~known | (src < 0) | (src >= src_limit) | (dst < 0) | (dst >= dst_limit)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise _log_error(i, rows[i].tolist(), num_pages, host_pages)
+            raise _log_error(i, rows[i].tolist(), limits)
         return wide
     # Not an integer array: only an object array of Python/numpy ints passes, row by row.
     for i, row in enumerate(rows.tolist()):
         for x in row:
             if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
                 why = f"its values must be integers, got {x!r} ({type(x).__name__}); "
-                raise _log_error(i, row, num_pages, host_pages, why)
+                raise _log_error(i, row, limits, why)
         k, s, d = (int(x) for x in row)
-        lim_s, lim_d = (num_pages, host_pages) if k == COPY_OFFLOAD else (host_pages, num_pages)
-        if k not in (COPY_OFFLOAD, COPY_LOAD) or not (0 <= s < lim_s and 0 <= d < lim_d):
-            raise _log_error(i, [k, s, d], num_pages, host_pages)
+        lim_s, lim_d = limits.get(k, (0, 0))
+        if not (0 <= s < lim_s and 0 <= d < lim_d):
+            raise _log_error(i, [k, s, d], limits)
     return rows.astype(np.int64)
 
 
-def copy_runs(log: np.ndarray, num_pages: int, host_pages: int) -> list[CopyRun]:
+def copy_runs(
+    log: np.ndarray,
+    num_pages: int,
+    host_pages: int,
+    window_pages: int = 0,
+    window_host_pages: int = 0,
+) -> list[CopyRun]:
     """The copies of ``log`` (rows ``(kind, src, dst)`` as ``cache.drain_copies()`` returns
     them) grouped for performing: consecutive rows of one kind form a run, and a run ends early
     where a destination page it already wrote comes again (that second write must follow the
@@ -135,11 +171,12 @@ def copy_runs(log: np.ndarray, num_pages: int, host_pages: int) -> list[CopyRun]
 
     ``ValueError`` for a ``log`` not shaped ``[N, 3]`` (an empty sequence is an empty log), and
     naming the row for one that is not integers (floats are refused, not truncated), a kind
-    other than ``COPY_OFFLOAD``/``COPY_LOAD``, or a page id outside its tier (device ids
-    ``0..num_pages``, host ids ``0..host_pages``; however large): checked before anything is
-    grouped.
+    other than ``COPY_OFFLOAD``/``COPY_LOAD`` (and, with ``window_host_pages``,
+    ``COPY_WINDOW_OFFLOAD``/``COPY_WINDOW_LOAD`` between the ``window_pages`` window pages and
+    the window host pages), or a page id outside its tier (device ids ``0..num_pages``, host
+    ids ``0..host_pages``; however large): checked before anything is grouped.
     """
-    rows = _check_log(log, num_pages, host_pages)
+    rows = _check_log(log, _limits(num_pages, host_pages, window_pages, window_host_pages))
     if len(rows) == 0:
         return []
     runs: list[tuple[int, list[list[int]]]] = []
@@ -260,7 +297,10 @@ class KVCache:
     ``W`` keys (or fewer); their pools are ``[N * page_size, num_kv_heads, head_dim]``, indexed by
     each request's ``window_pages``, and ``Step.attention`` of such a layer must pass
     ``window=`` (at most ``W``). The other layers' pools are the full ones. Without a window group
-    ``window_layers`` must be empty.
+    ``window_layers`` must be empty. With a host tier as well, a window layer's host pools have
+    ``cache.window_host_pages * page_size`` rows, and the copies of the window group
+    (``COPY_WINDOW_OFFLOAD``, ``COPY_WINDOW_LOAD``) are performed on the window layers' pools
+    only, those of the full group on the other layers' only.
 
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.
@@ -323,12 +363,19 @@ class KVCache:
         self._runs: list[CopyRun] = []  # drained copies not yet performed (after an error)
         self._run_start = [0] * self.num_layers  # per layer: the first run not yet performed
         self._pending_rows = 0
+        #: Pages of the window group's host tier (0: none); window layers' host pools have
+        #: ``window_host_pages * page_size`` rows.
+        self.window_host_pages = cache.window_host_pages
+        #: The tiers' sizes, as :func:`copy_runs` takes them.
+        self._tiers = (self.num_pages, host_pages, cache.window_pages, self.window_host_pages)
         if host is not None:
             hshape = (self.num_host_slots, self.num_kv_heads, self.head_dim)
+            whshape = (self.window_host_pages * self.page_size, self.num_kv_heads, self.head_dim)
             pin = self.device.type == "cuda" and host.type == "cpu"
-            for _ in range(self.num_layers):
+            for layer in range(self.num_layers):
+                rows = whshape if layer in self.window_layers else hshape
                 for pools in (self.host_k, self.host_v):
-                    pools.append(torch.zeros(hshape, dtype=dtype, device=host, pin_memory=pin))
+                    pools.append(torch.zeros(rows, dtype=dtype, device=host, pin_memory=pin))
             if self.device.type == "cuda":
                 self._copy_stream = torch.cuda.Stream(device=self.device)
         self._non_blocking = self.device.type == "cuda"
@@ -537,12 +584,12 @@ class KVCache:
         if log is None:
             log = self.cache.drain_copies()
             if len(log):
-                self._runs.extend(copy_runs(log, self.num_pages, self.host_pages))
+                self._runs.extend(copy_runs(log, *self._tiers))
                 self._pending_rows += len(log)
         else:  # the caller's rows: checked whatever they are, an empty log included
-            rows = _check_log(log, self.num_pages, self.host_pages)
+            rows = _check_log(log, _limits(*self._tiers))
             if len(rows):
-                self._runs.extend(copy_runs(rows, self.num_pages, self.host_pages))
+                self._runs.extend(copy_runs(rows, *self._tiers))
                 self._pending_rows += len(rows)
         events = None
         done = 0
@@ -624,12 +671,21 @@ class KVCache:
         for layer in range(self.num_layers):
             dev_k, dev_v = self.k[layer], self.v[layer]
             host_k, host_v = self.host_k[layer], self.host_v[layer]
+            # A window layer's pools take the window group's copies only, the others the rest.
+            down, up = (
+                (COPY_WINDOW_OFFLOAD, COPY_WINDOW_LOAD)
+                if layer in self.window_layers
+                else (COPY_OFFLOAD, COPY_LOAD)
+            )
             for i in range(self._run_start[layer], len(runs)):
                 kind, segments = runs[i]
-                if kind == COPY_OFFLOAD:
+                if kind == down:
                     src_k, src_v, dst_k, dst_v = dev_k, dev_v, host_k, host_v
-                else:
+                elif kind == up:
                     src_k, src_v, dst_k, dst_v = host_k, host_v, dev_k, dev_v
+                else:
+                    self._run_start[layer] = i + 1
+                    continue
                 for src, dst, pages in segments:
                     a, b, m = src * ps, dst * ps, pages * ps
                     dst_k[b : b + m].copy_(src_k[a : a + m], non_blocking=nb)
