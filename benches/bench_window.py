@@ -153,6 +153,25 @@ def section_agent(quick: bool) -> None:
             s = c.stats
             name = f"window {window}, window pool 1/{frac}"
             print(f"{name:34}{s.hit_rate:>9.2%}{s.hit_rate / base:>9.3f}{s.window_cut_hits:>10}")
+        # The smallest pool again, with a window host tier: the windows it pushes out go to
+        # host memory, and a session's next turn loads its last window back.
+        for hfrac in (8, 2):
+            c = radixkv.RadixCache(
+                pool,
+                PAGE,
+                host_pages=pool // hfrac,
+                window=window,
+                window_pages=pool // 8,
+                window_host_pages=pool // hfrac,
+            )
+            run_agent(c, trace)
+            c.check()
+            s = c.stats
+            name = f"  1/8 + window host tier 1/{hfrac}"
+            print(
+                f"{name:34}{s.hit_rate:>9.2%}{s.hit_rate / base:>9.3f}{s.window_cut_hits:>10}"
+                f"   {s.window_loaded_pages} window pages loaded"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -151,6 +151,8 @@ def run_agent(cache: Any, trace: list, disabled: bool = False) -> None:
         cache.extend(req, output)
         cache.commit(req, n + len(output))
         cache.finish(req)
+        if cache.host_pages:
+            cache.drain_copies()  # no tensors here: the log only grows
 
 
 def publish(cache: Any, tokens: np.ndarray) -> None:

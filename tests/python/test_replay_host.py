@@ -267,3 +267,47 @@ def test_cli_bad_host_flags_exit_2(argv, needles, capsys):
 def test_copy_kinds_are_the_documented_constants():
     # The replay tells loads from offloads by these; the log's rows are (kind, src, dst).
     assert (radixkv.COPY_OFFLOAD, radixkv.COPY_LOAD) == (0, 1)
+
+
+# --- a window group with its host tier ----------------------------------------------------
+
+
+def window_config(window_host: int) -> ReplayConfig:
+    """``small_config``'s timing, a roomy full pool, and a window pool of 6 pages (two chunks'
+    worth for an 8-token window) that B's prompt pushes A's window out of."""
+    cfg = small_config(host_pages=20)
+    cfg.num_pages, cfg.window, cfg.window_pages = 40, 8, 6
+    cfg.window_host_pages = window_host
+    return cfg
+
+
+def test_a_window_pushed_out_comes_back_from_the_window_host_tier():
+    reqs = three_requests()
+    res, cache = replay_watched(reqs, window_config(window_host=10))
+    # A again: every full page is on the device (40 pages), and its last window (pages 7-8 of
+    # the 9 it can hit) came back from the window host tier.
+    assert res.cached_tokens == 36, res
+    stats = cache.stats
+    assert stats.window_loaded_pages == 2 and stats.window_offloaded_pages > 0
+    assert stats.window_cut_hits == 0
+    # The loads were costed (as whole pages); nothing went to disk.
+    assert res.load_seconds == pytest.approx(2 * small_config(20).page_load_seconds)
+    assert res.disk_written_pages == 0 and res.loaded_pages == 0
+    cache.check()
+    # Without the window host tier the window is gone: the hit is cut, and the cut counted.
+    flat, flat_cache = replay_watched(reqs, window_config(window_host=0))
+    assert flat.cached_tokens < 36 and flat_cache.stats.window_cut_hits == 1
+    assert flat.load_seconds == 0.0
+
+
+def test_cli_window_host_pages(capsys):
+    common = [str(TRACE), "--limit", "200", "--num-pages", "8192", "--no-chart"]
+    args = [*common, "--window", "1024", "--window-pages", "512", "--host-pages", "4096"]
+    rc, out, _ = run([*args, "--window-host-pages", "0"], capsys)
+    assert rc == 0, out
+    rc, out_host, _ = run([*args, "--window-host-pages", "4096"], capsys)
+    assert rc == 0, out_host
+    rc, out_default, _ = run(args, capsys)
+    assert out_default == out_host  # the default is --host-pages
+    lpm = lambda text: pct(next(ln.split()[1] for ln in text.splitlines() if ln[:4] == "lpm "))  # noqa: E731
+    assert lpm(out_host) > lpm(out)

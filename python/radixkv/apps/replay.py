@@ -126,12 +126,17 @@ class ReplayConfig:
     #: and the pages of their pool (see SEMANTICS.md, "Sliding-window layers")
     window: int = 0
     window_pages: int = 0
+    #: with a host tier: the window group's own host tier, in pages (None: ``host_pages``)
+    window_host_pages: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("window", "window_pages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        wh = self.window_host_pages
+        if wh is not None and (isinstance(wh, bool) or not isinstance(wh, int) or wh < 0):
+            raise ValueError(f"window_host_pages must be an int >= 0 or None, got {wh!r}")
         if bool(self.window) != bool(self.window_pages):
             raise ValueError(
                 f"window={self.window} and window_pages={self.window_pages}: give both or neither"
@@ -276,6 +281,7 @@ class _Server:
             config.disk_pages,
             config.window,
             config.window_pages,
+            config.window_host_pages,
         )
         self.host = config.host_pages > 0
         self.disk = config.disk_pages > 0
@@ -472,10 +478,14 @@ class _Server:
         kinds = self.cache.drain_copies()[:, 0]
         loads = int(np.count_nonzero(kinds == radixkv.COPY_LOAD))
         offloads = int(np.count_nonzero(kinds == radixkv.COPY_OFFLOAD))
-        self.loads += loads
+        wloads = int(np.count_nonzero(kinds == radixkv.COPY_WINDOW_LOAD))
+        wcopies = wloads + int(np.count_nonzero(kinds == radixkv.COPY_WINDOW_OFFLOAD))
+        # A window page holds the window layers' KV only: costed as a whole page (an upper
+        # bound), since the replay knows no layer mix.
+        self.loads += loads + wloads
         self.res.loaded_pages += loads
         self.res.offloaded_pages += offloads
-        self.res.disk_written_pages += len(kinds) - loads - offloads
+        self.res.disk_written_pages += len(kinds) - loads - offloads - wcopies
 
     def finish(self) -> None:
         """After the last batch: the cache's own totals into the result; checks the cache."""

@@ -148,6 +148,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pages of the window group's pool (with --window; default: 0)",
     )
     p.add_argument(
+        "--window-host-pages",
+        type=nonnegative_int,
+        default=None,
+        metavar="N",
+        help="pages of the window group's host tier (with --window and --host-pages; default: "
+        "--host-pages)",
+    )
+    p.add_argument(
         "--disk-bandwidth",
         type=positive_float,
         default=DEFAULT_DISK_BANDWIDTH / 1e9,
@@ -411,6 +419,7 @@ def _config(args: argparse.Namespace, policy: str) -> ReplayConfig:
         disk_bandwidth=args.disk_bandwidth * 1e9,
         window=args.window,
         window_pages=args.window_pages,
+        window_host_pages=args.window_host_pages,
     )
 
 
