@@ -6,7 +6,9 @@ tokens, so that every prompt crosses them: ``radixkv.hf.engine`` gives transform
 tokens over multi-turn sessions and branches longer than the window, under eviction pressure,
 and a batched forward over cached prefixes gives transformers' full-forward logits (float32,
 atol 1e-4). The pool keeps every token's KV and the window masks what each query reads
-(:mod:`radixkv.kv.windowed`), so every later turn reuses its whole cached prefix."""
+(:mod:`radixkv.kv.windowed`), so every later turn reuses its whole cached prefix.
+``radixkv.hf.PrefixCache`` gives ``generate``'s own tokens and logits on them too, with or
+without a window group."""
 
 from __future__ import annotations
 
@@ -211,9 +213,62 @@ def test_the_window_changes_the_output():
     assert res.output == greedy_reference(windowed, ids[0].tolist(), 3)
 
 
-def test_prefix_cache_refuses_windowed_models_and_says_what_serves_them():
-    with pytest.raises(ValueError, match=r"radixkv\.hf\.engine"):
-        radixkv.hf.PrefixCache(build("gemma2"), radixkv.RadixCache(16))
+#: PrefixCache's caches: the plain pool, and window groups whose pools are small enough that
+#: window pages are released (handed to generate as masked zeros) and evicted.
+PREFIX_CACHES = [
+    pytest.param(lambda: radixkv.RadixCache(120, page_size=1), id="radix-p1"),
+    pytest.param(
+        lambda: radixkv.RadixCache(120, page_size=1, window=WINDOW, window_pages=72),
+        id="radix-p1-window",
+    ),
+    pytest.param(
+        lambda: radixkv.BlockCache(9, page_size=16, window=WINDOW, window_pages=5),
+        id="block-p16-window",
+    ),
+]
+
+
+def _generate(fn, prompt):
+    ids = torch.as_tensor(np.asarray(prompt, dtype=np.int64))[None]
+    return fn(
+        ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+
+
+@pytest.mark.parametrize("make_cache", PREFIX_CACHES)
+def test_prefix_cache_generate_matches_transformers(model, make_cache):
+    """``radixkv.hf.PrefixCache`` on a windowed model: the tokens and logits (1e-4) of
+    transformers' own ``generate`` over turns and a branch longer than the window, with another
+    tenant evicting meanwhile; later turns start from the cached prefix."""
+    pc = radixkv.hf.PrefixCache(model, make_cache())
+    other = radixkv.hf.PrefixCache(model, pc.kv, namespace="other")  # the same pool
+    rng = np.random.default_rng(4)
+    trunk = tokens(rng, 3 * WINDOW)
+    history, cached = trunk, []
+    for turn, n in enumerate((5, 13, 3)):
+        prompt = np.concatenate([history, tokens(rng, n)])
+        got, want = _generate(pc.generate, prompt), _generate(model.generate, prompt)
+        assert got.sequences.tolist() == want.sequences.tolist(), turn
+        for a, b in zip(got.logits, want.logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        cached.append(pc.last_cached)
+        history = got.sequences[0].numpy().astype(np.uint32)
+        if turn == 1:
+            _generate(other.generate, tokens(rng, 60))
+    # A branch from inside the trunk, longer than the window.
+    branch = np.concatenate([trunk[: 2 * WINDOW + 3], tokens(rng, WINDOW + 3)])
+    got, want = _generate(pc.generate, branch), _generate(model.generate, branch)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0, cached
+    assert pc.num_open == 0
+    pc.cache.check()
+    s = pc.cache.stats
+    if pc.cache.window:
+        # The branch point's window was pushed out of the small window pool: the hit was cut
+        # (and recomputed exactly), where the full pool alone would have served it.
+        assert s.window_evicted_pages > 0 and s.window_cut_hits > 0, s
+    else:
+        assert pc.last_cached > 0 and s.evicted_pages > 0, s
 
 
 def test_bad_window_arguments_are_refused():

@@ -11,6 +11,12 @@ written into the request's pages and published for the next call.
   generate:  DynamicCache grows by rest + out[:-1]
   store:     pool <- DynamicCache[cached:]; commit; finish        (published, pins released)
 ```
+
+A model with sliding-window layers gets a ``DynamicCache`` of full layers, which keeps every
+token's K/V: transformers' own window mask still limits what each query reads, so ``generate``
+gives its own tokens. Over a cache with a window group the window layers' K/V comes from and
+goes to the window pool; the keys of pages released there (older than any query reads) are
+handed over as zeros, which the window mask hides.
 """
 
 from __future__ import annotations
@@ -71,12 +77,6 @@ class PrefixCache:
         namespace: str | bytes | None = None,
     ) -> None:
         self.spec = check_model(model)
-        if self.spec.windowed:
-            raise ValueError(
-                f"{type(model).__name__} has sliding-window layers: radixkv.hf.PrefixCache hands "
-                "prefixes to generate() in a DynamicCache, whose window layers drop old keys; "
-                "serve it with radixkv.hf.engine, which keeps every token's KV"
-            )
         if self.spec.tp_size > 1:
             raise ValueError(
                 f"radixkv.hf.PrefixCache serves one process; this model is tensor-parallel "
@@ -115,12 +115,11 @@ class PrefixCache:
             # A hit on the host tier is in the pool only once the pending copies are done.
             self.kv.apply_copies()
             cached = req.num_cached
-            past = _new_dynamic_cache(self.model.config)
+            past = _new_dynamic_cache(self.model.config, full=self.spec.windowed)
             if cached:
                 slots = self._slots(req, 0, cached)
                 for layer in range(self.spec.num_layers):
-                    k = self.kv.k[layer].index_select(0, slots)  # [c, Hkv, D]
-                    v = self.kv.v[layer].index_select(0, slots)
+                    k, v = self._read(layer, req, slots, cached)  # [c, Hkv, D] each
                     past.update(
                         k.transpose(0, 1).unsqueeze(0).to(self.spec.dtype),
                         v.transpose(0, 1).unsqueeze(0).to(self.spec.dtype),
@@ -184,9 +183,11 @@ class PrefixCache:
                 # Offloads of pages admit/extend handed out read them before they are written.
                 self.kv.apply_copies()
                 slots = self._slots(req, cached, length)
+                wrows = self._window_rows(req, cached, length)[1] if self.kv.window else None
                 for layer, (k, v) in enumerate(layers):
-                    self.kv.k[layer].index_copy_(0, slots, _token_major(k, cached, length))
-                    self.kv.v[layer].index_copy_(0, slots, _token_major(v, cached, length))
+                    rows = wrows if layer in self.kv.window_layers else slots
+                    self.kv.k[layer].index_copy_(0, rows, _token_major(k, cached, length))
+                    self.kv.v[layer].index_copy_(0, rows, _token_major(v, cached, length))
                 self.cache.commit(req, length)
             self.cache.finish(req)
         except BaseException:
@@ -291,12 +292,44 @@ class PrefixCache:
         slots = np.asarray(req.slots[start:stop], dtype=np.int64)
         return torch.from_numpy(slots).to(self.kv.device)
 
+    def _window_rows(
+        self, req: radixkv.Request, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of the request's tokens ``start:stop``, the offsets (from ``start``) of those whose
+        window page the request holds, and their rows of the window pool, on its device."""
+        p = self.kv.page_size
+        i = np.arange(start, stop, dtype=np.int64)
+        w = np.asarray(req.window_pages, dtype=np.int64)[i // p]
+        held = w >= 0
+        offsets = torch.from_numpy(np.flatnonzero(held)).to(self.kv.device)
+        rows = torch.from_numpy(w[held] * p + i[held] % p).to(self.kv.device)
+        return offsets, rows
+
+    def _read(
+        self, layer: int, req: radixkv.Request, slots: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of the request's first ``n`` tokens in ``layer``, ``[n, Hkv, D]``: from
+        the full pool, or for a window layer of a window group from the window pool, zeros
+        where its pages are released (keys no query past ``n`` reads)."""
+        if layer not in self.kv.window_layers:
+            return self.kv.k[layer].index_select(0, slots), self.kv.v[layer].index_select(0, slots)
+        offsets, rows = self._window_rows(req, 0, n)
+        out = []
+        for pool in (self.kv.k[layer], self.kv.v[layer]):
+            x = pool.new_zeros((n, *pool.shape[1:]))
+            x[offsets] = pool.index_select(0, rows)
+            out.append(x)
+        return out[0], out[1]
+
     def __repr__(self) -> str:
         return f"PrefixCache({type(self.model).__name__}, {self.kv}, namespace={self.namespace!r})"
 
 
-def _new_dynamic_cache(config: Any) -> Any:
-    """An empty ``DynamicCache`` laid out for ``config`` (one full-attention layer each)."""
+def _new_dynamic_cache(config: Any, full: bool = False) -> Any:
+    """An empty ``DynamicCache`` laid out for ``config``; with ``full``, of full layers only
+    (a sliding-window layer's would drop the keys ``store`` writes back)."""
+    if full:
+        return DynamicCache()
     try:
         return DynamicCache(config=config)
     except TypeError:  # pragma: no cover - a transformers whose DynamicCache takes no config
