@@ -116,3 +116,115 @@ def test_cuda_backends(make_cache, attention):
     if attention not in backends.available(torch.device("cuda")):
         pytest.skip(f"{attention} is not available on this machine")
     scenario(make_cache, 8, 2, device="cuda", dtype=torch.bfloat16, atol=4e-2, attention=attention)
+
+
+def windowed_decode(attention, device="cpu", dtype=torch.float32, atol=1e-5, p=4):
+    """Decode steps of requests of 5 to 73 tokens through each of ``EXTRAS`` (windows shorter
+    than a page, across pages and longer than every context, softcaps, sinks, all three),
+    checked against ``attend_exact``."""
+    from radixkv.kv.windowed import attend_exact
+
+    cache = radixkv.RadixCache(2048 // p, p)
+    hq, hkv = 8, 2
+    kv = radixkv.KVCache(cache, 1, hkv, D, dtype=dtype, device=device, attention=attention)
+    rng = np.random.default_rng(p)
+    gen = torch.Generator(device="cpu").manual_seed(p)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    reqs = [cache.admit(rng.integers(0, 100, n)) for n in (5, 37, 70, 3)]
+    step = kv.plan(reqs)
+    step.attention(0, rand(step.num_tokens, hq, D), *(rand(step.num_tokens, hkv, D),) * 2)
+    kv.commit(step)
+    extras = [
+        {"window": 3},
+        {"window": 8},
+        {"window": 100},
+        {"softcap": 2.0},
+        {"sinks": torch.linspace(-1, 1, hq, device=device)},
+        {"window": 6, "softcap": 3.0},
+        {"window": 6, "softcap": 3.0, "sinks": torch.linspace(1, -1, hq, device=device)},
+    ]
+    for _ in range(3):
+        for r in reqs:
+            cache.extend(r, [1])
+        step = kv.plan(reqs)
+        t = step.num_tokens
+        q, k, v = rand(t, hq, D), rand(t, hkv, D), rand(t, hkv, D)
+        for ex in extras:
+            got = step.attention(0, q, k, v, **ex)
+            want = attend_exact(
+                step, 0, q, D**-0.5, ex.get("window"), ex.get("softcap"), ex.get("sinks")
+            )
+            torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+        kv.commit(step)
+    cache.check()
+
+
+@needs_flex
+@pytest.mark.parametrize("p", [1, 4, 16])
+def test_flex_decodes_windows_and_softcaps(p, monkeypatch):
+    """Decode through flex with a sliding window (its block lists narrowed to the window's
+    pages) and a softcap, exactly as the reference; sinks, which compiled flex on the CPU cannot
+    take, through SDPA's groups for that layer."""
+    calls = {"flex": [], "sdpa": []}
+    for cls in (backends.FlexBackend, backends.SdpaBackend):
+        orig = cls.attend
+
+        def counted(self, *a, _orig=orig, _name=cls.name, **kw):
+            extras = tuple(kw.get(x) is not None for x in ("window", "softcap", "sinks"))
+            if len(a) > 7:  # positional extras
+                extras = tuple(x is not None for x in a[7:10])
+            calls[_name].append(extras)
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(cls, "attend", counted)
+    windowed_decode("flex", p=p)
+    # Flex took every window and softcap; SDPA every call with sinks, and nothing else.
+    assert (True, False, False) in calls["flex"] and (False, True, False) in calls["flex"]
+    assert (True, True, False) in calls["flex"]
+    assert all(not sinks for _, _, sinks in calls["flex"])
+    assert calls["sdpa"] and all(sinks for _, _, sinks in calls["sdpa"][1:]), calls["sdpa"]
+
+
+@needs_flex
+def test_flex_window_block_lists_read_only_the_window():
+    """A window narrows a request's block lists to the pages its query reads: full pages
+    inside the window, the page the window starts inside and the last page masked."""
+    cache = radixkv.RadixCache(64, 4)
+    kv = radixkv.KVCache(cache, 1, 1, D, attention="flex")
+    a, b = cache.admit(list(range(30))), cache.admit(list(range(100, 112)))
+    step = kv.plan([a, b])
+    kv.commit(step)
+    for r in (a, b):
+        cache.extend(r, [7])
+    step = kv.plan([a, b])
+    ((flex, g),) = step._groups
+    assert flex.name == "flex"
+    part_num, part_idx, full_num, full_idx = flex._kv_blocks(g, 9)
+    # a: 31 tokens, its query at 30 reads keys 22..30: page 5 (20..23) from key 22 (masked),
+    # page 6 whole, page 7 (28..30) masked. b: 13 tokens, keys 4..12: pages 1, 2 whole, page 3.
+    pa, pb = [int(x) for x in a.pages], [int(x) for x in b.pages]
+    assert full_num[:2, 0, 0].tolist() == [1, 2]
+    assert full_idx[0, 0, 0, :1].tolist() == [pa[6]] and full_idx[1, 0, 0, :2].tolist() == pb[1:3]
+    assert part_num[:2, 0, 0].tolist() == [2, 1]
+    assert part_idx[0, 0, 0, :2].tolist() == [pa[5], pa[7]] and part_idx[1, 0, 0, 0] == pb[3]
+    # Without a window: every full page, then the last.
+    part_num, _, full_num, _ = flex._kv_blocks(g, None)
+    assert full_num[:2, 0, 0].tolist() == [7, 3] and part_num[:2, 0, 0].tolist() == [1, 1]
+    cache.abort(a)
+    cache.abort(b)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("attention", ["flex", "varlen", "flashinfer"])
+@pytest.mark.parametrize("p", [1, 16])
+def test_cuda_backends_with_windows_softcaps_and_sinks(attention, p):
+    """On CUDA, each backend decodes windows (varlen's ``window_size``, FlashInfer's
+    ``window_left``, flex's block lists), softcaps (FlashInfer, flex) and sinks (flex) itself,
+    the rest through SDPA's groups: all as the reference, in bf16."""
+    if attention not in backends.available(torch.device("cuda")):
+        pytest.skip(f"{attention} is not available on this machine")
+    windowed_decode(attention, device="cuda", dtype=torch.bfloat16, atol=4e-2, p=p)

@@ -131,6 +131,11 @@ class SdpaBackend:
 
     name = "sdpa"
 
+    @staticmethod
+    def supports(window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> bool:
+        """Whether :meth:`attend` takes these (the reference takes them all)."""
+        return True
+
     def prepare(self, step: Step, g: Group) -> None:
         kv = step.kv
         b = len(g.req)
@@ -371,17 +376,32 @@ class _Holder:
     p2l: torch.Tensor
     seq: torch.Tensor
     page_size: int = 1
+    #: ``[1]`` int32: the sliding window in keys (``NO_WINDOW``: none); ``[1]`` float32: the
+    #: softcap of ``_softcap_mod``.
+    window: torch.Tensor
+    softcap: torch.Tensor
 
 
 _HOLDER = _Holder()
+#: ``_HOLDER.window`` without a sliding window: more keys than any pool holds.
+NO_WINDOW = 2**30
 
 
 def _mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     """Key ``kv_idx`` (a pool slot) is visible to request ``b`` when its page is one of ``b``'s
-    and its position is below ``b``'s length."""
+    and its position ``j`` is below ``b``'s length ``n`` and inside the window of the query at
+    ``n - 1`` (``n - 1 - window < j``)."""
     p = _HOLDER.page_size
     lp = _HOLDER.p2l[b, kv_idx // p]
-    return (lp >= 0) & (lp * p + kv_idx % p < _HOLDER.seq[b])
+    pos = lp * p + kv_idx % p
+    n = _HOLDER.seq[b]
+    return (lp >= 0) & (pos < n) & (pos >= n - _HOLDER.window[0])
+
+
+def _softcap_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Gemma 2's logit softcapping of a scaled score: ``softcap * tanh(score / softcap)``."""
+    c = _HOLDER.softcap[0]
+    return torch.tanh(score / c) * c
 
 
 class FlexBackend:
@@ -392,22 +412,38 @@ class FlexBackend:
     pages need no mask, the last (partial) page is masked by position. The mask function also
     excludes every page not in the request's table (``p2l``: page -> logical page, -1 when not
     the request's), so the mask is right even where block sparsity is not applied.
+
+    A sliding window narrows each request's block list to the pages its query reads (the first
+    one masked where the window starts inside it), so a window layer reads ``window + P`` keys
+    however long the context; softcapping is a score modification and sinks rescale the output
+    by the log-sum-exp flex returns (``o * sigmoid(lse - sink)``, CUDA only), so every layer of
+    Gemma 2, Gemma 3, Mistral and Cohere2 (and of gpt-oss on CUDA) decodes through flex.
     """
 
     name = "flex"
+
+    def supports(
+        self, window: int | None, softcap: float | None, sinks: torch.Tensor | None
+    ) -> bool:
+        """Whether :meth:`attend` takes these (flex serves decode groups only): a window and a
+        softcap everywhere, sinks on CUDA (they need the log-sum-exp, which compiled flex on
+        the CPU does not return)."""
+        return sinks is None or self.kv.device.type == "cuda"
 
     def __init__(self, kv: Any) -> None:
         self.kv = kv
         #: Batch buckets this pool has compiled.
         self.compiled: set[int] = set()
 
-    def ensure(self, bucket: int, heads: int) -> None:
+    def ensure(self, bucket: int, heads: int, variant: tuple[bool, bool] = (False, False)) -> None:
         """Counts the compile that ``bucket`` with ``heads`` query heads needs (one per distinct
-        shape, dtype and device in the process); raises past ``MAX_FLEX_COMPILES``."""
+        shape, dtype and device in the process, and ``variant``: softcap, sinks); raises past
+        ``MAX_FLEX_COMPILES``."""
         kv = self.kv
         key = (
             bucket,
             heads,
+            variant,
             kv.num_kv_heads,
             kv.head_dim,
             kv.page_size,
@@ -441,32 +477,46 @@ class FlexBackend:
         target = torch.where(valid, bt, num_pages)
         p2l = torch.full((bb, num_pages + 1), -1, dtype=torch.int32, device=dev)
         p2l[:b].scatter_(1, target, cols.to(torch.int32).expand(b, -1).contiguous())
-        # Block lists: full pages (no mask), then the partial last page (masked).
-        n_full = g.seq_lens // p
-        full_idx = torch.zeros(bb, 1, 1, num_pages, dtype=torch.int32, device=dev)
-        full_idx[:b, 0, 0, : bt.shape[1]] = g.block_table
-        full_num = torch.zeros(bb, 1, 1, dtype=torch.int32, device=dev)
-        full_num[:b, 0, 0] = n_full
-        part_num = torch.zeros(bb, 1, 1, dtype=torch.int32, device=dev)
-        part_num[:b, 0, 0] = n_pages - n_full
-        part_idx = torch.zeros(bb, 1, 1, num_pages, dtype=torch.int32, device=dev)
-        last = bt.gather(1, n_full.long().clamp(max=bt.shape[1] - 1)[:, None])
-        part_idx[:b, 0, 0, 0] = last[:, 0].to(torch.int32)
-        g.state = {
-            "p2l": p2l,
-            "seq": seq,
-            "bucket": bb,
-            "part": (part_num, part_idx, full_num, full_idx),
-            "mask": None,
-        }
+        g.state = {"p2l": p2l, "seq": seq, "bucket": bb, "masks": {}}
 
-    def _block_mask(self, g: Group, rows: int) -> Any:
+    def _kv_blocks(self, g: Group, window: int | None) -> tuple[torch.Tensor, ...]:
+        """Each request's block lists: the full pages its query reads (no mask), then the
+        partial ones (masked): the page the window starts inside, and the last page."""
+        kv = self.kv
+        dev, p, num_pages = kv.device, kv.page_size, kv.num_pages
+        b, bb = len(g.req), g.state["bucket"]
+        bt = g.block_table.long()
+        seq = g.seq_lens.long()
+        n_full = seq // p
+        start = (seq - window).clamp(min=0) if window else torch.zeros_like(seq)
+        lo = start // p  # the first page the query reads
+        first_full = lo + (start % p != 0).long()
+        cols = torch.arange(bt.shape[1], device=dev)
+        last_col = bt.shape[1] - 1
+        full_num = torch.zeros(bb, 1, 1, dtype=torch.int32, device=dev)
+        full_num[:b, 0, 0] = (n_full - first_full).clamp(min=0).to(torch.int32)
+        full_idx = torch.zeros(bb, 1, 1, num_pages, dtype=torch.int32, device=dev)
+        shifted = (first_full[:, None] + cols[None, :]).clamp(max=last_col)
+        full_idx[:b, 0, 0, : bt.shape[1]] = bt.gather(1, shifted).to(torch.int32)
+        has_lo = (start % p != 0) & (lo < n_full)
+        has_last = seq % p != 0
+        lo_page = bt.gather(1, lo.clamp(max=last_col)[:, None])[:, 0]
+        last_page = bt.gather(1, n_full.clamp(max=last_col)[:, None])[:, 0]
+        part_num = torch.zeros(bb, 1, 1, dtype=torch.int32, device=dev)
+        part_num[:b, 0, 0] = (has_lo.long() + has_last.long()).to(torch.int32)
+        part_idx = torch.zeros(bb, 1, 1, num_pages, dtype=torch.int32, device=dev)
+        part_idx[:b, 0, 0, 0] = torch.where(has_lo, lo_page, last_page).to(torch.int32)
+        part_idx[:b, 0, 0, 1 % num_pages] = last_page.to(torch.int32)
+        return part_num, part_idx, full_num, full_idx
+
+    def _block_mask(self, g: Group, rows: int, window: int | None = None) -> Any:
         from torch.nn.attention.flex_attention import BlockMask
 
-        st = g.state
-        if st["mask"] is None or st["mask_rows"] != rows:
-            part_num, part_idx, full_num, full_idx = st["part"]
-            st["mask"] = BlockMask.from_kv_blocks(
+        masks = g.state["masks"]
+        key = (rows, window)
+        if key not in masks:
+            part_num, part_idx, full_num, full_idx = self._kv_blocks(g, window)
+            masks[key] = BlockMask.from_kv_blocks(
                 part_num,
                 part_idx,
                 full_num,
@@ -475,8 +525,7 @@ class FlexBackend:
                 mask_mod=_mask_mod,
                 seq_lengths=(rows, self.kv.num_slots),
             )
-            st["mask_rows"] = rows
-        return st["mask"]
+        return masks[key]
 
     def attend(
         self,
@@ -487,6 +536,9 @@ class FlexBackend:
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         scale: float | None,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv = self.kv
         b, hq, d = q.shape
@@ -498,12 +550,24 @@ class FlexBackend:
             qb = torch.cat([qb, qb.new_zeros(bb - b, hkv, group, d)])
         keys = kv.k[layer].permute(1, 0, 2).unsqueeze(0)
         values = kv.v[layer].permute(1, 0, 2).unsqueeze(0)
-        self.ensure(bb, hq)
-        mask = self._block_mask(g, group)
+        self.ensure(bb, hq, (softcap is not None, sinks is not None))
+        mask = self._block_mask(g, group, window)
         # This step's tensors, for the mask function (its holder outlives steps).
         _HOLDER.p2l, _HOLDER.seq, _HOLDER.page_size = g.state["p2l"], g.state["seq"], kv.page_size
-        o = _flex_fn()(qb, keys, values, block_mask=mask, scale=scale)
-        return o[:b].reshape(b, hq, d)
+        _HOLDER.window = torch.tensor([window or NO_WINDOW], dtype=torch.int32, device=kv.device)
+        extra: dict[str, Any] = {}
+        if softcap is not None:
+            _HOLDER.softcap = torch.tensor([softcap], dtype=torch.float32, device=kv.device)
+            extra["score_mod"] = _softcap_mod
+        if sinks is None:
+            o = _flex_fn()(qb, keys, values, block_mask=mask, scale=scale, **extra)
+            return o[:b].reshape(b, hq, d)
+        o, lse = _flex_fn()(
+            qb, keys, values, block_mask=mask, scale=scale, return_lse=True, **extra
+        )
+        # A sink logit s per head joins the softmax: o' = o * e^lse / (e^lse + e^s).
+        keep = torch.sigmoid(lse[:b].float() - sinks.float().view(1, hkv, group))
+        return (o[:b].float() * keep[..., None]).to(q.dtype).reshape(b, hq, d)
 
 
 class VarlenBackend:
@@ -511,6 +575,12 @@ class VarlenBackend:
     (CUDA; the pool is viewed as ``[num_pages, page_size, Hkv, D]``)."""
 
     name = "varlen"
+
+    @staticmethod
+    def supports(window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> bool:
+        """Whether :meth:`attend` takes these: a sliding window (``window_size``), no softcap
+        or sinks."""
+        return softcap is None and sinks is None
 
     def prepare(self, step: Step, g: Group) -> None:
         dev = step.kv.device
@@ -532,6 +602,9 @@ class VarlenBackend:
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         scale: float | None,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -548,7 +621,8 @@ class VarlenBackend:
             st["max_q"],
             st["max_k"],
             scale=scale,
-            window_size=(-1, 0),
+            # (left, right) keys beside the query's own: p - window < j <= p.
+            window_size=(window - 1 if window else -1, 0),
             enable_gqa=q.shape[1] != kv.num_kv_heads,
             seqused_k=g.seq_lens,
             block_table=g.block_table,
@@ -562,9 +636,16 @@ class FlashInferBackend:
 
     name = "flashinfer"
 
+    @staticmethod
+    def supports(window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> bool:
+        """Whether :meth:`attend` takes these: a window (``window_left``) and a softcap
+        (``logits_soft_cap``), no sinks."""
+        return sinks is None
+
     def __init__(self, kv: Any) -> None:
         self.kv = kv
         self.workspace = torch.empty(128 << 20, dtype=torch.uint8, device=kv.device)
+        self._workspaces: dict[Any, torch.Tensor] = {None: self.workspace}
 
     def prepare(self, step: Step, g: Group) -> None:
         flashinfer = importlib.import_module("flashinfer")  # optional: CUDA only
@@ -582,7 +663,7 @@ class FlashInferBackend:
             indices,
             torch.from_numpy(last).to(dev),
         )
-        g.state = {"wrapper": w, "args": args, "planned": None}
+        g.state = {"wrappers": {None: w}, "args": args, "planned": {}}
 
     def attend(
         self,
@@ -593,13 +674,24 @@ class FlashInferBackend:
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         scale: float | None,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv, p = step.kv, step.kv.page_size
         shape = (kv.num_pages, p, kv.num_kv_heads, kv.head_dim)
         paged = (kv.k[layer].view(shape), kv.v[layer].view(shape))
         st = g.state
-        if st["planned"] != (q.shape[1], scale):  # planned at the first layer: Hq known there
-            st["wrapper"].plan(
+        # One planned wrapper per (window, softcap) a step's layers use (local and global
+        # layers alternate), planned at its first layer: Hq known there.
+        variant = None if window is None and softcap is None else (window, softcap)
+        w = st["wrappers"].get(variant)
+        if w is None:
+            flashinfer = importlib.import_module("flashinfer")
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace_for(variant), "NHD")
+            st["wrappers"][variant] = w
+        if st["planned"].get(variant) != (q.shape[1], scale):
+            w.plan(
                 *st["args"],
                 q.shape[1],
                 kv.num_kv_heads,
@@ -609,6 +701,17 @@ class FlashInferBackend:
                 sm_scale=scale,
                 q_data_type=kv.dtype,
                 kv_data_type=kv.dtype,
+                window_left=window - 1 if window else -1,
+                logits_soft_cap=softcap,
             )
-            st["planned"] = (q.shape[1], scale)
-        return st["wrapper"].run(q, paged)  # type: ignore[no-any-return]
+            st["planned"][variant] = (q.shape[1], scale)
+        return w.run(q, paged)  # type: ignore[no-any-return]
+
+    def workspace_for(self, variant: Any) -> torch.Tensor:
+        """The workspace of the wrapper of ``variant`` (one per variant: a wrapper's plan lives
+        in its workspace)."""
+        ws = self._workspaces.get(variant)
+        if ws is None:
+            ws = torch.empty(128 << 20, dtype=torch.uint8, device=self.kv.device)
+            self._workspaces[variant] = ws
+        return ws

@@ -128,6 +128,9 @@ class Step:
         # The window layers' page table and write slots (a cache with a window group only);
         # their groups are made on the first window layer's call.
         self._window_groups: list[tuple[Any, Group]] | None = None
+        # SDPA's groups over the full pool, for layers whose window, softcap or sinks a
+        # group's backend does not take (made on the first such layer's call).
+        self._sdpa_groups: list[tuple[Any, Group]] | None = None
         if getattr(kv, "window_layers", None):
             self.window_write_slots = torch.from_numpy(plan.window_write_slots).to(dev)
             self.window_block_table = torch.from_numpy(plan.window_block_table).to(dev)
@@ -267,14 +270,16 @@ class Step:
         if windowed_pool:
             return self._attend_window(layer, q, k, v, scale, window, softcap, sinks).to(out_dtype)
         extras = window is not None or softcap is not None or sinks is not None
-        if extras and not all(b.name == "sdpa" for b, _ in self._groups):
-            # Only the SDPA backend takes windows, softcaps and sinks: the exact reference.
-            return _windowed.attend_exact(self, layer, q, scale, window, softcap, sinks).to(
-                out_dtype
-            )
-        if extras:  # the SDPA backend's gathered keys and masks, per group
+        if extras:  # each group's backend where it takes them, else SDPA's groups for the layer
+            groups = self._groups
+            if not all(b.supports(window, softcap, sinks) for b, _ in groups):
+                if self._sdpa_groups is None:
+                    self._sdpa_groups = self._make_groups(
+                        *self._lens, self.block_table, sdpa_only=True
+                    )
+                groups = self._sdpa_groups
             out = torch.empty_like(q)
-            for backend, g in self._groups:
+            for backend, g in groups:
                 rows = g.rows
                 if rows is None:
                     o = backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks)

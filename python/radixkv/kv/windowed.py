@@ -10,8 +10,11 @@ reusable at any length, and reuse is exact. Softcapping (Gemma 2) squashes the s
 head that joins each query's softmax and is dropped after it.
 
 :func:`attend_exact` is the reference: each request's keys gathered, the scores computed in
-float32 and masked, one request at a time. It is chosen for every layer that needs one of these,
-whatever the pool's ``attention`` backend (the backends compute full causal attention only).
+float32 and masked, one request at a time; the tests hold every backend to it. A step serves
+these layers through each group's backend where that backend takes them (SDPA: all; flex, in
+decode: windows through block lists narrowed to the window, softcaps as a score modification,
+sinks on CUDA; varlen: windows; FlashInfer: windows and softcaps), else through the SDPA
+backend's groups for that layer.
 """
 
 from __future__ import annotations
