@@ -11,7 +11,12 @@
    (100 sessions x 10 turns over a 1,024-token system prompt, an unbounded full pool), with
    full attention and with window groups of several windows and pool sizes, in one run: a hit
    also needs its last window's window pages, which a window pool smaller than the working set
-   drops first.
+   drops first; and the smallest window pool again with a window host tier.
+3. One window layer's decode attention (8 requests, 8,192-token contexts, window 512, fp32, 8
+   query / 2 KV heads of 64, CPU): the full pool through SDPA (gathers every key, masks the
+   window), the full pool through flex (block lists narrowed to the window's pages), and the
+   window pool of a window group (SDPA over the window pages), each a ratio to SDPA over the
+   last 512 keys held contiguous, measured in the same run (lower is better).
 """
 
 from __future__ import annotations
@@ -174,11 +179,83 @@ def section_agent(quick: bool) -> None:
             )
 
 
+def section_attention(quick: bool) -> None:
+    import statistics
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from radixkv.kv import backends
+
+    torch.set_num_threads(1)
+    batch, context, window = (4, 2048, 256) if quick else (8, 8192, 512)
+    hq, hkv, d = 8, 2, 64
+    print(
+        f"== 3. one window layer's decode: {batch} requests x {context} tokens, window {window}, "
+        f"page {PAGE}, fp32, {hq}/{hkv} heads of {d}"
+    )
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1 << 16, context - 1) for _ in range(batch)]
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5 if quick else 15):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def decode_step(kv, cache):
+        reqs = [cache.admit(t) for t in prompts]
+        for r in reqs:
+            cache.commit(r, r.num_tokens)  # the context "computed" (random KV in the pool)
+            cache.extend(r, [1])
+        for pools in (kv.k, kv.v):
+            pools[0].copy_(torch.randn(pools[0].shape, generator=g))
+        step = kv.plan(reqs)
+        q = torch.randn(batch, hq, d, generator=g)
+        k, v = torch.randn(batch, hkv, d, generator=g), torch.randn(batch, hkv, d, generator=g)
+        return step, q, k, v
+
+    rows = {}
+    pages = batch * (context // PAGE + 2) + 8
+    for name in ("sdpa", "flex"):
+        if name not in backends.available(torch.device("cpu")):
+            continue
+        cache = radixkv.RadixCache(pages, PAGE)
+        kv = radixkv.KVCache(cache, 1, hkv, d, attention=name)
+        if name == "flex":
+            kv.warmup(hq, batch_sizes=[batch])
+        step, q, k, v = decode_step(kv, cache)
+        assert step.backends == [name]
+        rows[f"full pool, {name}"] = timed(lambda: step.attention(0, q, k, v, window=window))
+    wpages = batch * (context // PAGE + 2) + 8
+    cache = radixkv.RadixCache(pages, PAGE, window=window, window_pages=wpages)
+    kv = radixkv.KVCache(cache, 1, hkv, d, attention="sdpa", window_layers=[0])
+    step, q, k, v = decode_step(kv, cache)
+    st = cache.stats
+    held = st.window_pages - st.window_free_pages - st.window_evictable_pages
+    rows[f"window pool, sdpa ({held // batch} pages a request)"] = timed(
+        lambda: step.attention(0, q, k, v, window=window)
+    )
+    kc = torch.randn(batch, hkv, window, d, generator=g)
+    vc = torch.randn(batch, hkv, window, d, generator=g)
+    qc = q.view(batch, hkv, hq // hkv, d)
+    base = timed(lambda: F.scaled_dot_product_attention(qc, kc, vc))
+    print(f"  {'SDPA over the window, contiguous (baseline)':52}{base * 1e3:>9.3f} ms")
+    for name, t in rows.items():
+        print(f"  {name:52}{t * 1e3:>9.3f} ms {t / base:>8.1f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few seconds' worth (smoke runs)")
     args = ap.parse_args(argv)
     section_pages(args.quick)
+    section_attention(args.quick)
     section_agent(args.quick)
     section_mooncake(args.quick)
     return 0

@@ -311,15 +311,46 @@ class Step:
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A window layer, its K/V already in the window pool: the SDPA backend over the window
-        page table (released pages read as page 0, which the window mask hides: they lie before
-        every query's window). ``window`` is ``None`` when every key is in every window."""
+        """A window layer, its K/V already in the window pool: the SDPA backend over each
+        request's window pages from the first one its earliest query reads (see
+        :meth:`_window_group`). ``window`` is ``None`` when every key is in every window."""
         if self._window_groups is None:
-            self._window_groups = self._make_groups(
-                *self._lens, self.window_block_table, sdpa_only=True
-            )
+            self._window_groups = [self._window_group()]
         ((backend, g),) = self._window_groups
         return backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks)
+
+    def _window_group(self) -> tuple[Any, Group]:
+        """The SDPA group of the window layers: each request's window page table from page
+        ``lo = max(0, c + 1 - window) // P`` on (``c`` its computed tokens: what its earliest
+        query in this step reads first; the pages before are released), its key positions,
+        lengths and query positions shifted down by ``lo * P``, so a decode gathers about
+        ``window + P`` keys however long the context. The masks SDPA builds from them are the
+        same as over the whole table, shifted."""
+        q_start, kv_len, q_len = self._lens
+        kv, p, dev = self.kv, self.page_size, self.kv.device
+        lo = np.maximum(0, kv_len - q_len + 1 - kv.window) // p
+        shift = lo * p
+        width = max(1, int((-(-(kv_len - shift) // p)).max()))
+        cols = torch.arange(width, device=dev)
+        lo_t = torch.from_numpy(lo).to(dev)
+        at = (lo_t[:, None] + cols[None, :]).clamp(max=self.window_block_table.shape[1] - 1)
+        table = self.window_block_table.gather(1, at)
+        shift_t = torch.from_numpy(shift).to(dev)
+        per_token = torch.repeat_interleave(shift_t, torch.from_numpy(q_len).to(dev))
+        g = Group(
+            req=np.arange(len(q_len)),
+            rows=None,
+            q_len=q_len,
+            kv_len=kv_len - shift,
+            q_start=q_start,
+            positions=self.positions - per_token,
+            block_table=table,
+            seq_lens=self.seq_lens - shift_t.to(self.seq_lens.dtype),
+            is_decode=bool((q_len == 1).all()),
+        )
+        backend = kv._backend("sdpa")
+        backend.prepare(self, g)
+        return backend, g
 
     def check_current(self) -> None:
         """Raises :class:`radixkv.StaleStepError`, naming this step and the request, unless every
