@@ -231,7 +231,8 @@ def section_attention(quick: bool) -> None:
             kv.warmup(hq, batch_sizes=[batch])
         step, q, k, v = decode_step(kv, cache)
         assert step.backends == [name]
-        rows[f"full pool, {name}"] = timed(lambda: step.attention(0, q, k, v, window=window))
+        args = (0, q, k, v)
+        rows[f"full pool, {name}"] = timed(lambda s=step, a=args: s.attention(*a, window=window))
     wpages = batch * (context // PAGE + 2) + 8
     cache = radixkv.RadixCache(pages, PAGE, window=window, window_pages=wpages)
     kv = radixkv.KVCache(cache, 1, hkv, d, attention="sdpa", window_layers=[0])
