@@ -56,6 +56,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pages of a host-memory tier under the pool (default: 0, no tier)",
     )
     p.add_argument(
+        "--window-pages",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="for a model with sliding-window layers (Mistral, Gemma 2/3, Cohere2, gpt-oss, "
+        "Qwen2 with use_sliding_window): keep their KV in a window pool of N pages, where a live "
+        "request holds about its window instead of its whole context; --num-pages/--kv-memory "
+        "then size the full-attention layers' pool, and with --host-pages the window pool gets "
+        "a host tier of as many pages (default: 0, every layer in the one pool)",
+    )
+    p.add_argument(
         "--cache-dir",
         default=None,
         metavar="DIR",
@@ -166,10 +177,16 @@ def build(args: argparse.Namespace):
         raise UsageError(str(e)) from None
     spec = radixkv.hf.check_model(model)
     page = page_size_of(args)
+    window_pages = getattr(args, "window_pages", 0)
+    if window_pages and not spec.window_layers:
+        raise UsageError(
+            f"--window-pages needs a model with sliding-window layers; {args.model} has none"
+        )
     num_pages = args.num_pages
     if num_pages is None:
         gib = args.kv_memory or 1.0
-        per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
+        layers = spec.num_layers - (len(spec.window_layers) if window_pages else 0)
+        per_token = 2 * max(layers, 1) * spec.num_kv_heads * spec.head_dim
         per_token *= torch.empty(0, dtype=spec.dtype).element_size()
         num_pages = max(int(gib * 2**30 // (per_token * page)), 1)
     cls = radixkv.RadixCache if args.cache == "radix" else radixkv.BlockCache
@@ -181,7 +198,20 @@ def build(args: argparse.Namespace):
         disk_pages = args.disk_pages or 4 * num_pages
     elif getattr(args, "disk_pages", None):
         raise UsageError("--disk-pages needs --cache-dir")
-    cache = cls(num_pages, page_size=page, host_pages=host_pages, disk_pages=disk_pages)
+    window = {}
+    if window_pages:
+        if disk_pages:
+            raise UsageError(
+                "--window-pages with --cache-dir is not supported in this version: window pages "
+                "do not reach the disk"
+            )
+        window = {"window": spec.window, "window_pages": window_pages}
+    try:
+        cache = cls(
+            num_pages, page_size=page, host_pages=host_pages, disk_pages=disk_pages, **window
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     publisher = None
     if args.kv_events:
         try:
@@ -241,7 +271,14 @@ def run(args: argparse.Namespace) -> int:
     loop, app, config = build(args)
     print(
         f"radixkv serve: {config.model_name} on http://{args.host}:{args.port}/v1 "
-        f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages)",
+        f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages"
+        + (
+            f", a window pool of {loop.engine.cache.window_pages} pages for the "
+            f"{loop.engine.cache.window}-token window"
+            if loop.engine.cache.window
+            else ""
+        )
+        + ")",
         file=sys.stderr,
         flush=True,
     )
