@@ -28,6 +28,12 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   ``radixkv_kv_disk_written_pages_total``, ``radixkv_kv_disk_fetched_pages_total`` (read back
   for a prompt), ``radixkv_kv_disk_evicted_pages_total`` and ``radixkv_kv_disk_bad_pages_total``
   (read back torn or corrupted, recomputed).
+- With a window group (``window_pages > 0``): ``radixkv_kv_window_pages{state="free"|
+  "evictable"|"used"}``, ``radixkv_prefix_cache_window_cut_hits_total`` and
+  ``radixkv_prefix_cache_window_cut_tokens_total`` (hits the window cut short, and the tokens
+  recomputed for it: what a window costs in reuse), ``radixkv_kv_window_evicted_pages_total``;
+  with its host tier also ``radixkv_kv_window_host_used_pages``,
+  ``radixkv_kv_window_offloaded_pages_total`` and ``radixkv_kv_window_loaded_pages_total``.
 - With a scheduler: ``radixkv_scheduler_waiting`` (requests waiting) and the histogram
   ``radixkv_scheduler_wait_calls`` (schedule calls each admitted request waited through).
 - With an engine: ``radixkv_engine_requests_total`` (finished requests), the histograms
@@ -167,6 +173,8 @@ class CacheCollector(Collector):
         # Fixed when the cache is built, so describe() knows the families without a snapshot.
         self.host_tier = int(getattr(cache, "host_pages", 0) or 0) > 0
         self.disk_tier = int(getattr(cache, "disk_pages", 0) or 0) > 0
+        self.window_group = int(getattr(cache, "window_pages", 0) or 0) > 0
+        self.window_host = int(getattr(cache, "window_host_pages", 0) or 0) > 0
         self._names = list(labels)
         self._values = [labels[k] for k in self._names]
         # Engine requests are folded into these as they finish. Ids grow as requests are
@@ -283,6 +291,8 @@ class CacheCollector(Collector):
             out.extend(self._host_families(s))
         if self.disk_tier:
             out.extend(self._disk_families(s))
+        if self.window_group:
+            out.extend(self._window_families(s))
         if self.scheduler is not None:
             out.append(
                 self._gauge(
@@ -343,6 +353,62 @@ class CacheCollector(Collector):
                 s.host_evicted_pages if live else None,
             ),
         ]
+
+    def _window_families(self, s: Any) -> list[Any]:
+        """The window group's families (``s``: a stats snapshot, or None for names only)."""
+        live = s is not None
+        pages = GaugeMetricFamily(
+            "radixkv_kv_window_pages",
+            "Window pool pages by state: free (hold nothing), evictable (cached, no live "
+            "request reads them), used (held by live requests).",
+            labels=[*self._names, "state"],
+        )
+        if live:
+            used = s.window_pages - s.window_free_pages - s.window_evictable_pages
+            for state, n in (
+                ("free", s.window_free_pages),
+                ("evictable", s.window_evictable_pages),
+                ("used", used),
+            ):
+                pages.add_metric([*self._values, state], n)
+        out = [
+            pages,
+            self._counter(
+                "radixkv_prefix_cache_window_cut_hits",
+                "Admissions whose hit the window group cut short (full pages went further, but "
+                "their last window's window pages were gone).",
+                s.window_cut_hits if live else None,
+            ),
+            self._counter(
+                "radixkv_prefix_cache_window_cut_tokens",
+                "Tokens those admissions recomputed because of the cut.",
+                s.window_cut_tokens if live else None,
+            ),
+            self._counter(
+                "radixkv_kv_window_evicted_pages",
+                "Cached window pages dropped from the window group (to make room, and by reset).",
+                s.window_evicted_pages if live else None,
+            ),
+        ]
+        if self.window_host:
+            out += [
+                self._gauge(
+                    "radixkv_kv_window_host_used_pages",
+                    "Window host tier pages holding a window page's KV.",
+                    s.window_host_used_pages if live else None,
+                ),
+                self._counter(
+                    "radixkv_kv_window_offloaded_pages",
+                    "Window pages whose KV went to the window host tier instead of being dropped.",
+                    s.window_offloaded_pages if live else None,
+                ),
+                self._counter(
+                    "radixkv_kv_window_loaded_pages",
+                    "Window host tier pages loaded back into the window pool for a hit.",
+                    s.window_loaded_pages if live else None,
+                ),
+            ]
+        return out
 
     def _disk_families(self, s: Any) -> list[Any]:
         """The disk tier's families (``s``: a stats snapshot, or None for names only)."""

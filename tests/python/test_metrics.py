@@ -501,3 +501,68 @@ def test_replay_keep_serving_serves_the_final_metrics_until_interrupted(tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+WINDOW_FAMILIES = {
+    "radixkv_kv_window_pages",
+    "radixkv_prefix_cache_window_cut_hits",
+    "radixkv_prefix_cache_window_cut_tokens",
+    "radixkv_kv_window_evicted_pages",
+}
+WINDOW_HOST_FAMILIES = {
+    "radixkv_kv_window_host_used_pages",
+    "radixkv_kv_window_offloaded_pages",
+    "radixkv_kv_window_loaded_pages",
+}
+
+
+@pytest.mark.parametrize("kind", ["radix", "block"])
+def test_window_group_samples_match_the_cache(kind):
+    """A window group's families, only with one (its host tier's only with that), and their
+    values the cache's after traffic that cuts hits and moves window pages to the host and
+    back."""
+    cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    assert not family_names(CacheCollector(cls(64, 4))) & (WINDOW_FAMILIES | WINDOW_HOST_FAMILIES)
+    plain = CacheCollector(cls(64, 4, window=8, window_pages=16))
+    assert family_names(plain) & (WINDOW_FAMILIES | WINDOW_HOST_FAMILIES) == WINDOW_FAMILIES
+    for host in (0, 8):
+        cache = cls(64, 4, host_pages=host, window=8, window_pages=16)
+        collector = CacheCollector(cache, labels={"worker": "w0"})
+        want = WINDOW_FAMILIES | (WINDOW_HOST_FAMILIES if host else set())
+        assert family_names(collector) & (WINDOW_FAMILIES | WINDOW_HOST_FAMILIES) == want
+        assert {f.name for f in collector.describe()} >= want
+        prompts = [np.arange(30, dtype=np.uint32) + 1000 * (i + 1) for i in range(4)]
+        for p in [*prompts, prompts[0]]:  # the first one's window is pushed out, then asked for
+            req = cache.admit(np.concatenate([p, [7]]))
+            cache.commit(req, req.num_tokens)
+            cache.finish(req)
+        cache.drain_copies()
+        live = cache.admit(prompts[1][:20])
+        s = cache.stats
+        m = {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for f in text_string_to_metric_families(generate_latest_of(collector))
+            for x in f.samples
+        }
+        w = (("worker", "w0"),)
+        pages = {
+            st: m[("radixkv_kv_window_pages", (("state", st), *w))]
+            for st in ("free", "evictable", "used")
+        }
+        assert pages == {
+            "free": s.window_free_pages,
+            "evictable": s.window_evictable_pages,
+            "used": s.window_pages - s.window_free_pages - s.window_evictable_pages,
+        }
+        assert pages["used"] > 0
+        assert m[("radixkv_prefix_cache_window_cut_hits_total", w)] == s.window_cut_hits
+        assert m[("radixkv_prefix_cache_window_cut_tokens_total", w)] == s.window_cut_tokens
+        assert m[("radixkv_kv_window_evicted_pages_total", w)] == s.window_evicted_pages
+        if host:
+            assert s.window_loaded_pages > 0 and s.window_cut_hits == 0, s
+            assert m[("radixkv_kv_window_host_used_pages", w)] == s.window_host_used_pages
+            assert m[("radixkv_kv_window_offloaded_pages_total", w)] == s.window_offloaded_pages
+            assert m[("radixkv_kv_window_loaded_pages_total", w)] == s.window_loaded_pages
+        else:
+            assert s.window_cut_hits > 0, s
+        cache.abort(live)
