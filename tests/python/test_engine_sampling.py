@@ -316,3 +316,20 @@ def test_a_row_with_one_nan_is_refused_alone():
     tokens, _ = sample_tokens(logits, seqs)
     assert isinstance(tokens[1], ValueError) and "request 1" in str(tokens[1])
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_torchs_argmax(dtype):
+    """The greedy pick (numpy's argmax for float32/64 on the CPU) is torch's: the first maximum
+    of each row, the first NaN of a row holding one, on contiguous and strided logits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 300, generator=g).to(dtype)
+    x[1, 7] = x[1, 200] = x[1].max() + 1  # a tie: the first wins
+    x[2, 50] = x[2, 9] = float("nan")
+    x[3] = float("-inf")
+    x[4, 299] = float("inf")
+    for logits in (x, x[:, ::2], x.t().contiguous().t()):
+        got = sampling.argmax_rows(logits)
+        assert got.dtype == torch.int64
+        assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert sampling.argmax_rows(x)[1] == 7 and sampling.argmax_rows(x)[2] == 9

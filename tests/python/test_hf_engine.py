@@ -165,6 +165,24 @@ def test_model_keeps_its_attention_when_a_step_fails():
     assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 5)
 
 
+def test_a_change_of_attention_between_steps_is_kept():
+    """paged_mode switches known configs directly after the first step; a user who changes the
+    model's implementation between steps gets that one back after the next step, and the
+    engine still runs radixkv's attention (tokens equal transformers')."""
+    model = build_model("llama", seed=4)
+    eng = radixkv.hf.engine(model, radixkv.RadixCache(64))
+    prompt = [5, 6, 7, 8]
+    (first,) = eng.generate([prompt], max_new_tokens=3)
+    assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    (again,) = eng.generate([prompt], max_new_tokens=3)
+    assert again.output == first.output == greedy_reference(model, prompt, 3)
+    assert model.config._attn_implementation == "eager"
+    for m in model.modules():  # every sub-model's config is back too
+        if hasattr(m, "config"):
+            assert m.config._attn_implementation == "eager"
+
+
 def _config(name: str, **kw):
     import transformers
 
