@@ -207,3 +207,45 @@ def test_pool_layout_and_sizing():
         radixkv.KVCache(cache, 1, 0, 8)
     with pytest.raises(TypeError, match="RadixCache or BlockCache"):
         radixkv.KVCache("cache", 1, 1, 8)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (4, 4)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_one_request_over_its_cached_prefix_splits_exactly(hq, hkv, page_size, monkeypatch):
+    """A lone request's prefill over a long cached prefix (CPU, float32) runs as two partial
+    attentions merged by their log-sum-exps (the prefix unmasked, the new tokens causal): the
+    same output as the reference; short prefills and prefixes keep the masked SDPA call."""
+    from radixkv.kv import backends
+    from radixkv.kv.windowed import attend_exact
+
+    if backends._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash kernel returning the log-sum-exp")
+    calls = []
+    real = backends._cached_prefill
+    monkeypatch.setattr(
+        backends, "_cached_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    cache = radixkv.RadixCache(4096 // page_size, page_size=page_size)
+    kv = radixkv.KVCache(cache, num_layers=1, num_kv_heads=hkv, head_dim=D, attention="sdpa")
+    g = torch.Generator().manual_seed(page_size + hq)
+    rng = np.random.default_rng(0)
+    trunk = rng.integers(0, VOCAB, 400)
+    first = cache.admit(trunk)
+    step = kv.plan([first])
+    n = step.num_tokens
+    step.attention(
+        0, torch.randn(n, hq, D, generator=g), *(torch.randn(n, hkv, D, generator=g),) * 2
+    )
+    kv.commit(step)
+    cache.finish(first)
+    for new in (70, 8):  # split, then too short to split
+        r = cache.admit(np.concatenate([trunk, rng.integers(0, VOCAB, new)]))
+        step = kv.plan([r])
+        t = step.num_tokens
+        q = torch.randn(t, hq, D, generator=g)
+        k, v = torch.randn(t, hkv, D, generator=g), torch.randn(t, hkv, D, generator=g)
+        got = step.attention(0, q, k, v, 0.2)
+        want = attend_exact(step, 0, q, 0.2)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        cache.abort(r)
+    assert calls == [70]  # the 70 new tokens over the 400 cached split; the 8 did not

@@ -221,6 +221,8 @@ class SdpaBackend:
             qb = q.index_select(0, st["q_index"]).view(b, max_q, hq, d)
         else:
             qb = q.unsqueeze(0)
+            if window is None and not extras and _split_prefill(q, st["max_kv"]):
+                return _cached_prefill(q, keys, values, scale)
         if extras:
             o = _explicit(qb.transpose(1, 2), keys, values, mask, False, scale, softcap, sinks)
         else:
@@ -258,6 +260,58 @@ class SdpaBackend:
         m = m.masked_fill_(~allowed, float("-inf"))
         masks[window] = m
         return m
+
+
+#: The CPU flash-attention kernel that also returns each row's log-sum-exp (a private aten
+#: op; None where this torch lacks it, and the split below is not used).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+#: Fewest new tokens for which :func:`_cached_prefill` pays off (measured on CPU float32).
+SPLIT_MIN_TOKENS = 32
+
+
+def _split_prefill(q: torch.Tensor, kv_len: int) -> bool:
+    """Whether one request's prefill of ``q``'s rows over ``kv_len`` keys runs as
+    :func:`_cached_prefill`: on the CPU, float32, at least ``SPLIT_MIN_TOKENS`` new tokens over
+    a cached prefix at least as long."""
+    t = q.shape[0]
+    return (
+        _FLASH_CPU is not None
+        and q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and t >= SPLIT_MIN_TOKENS
+        and kv_len - t >= t
+    )
+
+
+def _cached_prefill(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """One request's prefill of ``q`` (``[T, Hq, D]``) over its cached prefix: the last ``T``
+    of ``keys``/``values`` (``[1, Hkv, L, D]``) are the new tokens. Every new query sees the
+    whole prefix, so that part needs no mask (and its query heads fold onto their KV head:
+    ``[Hkv, G * T]`` rows); the new tokens are plain causal. The two partial attentions are
+    merged by their log-sum-exps, exactly the softmax over all keys. Measured on the CPU in
+    float32 against SDPA with the bottom-right causal mask: 9% less time at 321 new tokens over
+    2,768 keys, 20% at 300 over 8,000 (the mask's cost grows with the prefix)."""
+    assert _FLASH_CPU is not None
+    t, hq, d = q.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    c = length - t
+    sc = scale if scale else d**-0.5
+    qh = q.transpose(0, 1)  # [Hq, T, D]
+    o1, l1 = _FLASH_CPU(
+        qh.reshape(1, hkv, g * t, d), keys[:, :, :c], values[:, :, :c], 0.0, False, scale=sc
+    )[:2]
+    kn, vn = keys[:, :, c:], values[:, :, c:]
+    if g > 1:
+        kn, vn = kn.repeat_interleave(g, 1), vn.repeat_interleave(g, 1)
+    o2, l2 = _FLASH_CPU(qh.unsqueeze(0), kn, vn, 0.0, True, scale=sc)[:2]
+    o1, l1 = o1.reshape(1, hq, t, d), l1.reshape(1, hq, t)
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    o = (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
+    return o[0].transpose(0, 1).to(q.dtype)
 
 
 def _explicit(
