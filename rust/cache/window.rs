@@ -226,26 +226,35 @@ impl Window {
             let key = next_hash(&prev, &tokens[j * p..(j + 1) * p]);
             r.keys.push(key);
             let w = r.pages[j];
-            if w != GONE && !self.map.contains_key(&key) && !self.host.holds(&key) {
-                self.map.insert(key, w);
-                self.key[w as usize] = key;
-                self.cached[w as usize] = true;
-                if log.on {
-                    if run.is_empty() {
-                        first = j;
-                    } else if first + run.len() != j {
-                        Self::stored(
-                            log,
-                            r,
-                            tokens,
-                            namespace,
-                            (first, p),
-                            std::mem::take(&mut run),
-                        );
-                        first = j;
-                    }
-                    run.push(key);
+            if w == GONE {
+                continue;
+            }
+            if let Some(&cached) = self.map.get(&key) {
+                // Another request published this page's window first: hold its page (the same
+                // KV: a page's KV is a function of its prefix) and free this private copy, so
+                // that the key stays findable for as long as this request holds the page.
+                if cached != w {
+                    self.hold(cached);
+                    r.pages[j] = cached;
+                    self.unhold(w);
                 }
+                continue;
+            }
+            // On the window host tier already: this fresh page takes its place (no event: the
+            // key stays in the group).
+            let moved = self.host.forget(&key);
+            self.map.insert(key, w);
+            self.key[w as usize] = key;
+            self.cached[w as usize] = true;
+            if log.on && !moved {
+                if run.is_empty() {
+                    first = j;
+                } else if first + run.len() != j {
+                    let done = std::mem::take(&mut run);
+                    Self::stored(log, r, tokens, namespace, (first, p), done);
+                    first = j;
+                }
+                run.push(key);
             }
         }
         if !run.is_empty() {

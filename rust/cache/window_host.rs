@@ -78,6 +78,20 @@ impl WindowHost {
         h
     }
 
+    /// Drops the host copy of `key`, where the tier holds one (the pool took a fresh copy of
+    /// the same page); returns whether it did. The key stays in the group: no event.
+    pub fn forget(&mut self, key: &BlockHash) -> bool {
+        if self.map.is_empty() {
+            return false;
+        }
+        let Some(h) = self.map.remove(key) else {
+            return false;
+        };
+        self.lists.remove(HOST_LRU, PageId(h));
+        self.lists.push_back(HOST_FREE, PageId(h));
+        true
+    }
+
     /// Copies pinned slot `h` back into window page `w` and frees the slot.
     pub fn load(&mut self, h: u32, w: u32) {
         let key = self.key[h as usize];

@@ -7,7 +7,9 @@ Naive on purpose, rule by rule: window pages are found by the block key of their
 the window pages from ``(b + 1 - window) // P`` on, ``b`` its last computed page boundary within
 the match limit (``min(num_computed, num_tokens - 1)`` rounded down to a page), and each commit
 and extend releases the pages below (published ones stay cached, least recently released
-evicted first; the others are freed). With a host tier the window group has one of its own:
+evicted first; the others are freed). A published page whose key another request published
+first is swapped for that cached page (held; the private copy freed), so its key stays findable
+while the request holds it. With a host tier the window group has one of its own:
 a cached window page the pool gives up goes there (a free host page, else the least recently
 offloaded one, whose page is dropped), and a hit whose window has pages there takes a fresh
 window page for each and logs the load. It predicts every window page id, window copy and
@@ -176,9 +178,22 @@ class _WindowModel:
             key = next_hash(prev, r._tokens[j * p : (j + 1) * p])
             r.wkeys.append(key)
             w = r._wpages[j]
-            if w != GONE and key not in self._wmap and key not in self._hmap:
-                self._wmap[key] = w
-                self._wkey[w] = key
+            if w == GONE:
+                continue
+            if key in self._wmap:  # published first by another request: hold that page
+                cached = self._wmap[key]
+                if cached != w:
+                    self._hold(cached)
+                    r._wpages[j] = cached
+                    self._unhold(w)  # the private copy is freed
+                continue
+            if key in self._hmap:  # this fresh page takes the host copy's place
+                h = self._hmap.pop(key)
+                del self._hkey[h]
+                del self._hlru[h]
+                self._hfree.append(h)
+            self._wmap[key] = w
+            self._wkey[w] = key
         b = min(r._num_computed, len(r._tokens) - 1) // p * p  # the last boundary a hit can end
         lo = min(self._first_needed(b), len(r._wpages))
         while r.wlo < lo:

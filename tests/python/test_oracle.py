@@ -516,3 +516,23 @@ def test_window_host_loads_happen_and_the_default_follows_host_pages():
         loads += run_sessions(cache, seed)["window_loads"]
     assert loads > 0
     assert radixkv.RadixCache(40, 1, window=5, window_pages=16).window_host_pages == 0
+
+
+# Walks that once found a fork cut short: its parent's window page was a private duplicate of a
+# page another request published first, and that one was evicted while the parent lived. A
+# duplicate now holds the published page instead (SEMANTICS.md, "Held pages").
+FORK_WALKS = [
+    ("radix", 1, 40, 5, 16, 1001),
+    ("radix", 1, 40, 12, 60, 1001),
+    ("radix", 4, 20, 9, 40, 1001),
+    ("radix", 16, 14, 20, 12, 1010),
+]
+
+
+@pytest.mark.parametrize("kind,p,num_pages,window,window_pages,seed", FORK_WALKS)
+def test_a_fork_finds_its_parents_window_when_duplicates_go(
+    kind, p, num_pages, window, window_pages, seed
+):
+    cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    counts = run_sessions(cls(num_pages, p, window=window, window_pages=window_pages), seed, 600)
+    assert counts["forks"] > 0, counts
