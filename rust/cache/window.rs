@@ -184,9 +184,7 @@ impl Window {
         for (j, h) in loads {
             let w = self.take(log);
             self.host.load(h, w);
-            self.map.insert(keys[j], w);
-            self.key[w as usize] = keys[j];
-            self.cached[w as usize] = true;
+            self.enter(keys[j], w);
             pages[j] = w;
         }
         let mut out = WindowPages { pages, lo, keys };
@@ -243,9 +241,7 @@ impl Window {
             // On the window host tier already: this fresh page takes its place (no event: the
             // key stays in the group).
             let moved = self.host.forget(&key);
-            self.map.insert(key, w);
-            self.key[w as usize] = key;
-            self.cached[w as usize] = true;
+            self.enter(key, w);
             if log.on && !moved {
                 if run.is_empty() {
                     first = j;
@@ -325,24 +321,27 @@ impl Window {
             Some(w) => w.0,
             None => {
                 let w = self.lists.pop_front(LRU).expect("window pages reserved").0;
-                if self.host.slots > 0 {
-                    let key = self.key[w as usize];
-                    self.map.remove(&key);
+                // Without a host tier (or with every host page pinned) nothing moves.
+                let (moved, dropped) = self.host.offload(w, self.key[w as usize], log);
+                if moved {
+                    self.map.remove(&self.key[w as usize]);
                     self.cached[w as usize] = false;
-                    let (moved, dropped) = self.host.offload(w, key, log);
-                    if !moved && log.on {
-                        log.window_removed(key);
-                    }
-                    self.evicted += (!moved) as u64 + dropped as u64;
                 } else {
                     self.uncache(w, log);
-                    self.evicted += 1;
                 }
+                self.evicted += (!moved) as u64 + dropped as u64;
                 w
             }
         };
         self.refs[w as usize] = 1;
         w
+    }
+
+    /// Caches page `w` under `key`.
+    fn enter(&mut self, key: BlockHash, w: u32) {
+        self.map.insert(key, w);
+        self.key[w as usize] = key;
+        self.cached[w as usize] = true;
     }
 
     fn uncache(&mut self, w: u32, log: &mut EventLog) {

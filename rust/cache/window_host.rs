@@ -107,7 +107,8 @@ impl WindowHost {
 
     /// Copies window page `w` (cached under `key`, leaving the pool) to a host slot: a free
     /// one, else the least recently offloaded one, whose page leaves the group (recorded in
-    /// `log`). False, copying nothing, when every slot is pinned by a load in progress.
+    /// `log`). False, copying nothing, without a tier or when every slot is pinned by a load in
+    /// progress.
     /// Returns whether the page went to the host and whether another page was dropped.
     pub fn offload(&mut self, w: u32, key: BlockHash, log: &mut EventLog) -> (bool, bool) {
         let (h, dropped) = match self.lists.pop_front(HOST_FREE) {

@@ -118,8 +118,9 @@ class PrefixCache:
             past = _new_dynamic_cache(self.model.config, full=self.spec.windowed)
             if cached:
                 slots = self._slots(req, 0, cached)
+                held = self._window_rows(req, 0, cached) if self.kv.window else None
                 for layer in range(self.spec.num_layers):
-                    k, v = self._read(layer, req, slots, cached)  # [c, Hkv, D] each
+                    k, v = self._read(layer, slots, held, cached)  # [c, Hkv, D] each
                     past.update(
                         k.transpose(0, 1).unsqueeze(0).to(self.spec.dtype),
                         v.transpose(0, 1).unsqueeze(0).to(self.spec.dtype),
@@ -306,14 +307,20 @@ class PrefixCache:
         return offsets, rows
 
     def _read(
-        self, layer: int, req: radixkv.Request, slots: torch.Tensor, n: int
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        held: tuple[torch.Tensor, torch.Tensor] | None,
+        n: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V of the request's first ``n`` tokens in ``layer``, ``[n, Hkv, D]``: from
-        the full pool, or for a window layer of a window group from the window pool, zeros
-        where its pages are released (keys no query past ``n`` reads)."""
+        the full pool at ``slots``, or for a window layer of a window group from the window pool
+        (``held``: :meth:`_window_rows` of those tokens), zeros where its pages are released
+        (keys no query past ``n`` reads)."""
         if layer not in self.kv.window_layers:
             return self.kv.k[layer].index_select(0, slots), self.kv.v[layer].index_select(0, slots)
-        offsets, rows = self._window_rows(req, 0, n)
+        assert held is not None  # a window layer means a window group
+        offsets, rows = held
         out = []
         for pool in (self.kv.k[layer], self.kv.v[layer]):
             x = pool.new_zeros((n, *pool.shape[1:]))

@@ -127,7 +127,7 @@ class Step:
         self.backends = [backend.name for backend, _ in self._groups]
         # The window layers' page table and write slots (a cache with a window group only);
         # their groups are made on the first window layer's call.
-        self._window_groups: list[tuple[Any, Group]] | None = None
+        self._window: tuple[Any, Group] | None = None
         # SDPA's groups over the full pool, for layers whose window, softcap or sinks a
         # group's backend does not take (made on the first such layer's call).
         self._sdpa_groups: list[tuple[Any, Group]] | None = None
@@ -314,9 +314,9 @@ class Step:
         """A window layer, its K/V already in the window pool: the SDPA backend over each
         request's window pages from the first one its earliest query reads (see
         :meth:`_window_group`). ``window`` is ``None`` when every key is in every window."""
-        if self._window_groups is None:
-            self._window_groups = [self._window_group()]
-        ((backend, g),) = self._window_groups
+        if self._window is None:
+            self._window = self._window_group()
+        backend, g = self._window
         return backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks)
 
     def _window_group(self) -> tuple[Any, Group]:
