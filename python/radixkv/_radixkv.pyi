@@ -156,7 +156,9 @@ class Request:
     def pages(self) -> npt.NDArray[np.int32]: ...
     @property
     def window_pages(self) -> npt.NDArray[np.int32]:
-        """With a window group: each page's window page, ``-1`` where released."""
+        """With a window group: each page's window page, ``-1`` where released. Unlike
+        ``pages`` it may change at a commit (released, or swapped for the page another request
+        published first for the same prefix)."""
     @property
     def slots(self) -> npt.NDArray[np.int64]: ...
     @property

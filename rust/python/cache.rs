@@ -857,7 +857,9 @@ impl PyRequest {
     }
 
     /// With a window group: the window page of each page, numpy int32, ``-1`` where released
-    /// (pages no later query of the request reads); empty without one.
+    /// (pages no later query of the request reads); empty without one. Unlike ``pages``, an
+    /// entry may change at a commit: to ``-1`` once released, or to the page another request
+    /// published first for the same prefix (the same KV), so that its key stays findable.
     #[getter]
     fn window_pages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let v = self.view(|r| r.window_pages.iter().map(|&w| w as i32).collect::<Vec<_>>())?;
