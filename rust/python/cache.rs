@@ -785,7 +785,7 @@ impl PyBlockCache {
 /// Returned by ``admit`` and ``fork``; closed by ``finish`` or ``abort``, after which every
 /// attribute but ``namespace`` and ``closed`` raises ``InvalidRequest``. A request
 /// garbage-collected while open is aborted, with a ``ResourceWarning``.
-#[pyclass(name = "Request", module = "radixkv._radixkv", frozen)]
+#[pyclass(name = "Request", module = "radixkv._radixkv", frozen, weakref)]
 pub struct PyRequest {
     pub(crate) cache: Py<PyCache>,
     pub(crate) id: RequestId,

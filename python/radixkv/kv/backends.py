@@ -119,6 +119,9 @@ class Group:
     seq_lens: torch.Tensor  # [Bg] int32
     is_decode: bool
     state: Any = None
+    #: Whether the group's keys are the full pool's, so a decode group may read them from the
+    #: pool's :class:`~radixkv.kv.mirror.DecodeMirror` (not the window layers' groups).
+    mirror: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -148,13 +151,26 @@ class SdpaBackend:
             st["mask"] = None
             g.state = st
             return
+        mirror = getattr(kv, "mirror", None)
+        if g.is_decode and g.mirror and mirror is not None and mirror.max_tokens:
+            st["lanes"] = mirror.plan([step.requests[i] for i in g.req], g.kv_len)
+            if st["lanes"] is not None:  # slots and mask made only if a layer gathers
+                g.state = st
+                return
+        self._gather_state(step, g, st)
+        g.state = st
+
+    @staticmethod
+    def _gather_state(step: Step, g: Group, st: dict[str, Any]) -> None:
+        """The slot matrix and the additive mask of ``g``'s gathered keys, into ``st``."""
+        kv = step.kv
+        b, max_q, max_kv = len(g.req), st["max_q"], st["max_kv"]
         st["slots"] = slot_matrix(g.block_table, max_kv, step.page_size)
         keys = torch.arange(max_kv, device=kv.device)
         kv_len = g.seq_lens.long()
         if g.is_decode:
             if len(set(g.kv_len.tolist())) == 1:
                 st["mask"] = None
-                g.state = st
                 return
             allowed = (keys < kv_len[:, None]).view(b, 1, 1, -1)
         else:
@@ -171,7 +187,6 @@ class SdpaBackend:
             allowed = (keys <= q_pos[:, :, None]).unsqueeze(1)
         bias = torch.zeros(allowed.shape, dtype=kv.dtype, device=kv.device)
         st["mask"] = bias.masked_fill_(~allowed, float("-inf"))
-        g.state = st
 
     def attend(
         self,
@@ -195,8 +210,18 @@ class SdpaBackend:
         t, hq, d = q.shape
         hkv = kv.num_kv_heads
         b = len(g.req)
-        mask = st["mask"] if window is None else self._window_mask(step, g, window)
         extras = softcap is not None or sinks is not None
+        lanes = st.get("lanes")
+        if lanes is not None:
+            if window is not None:
+                kv.mirror.bypass(lanes, layer)
+            else:
+                pair = kv.mirror.keys(lanes, layer, g.block_table, k_new, v_new)
+                if pair is not None:
+                    return self._attend_lanes(lanes, q, *pair, scale, softcap, sinks)
+        if "slots" not in st and not st["fresh"]:
+            self._gather_state(step, g, st)
+        mask = st["mask"] if window is None else self._window_mask(step, g, window)
         if st["fresh"]:
             # The keys are exactly the new tokens: no gather, top-left causal is right here.
             qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_new, v_new))
@@ -231,6 +256,31 @@ class SdpaBackend:
         if st["pad"]:
             return o.reshape(b * max_q, hq, d).index_select(0, st["unpad"])
         return o.reshape(t, hq, d)
+
+    @staticmethod
+    def _attend_lanes(
+        lanes: Any,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A decode group over its mirror lanes (``[B, Hkv, L, D]``, lane order): the queries
+        permuted into lane order, attended as the gathered keys are, permuted back."""
+        b, hq, d = q.shape
+        hkv = keys.shape[1]
+        if lanes.order is not None:
+            q = q.index_select(0, lanes.order)
+        if softcap is not None or sinks is not None:
+            qh = q.view(b, hq, 1, d)
+            o = _explicit(qh, keys, values, lanes.mask, False, scale, softcap, sinks)
+        else:
+            qb = q.view(b, hkv, hq // hkv, d)
+            o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=lanes.mask, scale=scale)
+        o = o.reshape(b, hq, d)
+        return o if lanes.order is None else o.index_select(0, lanes.lane_index)
 
     @staticmethod
     def _window_mask(step: Step, g: Group, window: int) -> torch.Tensor:

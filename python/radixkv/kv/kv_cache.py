@@ -45,6 +45,7 @@ import torch
 import radixkv
 from radixkv.kv import backends as _backends
 from radixkv.kv.disk_tier import DiskTier
+from radixkv.kv.mirror import DecodeMirror
 from radixkv.kv.step import Step
 
 #: Element types the pool may hold.
@@ -302,6 +303,12 @@ class KVCache:
     (``COPY_WINDOW_OFFLOAD``, ``COPY_WINDOW_LOAD``) are performed on the window layers' pools
     only, those of the full group on the other layers' only.
 
+    Decode mirror: the SDPA backend keeps the running decode requests' keys contiguous across
+    steps (:mod:`radixkv.kv.mirror`), so a decode step copies one new row per request and layer
+    instead of gathering every key. ``decode_mirror`` caps its rows per full layer, for K and
+    for V (``None``: ``num_slots`` on the CPU, where the gather costs as much as the attention,
+    0 elsewhere; 0: off); it is exact either way.
+
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.
     """
@@ -320,6 +327,7 @@ class KVCache:
         fingerprint: Mapping[str, object] | None = None,
         on_mismatch: str = "error",
         window_layers: Sequence[int] = (),
+        decode_mirror: int | None = None,
     ) -> None:
         if not isinstance(cache, radixkv.Cache):
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
@@ -398,6 +406,14 @@ class KVCache:
         self._gather_k: torch.Tensor | None = None
         self._gather_v: torch.Tensor | None = None
         self._backends: dict[str, Any] = {}
+        if decode_mirror is None:  # the gather it saves costs as much as SDPA on the CPU only
+            decode_mirror = self.num_slots if self.device.type == "cpu" else 0
+        elif isinstance(decode_mirror, bool) or not isinstance(decode_mirror, int):
+            raise TypeError(f"decode_mirror must be an int, got {type(decode_mirror).__name__}")
+        elif decode_mirror < 0:
+            raise ValueError(f"decode_mirror must be >= 0 (0: off), got {decode_mirror}")
+        #: The SDPA backend's decode lanes (:mod:`radixkv.kv.mirror`).
+        self.mirror = DecodeMirror(self, decode_mirror)
 
     def _backend(self, name: str) -> Any:
         """The backend object ``name`` of this pool (made on first use)."""
@@ -529,8 +545,11 @@ class KVCache:
         if self._gather_k is None or self._gather_k.shape[0] < rows:
             size = max(rows, 64)
             shape = (size, self.num_kv_heads, self.head_dim)
-            self._gather_k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            # Normal tensors even under torch.inference_mode: a step run outside it later
+            # could not write into inference tensors.
+            with torch.inference_mode(False):
+                self._gather_k = torch.empty(shape, dtype=self.dtype, device=self.device)
+                self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.device)
         assert self._gather_v is not None  # allocated together with _gather_k
         return self._gather_k[:rows], self._gather_v[:rows]
 

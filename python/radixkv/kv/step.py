@@ -51,6 +51,11 @@ class Pool(Protocol):
         """The backend object serving a decode (or prefill) group of ``batch`` requests."""
         ...
 
+    @property
+    def mirror(self) -> Any:
+        """The :class:`~radixkv.kv.mirror.DecodeMirror` of the full pool's decode groups."""
+        ...
+
 
 class Step:
     """One forward pass planned by :meth:`KVCache.plan`. Tensors are on ``kv.device``.
@@ -124,6 +129,16 @@ class Step:
         self._kv_slots: torch.Tensor | None = None
         self._lens = (q_start, kv_len, q_len)
         self._groups = self._make_groups(q_start, kv_len, q_len, self.block_table)
+        # The decode mirror's lanes hold only rows their own plan's step wrote: this step's
+        # requests outside its lanes lose theirs now, and all of them do if the mirror is
+        # planned again before this step writes the pool (:meth:`attention`).
+        mirror = getattr(kv, "mirror", None)
+        self._mirror_gen = -1
+        if mirror is not None:
+            for _, g in self._groups:
+                if not (isinstance(g.state, dict) and g.state.get("lanes") is not None):
+                    mirror.forget([requests[i] for i in g.req])
+            self._mirror_gen = mirror.generation
         self.backends = [backend.name for backend, _ in self._groups]
         # The window layers' page table and write slots (a cache with a window group only);
         # their groups are made on the first window layer's call.
@@ -173,6 +188,7 @@ class Step:
                     block_table=block_table,
                     seq_lens=self.seq_lens,
                     is_decode=bool(decode.all()),
+                    mirror=not sdpa_only,
                 )
             else:
                 rows_np = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in req])
@@ -189,6 +205,7 @@ class Step:
                     block_table=block_table.index_select(0, idx)[:, :pages],
                     seq_lens=self.seq_lens.index_select(0, idx),
                     is_decode=bool(decode[req].all()),
+                    mirror=not sdpa_only,
                 )
             backend.prepare(self, g)
             groups.append((backend, g))
@@ -258,6 +275,11 @@ class Step:
         self.check_current()
         if self._copy_events is not None:  # the tier's copies of this layer, on a side stream
             torch.cuda.current_stream(kv.device).wait_event(self._copy_events[layer])
+        if not windowed_pool and self._mirror_gen >= 0:
+            mirror = kv.mirror
+            if mirror.generation != self._mirror_gen:  # lanes planned since: not this step's
+                mirror.forget(self.requests)
+                self._mirror_gen = mirror.generation
         pool_k, pool_v = kv.k[layer], kv.v[layer]
         slots = self.window_write_slots if windowed_pool else self.write_slots
         k, v = k.to(pool_k.dtype), v.to(pool_v.dtype)

@@ -1,0 +1,305 @@
+"""`DecodeMirror`: the running decode requests' K/V kept contiguous across steps, one lane each.
+
+The SDPA backend reads a request's keys from the pool through a gather, so every decode step
+copies every key of every request once per layer: on the CPU that costs as much as the
+attention itself (``benches/bench_torch.py`` (d), 32 requests of 1k tokens: 11.5 ms gather
+against 9.6 ms SDPA a step). A request decoding step after step adds one key per layer per step.
+The mirror keeps each such request's keys in a *lane* of head-major buffers, the layout of a
+static cache, and copies in only what a lane lacks: the new token's row, or once the rows a
+request had when it started decoding::
+
+    k[layer]:  [lanes, num_kv_heads, capacity, head_dim]   lane i: one request's keys 0..len
+    lens[layer, lane]: rows of the lane that hold its request's KV
+
+Exact: a lane holds copies of pool rows, so attention over it is attention over the gather, bit
+for bit. A lane's rows are copied only when final or rewritten by the step that owns them:
+
+- a row below the request's ``num_computed`` is committed, and a live request's pages never
+  change (DESIGN: the page table is append-only), so its copy stays valid;
+- the new row of a decode step is written into the lane and the pool together, so the two
+  agree on every row a lane holds whether or not that step is committed (a row computed again
+  is written again). Every other write of a request's rows into the pool drops or shortens
+  its lane first: a step whose groups have no lanes for the request (a prefill group, another
+  backend) drops them when planned; a step planned before the newest mirrored plan drops its
+  requests' lanes when it writes (:meth:`forget`, from ``Step.attention``); a layer the lanes
+  do not serve (a sliding window over the full pool) shortens them below the new row
+  (:meth:`bypass`).
+
+A lane belongs to a request object (held by a weak reference: a dropped request is still
+aborted when collected), and lasts only across consecutive decode groups that hold it: a
+request absent from the newest mirrored decode group loses its lane. Lanes are kept packed in
+``[0, B)`` (a lane past the group's size moves into a free one below), so attention runs over
+the first ``B`` lanes with the queries permuted into lane order. A step planned before the
+newest mirrored one (its lanes may have moved since) falls back to the gather.
+
+Memory: ``lanes * capacity`` token rows per mirrored layer for K and for V, at most
+``max_tokens`` (``KVCache(decode_mirror=...)``); a decode group that would need more runs
+through the gather, and the mirror is emptied.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+#: Capacities grow in steps of this many rows (and by a quarter at least), so a request
+#: decoding one token a step regrows its buffers rarely.
+CAPACITY_STEP = 256
+
+
+@dataclass
+class Lanes:
+    """The mirror's plan for one decode group: ``lane_of[i]``, the lane of the group's request
+    ``i``; ``need[i]``, the rows its lane must hold before the step's new row (``kv_len - 1``);
+    ``order``, the group index of each lane ``0..B`` (``None`` when lane ``i`` is request
+    ``i``); ``mask``, the additive ``[B, 1, 1, max_kv_len]`` mask in lane order (``None`` when
+    every request has as many keys)."""
+
+    generation: int
+    lane_of: np.ndarray
+    need: np.ndarray
+    max_kv_len: int
+    lane_index: torch.Tensor  # [B] int64: lane_of on the device
+    need_index: torch.Tensor  # [B] int64: need on the device
+    order: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+class DecodeMirror:
+    """Lanes of one :class:`~radixkv.KVCache`'s full-pool layers (see the module docstring).
+
+    ``max_tokens``: most ``lanes * capacity`` rows a layer's buffers may hold (0: off)."""
+
+    def __init__(self, kv: Any, max_tokens: int) -> None:
+        self.kv = kv
+        self.max_tokens = max_tokens
+        self.generation = 0
+        self.lanes = 0
+        self.capacity = 0
+        self.k: list[torch.Tensor | None] = [None] * kv.num_layers
+        self.v: list[torch.Tensor | None] = [None] * kv.num_layers
+        self.lens = np.zeros((kv.num_layers, 0), dtype=np.int64)
+        #: Per lane: ``(id(request), weak reference)`` of its request, or None when free.
+        self._refs: list[tuple[int, weakref.ReferenceType[Any]] | None] = []
+        self._lane: dict[int, int] = {}  # id(request) -> lane (checked against _refs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the lanes' buffers hold now."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+
+    def clear(self) -> None:
+        """Drops every lane and frees the buffers."""
+        self.k = [None] * self.kv.num_layers
+        self.v = [None] * self.kv.num_layers
+        self.lanes = self.capacity = 0
+        self.lens = np.zeros((self.kv.num_layers, 0), dtype=np.int64)
+        self._refs = []
+        self._lane = {}
+        self.generation += 1
+
+    def _find(self, req: Any) -> int:
+        lane = self._lane.get(id(req), -1)
+        if lane >= 0:
+            entry = self._refs[lane] if lane < len(self._refs) else None
+            if entry is None or entry[1]() is not req:
+                return -1
+        return lane
+
+    def _free(self, lane: int) -> None:
+        entry = self._refs[lane]
+        if entry is not None and self._lane.get(entry[0]) == lane:
+            del self._lane[entry[0]]
+        self._refs[lane] = None
+        self.lens[:, lane] = 0
+
+    def forget(self, requests: Any) -> None:
+        """Drops the lanes of ``requests`` (a step computes them outside the mirror)."""
+        if not self._lane:
+            return
+        freed = False
+        for req in requests:
+            lane = self._find(req)
+            if lane >= 0:
+                self._free(lane)
+                freed = True
+        if freed:  # a step planned before this one must not write into the freed lanes
+            self.generation += 1
+
+    def plan(self, requests: list[Any], kv_len: np.ndarray) -> Lanes | None:
+        """Lanes for a decode group of ``requests`` with ``kv_len`` keys each (the new one
+        included), packed into ``[0, B)``; ``None`` (mirror emptied) when they would not fit in
+        ``max_tokens``. Requests holding a lane keep it; the others' lanes are freed."""
+        b = len(requests)
+        max_kv = int(kv_len.max())
+        lanes = max(self.lanes, 1 << (b - 1).bit_length())
+        capacity = self.capacity
+        if max_kv > capacity:
+            capacity = max(max_kv + max_kv // 4, capacity + CAPACITY_STEP)
+            capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+        if lanes * capacity > self.max_tokens:  # fewer spare lanes, then fewer spare rows
+            lanes = 1 << (b - 1).bit_length()
+            capacity = min(capacity, self.max_tokens // lanes)
+            if capacity < max_kv:
+                if self.lanes:
+                    self.clear()
+                return None
+        if lanes != self.lanes or capacity != self.capacity:
+            self._regrow(lanes, capacity)
+        lane_of = np.array([self._find(r) for r in requests], dtype=np.int64)
+        held = set(lane_of[lane_of >= 0].tolist())
+        if len(held) < int((lane_of >= 0).sum()):  # one request named twice: plan_step refuses
+            raise ValueError("a decode group names one request twice")
+        for lane in range(self.lanes):
+            if self._refs[lane] is not None and lane not in held:
+                self._free(lane)
+        free = [lane for lane in range(b) if self._refs[lane] is None]
+        for i in np.flatnonzero((lane_of >= b) | (lane_of < 0)).tolist():
+            lane = free.pop(0)
+            old = int(lane_of[i])
+            if old >= 0:
+                self._move(old, lane)
+            else:
+                self.lens[:, lane] = 0
+            self._refs[lane] = (id(requests[i]), weakref.ref(requests[i]))
+            self._lane[id(requests[i])] = lane
+            lane_of[i] = lane
+        self.generation += 1
+        dev = self.kv.device
+        need = kv_len.astype(np.int64) - 1
+        identity = bool((lane_of == np.arange(b)).all())
+        order = None
+        lane_kv_len = kv_len
+        if not identity:
+            inv = np.empty(b, dtype=np.int64)
+            inv[lane_of] = np.arange(b)
+            order = torch.from_numpy(inv).to(dev)
+            lane_kv_len = kv_len[inv]
+        mask = None
+        if int(kv_len.min()) != max_kv:
+            keys = torch.arange(max_kv)
+            lens = torch.from_numpy(lane_kv_len.astype(np.int64))
+            allowed = (keys[None, :] < lens[:, None]).view(b, 1, 1, max_kv)
+            bias = torch.zeros(allowed.shape, dtype=self.kv.dtype)
+            mask = bias.masked_fill_(~allowed, float("-inf")).to(dev)
+        idx = torch.from_numpy(np.concatenate([lane_of, need])).to(dev)
+        return Lanes(
+            generation=self.generation,
+            lane_of=lane_of,
+            need=need,
+            max_kv_len=max_kv,
+            lane_index=idx[:b],
+            need_index=idx[b:],
+            order=order,
+            mask=mask,
+        )
+
+    def _buffer(self, lanes: int, capacity: int) -> torch.Tensor:
+        """A zeroed ``[lanes, Hkv, capacity, D]`` buffer (a lane's masked rows must be finite),
+        a normal tensor even when made under ``torch.inference_mode`` (an inference tensor
+        could not be written by a later step run outside it)."""
+        kv = self.kv
+        shape = (lanes, kv.num_kv_heads, capacity, kv.head_dim)
+        with torch.inference_mode(False):
+            return torch.zeros(shape, dtype=kv.dtype, device=kv.device)
+
+    def _regrow(self, lanes: int, capacity: int) -> None:
+        """New buffers of ``lanes x capacity`` rows, the held rows copied over."""
+        kv = self.kv
+        keep = min(lanes, self.lanes)
+        rows = min(capacity, self.capacity)
+        for pools in (self.k, self.v):
+            for layer, old in enumerate(pools):
+                if old is None:
+                    continue
+                new = self._buffer(lanes, capacity)
+                if keep and rows:
+                    new[:keep, :, :rows] = old[:keep, :, :rows]
+                pools[layer] = new
+        for lane in range(lanes, self.lanes):
+            self._free(lane)
+        lens = np.zeros((kv.num_layers, lanes), dtype=np.int64)
+        lens[:, :keep] = np.minimum(self.lens[:, :keep], capacity)
+        self.lens = lens
+        self._refs = self._refs[:keep] + [None] * (lanes - keep)
+        self.lanes, self.capacity = lanes, capacity
+
+    def _move(self, src: int, dst: int) -> None:
+        """Lane ``src``'s rows, request and lengths into the free lane ``dst``."""
+        for layer in range(self.kv.num_layers):
+            n = int(self.lens[layer, src])
+            if n:
+                for pools in (self.k, self.v):
+                    buf = pools[layer]
+                    assert buf is not None  # a layer with rows has buffers
+                    buf[dst, :, :n] = buf[src, :, :n]
+        self.lens[:, dst] = self.lens[:, src]
+        entry = self._refs[src]
+        self._refs[src] = None
+        self.lens[:, src] = 0
+        self._refs[dst] = entry
+        if entry is not None:
+            self._lane[entry[0]] = dst
+
+    def bypass(self, lanes: Lanes, layer: int) -> None:
+        """The step of ``lanes`` wrote layer ``layer``'s new rows into the pool only (a layer
+        whose window the lanes do not serve): its lanes no longer hold them."""
+        if lanes.generation == self.generation:
+            lens = self.lens[layer]
+            lens[lanes.lane_of] = np.minimum(lens[lanes.lane_of], lanes.need)
+
+    def keys(
+        self,
+        lanes: Lanes,
+        layer: int,
+        block_table: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer``'s keys and values of the group, ``[B, Hkv, max_kv_len, D]`` views of
+        the first ``B`` lanes (lane order), after copying in the rows the lanes lack from the
+        pool (``block_table``: the group's page tables, group order) and the step's new rows
+        ``k_new``/``v_new`` (``[B, Hkv, D]``, group order, already in the pool). ``None`` for a
+        plan older than the newest (lanes may have moved): gather instead."""
+        if lanes.generation != self.generation:
+            return None
+        bk, bv = self.k[layer], self.v[layer]
+        if bk is None or bv is None:
+            bk = self.k[layer] = self._buffer(self.lanes, self.capacity)
+            bv = self.v[layer] = self._buffer(self.lanes, self.capacity)
+        lens = self.lens[layer]
+        have = lens[lanes.lane_of]
+        short = np.flatnonzero(have < lanes.need)
+        if len(short):
+            self._fill(layer, lanes, short, have, block_table)
+        bk[lanes.lane_index, :, lanes.need_index] = k_new
+        bv[lanes.lane_index, :, lanes.need_index] = v_new
+        lens[lanes.lane_of] = lanes.need + 1
+        b, n = len(lanes.lane_of), lanes.max_kv_len
+        return bk[:b, :, :n], bv[:b, :, :n]
+
+    def _fill(
+        self,
+        layer: int,
+        lanes: Lanes,
+        short: np.ndarray,
+        have: np.ndarray,
+        block_table: torch.Tensor,
+    ) -> None:
+        """Copies rows ``have[i]..need[i]`` of each request ``i`` in ``short`` from the pool."""
+        kv = self.kv
+        p = kv.page_size
+        bk, bv = self.k[layer], self.v[layer]
+        assert bk is not None and bv is not None
+        pool_k, pool_v = kv.k[layer], kv.v[layer]
+        for i in short.tolist():
+            lo, hi = int(have[i]), int(lanes.need[i])
+            j = torch.arange(lo, hi, device=kv.device)
+            slots = block_table[i].long()[j // p] * p + j % p
+            lane = int(lanes.lane_of[i])
+            bk[lane, :, lo:hi] = pool_k.index_select(0, slots).transpose(0, 1)
+            bv[lane, :, lo:hi] = pool_v.index_select(0, slots).transpose(0, 1)
