@@ -280,7 +280,9 @@ class SdpaBackend:
             qb = q.view(b, hkv, hq // hkv, d)
             o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=lanes.mask, scale=scale)
         o = o.reshape(b, hq, d)
-        return o if lanes.order is None else o.index_select(0, lanes.lane_index)
+        if lanes.order is None:
+            return o
+        return o.index_select(0, lanes.lane_index)
 
     @staticmethod
     def _window_mask(step: Step, g: Group, window: int) -> torch.Tensor:

@@ -307,7 +307,8 @@ class KVCache:
     steps (:mod:`radixkv.kv.mirror`), so a decode step copies one new row per request and layer
     instead of gathering every key. ``decode_mirror`` caps its rows per full layer, for K and
     for V (``None``: ``num_slots`` on the CPU, where the gather costs as much as the attention,
-    0 elsewhere; 0: off); it is exact either way.
+    0 elsewhere; 0: off); it is exact either way, and holds at most ``2 * decode_mirror`` rows
+    per full layer beside the pool (``mirror.nbytes``).
 
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.
@@ -555,8 +556,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the K and V pools of every layer on ``device`` (the gather buffers and
-        the host pools not included)."""
+        """Bytes held by the K and V pools of every layer on ``device`` (the gather buffers,
+        the decode mirror's lanes, ``mirror.nbytes``, and the host pools not included)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     @property

@@ -34,7 +34,10 @@ newest mirrored one (its lanes may have moved since) falls back to the gather.
 
 Memory: ``lanes * capacity`` token rows per mirrored layer for K and for V, at most
 ``max_tokens`` (``KVCache(decode_mirror=...)``); a decode group that would need more runs
-through the gather, and the mirror is emptied.
+through the gather, and the mirror is emptied. The CPU default, ``num_slots``, lets the lanes
+grow as large as the pool (at most twice the full layers' KV memory, held while requests
+decode; ``KVCache.mirror.nbytes`` tells). Buffers start zeroed: a lane's rows past its
+request's keys are masked, and must be finite numbers for the mask to hide them.
 """
 
 from __future__ import annotations
@@ -57,16 +60,18 @@ class Lanes:
     ``i``; ``need[i]``, the rows its lane must hold before the step's new row (``kv_len - 1``);
     ``order``, the group index of each lane ``0..B`` (``None`` when lane ``i`` is request
     ``i``); ``mask``, the additive ``[B, 1, 1, max_kv_len]`` mask in lane order (``None`` when
-    every request has as many keys)."""
+    every request has as many keys); ``full[layer]``, whether no lane of the group lacks rows
+    in that layer (cleared by :meth:`DecodeMirror.bypass`, set once a layer's rows are in)."""
 
     generation: int
     lane_of: np.ndarray
     need: np.ndarray
     max_kv_len: int
-    lane_index: torch.Tensor  # [B] int64: lane_of on the device
-    need_index: torch.Tensor  # [B] int64: need on the device
+    lane_index: torch.Tensor | None  # [B] int64: lane_of on the device (with ``order``)
+    row_index: torch.Tensor  # [B * Hkv] int64: the new rows in a flat view of a buffer
     order: torch.Tensor | None
     mask: torch.Tensor | None
+    full: np.ndarray  # [num_layers] bool: every lane of the group holds its ``need`` rows
 
 
 class DecodeMirror:
@@ -86,6 +91,8 @@ class DecodeMirror:
         #: Per lane: ``(id(request), weak reference)`` of its request, or None when free.
         self._refs: list[tuple[int, weakref.ReferenceType[Any]] | None] = []
         self._lane: dict[int, int] = {}  # id(request) -> lane (checked against _refs)
+        #: (generation, ids of the group's requests, their lanes) of the newest plan.
+        self._last: tuple[int, list[int], np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +107,7 @@ class DecodeMirror:
         self.lens = np.zeros((self.kv.num_layers, 0), dtype=np.int64)
         self._refs = []
         self._lane = {}
+        self._last = None
         self.generation += 1
 
     def _find(self, req: Any) -> int:
@@ -150,6 +158,26 @@ class DecodeMirror:
                 return None
         if lanes != self.lanes or capacity != self.capacity:
             self._regrow(lanes, capacity)
+        ids = [id(r) for r in requests]
+        last = self._last
+        refs = self._refs
+        if (
+            last is not None
+            and last[0] == self.generation
+            and last[1] == ids
+            and all(refs[lane][1]() is r for lane, r in zip(last[2].tolist(), requests))  # type: ignore[index]
+        ):  # the newest plan's group again, nothing freed or moved since: the same lanes
+            lane_of = last[2]
+        else:
+            lane_of = self._pack(requests)
+        self.generation += 1
+        self._last = (self.generation, ids, lane_of)
+        return self._lanes(lane_of, kv_len)
+
+    def _pack(self, requests: list[Any]) -> np.ndarray:
+        """The lane of each of ``requests``, packed into ``[0, B)``: lanes held are kept (or
+        moved below ``B``), the others' lanes freed, new requests given free ones."""
+        b = len(requests)
         lane_of = np.array([self._find(r) for r in requests], dtype=np.int64)
         held = set(lane_of[lane_of >= 0].tolist())
         if len(held) < int((lane_of >= 0).sum()):  # one request named twice: plan_step refuses
@@ -168,16 +196,22 @@ class DecodeMirror:
             self._refs[lane] = (id(requests[i]), weakref.ref(requests[i]))
             self._lane[id(requests[i])] = lane
             lane_of[i] = lane
-        self.generation += 1
+        return lane_of
+
+    def _lanes(self, lane_of: np.ndarray, kv_len: np.ndarray) -> Lanes:
+        """The plan of a group whose requests hold lanes ``lane_of``."""
+        b = len(lane_of)
+        max_kv = int(kv_len.max())
         dev = self.kv.device
         need = kv_len.astype(np.int64) - 1
         identity = bool((lane_of == np.arange(b)).all())
-        order = None
+        order = lane_index = None
         lane_kv_len = kv_len
         if not identity:
             inv = np.empty(b, dtype=np.int64)
             inv[lane_of] = np.arange(b)
-            order = torch.from_numpy(inv).to(dev)
+            pair = torch.from_numpy(np.concatenate([inv, lane_of])).to(dev)
+            order, lane_index = pair[:b], pair[b:]
             lane_kv_len = kv_len[inv]
         mask = None
         if int(kv_len.min()) != max_kv:
@@ -186,16 +220,20 @@ class DecodeMirror:
             allowed = (keys[None, :] < lens[:, None]).view(b, 1, 1, max_kv)
             bias = torch.zeros(allowed.shape, dtype=self.kv.dtype)
             mask = bias.masked_fill_(~allowed, float("-inf")).to(dev)
-        idx = torch.from_numpy(np.concatenate([lane_of, need])).to(dev)
+        # Row (lane, head, need) of a [lanes * Hkv * capacity, D] view: one index_copy_ writes
+        # every new row of a layer.
+        hkv = self.kv.num_kv_heads
+        rows = (lane_of[:, None] * hkv + np.arange(hkv)) * self.capacity + need[:, None]
         return Lanes(
             generation=self.generation,
             lane_of=lane_of,
             need=need,
             max_kv_len=max_kv,
-            lane_index=idx[:b],
-            need_index=idx[b:],
+            lane_index=lane_index,
+            row_index=torch.from_numpy(rows.reshape(-1)).to(dev),
             order=order,
             mask=mask,
+            full=(self.lens[:, lane_of] >= need).all(axis=1),
         )
 
     def _buffer(self, lanes: int, capacity: int) -> torch.Tensor:
@@ -227,6 +265,7 @@ class DecodeMirror:
         self.lens = lens
         self._refs = self._refs[:keep] + [None] * (lanes - keep)
         self.lanes, self.capacity = lanes, capacity
+        self._last = None
 
     def _move(self, src: int, dst: int) -> None:
         """Lane ``src``'s rows, request and lengths into the free lane ``dst``."""
@@ -251,6 +290,7 @@ class DecodeMirror:
         if lanes.generation == self.generation:
             lens = self.lens[layer]
             lens[lanes.lane_of] = np.minimum(lens[lanes.lane_of], lanes.need)
+            lanes.full[layer] = False
 
     def keys(
         self,
@@ -272,12 +312,15 @@ class DecodeMirror:
             bk = self.k[layer] = self._buffer(self.lanes, self.capacity)
             bv = self.v[layer] = self._buffer(self.lanes, self.capacity)
         lens = self.lens[layer]
-        have = lens[lanes.lane_of]
-        short = np.flatnonzero(have < lanes.need)
-        if len(short):
-            self._fill(layer, lanes, short, have, block_table)
-        bk[lanes.lane_index, :, lanes.need_index] = k_new
-        bv[lanes.lane_index, :, lanes.need_index] = v_new
+        if not lanes.full[layer]:
+            have = lens[lanes.lane_of]
+            short = np.flatnonzero(have < lanes.need)
+            if len(short):
+                self._fill(layer, lanes, short, have, block_table)
+            lanes.full[layer] = True
+        d = bk.shape[-1]
+        bk.view(-1, d).index_copy_(0, lanes.row_index, k_new.reshape(-1, d))
+        bv.view(-1, d).index_copy_(0, lanes.row_index, v_new.reshape(-1, d))
         lens[lanes.lane_of] = lanes.need + 1
         b, n = len(lanes.lane_of), lanes.max_kv_len
         return bk[:b, :, :n], bv[:b, :, :n]
