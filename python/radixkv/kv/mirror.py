@@ -321,9 +321,14 @@ class DecodeMirror:
         d = bk.shape[-1]
         bk.view(-1, d).index_copy_(0, lanes.row_index, k_new.reshape(-1, d))
         bv.view(-1, d).index_copy_(0, lanes.row_index, v_new.reshape(-1, d))
-        lens[lanes.lane_of] = lanes.need + 1
+        if lanes.order is None:  # lanes 0..B in group order
+            lens[: len(lanes.need)] = lanes.need + 1
+        else:
+            lens[lanes.lane_of] = lanes.need + 1
         b, n = len(lanes.lane_of), lanes.max_kv_len
-        return bk[:b, :, :n], bv[:b, :, :n]
+        if b < bk.shape[0]:
+            bk, bv = bk[:b], bv[:b]
+        return bk.narrow(2, 0, n), bv.narrow(2, 0, n)
 
     def _fill(
         self,

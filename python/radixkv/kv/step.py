@@ -282,11 +282,13 @@ class Step:
                 self._mirror_gen = mirror.generation
         pool_k, pool_v = kv.k[layer], kv.v[layer]
         slots = self.window_write_slots if windowed_pool else self.write_slots
-        k, v = k.to(pool_k.dtype), v.to(pool_v.dtype)
+        if k.dtype != pool_k.dtype or v.dtype != pool_v.dtype:
+            k, v = k.to(pool_k.dtype), v.to(pool_v.dtype)
         pool_k.index_copy_(0, slots, k)
         pool_v.index_copy_(0, slots, v)
         out_dtype = q.dtype
-        q = q.to(pool_k.dtype)
+        if q.dtype != pool_k.dtype:
+            q = q.to(pool_k.dtype)
         if scale is None:
             scale = 1.0 / math.sqrt(d)  # explicit: compiled backends specialise on it
         if windowed_pool:
@@ -313,7 +315,8 @@ class Step:
             return out.to(out_dtype)
         if len(self._groups) == 1 and self._groups[0][1].rows is None:
             backend, g = self._groups[0]
-            return backend.attend(self, g, layer, q, k, v, scale).to(out_dtype)
+            o = backend.attend(self, g, layer, q, k, v, scale)
+            return o if o.dtype == out_dtype else o.to(out_dtype)
         out = torch.empty_like(q)
         for backend, g in self._groups:
             rows = g.rows
