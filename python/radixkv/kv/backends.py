@@ -84,12 +84,14 @@ def _has_varlen() -> bool:
 def auto_choice(device: torch.device, dtype: torch.dtype, decode: bool) -> str:
     """The backend ``"auto"`` prefers for a group, before checking what is compiled.
 
-    CPU: SDPA (the folded gather on decode). One layer's attention alone favours flex on fp32
-    decode (``benches/bench_attention.py``: 1.2x against 1.9x of SDPA on contiguous KV at head
-    dim 64), but a whole engine step does not (``benches/bench_torch.py`` section (d): decode
-    tokens/s over a contiguous-KV loop, flex 0.47x against SDPA 0.69-0.84x at head dim 32; at
-    head dim 64, 0.71x against 0.78x for 8 requests and 0.72x against 0.66x for 32), because
-    flex rebuilds its block mask every step. bf16/fp16: the folded gather wins outright;
+    CPU: SDPA (decode over the :class:`~radixkv.kv.mirror.DecodeMirror`'s lanes, else the
+    folded gather). One layer's attention alone favours flex on fp32 decode
+    (``benches/bench_attention.py``: 1.2x against 1.9x of SDPA on contiguous KV at head dim
+    64), but a whole engine step does not (``benches/bench_torch.py`` section (d): decode
+    tokens/s over a contiguous-KV loop at head dim 32, flex 0.40-0.48x against SDPA 0.90x for 8
+    requests and 0.94-0.95x for 32, with the mirror; before it, at head dim 64, flex 0.71x
+    against SDPA 0.78x for 8 and 0.72x against 0.66x for 32), because flex rebuilds its block
+    mask every step. bf16/fp16: the folded gather wins outright;
     prefill: SDPA (flex 1.7x). ``attention="flex"`` stays available. CUDA: varlen, else
     FlashInfer, else SDPA (not yet measured here: see ``benches/README.md``)."""
     names = available(device)
