@@ -215,17 +215,12 @@ def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int
     return tok, (None if logp is None else float(logp[tok]))
 
 
-def _numpy_argmax(logits: torch.Tensor) -> bool:
-    """Whether ``logits`` are float32/float64 on the CPU, where numpy's argmax is faster."""
-    return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
-
-
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (int64): through numpy for float32/float64 logits on the CPU,
     whose argmax runs about 10x faster than torch's there (0.23 ms against 2.3 ms for 32 rows
     of a 49,152-token vocabulary, one thread). Both pick the first maximum of a row, and the
     first NaN of a row holding one."""
-    if _numpy_argmax(logits):
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         rows = logits.detach().numpy()
         return torch.from_numpy(rows.argmax(axis=-1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
@@ -240,19 +235,14 @@ def sample_tokens(
     what it was batched with). A row holding NaN, or whose draw raises, gets an exception in
     place of a token (greedy or not: argmax would pick the NaN); the other rows are unaffected.
     Also returns each row's logprob (None for rows that do not ask), or None when no row asks."""
+    best = argmax_rows(logits)
+    tokens: list[int | Exception] = list(best.tolist())
     # argmax propagates NaN (a row holding one picks it), so the picked values tell which rows
     # hold NaN without scanning the whole [N, vocab] block again.
-    if _numpy_argmax(logits):
-        rows_np = logits.detach().numpy()
-        best_np = rows_np.argmax(axis=-1)
-        tokens: list[int | Exception] = best_np.tolist()
-        nan = np.isnan(rows_np[np.arange(len(best_np)), best_np])
-    else:
-        best = logits.argmax(dim=-1)
-        tokens = best.tolist()
-        nan = torch.isnan(logits.gather(-1, best[:, None])[:, 0]).cpu().numpy()
-    for i in np.flatnonzero(nan).tolist():
-        tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
+    picked = logits.gather(-1, best[:, None])[:, 0]
+    for i, bad in enumerate(torch.isnan(picked).tolist()):
+        if bad:
+            tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
     hot = [i for i, s in enumerate(seqs) if s.temperature > 0 or s.sampling is not None]
     logprobs: list[float | None] | None = None
     if hot:
