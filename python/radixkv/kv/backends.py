@@ -153,9 +153,8 @@ class SdpaBackend:
             st["mask"] = None
             g.state = st
             return
-        mirror = getattr(kv, "mirror", None)
-        if g.is_decode and g.mirror and mirror is not None and mirror.max_tokens:
-            st["lanes"] = mirror.plan([step.requests[i] for i in g.req], g.kv_len)
+        if g.is_decode and g.mirror and kv.mirror.max_tokens:
+            st["lanes"] = kv.mirror.plan([step.requests[i] for i in g.req], g.kv_len)
             if st["lanes"] is not None:  # slots and mask made only if a layer gathers
                 g.state = st
                 return

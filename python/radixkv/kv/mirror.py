@@ -49,6 +49,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixkv.kv.backends import slot_matrix
+
 #: Capacities grow in steps of this many rows (and by a quarter at least), so a request
 #: decoding one token a step regrows its buffers rarely.
 CAPACITY_STEP = 256
@@ -91,8 +93,8 @@ class DecodeMirror:
         #: Per lane: ``(id(request), weak reference)`` of its request, or None when free.
         self._refs: list[tuple[int, weakref.ReferenceType[Any]] | None] = []
         self._lane: dict[int, int] = {}  # id(request) -> lane (checked against _refs)
-        #: (generation, ids of the group's requests, their lanes) of the newest plan.
-        self._last: tuple[int, list[int], np.ndarray] | None = None
+        #: (generation, the group's lanes in group order) of the newest plan.
+        self._last: tuple[int, np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -158,21 +160,21 @@ class DecodeMirror:
                 return None
         if lanes != self.lanes or capacity != self.capacity:
             self._regrow(lanes, capacity)
-        ids = [id(r) for r in requests]
         last = self._last
-        refs = self._refs
-        if (
-            last is not None
-            and last[0] == self.generation
-            and last[1] == ids
-            and all(refs[lane][1]() is r for lane, r in zip(last[2].tolist(), requests))  # type: ignore[index]
-        ):  # the newest plan's group again, nothing freed or moved since: the same lanes
-            lane_of = last[2]
+        if last is not None and last[0] == self.generation and len(last[1]) == b:
+            refs = self._refs
+            lane_of = last[1]
+            for lane, r in zip(lane_of.tolist(), requests):
+                entry = refs[lane]
+                if entry is None or entry[1]() is not r:
+                    lane_of = self._pack(requests)
+                    break
+            # else: the newest plan's group again, nothing freed or moved since: same lanes
         else:
             lane_of = self._pack(requests)
         self.generation += 1
-        self._last = (self.generation, ids, lane_of)
-        return self._lanes(lane_of, kv_len)
+        self._last = (self.generation, lane_of)
+        return self._lanes(lane_of, kv_len, max_kv)
 
     def _pack(self, requests: list[Any]) -> np.ndarray:
         """The lane of each of ``requests``, packed into ``[0, B)``: lanes held are kept (or
@@ -198,10 +200,9 @@ class DecodeMirror:
             lane_of[i] = lane
         return lane_of
 
-    def _lanes(self, lane_of: np.ndarray, kv_len: np.ndarray) -> Lanes:
+    def _lanes(self, lane_of: np.ndarray, kv_len: np.ndarray, max_kv: int) -> Lanes:
         """The plan of a group whose requests hold lanes ``lane_of``."""
         b = len(lane_of)
-        max_kv = int(kv_len.max())
         dev = self.kv.device
         need = kv_len.astype(np.int64) - 1
         identity = bool((lane_of == np.arange(b)).all())
@@ -340,14 +341,12 @@ class DecodeMirror:
     ) -> None:
         """Copies rows ``have[i]..need[i]`` of each request ``i`` in ``short`` from the pool."""
         kv = self.kv
-        p = kv.page_size
         bk, bv = self.k[layer], self.v[layer]
         assert bk is not None and bv is not None
         pool_k, pool_v = kv.k[layer], kv.v[layer]
         for i in short.tolist():
             lo, hi = int(have[i]), int(lanes.need[i])
-            j = torch.arange(lo, hi, device=kv.device)
-            slots = block_table[i].long()[j // p] * p + j % p
+            slots = slot_matrix(block_table[i : i + 1], hi, kv.page_size)[0, lo:]
             lane = int(lanes.lane_of[i])
             bk[lane, :, lo:hi] = pool_k.index_select(0, slots).transpose(0, 1)
             bv[lane, :, lo:hi] = pool_v.index_select(0, slots).transpose(0, 1)

@@ -132,13 +132,11 @@ class Step:
         # The decode mirror's lanes hold only rows their own plan's step wrote: this step's
         # requests outside its lanes lose theirs now, and all of them do if the mirror is
         # planned again before this step writes the pool (:meth:`attention`).
-        mirror = getattr(kv, "mirror", None)
-        self._mirror_gen = -1
-        if mirror is not None:
-            for _, g in self._groups:
-                if not (isinstance(g.state, dict) and g.state.get("lanes") is not None):
-                    mirror.forget([requests[i] for i in g.req])
-            self._mirror_gen = mirror.generation
+        mirror = kv.mirror
+        for _, g in self._groups:
+            if not (isinstance(g.state, dict) and g.state.get("lanes") is not None):
+                mirror.forget([requests[i] for i in g.req])
+        self._mirror_gen = mirror.generation
         self.backends = [backend.name for backend, _ in self._groups]
         # The window layers' page table and write slots (a cache with a window group only);
         # their groups are made on the first window layer's call.
@@ -275,11 +273,10 @@ class Step:
         self.check_current()
         if self._copy_events is not None:  # the tier's copies of this layer, on a side stream
             torch.cuda.current_stream(kv.device).wait_event(self._copy_events[layer])
-        if not windowed_pool and self._mirror_gen >= 0:
-            mirror = kv.mirror
-            if mirror.generation != self._mirror_gen:  # lanes planned since: not this step's
-                mirror.forget(self.requests)
-                self._mirror_gen = mirror.generation
+        mirror = kv.mirror
+        if not windowed_pool and mirror.generation != self._mirror_gen:
+            mirror.forget(self.requests)  # lanes planned since this step: not its own
+            self._mirror_gen = mirror.generation
         pool_k, pool_v = kv.k[layer], kv.v[layer]
         slots = self.window_write_slots if windowed_pool else self.write_slots
         if k.dtype != pool_k.dtype or v.dtype != pool_v.dtype:
