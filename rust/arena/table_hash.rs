@@ -35,16 +35,19 @@ impl TokenKeys {
         }
     }
 
-    /// The key of `tokens` after `lead` (a prefix's hash, or 0). Each four tokens are one folded
+    /// The key of `tokens` after `lead` (a prefix's key, or 0). Each four tokens are one folded
     /// multiply of two secret-mixed words, independent of the others (so they run in parallel),
-    /// folded into the state with a rotation that makes their order count. `lead` is multiplied
-    /// in first, never xored into a token word, so a prompt built to cancel a known lead needs
-    /// the secret.
+    /// folded into the state with a rotation that makes their order count; `lead` joins last,
+    /// multiplied with the page's state (never xored into a token word, so a prompt built to
+    /// cancel a known lead needs the secret). Joining last keeps a chain of keys
+    /// (`k_i = key(k_{i-1}, page i)`) one multiply a page deep: the pages' own folds have no
+    /// dependence on each other and overlap, where joining first made every fold of a page wait
+    /// for the key before it.
     #[inline]
     pub fn key(&self, lead: u64, tokens: &[u32]) -> u64 {
         let s = &self.secret;
         let word = |a: u32, b: u32| (a as u64) << 32 | b as u64;
-        let mut h = fold_mul(lead ^ s[2], tokens.len() as u64 ^ s[3]);
+        let mut h = tokens.len() as u64 ^ s[3];
         let mut quads = tokens.chunks_exact(4);
         for q in &mut quads {
             h = h.rotate_left(23) ^ fold_mul(word(q[0], q[1]) ^ s[0], word(q[2], q[3]) ^ s[1]);
@@ -54,7 +57,7 @@ impl TokenKeys {
             let t = |i: usize| rest.get(i).copied().unwrap_or(0);
             h = h.rotate_left(23) ^ fold_mul(word(t(0), t(1)) ^ s[0], word(t(2), t(3)) ^ s[1]);
         }
-        fold_mul(h ^ s[2], s[3])
+        fold_mul(h ^ s[2], lead ^ s[3])
     }
 }
 

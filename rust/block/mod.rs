@@ -41,7 +41,7 @@ use crate::wire::events::EventLog;
 use crate::wire::hash::Namespace;
 use crate::wire::hash::{next_hash, root_hash, BlockHash};
 use content_map::ContentMap;
-use page_records::PageRecords;
+use page_records::{PageRecords, HASH_WORDS};
 
 mod check;
 mod content_map;
@@ -204,9 +204,21 @@ impl BlockIndex {
     /// The hashed page holding the content `(prev, tokens)`, whose content key is `key`, and its
     /// hash.
     fn find(&self, key: u64, prev: &BlockHash, tokens: &[u32]) -> Option<(PageId, BlockHash)> {
-        let (mut hash, prev) = (None, PageRecords::words_of(prev));
+        let (page, h) = self.find_words(key, &PageRecords::words_of(prev), tokens)?;
+        Some((page, PageRecords::hash_of(&h)))
+    }
+
+    /// [`BlockIndex::find`] with hashes as the records keep them (words), as a walk chains them.
+    #[inline]
+    fn find_words(
+        &self,
+        key: u64,
+        prev: &[u32; HASH_WORDS],
+        tokens: &[u32],
+    ) -> Option<(PageId, [u32; HASH_WORDS])> {
+        let mut hash = None;
         let page = self.map.find(key, |page| {
-            hash = self.recs.holds(page, &prev, tokens);
+            hash = self.recs.holds(page, prev, tokens);
             hash.is_some()
         })?;
         Some((page, hash.expect("found pages hold the content")))
@@ -223,27 +235,31 @@ impl BlockIndex {
         let mut keys = [0u64; WALK_WINDOW];
         let mut pages = tokens.chunks_exact(p);
         let mut window = 2;
-        loop {
+        let (mut prev, mut lead, mut moved) = (PageRecords::words_of(&at.0), at.1, false);
+        'walk: loop {
             let mut n = 0;
-            let mut lead = at.1;
+            let mut next = lead;
             for page in pages.clone().take(window) {
-                lead = self.key(lead, page);
-                keys[n] = lead;
+                next = self.key(next, page);
+                keys[n] = next;
                 n += 1;
             }
             if n == 0 {
-                return;
+                break;
             }
             self.map.prefetch(keys[..n].iter().copied());
             for &key in &keys[..n] {
                 let page = pages.next().expect("counted above");
-                let Some((pg, h)) = self.find(key, &at.0, page) else {
-                    return;
+                let Some((pg, h)) = self.find_words(key, &prev, page) else {
+                    break 'walk;
                 };
                 hit(pg);
-                *at = (h, key);
+                (prev, lead, moved) = (h, key, true);
             }
             window = (window * 4).min(WALK_WINDOW);
+        }
+        if moved {
+            *at = (PageRecords::hash_of(&prev), lead);
         }
     }
 
