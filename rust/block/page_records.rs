@@ -111,8 +111,7 @@ impl PageRecords {
             return None;
         }
         let diff = |a: &[u32], b: &[u32]| a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y));
-        (diff(parent, prev) | diff(toks, tokens) == 0)
-            .then(|| std::array::from_fn(|i| hash[i]))
+        (diff(parent, prev) | diff(toks, tokens) == 0).then(|| std::array::from_fn(|i| hash[i]))
     }
 
     /// Loads the records of `pages` (those allocated so far), all at once, so that the writes
@@ -211,14 +210,21 @@ mod tests {
         assert_eq!((r.hash(PageId(9)), r.parent(PageId(9))), (Some(h), prev));
         assert_eq!(r.tokens(PageId(9)), &[1, 2, 3]);
         let w = PageRecords::words_of(&prev);
-        assert_eq!(r.holds(PageId(9), &w, &[1, 2, 3]), Some(PageRecords::words_of(&h)));
+        assert_eq!(
+            r.holds(PageId(9), &w, &[1, 2, 3]),
+            Some(PageRecords::words_of(&h))
+        );
         assert_eq!(PageRecords::hash_of(&PageRecords::words_of(&h)), h);
         assert_eq!(r.holds(PageId(9), &w, &[1, 2, 4]), None);
         assert_eq!(r.holds(PageId(9), &w, &[0, 2, 3]), None);
         assert_eq!(r.holds(PageId(9), &w, &[1, 2]), None);
         let mut w2 = w;
         w2[7] ^= 1 << 31;
-        assert_eq!(r.holds(PageId(9), &w2, &[1, 2, 3]), None, "the parent's last word counts");
+        assert_eq!(
+            r.holds(PageId(9), &w2, &[1, 2, 3]),
+            None,
+            "the parent's last word counts"
+        );
         assert_eq!(
             r.holds(PageId(9), &PageRecords::words_of(&h), &[1, 2, 3]),
             None

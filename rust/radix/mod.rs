@@ -174,7 +174,12 @@ pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
         }
         j += CHUNK;
     }
-    i + j + a[j..].iter().zip(&b[j..]).take_while(|(p, q)| p == q).count()
+    i + j
+        + a[j..]
+            .iter()
+            .zip(&b[j..])
+            .take_while(|(p, q)| p == q)
+            .count()
 }
 
 /// The tree, its pool and its LRU list.
@@ -910,9 +915,13 @@ mod tests {
     fn common_prefix_finds_the_first_difference() {
         let naive = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
         for n in [0, 1, 63, 64, 65, 1023, 1024, 1025, 2100, 4097] {
-            let a: Vec<u32> = (0..n as u32).map(|t| t.wrapping_mul(2_654_435_761)).collect();
+            let a: Vec<u32> = (0..n as u32)
+                .map(|t| t.wrapping_mul(2_654_435_761))
+                .collect();
             assert_eq!(common_prefix(&a, &a), n);
-            for at in [0, 1, 62, 63, 64, 700, 1023, 1024, 1030, 1087, 2048, 2099, 4096] {
+            for at in [
+                0, 1, 62, 63, 64, 700, 1023, 1024, 1030, 1087, 2048, 2099, 4096,
+            ] {
                 if at >= n {
                     continue;
                 }
