@@ -21,6 +21,7 @@
 //! tail to the host (splitting the edge where only part goes); the host tier has its own list of
 //! leaves, dropped least recently used first; a match through host edges loads them back whole.
 
+use crate::arena::compare::common_prefix;
 use crate::arena::ids::{ArenaId, PageId};
 use crate::arena::links::{Links, ListId};
 use crate::arena::table_hash::{MixHasher, TokenKeys};
@@ -32,13 +33,11 @@ use crate::error::{corrupt, Result};
 use crate::wire::events::EventLog;
 use crate::wire::hash::Namespace;
 use crate::wire::hash::{block_hashes, next_hash, root_hash, BlockHash};
-use compare::common_prefix;
 use freeset::FreeSet;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
 mod check;
-mod compare;
 mod disk;
 mod evict;
 mod freeset;
