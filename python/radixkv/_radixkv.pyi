@@ -448,6 +448,14 @@ class StepPlan:
     @property
     def paged_kv_last_page_len(self) -> npt.NDArray[np.int32]: ...
     @property
+    def longs(self) -> npt.NDArray[np.int64]:
+        """``input_ids``, ``positions``, ``write_slots``, ``last_token_index``, ``kv_len``
+        back to back, in one array."""
+    @property
+    def ints(self) -> npt.NDArray[np.int32]:
+        """``block_table`` (row-major), ``seq_lens``, ``qo_indptr``, ``paged_kv_indptr``,
+        ``paged_kv_last_page_len``, ``paged_kv_indices`` back to back, in one array."""
+    @property
     def batch_size(self) -> int: ...
     @property
     def num_tokens(self) -> int: ...

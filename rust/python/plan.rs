@@ -16,7 +16,8 @@ use pyo3::prelude::*;
 /// ``[B, max_pages]`` (row ``b`` starts with request ``b``'s pages, padded with page 0),
 /// ``seq_lens`` ``[B]``, ``qo_indptr`` ``[B+1]``, and FlashInfer's CSR triplet
 /// ``paged_kv_indptr`` ``[B+1]``, ``paged_kv_indices``, ``paged_kv_last_page_len`` ``[B]``
-/// (``1..page_size``); ints ``batch_size``, ``num_tokens``, ``max_pages``, ``max_kv_len``,
+/// (``1..page_size``); ``longs`` and ``ints``, the int64 and the int32 arrays each back to back
+/// in one array; ints ``batch_size``, ``num_tokens``, ``max_pages``, ``max_kv_len``,
 /// ``max_q_len``.
 #[pyclass(name = "StepPlan", module = "radixkv._radixkv", frozen)]
 pub struct PyStepPlan {
@@ -110,6 +111,36 @@ impl PyStepPlan {
     #[getter]
     fn paged_kv_last_page_len<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         arr(py, &self.plan.paged_kv_last_page_len)
+    }
+    /// int64 ``[3T + 2B]``: ``input_ids``, ``positions``, ``write_slots``,
+    /// ``last_token_index`` and ``kv_len`` back to back, in one array (what ``Step`` moves to
+    /// the device in one copy).
+    #[getter]
+    fn longs<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let p = &self.plan;
+        let parts = [
+            &p.input_ids[..],
+            &p.positions[..],
+            &p.write_slots[..],
+            &p.last_token_index[..],
+            &p.kv_len[..],
+        ];
+        PyArray1::from_vec(py, parts.concat())
+    }
+    /// int32: ``block_table`` (row-major), ``seq_lens``, ``qo_indptr``, ``paged_kv_indptr``,
+    /// ``paged_kv_last_page_len`` and ``paged_kv_indices`` back to back, in one array.
+    #[getter]
+    fn ints<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        let p = &self.plan;
+        let parts = [
+            &p.block_table[..],
+            &p.seq_lens[..],
+            &p.qo_indptr[..],
+            &p.paged_kv_indptr[..],
+            &p.paged_kv_last_page_len[..],
+            &p.paged_kv_indices[..],
+        ];
+        PyArray1::from_vec(py, parts.concat())
     }
     /// Requests in the step (B).
     #[getter]

@@ -206,6 +206,74 @@ def test_lanes_stay_packed_and_follow_the_group():
         cache.finish(r)
 
 
+def plain_layers(steps, gen: torch.Generator, layers=range(LAYERS), window_layer=None) -> None:
+    """Like :func:`run_layers` without softcaps and sinks: every layer through the lanes
+    (``window_layer``: that one with a window of 4 keys, written around them)."""
+    t = steps[0].num_tokens
+    for layer in layers:
+        q = torch.randn(t, HQ, D, generator=gen)
+        k = torch.randn(t, HKV, D, generator=gen)
+        v = torch.randn(t, HKV, D, generator=gen)
+        extra = {"window": 4} if layer == window_layer else {}
+        outs = [s.attention(layer, q, k, v, **extra) for s in steps]
+        for o in outs[1:]:
+            assert torch.equal(outs[0], o), f"layer {layer}: mirror and gather differ"
+
+
+@pytest.mark.parametrize("lengths", [(12, 12, 12), (5, 17, 9, 30)])
+def test_a_steady_decode_shifts_its_last_plan_and_stays_exact(lengths):
+    """A decode loop's plans after the first reuse the last one shifted by a row (no lane
+    plan computed again); uncommitted, partial and window steps, and a smaller group, fall
+    back to planning anew; attention stays bitwise equal to the gather's throughout."""
+    tw = Twins(CACHES[0].values[0])
+    gen = torch.Generator().manual_seed(4)
+    batch = [tw.admit(np.arange(n) + 100 * i) for i, n in enumerate(lengths)]
+    mirror = tw.kvs[0].mirror
+    computed, filled = [], []
+    orig, orig_fill = mirror._lanes, mirror._fill
+    mirror._lanes = lambda *a: computed.append(1) or orig(*a)
+    mirror._fill = lambda *a: filled.append(a[0]) or orig_fill(*a)  # the layer
+
+    def step(group, commit=True, layers=range(LAYERS), window_layer=None, grow=True):
+        if grow:
+            for reqs in group:
+                if reqs[0].num_computed == reqs[0].num_tokens:
+                    tw.extend(reqs, [int(reqs[0].num_tokens) % VOCAB])
+        steps = [kv.plan([r[i] for r in group]) for i, kv in enumerate(tw.kvs)]
+        plain_layers(steps, gen, layers, window_layer)
+        if commit:
+            for kv, s in zip(tw.kvs, steps):
+                kv.commit(s)
+        return steps[0]
+
+    step(batch)  # the prefill
+    for _ in range(6):
+        assert lanes_used(step(batch))
+    assert len(computed) == 1, "only the first decode step plans its lanes"
+    assert filled == list(range(LAYERS)), "the first decode step fills each layer once"
+    step(batch, commit=False)  # planned, run, not committed: the same tokens again
+    step(batch, grow=False)
+    assert len(computed) == 2
+    step(batch, commit=False, layers=[0])  # one layer only, then the whole step again
+    step(batch, grow=False)
+    assert len(computed) == 3
+    step(batch)  # steady again
+    assert len(computed) == 3
+    assert filled == list(range(LAYERS)), "the lanes kept what every step wrote"
+    step(batch, window_layer=1)  # layer 1 written around the lanes (bypass)
+    step(batch)
+    assert len(computed) == 4
+    assert filled == [*range(LAYERS), 1], "layer 1 lacked the bypassed row, and only it"
+    step(batch[1:])  # a smaller group: packed again, then steady
+    step(batch[1:])
+    assert len(computed) == 5
+    step(batch)
+    step(batch)
+    assert len(computed) == 6
+    for reqs in list(tw.live):
+        tw.close(reqs, "finish")
+
+
 def test_a_request_dropped_while_it_holds_a_lane_is_still_aborted():
     cache = radixkv.RadixCache(256, page_size=1)
     kv = radixkv.KVCache(cache, 1, HKV, D, attention="sdpa")

@@ -124,6 +124,10 @@ class Group:
     #: Whether the group's keys are the full pool's, so a decode group may read them from the
     #: pool's :class:`~radixkv.kv.mirror.DecodeMirror` (not the window layers' groups).
     mirror: bool = False
+    #: Longest ``q_len`` and ``kv_len`` when known (the step's own, for a group of the whole
+    #: step), else computed from them.
+    max_q_len: int | None = None
+    max_kv_len: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -144,7 +148,8 @@ class SdpaBackend:
     def prepare(self, step: Step, g: Group) -> None:
         kv = step.kv
         b = len(g.req)
-        max_q, max_kv = int(g.q_len.max()), int(g.kv_len.max())
+        max_q = int(g.q_len.max()) if g.max_q_len is None else g.max_q_len
+        max_kv = int(g.kv_len.max()) if g.max_kv_len is None else g.max_kv_len
         st: dict[str, Any] = {"max_q": max_q, "max_kv": max_kv}
         # A lone request with nothing cached is a plain causal prefill over its own new keys.
         st["fresh"] = b == 1 and int(g.q_len[0]) == int(g.kv_len[0])
@@ -154,7 +159,10 @@ class SdpaBackend:
             g.state = st
             return
         if g.is_decode and g.mirror and kv.mirror.max_tokens:
-            st["lanes"] = kv.mirror.plan([step.requests[i] for i in g.req], g.kv_len)
+            whole = g.rows is None and g.max_kv_len is not None  # the step's own requests
+            reqs = step.requests if whole else [step.requests[i] for i in g.req]
+            kv_list = step.kv_len_list if whole else None
+            st["lanes"] = kv.mirror.plan(reqs, g.kv_len, max_kv, kv_list)
             if st["lanes"] is not None:  # slots and mask made only if a layer gathers
                 g.state = st
                 return

@@ -9,7 +9,8 @@ static cache, and copies in only what a lane lacks: the new token's row, or once
 request had when it started decoding::
 
     k[layer]:  [lanes, num_kv_heads, capacity, head_dim]   lane i: one request's keys 0..len
-    lens[layer, lane]: rows of the lane that hold its request's KV
+    lens[layer, lane]: rows of the lane that hold its request's KV (a step's new rows are
+                       entered once, when the mirror is next planned or changed: _settle)
 
 Exact: a lane holds copies of pool rows, so attention over it is attention over the gather, bit
 for bit. A lane's rows are copied only when final or rewritten by the step that owns them:
@@ -63,17 +64,23 @@ class Lanes:
     ``order``, the group index of each lane ``0..B`` (``None`` when lane ``i`` is request
     ``i``); ``mask``, the additive ``[B, 1, 1, max_kv_len]`` mask in lane order (``None`` when
     every request has as many keys); ``full[layer]``, whether no lane of the group lacks rows
-    in that layer (cleared by :meth:`DecodeMirror.bypass`, set once a layer's rows are in)."""
+    in that layer (cleared by :meth:`DecodeMirror.bypass`, set once a layer's rows are in);
+    ``done[layer]``, whether the step wrote its new rows into that layer's lanes (so the next
+    plan of the same group, one token further, finds every lane full there)."""
 
     generation: int
     lane_of: np.ndarray
     need: np.ndarray
+    need1: np.ndarray  # need + 1: the rows a lane holds once the step wrote its new row
     max_kv_len: int
     lane_index: torch.Tensor | None  # [B] int64: lane_of on the device (with ``order``)
     row_index: torch.Tensor  # [B * Hkv] int64: the new rows in a flat view of a buffer
     order: torch.Tensor | None
     mask: torch.Tensor | None
     full: np.ndarray  # [num_layers] bool: every lane of the group holds its ``need`` rows
+    done: list[bool]  # [num_layers]: the step's new rows written into the layer's lanes
+    kv_list: list[int] | None = None  # need1 as a list, when the plan was given one
+    settled: bool = False  # ``lens`` holds what the step wrote (see DecodeMirror._settle)
 
 
 class DecodeMirror:
@@ -89,22 +96,52 @@ class DecodeMirror:
         self.capacity = 0
         self.k: list[torch.Tensor | None] = [None] * kv.num_layers
         self.v: list[torch.Tensor | None] = [None] * kv.num_layers
+        #: ``k``/``v`` as ``[lanes * Hkv * capacity, D]`` views (one index_copy_ writes a row
+        #: into every lane of a layer).
+        self._flat: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * kv.num_layers
         self.lens = np.zeros((kv.num_layers, 0), dtype=np.int64)
         #: Per lane: ``(id(request), weak reference)`` of its request, or None when free.
         self._refs: list[tuple[int, weakref.ReferenceType[Any]] | None] = []
         self._lane: dict[int, int] = {}  # id(request) -> lane (checked against _refs)
-        #: (generation, the group's lanes in group order) of the newest plan.
-        self._last: tuple[int, np.ndarray] | None = None
+        #: The newest plan (its group's lanes and generation).
+        self._last: Lanes | None = None
+        #: ``Lanes.done`` of a new plan: True for the layers the lanes never serve (those of
+        #: the window pool), which no step writes into lanes.
+        window = set(getattr(kv, "window_layers", ()))
+        self._done0 = [layer in window for layer in range(kv.num_layers)]
+        self._full_layers = [layer for layer in range(kv.num_layers) if layer not in window]
 
     @property
     def nbytes(self) -> int:
         """Bytes the lanes' buffers hold now."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
 
+    def _settle(self) -> None:
+        """Enters into ``lens`` the rows the newest plan's step wrote into its lanes (each
+        layer's :meth:`keys` only marks its layer done): before anything reads or changes
+        ``lens`` outside that step's own layers. Once per plan."""
+        last = self._last
+        if last is None or last.settled:
+            return
+        last.settled = True
+        if last.generation != self.generation:  # lanes freed or moved since: nothing to enter
+            return
+        done = last.done
+        rows = [layer for layer in self._full_layers if done[layer]]
+        if not rows:
+            return
+        lane_of = last.lane_of if last.order is not None else slice(0, len(last.lane_of))
+        if len(rows) == self.kv.num_layers:
+            self.lens[:, lane_of] = last.need1
+        else:
+            for layer in rows:
+                self.lens[layer, lane_of] = last.need1
+
     def clear(self) -> None:
         """Drops every lane and frees the buffers."""
         self.k = [None] * self.kv.num_layers
         self.v = [None] * self.kv.num_layers
+        self._flat = [None] * self.kv.num_layers
         self.lanes = self.capacity = 0
         self.lens = np.zeros((self.kv.num_layers, 0), dtype=np.int64)
         self._refs = []
@@ -131,6 +168,7 @@ class DecodeMirror:
         """Drops the lanes of ``requests`` (a step computes them outside the mirror)."""
         if not self._lane:
             return
+        self._settle()
         freed = False
         for req in requests:
             lane = self._find(req)
@@ -140,12 +178,21 @@ class DecodeMirror:
         if freed:  # a step planned before this one must not write into the freed lanes
             self.generation += 1
 
-    def plan(self, requests: list[Any], kv_len: np.ndarray) -> Lanes | None:
+    def plan(
+        self,
+        requests: list[Any],
+        kv_len: np.ndarray,
+        max_kv: int | None = None,
+        kv_list: list[int] | None = None,
+    ) -> Lanes | None:
         """Lanes for a decode group of ``requests`` with ``kv_len`` keys each (the new one
-        included), packed into ``[0, B)``; ``None`` (mirror emptied) when they would not fit in
-        ``max_tokens``. Requests holding a lane keep it; the others' lanes are freed."""
+        included; ``max_kv``: their most, ``kv_list``: ``kv_len`` as a list, when known), packed
+        into ``[0, B)``; ``None`` (mirror emptied) when they would not fit in ``max_tokens``.
+        Requests holding a lane keep it; the others' lanes are freed."""
+        self._settle()
         b = len(requests)
-        max_kv = int(kv_len.max())
+        if max_kv is None:
+            max_kv = int(kv_len.max())
         lanes = max(self.lanes, 1 << (b - 1).bit_length())
         capacity = self.capacity
         if max_kv > capacity:
@@ -161,20 +208,62 @@ class DecodeMirror:
         if lanes != self.lanes or capacity != self.capacity:
             self._regrow(lanes, capacity)
         last = self._last
-        if last is not None and last[0] == self.generation and len(last[1]) == b:
+        again = last is not None and last.generation == self.generation and len(last.lane_of) == b
+        if again:
+            assert last is not None
             refs = self._refs
-            lane_of = last[1]
-            for lane, r in zip(lane_of.tolist(), requests):
+            for lane, r in zip(last.lane_of.tolist(), requests):
                 entry = refs[lane]
                 if entry is None or entry[1]() is not r:
-                    lane_of = self._pack(requests)
+                    again = False
                     break
             # else: the newest plan's group again, nothing freed or moved since: same lanes
+        if again:
+            assert last is not None
+            self.generation += 1
+            lanes = self._next(last, kv_len, max_kv, kv_list)
         else:
             lane_of = self._pack(requests)
-        self.generation += 1
-        self._last = (self.generation, lane_of)
-        return self._lanes(lane_of, kv_len, max_kv)
+            self.generation += 1
+            lanes = self._lanes(lane_of, kv_len, max_kv)
+            lanes.kv_list = kv_list
+        self._last = lanes
+        return lanes
+
+    def _next(
+        self, last: Lanes, kv_len: np.ndarray, max_kv: int, kv_list: list[int] | None
+    ) -> Lanes:
+        """The plan of the newest plan's group again, in the same lanes: when every request is
+        one token further and that step wrote every layer's lanes (a decode loop's steady
+        state), what the last plan computed is shifted by one row instead of computed again
+        (after a forward pass each numpy or torch call runs cold: the fewer, the better)."""
+        steady = all(last.done) and max_kv == last.max_kv_len + 1
+        if steady:
+            if kv_list is not None and last.kv_list is not None:
+                steady = kv_list == [n + 1 for n in last.kv_list]
+            else:
+                steady = bool((kv_len == last.need1 + 1).all())
+        if not steady:
+            lanes = self._lanes(last.lane_of, kv_len, max_kv)
+            lanes.kv_list = kv_list
+            return lanes
+        mask = None if last.mask is None else self._mask(last.lane_of, kv_len, max_kv, last)
+        return Lanes(
+            generation=self.generation,
+            lane_of=last.lane_of,
+            need=last.need1,  # each request's keys before the step: the last step's, plus one
+            need1=kv_len,
+            max_kv_len=max_kv,
+            lane_index=last.lane_index,
+            row_index=last.row_index + 1,  # the row below each lane's new one, one further
+            order=last.order,
+            mask=mask,
+            # Every layer got the last step's rows: every entry of last.full is True, and the
+            # last plan is stale (its keys() and bypass() do nothing), so the array is shared.
+            full=last.full,
+            done=list(self._done0),
+            kv_list=kv_list,
+        )
 
     def _pack(self, requests: list[Any]) -> np.ndarray:
         """The lane of each of ``requests``, packed into ``[0, B)``: lanes held are kept (or
@@ -204,23 +293,16 @@ class DecodeMirror:
         """The plan of a group whose requests hold lanes ``lane_of``."""
         b = len(lane_of)
         dev = self.kv.device
-        need = kv_len.astype(np.int64) - 1
+        kv_len = kv_len.astype(np.int64, copy=False)
+        need = kv_len - 1
         identity = bool((lane_of == np.arange(b)).all())
         order = lane_index = None
-        lane_kv_len = kv_len
         if not identity:
             inv = np.empty(b, dtype=np.int64)
             inv[lane_of] = np.arange(b)
             pair = torch.from_numpy(np.concatenate([inv, lane_of])).to(dev)
             order, lane_index = pair[:b], pair[b:]
-            lane_kv_len = kv_len[inv]
-        mask = None
-        if int(kv_len.min()) != max_kv:
-            keys = torch.arange(max_kv)
-            lens = torch.from_numpy(lane_kv_len.astype(np.int64))
-            allowed = (keys[None, :] < lens[:, None]).view(b, 1, 1, max_kv)
-            bias = torch.zeros(allowed.shape, dtype=self.kv.dtype)
-            mask = bias.masked_fill_(~allowed, float("-inf")).to(dev)
+        mask = self._mask(lane_of, kv_len, max_kv, None)
         # Row (lane, head, need) of a [lanes * Hkv * capacity, D] view: one index_copy_ writes
         # every new row of a layer.
         hkv = self.kv.num_kv_heads
@@ -229,13 +311,31 @@ class DecodeMirror:
             generation=self.generation,
             lane_of=lane_of,
             need=need,
+            need1=kv_len,
             max_kv_len=max_kv,
             lane_index=lane_index,
             row_index=torch.from_numpy(rows.reshape(-1)).to(dev),
             order=order,
             mask=mask,
             full=(self.lens[:, lane_of] >= need).all(axis=1),
+            done=list(self._done0),
         )
+
+    def _mask(
+        self, lane_of: np.ndarray, kv_len: np.ndarray, max_kv: int, last: Lanes | None
+    ) -> torch.Tensor | None:
+        """The additive ``[B, 1, 1, max_kv]`` mask of a group with ``kv_len`` keys each, in lane
+        order (``lane_of``); ``None`` when every request has ``max_kv``."""
+        if last is None and int(kv_len.min()) == max_kv:
+            return None
+        b = len(lane_of)
+        lane_kv_len = np.empty(b, dtype=np.int64)
+        lane_kv_len[lane_of] = kv_len
+        keys = torch.arange(max_kv)
+        lens = torch.from_numpy(lane_kv_len)
+        allowed = (keys[None, :] < lens[:, None]).view(b, 1, 1, max_kv)
+        bias = torch.zeros(allowed.shape, dtype=self.kv.dtype)
+        return bias.masked_fill_(~allowed, float("-inf")).to(self.kv.device)
 
     def _buffer(self, lanes: int, capacity: int) -> torch.Tensor:
         """A zeroed ``[lanes, Hkv, capacity, D]`` buffer (a lane's masked rows must be finite),
@@ -259,6 +359,7 @@ class DecodeMirror:
                 if keep and rows:
                     new[:keep, :, :rows] = old[:keep, :, :rows]
                 pools[layer] = new
+        self._flat = [_flat_pair(k, v) for k, v in zip(self.k, self.v)]
         for lane in range(lanes, self.lanes):
             self._free(lane)
         lens = np.zeros((kv.num_layers, lanes), dtype=np.int64)
@@ -292,6 +393,7 @@ class DecodeMirror:
             lens = self.lens[layer]
             lens[lanes.lane_of] = np.minimum(lens[lanes.lane_of], lanes.need)
             lanes.full[layer] = False
+            lanes.done[layer] = False
 
     def keys(
         self,
@@ -309,26 +411,24 @@ class DecodeMirror:
         if lanes.generation != self.generation:
             return None
         bk, bv = self.k[layer], self.v[layer]
-        if bk is None or bv is None:
+        flat = self._flat[layer]
+        if bk is None or bv is None or flat is None:
             bk = self.k[layer] = self._buffer(self.lanes, self.capacity)
             bv = self.v[layer] = self._buffer(self.lanes, self.capacity)
-        lens = self.lens[layer]
+            flat = self._flat[layer] = _flat_pair(bk, bv)
         if not lanes.full[layer]:
-            have = lens[lanes.lane_of]
+            have = self.lens[layer, lanes.lane_of]
             short = np.flatnonzero(have < lanes.need)
             if len(short):
                 self._fill(layer, lanes, short, have, block_table)
             lanes.full[layer] = True
-        d = bk.shape[-1]
-        bk.view(-1, d).index_copy_(0, lanes.row_index, k_new.reshape(-1, d))
-        bv.view(-1, d).index_copy_(0, lanes.row_index, v_new.reshape(-1, d))
-        if lanes.order is None:  # lanes 0..B in group order
-            lens[: len(lanes.need)] = lanes.need + 1
-        else:
-            lens[lanes.lane_of] = lanes.need + 1
+        d = k_new.shape[-1]
+        flat[0].index_copy_(0, lanes.row_index, k_new.reshape(-1, d))
+        flat[1].index_copy_(0, lanes.row_index, v_new.reshape(-1, d))
+        lanes.done[layer] = True  # lens: entered by _settle
         b, n = len(lanes.lane_of), lanes.max_kv_len
         if b < bk.shape[0]:
-            bk, bv = bk[:b], bv[:b]
+            return bk[:b, :, :n], bv[:b, :, :n]
         return bk.narrow(2, 0, n), bv.narrow(2, 0, n)
 
     def _fill(
@@ -350,3 +450,12 @@ class DecodeMirror:
             lane = int(lanes.lane_of[i])
             bk[lane, :, lo:hi] = pool_k.index_select(0, slots).transpose(0, 1)
             bv[lane, :, lo:hi] = pool_v.index_select(0, slots).transpose(0, 1)
+
+
+def _flat_pair(
+    k: torch.Tensor | None, v: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``[lanes * Hkv * capacity, D]`` views of a layer's K and V lanes (None without them)."""
+    if k is None or v is None:
+        return None
+    return k.view(-1, k.shape[-1]), v.view(-1, v.shape[-1])

@@ -92,37 +92,27 @@ class Step:
         self.requests = requests
         q_start = plan.q_start
         kv_len = plan.kv_len
-        q_len = np.diff(q_start)
         b = len(requests)
         self.page_size = kv.page_size
-        self.num_tokens = plan.num_tokens
+        self.num_tokens = t = plan.num_tokens
         self.max_q_len = plan.max_q_len
         self.max_kv_len = plan.max_kv_len
         self.max_pages = plan.max_pages
+        self.is_decode = self.max_q_len == 1
+        q_len = np.ones(b, dtype=np.int64) if self.is_decode else np.diff(q_start)
         self.q_len_list: list[int] = q_len.tolist()
         self.kv_len_list: list[int] = kv_len.tolist()
-        self.is_decode = self.max_q_len == 1
         self.is_fresh_prefill = b == 1 and self.q_len_list[0] == self.kv_len_list[0]
         dev = kv.device
-        t = self.num_tokens
-        # Two host-to-device copies in all: the int64 index arrays, then the int32 page tables.
-        longs = [plan.input_ids, plan.positions, plan.write_slots, plan.last_token_index, kv_len]
-        flat = torch.from_numpy(np.concatenate(longs)).to(dev)
-        views = torch.split(flat, [t, t, t, b, b])
+        # Two host-to-device copies in all: the int64 index arrays, then the int32 page tables,
+        # each packed back to back by the plan.
+        longs = torch.from_numpy(plan.longs).to(dev)
+        views = longs.split_with_sizes([t, t, t, b, b])
         self.input_ids, self.positions, self.write_slots = views[0], views[1], views[2]
         self.last_token_index, self.kv_len = views[3], views[4]
-        indices = plan.paged_kv_indices
-        ints = [
-            plan.block_table.reshape(-1),
-            plan.seq_lens,
-            plan.qo_indptr,
-            plan.paged_kv_indptr,
-            plan.paged_kv_last_page_len,
-            indices,
-        ]
-        flat32 = torch.from_numpy(np.concatenate(ints)).to(dev)
-        sizes = [b * self.max_pages, b, b + 1, b + 1, b, len(indices)]
-        v32 = torch.split(flat32, sizes)
+        ints = torch.from_numpy(plan.ints).to(dev)
+        pages = b * self.max_pages
+        v32 = ints.split_with_sizes([pages, b, b + 1, b + 1, b, ints.shape[0] - pages - 4 * b - 2])
         self.block_table = v32[0].view(b, self.max_pages)
         self.seq_lens, self.qo_indptr, self.paged_kv_indptr = v32[1], v32[2], v32[3]
         self.paged_kv_last_page_len, self.paged_kv_indices = v32[4], v32[5]
@@ -144,7 +134,8 @@ class Step:
         # SDPA's groups over the full pool, for layers whose window, softcap or sinks a
         # group's backend does not take (made on the first such layer's call).
         self._sdpa_groups: list[tuple[Any, Group]] | None = None
-        if getattr(kv, "window_layers", None):
+        self._window_layers = getattr(kv, "window_layers", ())
+        if self._window_layers:
             self.window_write_slots = torch.from_numpy(plan.window_write_slots).to(dev)
             self.window_block_table = torch.from_numpy(plan.window_block_table).to(dev)
 
@@ -159,9 +150,12 @@ class Step:
         """Decode and prefill requests as one group, or two where their backends differ; each
         prepared by its backend (the SDPA backend for every group with ``sdpa_only``)."""
         kv = self.kv
-        decode = q_len == 1
-        n_dec = int(decode.sum())
         b = len(q_len)
+        if self.is_decode:  # every request decodes (no numpy over q_len)
+            decode, n_dec = None, b
+        else:
+            decode = q_len == 1
+            n_dec = int(decode.sum())
         if sdpa_only:
             parts = [(kv._backend("sdpa"), np.arange(b))]
         elif 0 < n_dec < b:
@@ -185,8 +179,10 @@ class Step:
                     positions=self.positions,
                     block_table=block_table,
                     seq_lens=self.seq_lens,
-                    is_decode=bool(decode.all()),
+                    is_decode=n_dec == b,
                     mirror=not sdpa_only,
+                    max_q_len=self.max_q_len,
+                    max_kv_len=self.max_kv_len,
                 )
             else:
                 rows_np = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in req])
@@ -202,7 +198,7 @@ class Step:
                     positions=self.positions.index_select(0, rows),
                     block_table=block_table.index_select(0, idx)[:, :pages],
                     seq_lens=self.seq_lens.index_select(0, idx),
-                    is_decode=bool(decode[req].all()),
+                    is_decode=bool(decode[req].all()),  # type: ignore[index]
                     mirror=not sdpa_only,
                 )
             backend.prepare(self, g)
@@ -242,26 +238,29 @@ class Step:
         logit per query head joining each softmax. The pool keeps every token's KV either way.
         """
         kv = self.kv
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
-        if not 0 <= layer < kv.num_layers:
-            raise ValueError(f"layer must be in [0, {kv.num_layers}), got {layer}")
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-            if not x.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
         t, hkv, d = self.num_tokens, kv.num_kv_heads, kv.head_dim
-        if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d or q.shape[1] % hkv != 0:
-            raise ValueError(
-                f"q must be [T={t}, Hq, D={d}] with Hq a multiple of {hkv}, got {tuple(q.shape)}"
-            )
-        for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != (t, hkv, d):
-                raise ValueError(f"{name} must be [{t}, {hkv}, {d}], got {tuple(x.shape)}")
+        # One pass over what every layer's call gets right; the checks that name what is wrong
+        # run when it fails (after a forward pass's math each line here runs cold).
+        if not (
+            type(layer) is int
+            and 0 <= layer < kv.num_layers
+            and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+            and k.shape == (t, hkv, d)
+            and v.shape == (t, hkv, d)
+            and q.dim() == 3
+            and q.shape[0] == t
+            and q.shape[2] == d
+            and q.shape[1] % hkv == 0
+            and q.dtype.is_floating_point
+            and k.dtype.is_floating_point
+            and v.dtype.is_floating_point
+        ):
+            self._check_args(layer, q, k, v)
         if window is not None or softcap is not None or sinks is not None:
             _windowed.check_extras(window, softcap, sinks, q.shape[1])
-        windowed_pool = layer in getattr(kv, "window_layers", ())
+        windowed_pool = layer in self._window_layers
         if windowed_pool and (window is None or window > kv.window):
             raise ValueError(
                 f"layer {layer} keeps its KV in the window pool, which holds the last "
@@ -321,6 +320,27 @@ class Step:
             o = backend.attend(self, g, layer, q[rows], k[rows], v[rows], scale)
             out.index_copy_(0, rows, o)
         return out.to(out_dtype)
+
+    def _check_args(self, layer: Any, q: Any, k: Any, v: Any) -> None:
+        """The argument checks of :meth:`attention`, each naming the bad value."""
+        kv = self.kv
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
+        if not 0 <= layer < kv.num_layers:
+            raise ValueError(f"layer must be in [0, {kv.num_layers}), got {layer}")
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if not x.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        t, hkv, d = self.num_tokens, kv.num_kv_heads, kv.head_dim
+        if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d or q.shape[1] % hkv != 0:
+            raise ValueError(
+                f"q must be [T={t}, Hq, D={d}] with Hq a multiple of {hkv}, got {tuple(q.shape)}"
+            )
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != (t, hkv, d):
+                raise ValueError(f"{name} must be [{t}, {hkv}, {d}], got {tuple(x.shape)}")
 
     def _attend_window(
         self,
