@@ -319,17 +319,22 @@ def test_a_row_with_one_nan_is_refused_alone():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_argmax_rows_is_torchs_argmax(dtype):
+def test_greedy_rows_are_torchs_argmax_and_name_the_nan_rows(dtype):
     """The greedy pick (numpy's argmax for float32/64 on the CPU) is torch's: the first maximum
-    of each row, the first NaN of a row holding one, on contiguous and strided logits."""
+    of each row, the first NaN of a row holding one, on contiguous and strided logits; the rows
+    holding NaN are named."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 300, generator=g).to(dtype)
     x[1, 7] = x[1, 200] = x[1].max() + 1  # a tie: the first wins
     x[2, 50] = x[2, 9] = float("nan")
     x[3] = float("-inf")
     x[4, 299] = float("inf")
+    x[6, 0] = float("nan")
     for logits in (x, x[:, ::2], x.t().contiguous().t()):
-        got = sampling.argmax_rows(logits)
-        assert got.dtype == torch.int64
-        assert got.tolist() == logits.argmax(dim=-1).tolist()
-    assert sampling.argmax_rows(x)[1] == 7 and sampling.argmax_rows(x)[2] == 9
+        tokens, nan_rows = sampling.greedy_rows(logits)
+        assert tokens == logits.argmax(dim=-1).tolist()
+        assert nan_rows == [i for i in range(9) if bool(logits[i].isnan().any())]
+    tokens, nan_rows = sampling.greedy_rows(x)
+    assert tokens[1] == 7 and tokens[2] == 9 and nan_rows == [2, 6]
+    clean = torch.randn(3, 5, generator=g).to(dtype)
+    assert sampling.greedy_rows(clean) == (clean.argmax(dim=-1).tolist(), [])

@@ -215,15 +215,21 @@ def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int
     return tok, (None if logp is None else float(logp[tok]))
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` (int64): through numpy for float32/float64 logits on the CPU,
-    whose argmax runs about 10x faster than torch's there (0.23 ms against 2.3 ms for 32 rows
-    of a 49,152-token vocabulary, one thread). Both pick the first maximum of a row, and the
-    first NaN of a row holding one."""
+def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Each row's ``argmax`` as torch gives it (the first maximum of a row, the first NaN of a
+    row holding one), and the rows holding NaN (argmax propagates NaN, so the values it picked
+    tell, without scanning ``[N, vocab]`` again). Through numpy for float32/float64 logits on
+    the CPU: its argmax runs about 10x faster than torch's there (0.23 ms against 2.3 ms for 32
+    rows of a 49,152-token vocabulary, one thread), and after a forward pass every call runs
+    cold, numpy's four here against torch's eight (0.29 -> 0.16 ms a step at 8 rows of 8,192)."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         rows = logits.detach().numpy()
-        return torch.from_numpy(rows.argmax(axis=-1).astype(np.int64, copy=False))
-    return logits.argmax(dim=-1)
+        best = rows.argmax(axis=-1)
+        nan = np.isnan(rows[np.arange(len(best)), best])
+        return best.tolist(), np.flatnonzero(nan).tolist() if nan.any() else []
+    best_t = logits.argmax(dim=-1)
+    picked = logits.gather(-1, best_t[:, None])[:, 0]
+    return best_t.tolist(), torch.isnan(picked).nonzero().flatten().tolist()
 
 
 def sample_tokens(
@@ -235,14 +241,10 @@ def sample_tokens(
     what it was batched with). A row holding NaN, or whose draw raises, gets an exception in
     place of a token (greedy or not: argmax would pick the NaN); the other rows are unaffected.
     Also returns each row's logprob (None for rows that do not ask), or None when no row asks."""
-    best = argmax_rows(logits)
-    tokens: list[int | Exception] = list(best.tolist())
-    # argmax propagates NaN (a row holding one picks it), so the picked values tell which rows
-    # hold NaN without scanning the whole [N, vocab] block again.
-    picked = logits.gather(-1, best[:, None])[:, 0]
-    for i, bad in enumerate(torch.isnan(picked).tolist()):
-        if bad:
-            tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
+    best, nan_rows = greedy_rows(logits)
+    tokens: list[int | Exception] = list(best)
+    for i in nan_rows:
+        tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
     hot = [i for i, s in enumerate(seqs) if s.temperature > 0 or s.sampling is not None]
     logprobs: list[float | None] | None = None
     if hot:

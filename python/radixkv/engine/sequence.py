@@ -217,13 +217,14 @@ class Sequence:
             self._target = np.concatenate([self.prompt, out])
         return self._target
 
-    def tokens(self, start: int, n: int) -> np.ndarray:
-        """``target[start : start + n]`` (uint32). A chunk inside the output (every decode
-        step's) is read off the output alone: building the whole target each step would copy
-        the context, tens of thousands of tokens for an agent, per request per step."""
+    def tokens(self, start: int, n: int) -> np.ndarray | list[int]:
+        """``target[start : start + n]``: uint32, or for a chunk inside the output (every
+        decode step's) a slice of the output list, which the cache takes as it is: building the
+        whole target each step would copy the context, tens of thousands of tokens for an
+        agent, per request per step, and an array of one token costs more than the list."""
         p = len(self.prompt)
         if start >= p:
-            return np.asarray(self.output[start - p : start - p + n], dtype=np.uint32)
+            return self.output[start - p : start - p + n]
         return self.target[start : start + n]
 
     @property

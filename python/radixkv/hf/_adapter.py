@@ -74,7 +74,8 @@ class HFCausalLM(torch.nn.Module):
         }
         if calls is not None:
             kwargs[CALLS_KWARG] = calls
-        keep = None if all_logits else step.last_token_index
+        # A decode step's rows are its requests' last tokens, in order: every row is kept.
+        keep = None if all_logits or step.is_decode else step.last_token_index
         if keep is not None and self.spec.logits_to_keep:
             kwargs["logits_to_keep"] = keep
         with paged_mode(self.model):

@@ -89,8 +89,9 @@ def paged_attention(
     calls = kwargs.get(CALLS_KWARG)
     if calls is not None:
         calls.append((layer, query.shape[1]))
-    # [1, H, T, D] -> [T, H, D]: views, no copy.
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    # [1, H, T, D] -> [T, H, D]: views, no copy (one as_strided call each: a layer's every
+    # torch call runs cold after the math before it).
+    q, k, v = (_token_major(x) for x in (query, key, value))
     # What a layer of Mistral, Qwen2, Gemma 2/3, Cohere2 or gpt-oss adds to causal attention:
     # its sliding window, Gemma 2's softcapping, gpt-oss's sinks (radixkv.kv.windowed).
     window = kwargs.get("sliding_window")
@@ -105,6 +106,14 @@ def paged_attention(
         sinks=kwargs.get("s_aux"),
     )
     return out.unsqueeze(0), None
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """``x[0].transpose(0, 1)`` of a ``[1, H, T, D]`` tensor, as one view."""
+    if x.dim() != 4 or x.shape[0] != 1:
+        raise ValueError(f"attention inputs must be [1, H, T, D], got {tuple(x.shape)}")
+    s = x.stride()
+    return x.as_strided((x.shape[2], x.shape[1], x.shape[3]), (s[2], s[1], s[3]))
 
 
 def register() -> None:

@@ -55,6 +55,9 @@ from radixkv.kv.backends import slot_matrix
 #: Capacities grow in steps of this many rows (and by a quarter at least), so a request
 #: decoding one token a step regrows its buffers rarely.
 CAPACITY_STEP = 256
+#: Steady decode steps whose lane rows are made at once (``Lanes.rows_ahead``): each step then
+#: takes its row indices as a view, one call instead of an addition.
+ROWS_AHEAD = 32
 
 
 @dataclass
@@ -75,6 +78,10 @@ class Lanes:
     max_kv_len: int
     lane_index: torch.Tensor | None  # [B] int64: lane_of on the device (with ``order``)
     row_index: torch.Tensor  # [B * Hkv] int64: the new rows in a flat view of a buffer
+    #: ``[ROWS_AHEAD, B * Hkv]``: ``row_index`` of this plan and the steady ones after it (row
+    #: ``ahead`` is this one's).
+    rows_ahead: torch.Tensor
+    ahead: int
     order: torch.Tensor | None
     mask: torch.Tensor | None
     full: np.ndarray  # [num_layers] bool: every lane of the group holds its ``need`` rows
@@ -248,6 +255,11 @@ class DecodeMirror:
             lanes.kv_list = kv_list
             return lanes
         mask = None if last.mask is None else self._mask(last.lane_of, kv_len, max_kv, last)
+        ahead = last.ahead + 1
+        rows_ahead = last.rows_ahead
+        if ahead == ROWS_AHEAD:
+            rows_ahead = _ahead(last.row_index + 1)
+            ahead = 0
         return Lanes(
             generation=self.generation,
             lane_of=last.lane_of,
@@ -255,7 +267,10 @@ class DecodeMirror:
             need1=kv_len,
             max_kv_len=max_kv,
             lane_index=last.lane_index,
-            row_index=last.row_index + 1,  # the row below each lane's new one, one further
+            # The row below each lane's new one, one further: the next of the rows made ahead.
+            row_index=rows_ahead[ahead],
+            rows_ahead=rows_ahead,
+            ahead=ahead,
             order=last.order,
             mask=mask,
             # Every layer got the last step's rows: every entry of last.full is True, and the
@@ -307,6 +322,7 @@ class DecodeMirror:
         # every new row of a layer.
         hkv = self.kv.num_kv_heads
         rows = (lane_of[:, None] * hkv + np.arange(hkv)) * self.capacity + need[:, None]
+        rows_ahead = _ahead(torch.from_numpy(rows.reshape(-1)).to(dev))
         return Lanes(
             generation=self.generation,
             lane_of=lane_of,
@@ -314,7 +330,9 @@ class DecodeMirror:
             need1=kv_len,
             max_kv_len=max_kv,
             lane_index=lane_index,
-            row_index=torch.from_numpy(rows.reshape(-1)).to(dev),
+            row_index=rows_ahead[0],
+            rows_ahead=rows_ahead,
+            ahead=0,
             order=order,
             mask=mask,
             full=(self.lens[:, lane_of] >= need).all(axis=1),
@@ -459,3 +477,10 @@ def _flat_pair(
     if k is None or v is None:
         return None
     return k.view(-1, k.shape[-1]), v.view(-1, v.shape[-1])
+
+
+def _ahead(row_index: torch.Tensor) -> torch.Tensor:
+    """``[ROWS_AHEAD, n]``: ``row_index`` and the rows of the steady steps after it (one
+    further each)."""
+    steps = torch.arange(ROWS_AHEAD, dtype=row_index.dtype, device=row_index.device)
+    return row_index[None, :] + steps[:, None]

@@ -106,11 +106,16 @@ class Step:
         dev = kv.device
         # Two host-to-device copies in all: the int64 index arrays, then the int32 page tables,
         # each packed back to back by the plan.
-        longs = torch.from_numpy(plan.longs).to(dev)
+        host = dev.type == "cpu"  # on the CPU the arrays are the tensors: no .to() to pay
+        longs = torch.from_numpy(plan.longs)
+        if not host:
+            longs = longs.to(dev)
         views = longs.split_with_sizes([t, t, t, b, b])
         self.input_ids, self.positions, self.write_slots = views[0], views[1], views[2]
         self.last_token_index, self.kv_len = views[3], views[4]
-        ints = torch.from_numpy(plan.ints).to(dev)
+        ints = torch.from_numpy(plan.ints)
+        if not host:
+            ints = ints.to(dev)
         pages = b * self.max_pages
         v32 = ints.split_with_sizes([pages, b, b + 1, b + 1, b, ints.shape[0] - pages - 4 * b - 2])
         self.block_table = v32[0].view(b, self.max_pages)

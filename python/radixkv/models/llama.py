@@ -276,7 +276,8 @@ class CausalLM(nn.Module):
             for i in range(len(self.layers))
         ]
         x = self._run(step.input_ids, step.positions, attends)
-        return self._logits(x if all_logits else x[step.last_token_index])
+        # A decode step's rows are its requests' last tokens, in order: no gather.
+        return self._logits(x if all_logits or step.is_decode else x[step.last_token_index])
 
     @torch.inference_mode()
     def forward_dense(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
