@@ -1,0 +1,211 @@
+"""bench_step: where a decode step of ``radixkv.hf.engine`` spends its time, part by part, at
+several numbers of running requests, on a real model.
+
+    .venv/bin/python benches/bench_step.py [--quick] [--model smollm2|tiny|llama3-8b]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--batches 1,8,32,64] [--prompt 128]
+        [--steps 16] [--threads 1]
+
+B requests of ``--prompt`` distinct random tokens are prefilled (one step) and decoded one step
+untimed, then ``--steps`` decode steps (``Engine.step``, every request one token) are timed end
+to end and split into:
+
+- ``schedule``: the batcher growing every running request by its next token;
+- ``plan``: ``KVCache.plan`` (the Rust plan, the step's index tensors, the lane plan);
+- ``model``: the transformers forward less its attention calls (embeddings, norms, RoPE, MLPs,
+  the head);
+- ``attn kernel``: the ``scaled_dot_product_attention`` calls inside ``Step.attention``;
+- ``attn around``: the rest of ``Step.attention`` (argument checks, the pool and lane writes,
+  views);
+- ``commit``: ``KVCache.commit``; ``sampling``: the engine's sampling and bookkeeping;
+- ``other``: what is left of ``Engine.step`` (its statistics, Python between the parts).
+
+Each part is timed by a wrapper (about a microsecond a call; on CUDA each one synchronizes, so
+the figures are of a serialized step). ``outside forward`` is schedule + plan + commit +
+sampling + other as a share of the step, the engine's own cost; the last line checks it against
+the target (under 3% of a step at 32 requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+try:
+    import torch
+
+    import radixkv
+    import radixkv.hf
+    from radixkv.kv import step as step_mod
+    from shapes import NAMES, build, dtype_of
+except ImportError as e:  # an install without the [hf] extra: nothing to measure
+    print(f"bench_step: skipped ({e}); pip install radixkv[hf]")
+    sys.exit(0)
+
+from common import table
+
+PARTS = (
+    "schedule",
+    "plan",
+    "model",
+    "attn kernel",
+    "attn around",
+    "commit",
+    "sampling",
+    "other",
+)
+OUTSIDE = ("schedule", "plan", "commit", "sampling", "other")
+
+
+class Clock:
+    """Seconds per part, summed over the timed steps; ``sync`` waits for the device first."""
+
+    def __init__(self, device: str) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.cuda = device.startswith("cuda")
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def wrap(self, part: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = self.now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += self.now() - t
+
+        return timed
+
+
+def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds per decode step of each part (and ``step``) for ``b`` requests."""
+    page = 16
+    pages = b * (-(-(args.prompt + args.steps + 4) // page)) + 8
+    eng = radixkv.hf.engine(
+        model,
+        radixkv.RadixCache(pages, page_size=page),
+        token_budget=max(b * args.prompt, 256),
+        max_batch=b,
+        prefix_caching=False,
+        stop_tokens=(),
+    )
+    gen = torch.Generator().manual_seed(b)
+    prompts = torch.randint(0, model.config.vocab_size, (b, args.prompt), generator=gen)
+    for row in prompts.numpy():
+        eng.submit(row, max_new_tokens=args.steps + 3)
+    eng.step()  # the prefill
+    eng.step()  # one decode step untimed: first-call costs out of the figures
+    clock = Clock(args.device)
+    kernel = torch.nn.functional.scaled_dot_product_attention
+    attention = step_mod.Step.attention
+    kernel_s = [0.0]
+
+    def timed_kernel(*a: Any, **k: Any) -> Any:
+        t = clock.now()
+        try:
+            return kernel(*a, **k)
+        finally:
+            kernel_s[0] += clock.now() - t
+
+    forward_t = [0.0]
+
+    def forward_start(*_: Any) -> None:
+        forward_t[0] = clock.now()
+
+    def forward_end(*_: Any) -> None:
+        clock.seconds["forward"] += clock.now() - forward_t[0]
+
+    eng.batcher.next_batch = clock.wrap("schedule", eng.batcher.next_batch)  # type: ignore[method-assign]
+    eng.kv.plan = clock.wrap("plan", eng.kv.plan)  # type: ignore[method-assign]
+    eng.kv.commit = clock.wrap("commit", eng.kv.commit)  # type: ignore[method-assign]
+    eng._sample = clock.wrap("sampling", eng._sample)  # type: ignore[method-assign]
+    hooks = [
+        eng.model.register_forward_pre_hook(forward_start),
+        eng.model.register_forward_hook(forward_end),
+    ]
+    torch.nn.functional.scaled_dot_product_attention = timed_kernel
+    step_mod.Step.attention = clock.wrap("attention", attention)  # type: ignore[method-assign]
+    try:
+        total = 0.0
+        for _ in range(args.steps):
+            t = clock.now()
+            eng.step()
+            total += clock.now() - t
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = kernel
+        step_mod.Step.attention = attention  # type: ignore[method-assign]
+        for h in hooks:
+            h.remove()
+    s = clock.seconds
+    n = args.steps
+    out = {
+        "step": total,
+        "schedule": s["schedule"],
+        "plan": s["plan"],
+        "model": s["forward"] - s["attention"],
+        "attn kernel": kernel_s[0],
+        "attn around": s["attention"] - kernel_s[0],
+        "commit": s["commit"],
+        "sampling": s["sampling"],
+    }
+    out["other"] = total - sum(out[p] for p in PARTS if p != "other")
+    return {k: 1e3 * v / n for k, v in out.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run: its figures say nothing")
+    ap.add_argument("--model", default="smollm2", choices=NAMES)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batches", default="1,8,32,64", help="running requests, comma-separated")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model = "tiny" if args.model == "smollm2" else args.model
+        args.batches, args.prompt, args.steps = "1,4", 16, 3
+    try:
+        batches = [int(x) for x in args.batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        ap.error(f"--batches must be positive ints, comma-separated, got {args.batches!r}")
+    for name in ("prompt", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    torch.set_num_threads(args.threads)
+    model = build(args.model, args.device, dtype_of(args.dtype))
+    print(
+        f"bench_step: {args.model}, {args.device}, {args.dtype}, {args.threads} CPU thread(s); "
+        f"prompts of {args.prompt} tokens, {args.steps} decode steps timed; ms per step "
+        "(share of the step)"
+    )
+    rows, outside = [], {}
+    for b in batches:
+        ms = measure(model, b, args)
+        share = {p: ms[p] / ms["step"] for p in PARTS}
+        outside[b] = sum(share[p] for p in OUTSIDE)
+        rows.append(
+            [str(b), f"{ms['step']:.2f}"]
+            + [f"{ms[p]:.3f} ({100 * share[p]:.1f}%)" for p in PARTS]
+            + [f"{100 * outside[b]:.2f}%"]
+        )
+    table(["requests", "step ms", *PARTS, "outside forward"], rows)
+    if 32 in outside:
+        verdict = "holds" if outside[32] < 0.03 else "short"
+        print(
+            f"target: the engine's own cost (outside the forward) under 3% of a step at 32 "
+            f"requests: {100 * outside[32]:.2f}% ({verdict})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
