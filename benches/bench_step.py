@@ -13,7 +13,8 @@ to end and split into:
 - ``plan``: ``KVCache.plan`` (the Rust plan, the step's index tensors, the lane plan);
 - ``model``: the transformers forward less its attention calls (embeddings, norms, RoPE, MLPs,
   the head);
-- ``attn kernel``: the ``scaled_dot_product_attention`` calls inside ``Step.attention``;
+- ``attn kernel``: the ``scaled_dot_product_attention`` calls inside ``Step.attention`` (the
+  SDPA backend's; another backend's kernels count in ``attn around``);
 - ``attn around``: the rest of ``Step.attention`` (argument checks, the pool and lane writes,
   views);
 - ``commit``: ``KVCache.commit``; ``sampling``: the engine's sampling and bookkeeping;

@@ -13,7 +13,8 @@
 #   3. a 10-turn agent session with an 8k-token system prompt on a Llama-3-8B-shaped model in
 #      bfloat16: TTFT with the prefix cache against model.generate recomputing;
 #   4. decode tokens/s at 1-64 requests against model.generate with its static cache;
-#   5. the host tier's load bandwidth against recomputing the same context.
+#   5. the host tier's load bandwidth against recomputing the same context;
+#   6. where a decode step goes, part by part, at 1 and 32 requests (every part synchronized).
 # Then a summary: each step's exit status and its target lines ("target: ... (holds|short)"),
 # written to $GPU_CHECK_OUT/summary.txt (default target/gpu_check/) beside every step's log.
 #
@@ -82,6 +83,8 @@ if [ "$DRY" -eq 0 ]; then
         --dtype bfloat16 --batches 1,8,32,64 --prompt 512 --new 64 --repeat 2
     step host_load_8b 60 "$PY" benches/bench_host_load.py --device cuda --model llama3-8b \
         --dtype bfloat16 --tokens 2048,8192,32768
+    step step_8b 60 "$PY" benches/bench_step.py --device cuda --model llama3-8b \
+        --dtype bfloat16 --batches 1,32 --prompt 512 --steps 8
 else
     # Collected, not run: proves the files import and that the marker still selects tests.
     # shellcheck disable=SC2086
@@ -93,6 +96,8 @@ else
     step decode_8b 120 "$PY" benches/bench_decode.py --device cpu --quick --model tiny \
         --dtype bfloat16
     step host_load_8b 60 "$PY" benches/bench_host_load.py --device cpu --quick --model tiny \
+        --dtype bfloat16
+    step step_8b 60 "$PY" benches/bench_step.py --device cpu --quick --model tiny \
         --dtype bfloat16
 fi
 
