@@ -232,8 +232,7 @@ class DecodeMirror:
         else:
             lane_of = self._pack(requests)
             self.generation += 1
-            lanes = self._lanes(lane_of, kv_len, max_kv)
-            lanes.kv_list = kv_list
+            lanes = self._lanes(lane_of, kv_len, max_kv, kv_list)
         self._last = lanes
         return lanes
 
@@ -251,10 +250,9 @@ class DecodeMirror:
             else:
                 steady = bool((kv_len == last.need1 + 1).all())
         if not steady:
-            lanes = self._lanes(last.lane_of, kv_len, max_kv)
-            lanes.kv_list = kv_list
-            return lanes
-        mask = None if last.mask is None else self._mask(last.lane_of, kv_len, max_kv, last)
+            return self._lanes(last.lane_of, kv_len, max_kv, kv_list)
+        # Lengths all equal stay equal one token further; unequal ones need the mask anew.
+        mask = None if last.mask is None else self._mask(last.lane_of, kv_len, max_kv)
         ahead = last.ahead + 1
         rows_ahead = last.rows_ahead
         if ahead == ROWS_AHEAD:
@@ -304,7 +302,9 @@ class DecodeMirror:
             lane_of[i] = lane
         return lane_of
 
-    def _lanes(self, lane_of: np.ndarray, kv_len: np.ndarray, max_kv: int) -> Lanes:
+    def _lanes(
+        self, lane_of: np.ndarray, kv_len: np.ndarray, max_kv: int, kv_list: list[int] | None
+    ) -> Lanes:
         """The plan of a group whose requests hold lanes ``lane_of``."""
         b = len(lane_of)
         dev = self.kv.device
@@ -317,7 +317,7 @@ class DecodeMirror:
             inv[lane_of] = np.arange(b)
             pair = torch.from_numpy(np.concatenate([inv, lane_of])).to(dev)
             order, lane_index = pair[:b], pair[b:]
-        mask = self._mask(lane_of, kv_len, max_kv, None)
+        mask = None if int(kv_len.min()) == max_kv else self._mask(lane_of, kv_len, max_kv)
         # Row (lane, head, need) of a [lanes * Hkv * capacity, D] view: one index_copy_ writes
         # every new row of a layer.
         hkv = self.kv.num_kv_heads
@@ -337,15 +337,12 @@ class DecodeMirror:
             mask=mask,
             full=(self.lens[:, lane_of] >= need).all(axis=1),
             done=list(self._done0),
+            kv_list=kv_list,
         )
 
-    def _mask(
-        self, lane_of: np.ndarray, kv_len: np.ndarray, max_kv: int, last: Lanes | None
-    ) -> torch.Tensor | None:
+    def _mask(self, lane_of: np.ndarray, kv_len: np.ndarray, max_kv: int) -> torch.Tensor:
         """The additive ``[B, 1, 1, max_kv]`` mask of a group with ``kv_len`` keys each, in lane
-        order (``lane_of``); ``None`` when every request has ``max_kv``."""
-        if last is None and int(kv_len.min()) == max_kv:
-            return None
+        order (``lane_of``)."""
         b = len(lane_of)
         lane_kv_len = np.empty(b, dtype=np.int64)
         lane_kv_len[lane_of] = kv_len
@@ -429,11 +426,12 @@ class DecodeMirror:
         if lanes.generation != self.generation:
             return None
         bk, bv = self.k[layer], self.v[layer]
-        flat = self._flat[layer]
-        if bk is None or bv is None or flat is None:
+        if bk is None or bv is None:
             bk = self.k[layer] = self._buffer(self.lanes, self.capacity)
             bv = self.v[layer] = self._buffer(self.lanes, self.capacity)
-            flat = self._flat[layer] = _flat_pair(bk, bv)
+            self._flat[layer] = _flat_pair(bk, bv)
+        flat = self._flat[layer]
+        assert flat is not None  # kept beside every layer's buffers (_regrow, here)
         if not lanes.full[layer]:
             have = self.lens[layer, lanes.lane_of]
             short = np.flatnonzero(have < lanes.need)

@@ -190,6 +190,7 @@ class Step:
                     max_kv_len=self.max_kv_len,
                 )
             else:
+                assert decode is not None  # a group short of the step: not every request decodes
                 rows_np = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in req])
                 rows = torch.from_numpy(rows_np).to(kv.device)
                 idx = torch.from_numpy(req).to(kv.device)
@@ -203,7 +204,7 @@ class Step:
                     positions=self.positions.index_select(0, rows),
                     block_table=block_table.index_select(0, idx)[:, :pages],
                     seq_lens=self.seq_lens.index_select(0, idx),
-                    is_decode=bool(decode[req].all()),  # type: ignore[index]
+                    is_decode=bool(decode[req].all()),
                     mirror=not sdpa_only,
                 )
             backend.prepare(self, g)
@@ -243,26 +244,7 @@ class Step:
         logit per query head joining each softmax. The pool keeps every token's KV either way.
         """
         kv = self.kv
-        t, hkv, d = self.num_tokens, kv.num_kv_heads, kv.head_dim
-        # One pass over what every layer's call gets right; the checks that name what is wrong
-        # run when it fails (after a forward pass's math each line here runs cold).
-        if not (
-            type(layer) is int
-            and 0 <= layer < kv.num_layers
-            and isinstance(q, torch.Tensor)
-            and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor)
-            and k.shape == (t, hkv, d)
-            and v.shape == (t, hkv, d)
-            and q.dim() == 3
-            and q.shape[0] == t
-            and q.shape[2] == d
-            and q.shape[1] % hkv == 0
-            and q.dtype.is_floating_point
-            and k.dtype.is_floating_point
-            and v.dtype.is_floating_point
-        ):
-            self._check_args(layer, q, k, v)
+        self._check_args(layer, q, k, v)
         if window is not None or softcap is not None or sinks is not None:
             _windowed.check_extras(window, softcap, sinks, q.shape[1])
         windowed_pool = layer in self._window_layers
@@ -291,7 +273,7 @@ class Step:
         if q.dtype != pool_k.dtype:
             q = q.to(pool_k.dtype)
         if scale is None:
-            scale = 1.0 / math.sqrt(d)  # explicit: compiled backends specialise on it
+            scale = 1.0 / math.sqrt(kv.head_dim)  # explicit: compiled backends specialise on it
         if windowed_pool:
             return self._attend_window(layer, q, k, v, scale, window, softcap, sinks).to(out_dtype)
         extras = window is not None or softcap is not None or sinks is not None
@@ -327,7 +309,8 @@ class Step:
         return out.to(out_dtype)
 
     def _check_args(self, layer: Any, q: Any, k: Any, v: Any) -> None:
-        """The argument checks of :meth:`attention`, each naming the bad value."""
+        """The argument checks of :meth:`attention`, each naming the bad value (before anything
+        is written)."""
         kv = self.kv
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
             raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
