@@ -22,7 +22,6 @@ target (>= 1.0x ``generate`` at every batch size) and whether it holds.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -33,17 +32,12 @@ try:
 
     import radixkv
     import radixkv.hf
-    from shapes import NAMES, build, dtype_of
+    from shapes import build, model_parser, parse_model_args, sync
 except ImportError as e:  # an install without the [hf] extra: nothing to measure
     print(f"bench_decode: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
-from common import table
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+from common import positive_ints, table
 
 
 class ForwardClock:
@@ -108,27 +102,20 @@ def timed(fn: Any, device: str) -> tuple[float, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a smoke run: its figures say nothing")
-    ap.add_argument("--model", default="smollm2", choices=NAMES)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap = model_parser(__doc__)
     ap.add_argument("--batches", default="1,8,32,64", help="running requests, comma-separated")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.model = "tiny" if args.model == "smollm2" else args.model
-        args.batches, args.prompt, args.new, args.repeat = "1,4", 16, 4, 1
-    torch.set_num_threads(args.threads)
-    dtype = dtype_of(args.dtype)
-    model = build(args.model, args.device, dtype)
+    args = parse_model_args(ap, argv, quick=dict(batches="1,4", prompt=16, new=4, repeat=1))
+    batches = positive_ints(ap, args.batches, "--batches")
+    for name in ("prompt", "new", "page_size", "repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    model = build(args.model, args.device, args.torch_dtype)
     vocab = model.config.vocab_size
     static = args.device.startswith("cuda")
-    batches = [int(b) for b in args.batches.split(",")]
     print(
         f"bench_decode: {args.model}, {args.device}, {args.dtype}, {args.threads} CPU thread(s); "
         f"prompts of {args.prompt} tokens, {args.new} new tokens each, greedy; generate with its "

@@ -14,7 +14,6 @@ their ratio; the target line says whether a load beats the recompute at every le
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -25,17 +24,12 @@ try:
 
     import radixkv
     from radixkv.kv import KVCache
-    from shapes import NAMES, build, dtype_of
+    from shapes import build, model_parser, parse_model_args, sync
 except ImportError as e:
     print(f"bench_host_load: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
-from common import table
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+from common import positive_ints, table
 
 
 def load_seconds(shape, n: int, page: int, dtype, device: str, repeat: int) -> tuple[float, int]:
@@ -82,20 +76,16 @@ def recompute_seconds(model, n: int, device: str, repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a smoke run: its figures say nothing")
-    ap.add_argument("--model", default="tiny", choices=NAMES)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap = model_parser(__doc__, model="tiny", device="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", default="2048,8192", help="context lengths, comma-separated")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.tokens, args.repeat = "256", 1
-    torch.set_num_threads(args.threads)
-    dtype = dtype_of(args.dtype)
+    args = parse_model_args(ap, argv, quick=dict(tokens="256", repeat=1))
+    tokens = positive_ints(ap, args.tokens, "--tokens")
+    for name in ("page_size", "repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    dtype = args.torch_dtype
     model = build(args.model, args.device, dtype)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -105,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.device}, {args.dtype}, pages of {args.page_size} tokens"
     )
     rows, wins = [], []
-    for n in (int(x) for x in args.tokens.split(",")):
+    for n in tokens:
         load, nbytes = load_seconds(shape, n, args.page_size, dtype, args.device, args.repeat)
         comp = recompute_seconds(model, n, args.device, args.repeat)
         wins.append(comp / load)

@@ -40,12 +40,12 @@ try:
     import radixkv
     import radixkv.hf
     from radixkv.kv import step as step_mod
-    from shapes import NAMES, build, dtype_of
+    from shapes import build, model_parser, parse_model_args
 except ImportError as e:  # an install without the [hf] extra: nothing to measure
     print(f"bench_step: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
-from common import table
+from common import positive_ints, table
 
 PARTS = (
     "schedule",
@@ -159,30 +159,16 @@ def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a smoke run: its figures say nothing")
-    ap.add_argument("--model", default="smollm2", choices=NAMES)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap = model_parser(__doc__)
     ap.add_argument("--batches", default="1,8,32,64", help="running requests, comma-separated")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.model = "tiny" if args.model == "smollm2" else args.model
-        args.batches, args.prompt, args.steps = "1,4", 16, 3
-    try:
-        batches = [int(x) for x in args.batches.split(",")]
-    except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
-        ap.error(f"--batches must be positive ints, comma-separated, got {args.batches!r}")
+    args = parse_model_args(ap, argv, quick=dict(batches="1,4", prompt=16, steps=3))
+    batches = positive_ints(ap, args.batches, "--batches")
     for name in ("prompt", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    torch.set_num_threads(args.threads)
-    model = build(args.model, args.device, dtype_of(args.dtype))
+    model = build(args.model, args.device, args.torch_dtype)
     print(
         f"bench_step: {args.model}, {args.device}, {args.dtype}, {args.threads} CPU thread(s); "
         f"prompts of {args.prompt} tokens, {args.steps} decode steps timed; ms per step "

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 import radixkv
+from common import positive_ints
 from radixkv.kv.backends import sdpa
 from radixkv.models import CausalLM, ModelConfig
 
@@ -262,7 +263,7 @@ def engine_decode(model, args) -> None:
     """(d) Engine decode throughput against the contiguous-KV loop, per batch size."""
     cfg = model.config
     p_len, steps = args.decode_prompt, args.decode_steps
-    batches = [int(b) for b in args.decode_batch.split(",")]
+    batches = args.decode_batches
     page = 16
     # One pool size for every run, so flex compiles once per batch bucket only.
     num_pages = max(batches) * math.ceil((p_len + steps + 2) / page) + 8
@@ -401,12 +402,7 @@ def main() -> None:
     if args.quick:
         p.set_defaults(**QUICK)
         args = p.parse_args()
-    try:
-        batches = [int(b) for b in args.decode_batch.split(",")]
-    except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
-        p.error(f"--decode-batch must be positive ints, comma-separated, got {args.decode_batch!r}")
+    args.decode_batches = positive_ints(p, args.decode_batch, "--decode-batch")
     for name in ("decode_prompt", "decode_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

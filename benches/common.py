@@ -306,6 +306,18 @@ def criterion_provenance() -> str:
     )
 
 
+def positive_ints(ap: argparse.ArgumentParser, text: str, flag: str) -> list[int]:
+    """``"1,8,32"`` -> ``[1, 8, 32]``: a comma-separated option of positive ints (batch sizes,
+    context lengths), or the parser's error naming ``flag`` and the value given."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        ap.error(f"{flag} must be positive ints, comma-separated, got {text!r}")
+    return values
+
+
 def table(headers: list[str], rows: list[list[str]], hide: tuple[str, ...] = ()) -> None:
     """Prints an aligned table; columns whose header is in ``hide`` are left out."""
     keep = [i for i, h in enumerate(headers) if h not in hide]

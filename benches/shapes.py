@@ -9,6 +9,7 @@ they run (no download), or the packaged real model.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
@@ -65,3 +66,46 @@ def dtype_of(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}: float32, bfloat16 or float16")
     return dtype
+
+
+def model_parser(
+    doc: str | None, model: str = "smollm2", device: str = "cpu"
+) -> argparse.ArgumentParser:
+    """A parser with the options every bench that runs a model of :data:`NAMES` takes:
+    ``--quick``, ``--model``, ``--device``, ``--dtype``, ``--threads`` (the bench adds its own;
+    :func:`parse_model_args` reads them)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run: its figures say nothing")
+    ap.add_argument("--model", default=model, choices=NAMES)
+    ap.add_argument("--device", default=device)
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return ap
+
+
+def parse_model_args(
+    ap: argparse.ArgumentParser, argv: list[str] | None, quick: dict[str, Any]
+) -> argparse.Namespace:
+    """``argv`` parsed by ``ap`` (from :func:`model_parser`); with ``--quick``, the defaults
+    ``quick`` (and the tiny model in place of the packaged one) under the options given
+    explicitly. Checks ``--dtype`` and ``--threads`` and sets torch's CPU threads."""
+    args = ap.parse_args(argv)
+    if args.quick:
+        model = "tiny" if ap.get_default("model") == "smollm2" else ap.get_default("model")
+        ap.set_defaults(**{"model": model, **quick})
+        args = ap.parse_args(argv)
+    try:
+        args.torch_dtype = dtype_of(args.dtype)
+    except ValueError as e:
+        ap.error(f"--dtype: {e}")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def sync(device: str) -> None:
+    """Waits for the work queued on ``device`` (a CUDA device; nothing to wait for on the CPU),
+    so that a timer read after it counts that work."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
