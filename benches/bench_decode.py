@@ -37,7 +37,7 @@ except ImportError as e:  # an install without the [hf] extra: nothing to measur
     print(f"bench_decode: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
-from common import positive_ints, table
+from common import at_least_one, positive_ints, table
 
 
 class ForwardClock:
@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = parse_model_args(ap, argv, quick=dict(batches="1,4", prompt=16, new=4, repeat=1))
     batches = positive_ints(ap, args.batches, "--batches")
-    for name in ("prompt", "new", "page_size", "repeat"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    at_least_one(ap, args, "prompt", "new", "page_size", "repeat")
     model = build(args.model, args.device, args.torch_dtype)
     vocab = model.config.vocab_size
     static = args.device.startswith("cuda")

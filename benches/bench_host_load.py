@@ -29,7 +29,7 @@ except ImportError as e:
     print(f"bench_host_load: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
-from common import positive_ints, table
+from common import at_least_one, positive_ints, table
 
 
 def load_seconds(shape, n: int, page: int, dtype, device: str, repeat: int) -> tuple[float, int]:
@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = parse_model_args(ap, argv, quick=dict(tokens="256", repeat=1))
     tokens = positive_ints(ap, args.tokens, "--tokens")
-    for name in ("page_size", "repeat"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    at_least_one(ap, args, "page_size", "repeat")
     dtype = args.torch_dtype
     model = build(args.model, args.device, dtype)
     cfg = model.config

@@ -45,7 +45,7 @@ except ImportError as e:  # an install without the [hf] extra: nothing to measur
     print(f"bench_step: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
-from common import positive_ints, table
+from common import at_least_one, positive_ints, table
 
 PARTS = (
     "schedule",
@@ -165,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     args = parse_model_args(ap, argv, quick=dict(batches="1,4", prompt=16, steps=3))
     batches = positive_ints(ap, args.batches, "--batches")
-    for name in ("prompt", "steps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    at_least_one(ap, args, "prompt", "steps")
     model = build(args.model, args.device, args.torch_dtype)
     print(
         f"bench_step: {args.model}, {args.device}, {args.dtype}, {args.threads} CPU thread(s); "

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import radixkv
-from common import positive_ints
+from common import at_least_one, positive_ints
 from radixkv.kv.backends import sdpa
 from radixkv.models import CausalLM, ModelConfig
 
@@ -403,9 +403,7 @@ def main() -> None:
         p.set_defaults(**QUICK)
         args = p.parse_args()
     args.decode_batches = positive_ints(p, args.decode_batch, "--decode-batch")
-    for name in ("decode_prompt", "decode_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    at_least_one(p, args, "decode_prompt", "decode_steps")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.dtype = torch.float32

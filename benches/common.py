@@ -318,6 +318,15 @@ def positive_ints(ap: argparse.ArgumentParser, text: str, flag: str) -> list[int
     return values
 
 
+def at_least_one(ap: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """The parser's error, naming the option and its value, for the first of the int options
+    ``names`` (attribute names: ``page_size`` is ``--page-size``) below 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def table(headers: list[str], rows: list[list[str]], hide: tuple[str, ...] = ()) -> None:
     """Prints an aligned table; columns whose header is in ``hide`` are left out."""
     keep = [i for i, h in enumerate(headers) if h not in hide]
