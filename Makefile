@@ -8,7 +8,7 @@ comma  := ,
 # Converted GGUF checkpoints (radixkv.hf.load) are kept here, so tests and the demo convert once.
 export RADIXKV_MODEL_CACHE ?= $(abspath target/models)
 
-.PHONY: all develop test test-rust test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo serve replay lint fmt wheel clean test-cluster
+.PHONY: all develop test test-rust test-triton test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo serve replay lint fmt wheel clean test-cluster
 
 all: test
 
@@ -33,10 +33,16 @@ $(EXT): $(DEPS) $(RUST)
 
 develop: $(EXT)
 
-test: test-rust test-python
+test: test-rust test-triton test-python
 
 test-rust:
 	cargo test --quiet
+
+# The Triton kernels and KVCache(attention="triton") on CPU tensors under Triton's interpreter
+# (TRITON_INTERPRET=1 must be set before triton is imported: a pytest process of their own).
+# On a GPU the same tests run compiled: `pytest -m cuda tests/triton` (benches/gpu_check.sh).
+test-triton: $(EXT)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not slow' -p no:cacheprovider tests/triton
 
 test-python: $(EXT)
 	$(PY) -m pytest -q tests/python

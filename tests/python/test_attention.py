@@ -158,9 +158,9 @@ def test_matches_reference(make_cache, hq, hkv):
 
 def test_gqa_without_sdpa_enable_gqa(monkeypatch):
     """The repeat_interleave path taken on torch < 2.5."""
-    import radixkv.kv.backends
+    from radixkv.kv.backends import sdpa_backend
 
-    monkeypatch.setattr(radixkv.kv.backends, "SDPA_GQA", False)
+    monkeypatch.setattr(sdpa_backend, "SDPA_GQA", False)
     scenario(CACHES[1].values[0], 8, 2)
 
 
@@ -209,24 +209,34 @@ def test_pool_layout_and_sizing():
         radixkv.KVCache("cache", 1, 1, 8)
 
 
+SPLIT_DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, cuda]),
+]
+
+
+@pytest.mark.parametrize("device", SPLIT_DEVICES)
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (4, 4)])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_one_request_over_its_cached_prefix_splits_exactly(hq, hkv, page_size, monkeypatch):
-    """A lone request's prefill over a long cached prefix (CPU, float32) runs as two partial
-    attentions merged by their log-sum-exps (the prefix unmasked, the new tokens causal): the
-    same output as the reference; short prefills and prefixes keep the masked SDPA call."""
-    from radixkv.kv import backends
+def test_one_request_over_its_cached_prefix_splits_exactly(hq, hkv, page_size, device, monkeypatch):
+    """A lone request's prefill over a long cached prefix runs as two partial attentions
+    merged by their log-sum-exps (the prefix unmasked, the new tokens causal): the same output
+    as the reference. On the CPU (float32) short prefills and prefixes keep the masked SDPA
+    call; on CUDA every prefill over a cached prefix splits (no mask is built there)."""
+    from radixkv.kv.backends import sdpa_backend
     from radixkv.kv.windowed import attend_exact
 
-    if backends._FLASH_CPU is None:
+    if device == "cpu" and sdpa_backend._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash kernel returning the log-sum-exp")
     calls = []
-    real = backends._cached_prefill
+    real = sdpa_backend._cached_prefill
     monkeypatch.setattr(
-        backends, "_cached_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+        sdpa_backend, "_cached_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a)
     )
     cache = radixkv.RadixCache(4096 // page_size, page_size=page_size)
-    kv = radixkv.KVCache(cache, num_layers=1, num_kv_heads=hkv, head_dim=D, attention="sdpa")
+    kv = radixkv.KVCache(
+        cache, num_layers=1, num_kv_heads=hkv, head_dim=D, attention="sdpa", device=device
+    )
     g = torch.Generator().manual_seed(page_size + hq)
     rng = np.random.default_rng(0)
     trunk = rng.integers(0, VOCAB, 400)
@@ -234,7 +244,9 @@ def test_one_request_over_its_cached_prefix_splits_exactly(hq, hkv, page_size, m
     step = kv.plan([first])
     n = step.num_tokens
     step.attention(
-        0, torch.randn(n, hq, D, generator=g), *(torch.randn(n, hkv, D, generator=g),) * 2
+        0,
+        torch.randn(n, hq, D, generator=g).to(device),
+        *(torch.randn(n, hkv, D, generator=g).to(device),) * 2,
     )
     kv.commit(step)
     cache.finish(first)
@@ -242,10 +254,12 @@ def test_one_request_over_its_cached_prefix_splits_exactly(hq, hkv, page_size, m
         r = cache.admit(np.concatenate([trunk, rng.integers(0, VOCAB, new)]))
         step = kv.plan([r])
         t = step.num_tokens
-        q = torch.randn(t, hq, D, generator=g)
-        k, v = torch.randn(t, hkv, D, generator=g), torch.randn(t, hkv, D, generator=g)
+        q = torch.randn(t, hq, D, generator=g).to(device)
+        k = torch.randn(t, hkv, D, generator=g).to(device)
+        v = torch.randn(t, hkv, D, generator=g).to(device)
         got = step.attention(0, q, k, v, 0.2)
         want = attend_exact(step, 0, q, 0.2)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         cache.abort(r)
-    assert calls == [70]  # the 70 new tokens over the 400 cached split; the 8 did not
+    # The 70 new tokens over the 400 cached split; on the CPU the 8 did not.
+    assert calls == ([70] if device == "cpu" else [70, 8])

@@ -74,7 +74,7 @@ def test_auto_on_cpu_is_sdpa_and_flex_is_opt_in():
 def test_flex_compiles_are_bounded(monkeypatch):
     cache = radixkv.RadixCache(64, page_size=4)
     kv = radixkv.KVCache(cache, num_layers=1, num_kv_heads=1, head_dim=D, attention="flex")
-    monkeypatch.setattr(backends, "MAX_FLEX_COMPILES", len(backends._flex_keys))
+    monkeypatch.setattr(backends.flex_backend, "MAX_FLEX_COMPILES", len(backends._flex_keys))
     with pytest.raises(RuntimeError, match="past MAX_FLEX_COMPILES"):
         kv.warmup(num_heads=3, batch_sizes=[64])
 

@@ -33,6 +33,7 @@ from radixkv.hf._support import (
     register,
     tp_group,
 )
+from radixkv.kv import devices
 from radixkv.kv.kv_cache import KVCache
 from radixkv.kv.step import Step
 
@@ -108,10 +109,12 @@ def make_kv_cache(
     disk_dir: str | os.PathLike[str] | None = None,
     fingerprint: Mapping[str, object] | None = None,
     on_mismatch: str = "error",
+    attention: str = "auto",
 ) -> KVCache:
     """A :class:`radixkv.KVCache` for ``cache`` shaped as ``spec`` says; a cache with a host
     tier gets its host pools in CPU memory, one with a disk tier its pool under ``disk_dir``
-    (``fingerprint``: the model's, see :func:`radixkv.kv.disk_tier.model_fingerprint`)."""
+    (``fingerprint``: the model's, see :func:`radixkv.kv.disk_tier.model_fingerprint`);
+    ``attention``: its backend (``KVCache(attention=...)``)."""
     if not isinstance(cache, radixkv.Cache):
         raise ValueError(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
@@ -141,6 +144,7 @@ def make_kv_cache(
         fingerprint=fingerprint,
         on_mismatch=on_mismatch,
         window_layers=window_layers,
+        attention=attention,
     )
 
 
@@ -148,20 +152,28 @@ def check_kv(spec: ModelSpec, kv: KVCache, name: str) -> None:
     """``ValueError`` unless ``kv``'s pools have the model's KV shape, dtype and device."""
     want = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device)
     got = (kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device)
-    if want != got:
+    if want[:4] != got[:4] or not devices.same(spec.device, kv.device):
         raise ValueError(
             f"{name} is shaped (layers, KV heads, head dim, dtype, device) = {got}, the model "
             f"needs {want}"
         )
 
 
-def kv_for(spec: ModelSpec, cache: radixkv.Cache | KVCache) -> KVCache:
+def kv_for(
+    spec: ModelSpec, cache: radixkv.Cache | KVCache, attention: str | None = None
+) -> KVCache:
     """The :class:`KVCache` to use: ``cache`` itself when it is one (checked against the
-    model), else a new one over the index ``cache``."""
+    model; ``attention`` must then be ``None``: the pool has its backend), else a new one over
+    the index ``cache`` with ``attention`` (default ``"auto"``)."""
     if isinstance(cache, KVCache):
         check_kv(spec, cache, "cache")
+        if attention is not None and attention != cache.attention:
+            raise ValueError(
+                f"attention={attention!r} is for a cache this call makes its KVCache for; the "
+                f"KVCache passed in attends through {cache.attention!r} (KVCache(attention=...))"
+            )
         return cache
-    return make_kv_cache(spec, cache)
+    return make_kv_cache(spec, cache, attention=attention or "auto")
 
 
 def _probe(adapter: HFCausalLM) -> None:
@@ -252,6 +264,7 @@ def engine(
     *,
     disk_dir: str | os.PathLike[str] | None = None,
     on_mismatch: str = "error",
+    attention: str | None = None,
     **kwargs: Any,
 ) -> Engine:
     """A :class:`radixkv.Engine` (continuous batching, sessions, ``branch``, the scheduler)
@@ -280,6 +293,9 @@ def engine(
     hits for the next one over the same model and refused for another (``on_mismatch="error"``,
     or ``"reset"`` to start empty).
 
+    ``attention``: the attention backend of the ``KVCache`` this call makes (``"auto"`` by
+    default: the Triton kernels on CUDA; see :class:`radixkv.KVCache`).
+
     Raises ``ValueError`` saying why for a model radixkv cannot serve (chunked, hybrid or
     cross attention, encoder-decoders, composite models, heads that do not divide
     among the tensor-parallel ranks) and for bad arguments.
@@ -301,8 +317,15 @@ def engine(
             )
         from radixkv.kv.disk_tier import model_fingerprint
 
-        kv = make_kv_cache(adapter.spec, cache, disk_dir, model_fingerprint(model), on_mismatch)
+        kv = make_kv_cache(
+            adapter.spec,
+            cache,
+            disk_dir,
+            model_fingerprint(model),
+            on_mismatch,
+            attention=attention or "auto",
+        )
     else:
-        kv = kv_for(adapter.spec, cache)
+        kv = kv_for(adapter.spec, cache, attention)
     kwargs.setdefault("stop_tokens", eos_token_ids(model))
     return Engine(adapter, kv, token_budget=token_budget, **kwargs)

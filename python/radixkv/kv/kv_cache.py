@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ import torch
 
 import radixkv
 from radixkv.kv import backends as _backends
+from radixkv.kv import devices as _devices
 from radixkv.kv.disk_tier import DiskTier
 from radixkv.kv.mirror import DecodeMirror
 from radixkv.kv.step import Step
@@ -259,6 +261,17 @@ def _host_device(host_device: str | torch.device | None, host_pages: int) -> tor
     return dev
 
 
+_AUTO_SAID: set[str] = set()
+
+
+def _say_auto_reason(device: torch.device) -> None:
+    """Warns once per device when ``attention="auto"`` cannot take its first choice there."""
+    why = _backends.auto_reason(device)
+    if why is not None and str(device) not in _AUTO_SAID:
+        _AUTO_SAID.add(str(device))
+        warnings.warn(why, RuntimeWarning, stacklevel=3)
+
+
 class KVCache:
     """Per-layer K and V pools shaped ``[num_pages * page_size, num_kv_heads, head_dim]``.
 
@@ -267,10 +280,14 @@ class KVCache:
     keys of a batch read slot 0, and zeros keep masked-out scores finite.
 
     ``attention`` picks how steps attend (:mod:`radixkv.kv.backends`): ``"auto"`` (the fastest
-    measured choice per device, dtype and step kind), ``"sdpa"`` (gather + SDPA, the reference),
-    ``"flex"`` (compiled flex attention over the pool in place, decode), ``"varlen"`` (CUDA) or
+    measured choice per device, dtype and step kind: ``"triton"`` on CUDA), ``"sdpa"`` (gather +
+    SDPA, the reference; cuDNN excluded on CUDA), ``"triton"`` (paged kernels reading the pool in
+    place; CUDA, or the CPU under ``TRITON_INTERPRET=1``), ``"flex"`` (compiled flex attention
+    over the pool in place, decode; pages of at least 16 slots on CUDA), ``"varlen"`` (CUDA) or
     ``"flashinfer"`` (CUDA, when installed). A backend unavailable here raises ``ValueError``
-    listing the available ones. Call :meth:`warmup` before serving so nothing compiles then.
+    saying why. Call :meth:`warmup` before serving so nothing compiles then. ``device`` is
+    compared as torch does: ``"cuda"`` is the current CUDA device (``self.device`` holds its
+    index).
 
     Host tier: for a cache made with ``host_pages > 0``, ``host_device`` (a CPU device:
     ``"cpu"``; ``ValueError`` naming it for any other, ``"meta"`` included, whatever ``device``
@@ -334,7 +351,11 @@ class KVCache:
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
         if not isinstance(attention, str):
             raise TypeError(f"attention must be a str, got {type(attention).__name__}")
-        _backends.check_name(attention, torch.device(device))
+        device = _devices.canonical(device)
+        _backends.check_name(attention, device)
+        _backends.check_pool(attention, device, cache.page_size)
+        if attention == "auto":
+            _say_auto_reason(device)
         host_pages = cache.host_pages
         host = _host_device(host_device, host_pages)
         self.attention = attention
@@ -345,7 +366,7 @@ class KVCache:
         self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
         self.head_dim = _positive("head_dim", head_dim)
         self.dtype = _check_dtype(dtype)
-        self.device = torch.device(device)
+        self.device = device
         self.page_size = cache.page_size
         self.num_pages = cache.num_pages
         self.num_slots = self.num_pages * self.page_size
@@ -424,6 +445,8 @@ class KVCache:
                 obj = _backends.SdpaBackend()
             elif name == "flex":
                 obj = _backends.FlexBackend(self)
+            elif name == "triton":
+                obj = _backends.TritonBackend(self)
             elif name == "varlen":
                 obj = _backends.VarlenBackend()
             else:

@@ -231,8 +231,10 @@ class CausalLM(nn.Module):
         host_device: str | torch.device | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
         on_mismatch: str = "error",
+        attention: str = "auto",
     ) -> KVCache:
-        """A :class:`radixkv.KVCache` shaped for this model (its dtype and device by default);
+        """A :class:`radixkv.KVCache` shaped for this model (its dtype and device by default,
+        ``attention`` its backend);
         for a shard (:meth:`shard`), for its slice of the KV heads. A cache with a host tier
         (``host_pages > 0``) gets its host pools on ``host_device``, the CPU by default; one
         with a disk tier (``disk_pages > 0``) its disk pool in ``disk_dir``, fingerprinted with
@@ -253,6 +255,7 @@ class CausalLM(nn.Module):
             disk_dir=disk_dir,
             fingerprint=model_fingerprint(self) if disk_dir is not None else None,
             on_mismatch=on_mismatch,
+            attention=attention,
         )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""``KVCache(attention="triton")`` end to end: steps against the reference (fresh prefill, a
+mixed step in one launch, decodes, forks), windows, softcaps and sinks in the kernels, and the
+engine and the transformers adapter giving the same greedy tokens as SDPA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+
+import radixkv
+from test_attention import HEADS, scenario
+from test_attention_backends import windowed_decode
+from tiny_model import CACHES, dense_greedy, ids, tiny_model
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("make_cache", CACHES)
+@pytest.mark.parametrize(("hq", "hkv"), HEADS)
+def test_steps_match_reference(make_cache, hq, hkv):
+    ran = scenario(make_cache, hq, hkv, device=DEVICE, attention="triton")
+    # Every step, the mixed one (prefill over a cached prefix + fresh prompt + decode) too,
+    # is one group through the kernels.
+    assert ran == [["triton"]] * 6
+
+
+@pytest.mark.parametrize("p", [1, 4, 16])
+def test_windows_softcaps_and_sinks_run_in_the_kernels(p, monkeypatch):
+    """Every extra decodes through the Triton kernels: SDPA is never called."""
+    from radixkv.kv.backends import SdpaBackend
+
+    def refuse(*a, **kw):
+        raise AssertionError("a triton pool attended through SDPA")
+
+    monkeypatch.setattr(SdpaBackend, "attend", refuse)
+    windowed_decode("triton", device=DEVICE, p=p)
+
+
+def test_a_mixed_step_with_extras_is_one_launch(monkeypatch):
+    """A prefill beside decode rows with a window and sinks: the prefill kernel once per layer,
+    as the reference."""
+    from radixkv.kv.backends import triton_kernels
+    from radixkv.kv.windowed import attend_exact
+
+    launches = []
+    real = triton_kernels.paged_prefill
+    monkeypatch.setattr(
+        triton_kernels, "paged_prefill", lambda *a, **kw: launches.append(1) or real(*a, **kw)
+    )
+    cache = radixkv.RadixCache(256, page_size=4)
+    kv = radixkv.KVCache(cache, 1, 2, 16, device=DEVICE, attention="triton")
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
+    a = cache.admit(rng.integers(0, 50, 30))
+    step = kv.plan([a])
+    t = step.num_tokens
+    step.attention(0, *(torch.randn(t, h, 16, generator=gen).to(DEVICE) for h in (8, 2, 2)))
+    kv.commit(step)
+    cache.extend(a, [3])
+    b = cache.admit(rng.integers(0, 50, 21))
+    step = kv.plan([a, b])
+    assert step.backends == ["triton"] and step.q_len_list == [1, 21]
+    q, k, v = (torch.randn(step.num_tokens, h, 16, generator=gen).to(DEVICE) for h in (8, 2, 2))
+    sinks = torch.linspace(-1, 1, 8, device=DEVICE)
+    launches.clear()
+    got = step.attention(0, q, k, v, window=5, sinks=sinks)
+    assert launches == [1]
+    want = attend_exact(step, 0, q, 16**-0.5, 5, None, sinks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make_cache", CACHES)
+def test_engine_greedy_tokens_equal_sdpa_and_the_oracle(make_cache):
+    model = tiny_model(seed=11, device=DEVICE)
+    rng = np.random.default_rng(3)
+    system = ids(rng, 40)
+    prompts = [np.concatenate([system, ids(rng, n)]) for n in (5, 17, 1)] + [ids(rng, 23)]
+    outs = {}
+    for attention in ("triton", "sdpa"):
+        cache = make_cache(1024)
+        kv = model.make_kv_cache(cache, attention=attention)
+        eng = radixkv.Engine(model, kv, token_budget=48, max_batch=4)
+        first = eng.generate(prompts[:1], max_new_tokens=5)  # publish the shared prefix
+        results = first + eng.generate(prompts[1:], max_new_tokens=5)
+        outs[attention] = [r.output for r in results]
+        eng.cache.check()
+    assert outs["triton"] == outs["sdpa"]
+    assert outs["triton"][1] == dense_greedy(model, prompts[1], 5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_hf_engine_greedy_tokens_equal_sdpa(arch):
+    """A transformers model through radixkv.hf with the Triton kernels: the tokens SDPA's
+    engine gives (Gemma 2: windows and softcaps in the kernels)."""
+    pytest.importorskip("transformers")
+    import radixkv.hf
+
+    if arch == "gemma2":
+        from test_hf_window import build
+
+        model = build("gemma2", seed=7)
+    else:
+        from hf_models import build_model
+
+        model = build_model("llama", seed=5).eval()
+    model = model.to(DEVICE)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).astype(np.uint32) for n in (19, 6)]
+    outs = {}
+    for attention in ("triton", "sdpa"):
+        eng = radixkv.hf.engine(
+            model, radixkv.RadixCache(256, page_size=4), token_budget=32, attention=attention
+        )
+        assert eng.kv.attention == attention
+        outs[attention] = [r.output for r in eng.generate(prompts, max_new_tokens=4)]
+    assert outs["triton"] == outs["sdpa"]
