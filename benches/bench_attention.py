@@ -5,8 +5,14 @@ For each case (decode, and prefill over a cached prefix) at 8 requests x 2,048 k
 write, metadata prepared once per step as in serving, attention) over pages scattered through
 the pool. Each figure is a ratio to ``scaled_dot_product_attention`` on the same K/V held in
 one contiguous ``[B, Hkv, L, D]`` tensor, measured in the same run (lower is better; the
-baseline ms is printed). 8 query / 2 KV heads, head dim 64; flex is compiled (warmed up) before
-timing. Targets: decode <= 1.3x on CPU fp32 and <= 1.1x on a GPU; prefill over a prefix <= 1.1x.
+baseline ms is printed). 8 query / 2 KV heads, head dim 64 by default (``--heads 32/8/128`` for
+Llama-3-8B's); flex and Triton are compiled (warmed up) before timing. Each row also gives the
+rate of the first of triton / the fastest backend: decode in GB/s of K/V read, prefill over a
+prefix in TFLOPS (4 * heads * head dim per query-key pair it sees). Targets: decode <= 1.3x on
+CPU fp32 and <= 1.1x on a GPU; prefill over a prefix <= 1.1x; on an H200 in bf16 the Triton
+kernels at >= 2.5 TB/s decoding 32 requests x 544 keys and >= 250 TFLOPS on prefill over a
+cached prefix (Llama-3-8B heads). Triton runs on CUDA (on the CPU only under
+``TRITON_INTERPRET=1``, where its figures say nothing).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch.nn.functional as F
 import radixkv
 from radixkv.kv import backends
 
-HQ, HKV, D = 8, 2, 64
+HEADS = (8, 2, 64)  # query heads, KV heads, head dim; --heads sets them
 
 
 def timeit(fn, repeat: int, device: str) -> float:
@@ -39,8 +45,19 @@ def timeit(fn, repeat: int, device: str) -> float:
     return statistics.median(times)
 
 
+def work(batch, length, q_len, dtype):
+    """(bytes of K/V a step reads, flops it does) for one layer: every key once for decode;
+    each new token's query against the keys up to it for prefill."""
+    hq, hkv, d = HEADS
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * batch * length * hkv * d * elem
+    pairs = batch * sum(length - q_len + i + 1 for i in range(q_len))
+    return kv_bytes, 4 * pairs * hq * d
+
+
 def case(batch, length, q_len, dtype, device, names, repeat, page_size):
-    """One row: the baseline seconds and each backend's ratio to it."""
+    """One row: the baseline seconds and each backend's (seconds, ratio, groups ran)."""
+    HQ, HKV, D = HEADS
     rng = np.random.default_rng(0)
     pages_per = -(-length // page_size)
     cache = radixkv.BlockCache(2 * batch * pages_per + 8, page_size=page_size)
@@ -57,7 +74,7 @@ def case(batch, length, q_len, dtype, device, names, repeat, page_size):
     for kv in kvs.values():
         kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g).to(device, dtype))
         kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g).to(device, dtype))
-        if kv.attention in ("flex", "auto"):
+        if kv.attention in ("flex", "triton", "auto"):
             kv.warmup(num_heads=HQ, batch_sizes=[batch])
     first = next(iter(kvs.values()))
     # Everything but the new tokens is cached: commit the prefixes.
@@ -90,10 +107,24 @@ def case(batch, length, q_len, dtype, device, names, repeat, page_size):
             # What serving pays per step and layer: planning is per step, shared by layers.
             steps[name].attention(0, q, k, k)
 
-        ratios[name] = (timeit(run, repeat, device) / t_base, steps[name].backends)
+        sec = timeit(run, repeat, device)
+        ratios[name] = (sec, sec / t_base, steps[name].backends)
     for r in reqs:
         cache.finish(r)
     return t_base, ratios
+
+
+def target_line(kind: str, shape: str, q_len: int, bytes_per_s: float, flops: float) -> str:
+    """The H200 goal of a Triton row (decode at 32 x 544: 2.5 TB/s; prefill over a cached
+    prefix: 250 TFLOPS), or its rate where no goal is set."""
+    if q_len == 1:
+        got = f"{bytes_per_s / 1e9:.0f} GB/s"
+        if shape != "32x544":
+            return f"triton {kind} {shape}: {got}"
+        ok = "holds" if bytes_per_s >= 2.5e12 else "short"
+        return f"target: triton decode 32x544 >= 2500 GB/s: {got} ({ok})"
+    ok = "holds" if flops >= 250e12 else "short"
+    return f"target: triton {kind} {shape} >= 250 TFLOPS: {flops / 1e12:.1f} ({ok})"
 
 
 QUICK = {"shapes": "2x256", "repeat": 1, "dtypes": "float32"}
@@ -109,12 +140,18 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--backends", default=None, help="comma-separated (default: all available)")
+    p.add_argument("--heads", default="8/2/64", help="query heads/KV heads/head dim")
     p.add_argument("--quick", action="store_true", help="a smoke run; its figures say nothing")
     args = p.parse_args()
     if args.quick:
         p.set_defaults(**QUICK)
         args = p.parse_args()
     torch.set_num_threads(args.threads)
+    global HEADS
+    HEADS = tuple(int(x) for x in args.heads.split("/"))
+    if len(HEADS) != 3 or HEADS[0] % HEADS[1]:
+        p.error(f"--heads takes HQ/HKV/D with HQ a multiple of HKV, got {args.heads!r}")
+    HQ, HKV, D = HEADS
     device = torch.device(args.device)
     names = args.backends.split(",") if args.backends else backends.available(device)
     names = ["sdpa", *[n for n in names if n != "sdpa"]]
@@ -123,7 +160,12 @@ def main() -> None:
         f"{torch.__version__}, {device.type}, {torch.get_num_threads()} threads, "
         f"{HQ}/{HKV} heads, head dim {D}, page size {args.page_size}"
     )
-    print(f"{'case':<24} {'dtype':<9} {'sdpa ms':>8} " + " ".join(f"{n:>11}" for n in names))
+    print(
+        f"{'case':<24} {'dtype':<9} {'sdpa ms':>8} "
+        + " ".join(f"{n:>11}" for n in names)
+        + f"  {'rate':>24}"
+    )
+    targets: list[str] = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for shape in args.shapes.split(","):
@@ -135,13 +177,26 @@ def main() -> None:
                 )
                 cells = []
                 for n in names:
-                    ratio, ran = ratios[n]
+                    _, ratio, ran = ratios[n]
                     cells.append(f"{ratio:>10.2f}{' ' if ran == [n] else '*'}")
+                rated = "triton" if "triton" in names else min(names, key=lambda n: ratios[n][0])
+                kv_bytes, flops = work(batch, length, q_len, dtype)
+                sec = ratios[rated][0]
+                rate = (
+                    f"{kv_bytes / sec / 1e9:.0f} GB/s"
+                    if q_len == 1
+                    else f"{flops / sec / 1e12:.2f} TFLOPS"
+                )
+                if rated == "triton" and device.type == "cuda" and dtype_name == "bfloat16":
+                    targets.append(target_line(kind, shape, q_len, kv_bytes / sec, flops / sec))
                 print(
                     f"{kind + ' ' + shape:<24} {dtype_name:<9} {t_base * 1e3:>8.2f} "
                     + " ".join(cells)
+                    + f"  {rated + ' ' + rate:>24}"
                 )
     print("*: served by another backend for this kind (flex: prefill via sdpa; auto: its choice)")
+    for line in targets:
+        print(line)
 
 
 if __name__ == "__main__":

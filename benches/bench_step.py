@@ -13,8 +13,9 @@ to end and split into:
 - ``plan``: ``KVCache.plan`` (the Rust plan, the step's index tensors, the lane plan);
 - ``model``: the transformers forward less its attention calls (embeddings, norms, RoPE, MLPs,
   the head);
-- ``attn kernel``: the ``scaled_dot_product_attention`` calls inside ``Step.attention`` (the
-  SDPA backend's; another backend's kernels count in ``attn around``);
+- ``attn kernel``: the attention kernels inside ``Step.attention``: the SDPA backend's
+  ``scaled_dot_product_attention`` calls, the Triton backend's kernel launches (another
+  backend's kernels count in ``attn around``);
 - ``attn around``: the rest of ``Step.attention`` (argument checks, the pool and lane writes,
   views);
 - ``commit``: ``KVCache.commit``; ``sampling``: the engine's sampling and bookkeeping;
@@ -106,12 +107,27 @@ def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
     attention = step_mod.Step.attention
     kernel_s = [0.0]
 
-    def timed_kernel(*a: Any, **k: Any) -> Any:
-        t = clock.now()
-        try:
-            return kernel(*a, **k)
-        finally:
-            kernel_s[0] += clock.now() - t
+    def timing(fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t = clock.now()
+            try:
+                return fn(*a, **k)
+            finally:
+                kernel_s[0] += clock.now() - t
+
+        return timed
+
+    timed_kernel = timing(kernel)
+    triton_kernels = None
+    if eng.kv.attention == "triton" or (
+        eng.kv.attention == "auto" and "triton" in eng.kv._backends
+    ):
+        from radixkv.kv.backends import triton_kernels
+    launches = (
+        {n: getattr(triton_kernels, n) for n in ("paged_decode", "paged_prefill")}
+        if triton_kernels is not None
+        else {}
+    )
 
     forward_t = [0.0]
 
@@ -130,6 +146,8 @@ def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
         eng.model.register_forward_hook(forward_end),
     ]
     torch.nn.functional.scaled_dot_product_attention = timed_kernel
+    for name, fn in launches.items():
+        setattr(triton_kernels, name, timing(fn))
     step_mod.Step.attention = clock.wrap("attention", attention)  # type: ignore[method-assign]
     try:
         total = 0.0
@@ -139,6 +157,8 @@ def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
             total += clock.now() - t
     finally:
         torch.nn.functional.scaled_dot_product_attention = kernel
+        for name, fn in launches.items():
+            setattr(triton_kernels, name, fn)
         step_mod.Step.attention = attention  # type: ignore[method-assign]
         for h in hooks:
             h.remove()

@@ -6,10 +6,12 @@
 #   benches/gpu_check.sh [--dry-run] [python]
 #
 # Steps, each with its own time limit and log:
-#   1. the CUDA tests (attention backends against SDPA, the host tier's pinned pools and side
-#      stream, the hf adapter in bfloat16);
-#   2. the attention bench in bfloat16 (decode and prefill over a cached prefix against SDPA on
-#      contiguous KV; varlen and flashinfer where present);
+#   1. the CUDA tests (the Triton kernels compiled, against SDPA over gathered keys; attention
+#      backends against SDPA, the host tier's pinned pools and side stream, the hf adapter in
+#      bfloat16);
+#   2. the attention bench in bfloat16 with Llama-3-8B's heads (decode and prefill over a
+#      cached prefix against SDPA on contiguous KV; triton's GB/s and TFLOPS against their
+#      targets; varlen and flashinfer where present);
 #   3. a 10-turn agent session with an 8k-token system prompt on a Llama-3-8B-shaped model in
 #      bfloat16: TTFT with the prefix cache against model.generate recomputing;
 #   4. decode tokens/s at 1-64 requests against model.generate with its static cache;
@@ -69,13 +71,15 @@ step() {
     } >>"$OUTDIR/summary.txt"
 }
 
-CUDA_TESTS="tests/python/test_attention.py tests/python/test_attention_backends.py
-    tests/python/test_host_tier.py tests/python/test_hf_engine.py tests/python/test_model_cache.py"
+CUDA_TESTS="tests/triton tests/python/test_attention.py tests/python/test_attention_backends.py
+    tests/python/test_attention_choice.py tests/python/test_host_tier.py
+    tests/python/test_hf_engine.py tests/python/test_model_cache.py"
 if [ "$DRY" -eq 0 ]; then
     # shellcheck disable=SC2086
-    step cuda_tests 240 "$PY" -m pytest -q -m cuda $CUDA_TESTS
+    step cuda_tests 300 "$PY" -m pytest -q -m cuda $CUDA_TESTS
     step attention 120 "$PY" benches/bench_attention.py --device cuda --dtypes bfloat16 \
-        --repeat 10 --threads 1
+        --repeat 10 --threads 1 --heads 32/8/128 --prefill 800 \
+        --shapes 1x512,32x544,64x4096,8x16384,1x12288
     step session_8b 150 "$PY" benches/bench_hf.py --device cuda --shape llama3-8b \
         --dtype bfloat16 --system 8192 --turns 10 --message 256 --tool 512 --reply 32 \
         --methods prefix,engine
@@ -90,7 +94,7 @@ else
     # shellcheck disable=SC2086
     step cuda_tests 120 "$PY" -m pytest -q --collect-only -m cuda $CUDA_TESTS
     step attention 120 "$PY" benches/bench_attention.py --device cpu --dtypes bfloat16 --quick \
-        --shapes 2x64 --prefill 8 --repeat 1
+        --shapes 2x64,32x544 --prefill 8 --repeat 1
     step session_8b 120 "$PY" benches/bench_hf.py --device cpu --quick --shape tiny \
         --dtype bfloat16 --methods prefix,engine
     step decode_8b 120 "$PY" benches/bench_decode.py --device cpu --quick --model tiny \

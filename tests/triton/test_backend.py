@@ -116,3 +116,16 @@ def test_hf_engine_greedy_tokens_equal_sdpa(arch):
         assert eng.kv.attention == attention
         outs[attention] = [r.output for r in eng.generate(prompts, max_new_tokens=4)]
     assert outs["triton"] == outs["sdpa"]
+
+
+def test_warmup_compiles_without_touching_the_pool():
+    cache = radixkv.RadixCache(64, page_size=4)
+    kv = radixkv.KVCache(cache, 2, 2, 16, device=DEVICE, attention="triton")
+    kv.k[0].fill_(float("nan"))
+    assert kv.warmup(num_heads=8, batch_sizes=[4, 1, 4]) == [1, 4]
+    assert kv.k[0].isnan().all() and not kv.k[1].any()
+    kv.k[0].zero_()
+    r = cache.admit(np.arange(9))
+    step = kv.plan([r])
+    q = torch.randn(9, 8, 16, device=DEVICE)
+    assert not step.attention(0, q, q[:, :2], q[:, :2]).isnan().any()

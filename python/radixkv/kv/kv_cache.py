@@ -479,7 +479,9 @@ class KVCache:
         ``num_heads`` heads (a multiple of ``num_kv_heads``) and softmax ``scale`` (default
         ``1/sqrt(head_dim)``), so serving never compiles on the hot path. Only flex compiles
         (``"flex"``, and ``"auto"`` where flex is the measured choice); returns the batch
-        buckets (powers of two) compiled now or before, empty where nothing compiles. Reads
+        buckets (powers of two) compiled now or before, empty where nothing compiles. Triton
+        (``"triton"``, and ``"auto"`` on CUDA) compiles its kernels for each batch size's
+        decode grid and both prefill tile sizes, and returns the batch sizes. Reads
         the pool, writes nothing. ``ValueError`` naming the argument for a ``batch_sizes``
         that is not an iterable of positive ints (a single int included) and for a ``scale``
         that is not a positive finite number, checked before anything compiles."""
@@ -504,6 +506,9 @@ class KVCache:
         name = self.attention
         if name == "auto":
             name = _backends.auto_choice(self.device, self.dtype, True)
+        if name == "triton":
+            s = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
+            return self._backend("triton").warmup(heads, sizes, s)
         if name != "flex":
             return []
         flex = self._backend("flex")

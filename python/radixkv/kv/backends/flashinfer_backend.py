@@ -12,8 +12,11 @@ from radixkv.kv.backends.group import Group, Step
 
 
 class FlashInferBackend:
-    """FlashInfer's batch paged prefill wrapper (decode rows included), planned once per step
-    from the CSR page triplet (CUDA; ``pip install flashinfer-python``)."""
+    """FlashInfer's paged wrappers over the pool in place: the decode wrapper for decode groups,
+    the prefill wrapper (decode rows included) for the rest. Each is planned once per step and
+    variant from host arrays: the page-table rows of the plan (already on the host), cut to each
+    request's pages by numpy, so planning neither builds a mask nor waits for the device; the
+    page indices go to the device in one copy (CUDA; ``pip install flashinfer-python``)."""
 
     name = "flashinfer"
 
@@ -29,22 +32,31 @@ class FlashInferBackend:
         self._workspaces: dict[Any, torch.Tensor] = {None: self.workspace}
 
     def prepare(self, step: Step, g: Group) -> None:
-        flashinfer = importlib.import_module("flashinfer")  # optional: CUDA only
-        dev, p = step.kv.device, step.kv.page_size
+        dev, p = self.kv.device, self.kv.page_size
         pages = ((g.kv_len + p - 1) // p).astype(np.int32)
         indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-        bt = g.block_table
-        cols = torch.arange(bt.shape[1], device=dev)
-        indices = bt[cols[None, :] < torch.from_numpy(pages).to(dev)[:, None]]
+        table = np.asarray(step._plan.block_table)[g.req]
+        keep = np.arange(table.shape[1])[None, :] < pages[:, None]
+        indices = torch.from_numpy(np.ascontiguousarray(table[keep], dtype=np.int32)).to(dev)
         last = (g.kv_len - (pages - 1) * p).astype(np.int32)
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        args = (
-            torch.from_numpy(g.q_start.astype(np.int32)).to(dev),
-            torch.from_numpy(indptr).to(dev),
-            indices,
-            torch.from_numpy(last).to(dev),
+        host = (
+            torch.from_numpy(np.asarray(g.q_start, dtype=np.int32)),
+            torch.from_numpy(indptr),
+            torch.from_numpy(last),
         )
-        g.state = {"wrappers": {None: w}, "args": args, "planned": {}}
+        g.state = {"wrappers": {}, "host": host, "indices": indices, "planned": {}}
+
+    def _wrapper(self, g: Group, variant: Any, decode: bool) -> Any:
+        w = g.state["wrappers"].get(variant)
+        if w is None:
+            flashinfer = importlib.import_module("flashinfer")  # optional: CUDA only
+            ws = self.workspace_for(variant)
+            if decode:
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            else:
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            g.state["wrappers"][variant] = w
+        return w
 
     def attend(
         self,
@@ -59,32 +71,33 @@ class FlashInferBackend:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        kv, p = step.kv, step.kv.page_size
+        kv, p = self.kv, self.kv.page_size
         shape = (kv.num_pages, p, kv.num_kv_heads, kv.head_dim)
         paged = (kv.k[layer].view(shape), kv.v[layer].view(shape))
         st = g.state
         # One planned wrapper per (window, softcap) a step's layers use (local and global
         # layers alternate), planned at its first layer: Hq known there.
         variant = None if window is None and softcap is None else (window, softcap)
-        w = st["wrappers"].get(variant)
-        if w is None:
-            flashinfer = importlib.import_module("flashinfer")
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace_for(variant), "NHD")
-            st["wrappers"][variant] = w
+        w = self._wrapper(g, variant, g.is_decode)
         if st["planned"].get(variant) != (q.shape[1], scale):
-            w.plan(
-                *st["args"],
-                q.shape[1],
-                kv.num_kv_heads,
-                kv.head_dim,
-                p,
-                causal=True,
+            qo, indptr, last = st["host"]
+            common = dict(
+                window_left=window - 1 if window else -1,
+                logits_soft_cap=softcap,
                 sm_scale=scale,
                 q_data_type=kv.dtype,
                 kv_data_type=kv.dtype,
-                window_left=window - 1 if window else -1,
-                logits_soft_cap=softcap,
             )
+            if g.is_decode:
+                w.plan(
+                    indptr, st["indices"], last, q.shape[1], kv.num_kv_heads, kv.head_dim, p,
+                    **common,
+                )  # fmt: skip
+            else:
+                w.plan(
+                    qo, indptr, st["indices"], last, q.shape[1], kv.num_kv_heads, kv.head_dim,
+                    p, causal=True, **common,
+                )  # fmt: skip
             st["planned"][variant] = (q.shape[1], scale)
         return w.run(q, paged)  # type: ignore[no-any-return]
 

@@ -129,3 +129,31 @@ class TritonBackend:
             softcap=softcap,
             sinks=sinks,
         )
+
+    def warmup(self, num_heads: int, batch_sizes: list[int], scale: float) -> list[int]:
+        """Compiles the kernels decode steps of ``batch_sizes`` requests and prefills will
+        launch, for ``num_heads`` query heads: each launched once over rows with no keys (they
+        read nothing and write only their own zero outputs). Returns the batch sizes."""
+        kv, tk = self.kv, self.kernels
+        dev, d = kv.device, kv.head_dim
+        sizes = sorted(set(batch_sizes))
+        for b in sizes:
+            q = torch.zeros((b, num_heads, d), dtype=kv.dtype, device=dev)
+            table = torch.zeros((b, 1), dtype=torch.int32, device=dev)
+            empty = torch.zeros(b, dtype=torch.int32, device=dev)
+            splits = tk.decode_splits(b, kv.num_kv_heads, dev)
+            tk.paged_decode(q, kv.k[0], kv.v[0], table, empty, scale, kv.page_size, splits=splits)
+        group = num_heads // kv.num_kv_heads
+        q = torch.zeros((1, num_heads, d), dtype=kv.dtype, device=dev)
+        table = torch.zeros((1, 1), dtype=torch.int32, device=dev)
+        one = torch.ones(1, dtype=torch.int32, device=dev)
+        qo = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        tiles = (torch.zeros(1, dtype=torch.int32, device=dev),) * 2
+        for max_q in (1, 64):  # both tile sizes
+            block_q = tk.prefill_block_q(group, max_q)
+            out = torch.empty_like(q)
+            # One key at slot 0 of a scratch copy: the pool itself is never written.
+            k0 = torch.zeros((kv.page_size, kv.num_kv_heads, d), dtype=kv.dtype, device=dev)
+            tk.paged_prefill(q, k0, k0, table, one, qo, tiles, block_q, scale, kv.page_size,
+                             out=out)  # fmt: skip
+        return sizes

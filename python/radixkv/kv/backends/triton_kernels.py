@@ -29,6 +29,7 @@ wrong (triton issue 11584): there the operands are cast to fp32 first.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -339,10 +340,22 @@ def _flags(dtype: torch.dtype) -> tuple[bool, bool]:
     return dtype == torch.float32 or upcast, upcast
 
 
+def _stages(dtype: torch.dtype, d: int) -> int:
+    """Software-pipelining stages of the key loop: two K/V blocks in flight for half types,
+    one for fp32 at large head dims (fp32 blocks of 64 keys x 256 would overflow shared
+    memory with more)."""
+    return 2 if dtype != torch.float32 or d <= 64 else 1
+
+
 def _check_last(*xs: torch.Tensor) -> None:
     for x in xs:
         if x.stride(-1) != 1:
             raise ValueError(f"the last dimension must be contiguous, got strides {x.stride()}")
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def decode_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -351,7 +364,8 @@ def decode_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     batch size and the pool's shape only, so a batch size always gets the same grid."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _multiprocessors(index)
     want = -(-2 * sms // max(batch * num_kv_heads, 1))
     return min(_pow2(want), MAX_SPLITS)
 
@@ -430,6 +444,7 @@ def paged_decode(
         HAS_SOFTCAP=softcap is not None,
         IEEE=ieee,
         UPCAST=upcast,
+        num_stages=_stages(q.dtype, d),
     )
     _decode_merge[(b, hq)](
         o_part,
@@ -540,5 +555,6 @@ def paged_prefill(
         HAS_SINKS=sinks is not None,
         IEEE=ieee,
         UPCAST=upcast,
+        num_stages=_stages(q.dtype, d),
     )
     return out
