@@ -129,3 +129,33 @@ def test_warmup_compiles_without_touching_the_pool():
     step = kv.plan([r])
     q = torch.randn(9, 8, 16, device=DEVICE)
     assert not step.attention(0, q, q[:, :2], q[:, :2]).isnan().any()
+
+
+@pytest.mark.parametrize("arch", ["mistral-swa", "gemma2"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_window_pool_layers_run_in_the_kernels(arch, page, monkeypatch):
+    """A cache with a window group: the window layers read their own pool through the
+    kernels too (SDPA never called), with the greedy tokens of an SDPA pool."""
+    pytest.importorskip("transformers")
+    import radixkv.hf
+    from radixkv.kv.backends import SdpaBackend
+    from test_hf_window import WINDOW, build
+
+    model = build(arch, seed=7).to(DEVICE)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).astype(np.uint32) for n in (3 * WINDOW, 5)]
+
+    def cache():
+        pages = 512 // page
+        return radixkv.RadixCache(pages, page_size=page, window=WINDOW, window_pages=pages)
+
+    sdpa = radixkv.hf.engine(model, cache(), token_budget=32, attention="sdpa")
+    want = [r.output for r in sdpa.generate(prompts, max_new_tokens=5)]
+    eng = radixkv.hf.engine(model, cache(), token_budget=32, attention="triton")
+    assert eng.kv.window_layers
+
+    def refuse(*a, **kw):
+        raise AssertionError("a triton pool attended through SDPA")
+
+    monkeypatch.setattr(SdpaBackend, "attend", refuse)
+    assert [r.output for r in eng.generate(prompts, max_new_tokens=5)] == want

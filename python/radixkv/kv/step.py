@@ -341,16 +341,17 @@ class Step:
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A window layer, its K/V already in the window pool: the SDPA backend over each
-        request's window pages from the first one its earliest query reads (see
-        :meth:`_window_group`). ``window`` is ``None`` when every key is in every window."""
+        """A window layer, its K/V already in the window pool: the Triton kernels (on a pool
+        that attends through them) or SDPA over each request's window pages from the first one
+        its earliest query reads (see :meth:`_window_group`). ``window`` is ``None`` when every
+        key is in every window."""
         if self._window is None:
             self._window = self._window_group()
         backend, g = self._window
         return backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks)
 
     def _window_group(self) -> tuple[Any, Group]:
-        """The SDPA group of the window layers: each request's window page table from page
+        """The group of the window layers: each request's window page table from page
         ``lo = max(0, c + 1 - window) // P`` on (``c`` its computed tokens: what its earliest
         query in this step reads first; the pages before are released), its key positions,
         lengths and query positions shifted down by ``lo * P``, so a decode gathers about
@@ -378,7 +379,10 @@ class Step:
             seq_lens=self.seq_lens - shift_t.to(self.seq_lens.dtype),
             is_decode=bool((q_len == 1).all()),
         )
-        backend = kv._backend("sdpa")
+        # The Triton kernels read the window pool through this table as they read the full
+        # pool; every other backend hands the window layers to SDPA.
+        triton = any(b.name == "triton" for b, _ in self._groups)
+        backend = kv._backend("triton" if triton else "sdpa")
         backend.prepare(self, g)
         return backend, g
 

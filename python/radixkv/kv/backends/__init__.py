@@ -25,8 +25,9 @@ takes both kinds):
 
 Every backend takes the sliding windows, softcaps and sinks of Gemma 2/3, gpt-oss, Mistral and
 Qwen2 layers it ``supports``; a layer whose extras a group's backend does not take runs that step
-through SDPA. Layers whose KV lives in the window pool (``KVCache(window_layers=...)``) always
-attend through SDPA over their window pages (a few pages a request).
+through SDPA. Layers whose KV lives in the window pool (``KVCache(window_layers=...)``) attend
+over their window pages (a few pages a request) through the Triton kernels where the step's
+backend is Triton, through SDPA otherwise.
 """
 
 from __future__ import annotations
