@@ -80,9 +80,9 @@ def test_bad_arguments_name_the_value_and_change_nothing(cls):
     # A bool is neither a class nor seconds (as the engine refuses retain=True).
     with pytest.raises(TypeError, match="priority must be an int, got bool"):
         c.finish(req, priority=True)
-    with pytest.raises(TypeError, match="retain must be seconds.*got bool"):
+    with pytest.raises(TypeError, match=r"retain must be seconds.*got bool"):
         c.finish(req, retain=True)
-    with pytest.raises(TypeError, match="retain must be seconds.*got str"):
+    with pytest.raises(TypeError, match=r"retain must be seconds.*got str"):
         c.finish(req, retain="1")
     with pytest.raises(ValueError, match=r"retain.*got -1"):
         c.finish(req, retain=-1.0)
