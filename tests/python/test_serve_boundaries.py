@@ -168,6 +168,27 @@ def test_keep_alive_past_the_servers_bound_is_a_400(server, value):
     server.still_serving()
 
 
+@pytest.mark.parametrize(
+    "value,says",
+    [
+        ("inf", "seconds must be finite and >= 0, got 'inf'"),
+        ("-1", "seconds must be finite and >= 0, got '-1'"),
+        ("=5", "must be SECONDS or TENANT=SECONDS, got '=5'"),
+        ("soon", "must be SECONDS or TENANT=SECONDS (a number >= 0), got 'soon'"),
+        ("team=5", "--max-keep-alive team=5 names a tenant: it needs --tenant-header"),
+    ],
+)
+def test_a_bad_max_keep_alive_is_a_usage_error(value, says):
+    proc = serve_process.spawn(free_port(), "--max-keep-alive", value)
+    try:
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert rc == 2 and says in err and "Traceback" not in err, err
+
+
 def test_keep_alive_is_bounded_per_tenant(server):
     with pytest.raises(openai.BadRequestError, match="keep_alive"):
         server.chat("Hi.", tenant="tenant-a", extra_body={"keep_alive": LONG_KEEP_ALIVE})
