@@ -483,8 +483,8 @@ impl<I: Index> PrefixCache for Cache<I> {
     fn finish_retained(&mut self, id: RequestId, class: u8, retain: f64) -> Result<u64> {
         if class >= crate::cache::index::CLASSES {
             return Err(invalid(format!(
-                "priority must be an eviction class in 0..{}, got {class}",
-                crate::cache::index::CLASSES
+                "priority must be an eviction class from 0 to {}, got {class}",
+                crate::cache::index::CLASSES - 1
             )));
         }
         if retain.is_nan() || retain < 0.0 {

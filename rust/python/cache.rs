@@ -250,16 +250,27 @@ impl PyCache {
     /// ``advance``; ``math.inf``: until released) that its pages stay out of eviction while
     /// anything else can go. Returns the retention's id (for ``release_retention``), or None
     /// when no retention was asked for.
-    #[pyo3(signature = (req, *, retain=0.0, priority=None))]
+    ///
+    /// ``TypeError`` for a ``retain`` that is not a number or a ``priority`` that is not an int
+    /// (a bool is neither: ``retain=True`` is not "one second"); ``ValueError`` naming the value
+    /// for a class outside ``0 .. CLASSES - 1`` or a negative or NaN ``retain``.
+    #[pyo3(
+        signature = (req, *, retain=None, priority=None),
+        text_signature = "($self, req, *, retain=0.0, priority=None)"
+    )]
     fn finish(
         slf: &Bound<'_, Self>,
         req: &Bound<'_, PyRequest>,
-        retain: f64,
+        retain: Option<&Bound<'_, PyAny>>,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<u64>> {
         let id = req.get().id; // another cache's id is refused by the core
+        let retain = match retain {
+            Some(r) => seconds("retain", r)?,
+            None => 0.0,
+        };
         let class = match priority {
-            Some(p) => u8::try_from(convert::count("priority", p)?).unwrap_or(u8::MAX),
+            Some(p) => eviction_class(p)?,
             None => 0,
         };
         if class == 0 && retain == 0.0 {
@@ -1279,4 +1290,35 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("EVICTION_CLASSES", crate::CLASSES)?;
     Ok(())
+}
+
+/// ``obj`` as seconds for ``what``: an int or a float, never a bool (``TypeError`` naming it).
+fn seconds(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<f64> {
+    let number = !obj.is_instance_of::<pyo3::types::PyBool>()
+        && (obj.is_instance_of::<pyo3::types::PyFloat>() || convert::as_int(obj).is_some());
+    if !number {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be seconds (a number >= 0, or math.inf), got {}",
+            obj.get_type().name()?
+        )));
+    }
+    obj.extract::<f64>()
+}
+
+/// ``obj`` as an eviction class (``0 .. CLASSES - 1``): ``TypeError`` for a non-int (a bool
+/// too), ``ValueError`` naming the value given (not a clamped one) and the valid classes.
+fn eviction_class(obj: &Bound<'_, PyAny>) -> PyResult<u8> {
+    let top = crate::CLASSES - 1;
+    let out_of_range = || -> PyResult<PyErr> {
+        Ok(PyValueError::new_err(format!(
+            "priority must be an eviction class from 0 to {top} (0 evicted first), got {}",
+            obj.str()?
+        )))
+    };
+    match convert::count("priority", obj) {
+        Ok(c) if c <= usize::from(top) => Ok(c as u8),
+        Ok(_) => Err(out_of_range()?),
+        Err(e) if e.is_instance_of::<PyValueError>(obj.py()) => Err(out_of_range()?),
+        Err(e) => Err(e),
+    }
 }

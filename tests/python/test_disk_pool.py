@@ -27,7 +27,7 @@ import pytest
 import radixkv
 from radixkv._radixkv import _page_checksum
 from radixkv.kv import disk
-from radixkv.kv.disk import DiskMismatchError, DiskPool
+from radixkv.kv.disk import DiskLockedError, DiskMismatchError, DiskPool
 
 #: Pages of 3000 bytes: slots of round_up(128 + 3000, 4096) = 4096 bytes.
 PB = 3000
@@ -154,7 +154,7 @@ def test_write_save_reopen_reads_the_exact_bytes(tmp_path):
         st = pool.stats()
         assert st["pages_written"] == 7 and st["bytes_written"] == 7 * (128 + PB)
         assert st["queued"] == 0
-    assert sorted(os.listdir(d)) == ["manifest.bin", "pages.bin"]
+    assert sorted(os.listdir(d)) == ["lock", "manifest.bin", "pages.bin"]  # lock: see LOCK_FILE
     assert os.path.getsize(d / "pages.bin") == N * SB
     raw = (d / "pages.bin").read_bytes()
     s0 = int(slots[0]) * SB  # the slot layout, byte for byte
@@ -300,19 +300,22 @@ def test_save_makes_the_pages_durable_before_it_replaces_the_manifest(tmp_path, 
         data_fd = pool._fd_box[0]
 
         def fsync(fd):
-            st, tmp = os.fstat(fd), tmp_path / "manifest.bin.tmp"
+            st, tmps = os.fstat(fd), list(tmp_path.glob("manifest.bin.tmp.*"))
             if fd == data_fd:
                 events.append("fsync data")
             elif stat.S_ISDIR(st.st_mode) and os.path.samestat(st, os.stat(tmp_path)):
                 events.append("fsync dir")
-            elif tmp.exists() and os.path.samestat(st, os.stat(tmp)):
+            elif len(tmps) == 1 and os.path.samestat(st, os.stat(tmps[0])):
                 events.append("fsync manifest.bin.tmp")
             else:
                 events.append(f"fsync another file {fd}")
             return real_fsync(fd)
 
         def replace(src, dst):
-            events.append(f"replace {os.path.basename(src)} {os.path.basename(dst)}")
+            name = os.path.basename(src)
+            if name.startswith("manifest.bin.tmp."):  # each writer's own name
+                name = "manifest.bin.tmp"
+            events.append(f"replace {name} {os.path.basename(dst)}")
             return real_replace(src, dst)
 
         monkeypatch.setattr(disk, "_pwrite_all", slow_write)
@@ -393,7 +396,83 @@ def test_leftover_temporary_manifest_is_ignored_and_removed(tmp_path):
         assert pool.entries[0] == keys[:32]
 
 
+# --------------------------------------------------------------------------- one writer
+
+
+def test_a_second_opener_in_this_process_is_refused_naming_the_holder(tmp_path):
+    keys, slots = filled(tmp_path)
+    with reopen_quietly(tmp_path) as first:
+        with pytest.raises(DiskLockedError) as e:
+            open_pool(tmp_path)
+        assert isinstance(e.value, radixkv.Error)
+        assert f"process {os.getpid()} on " in str(e.value), str(e.value)
+        assert e.value.holder["pid"] == os.getpid()
+        # Refusing changed nothing: the holder goes on, its pages and manifest whole.
+        first.save(keys, slots)
+        assert all(good(p, key(s)) for p, s in zip(first.read(slots, keys), slots.tolist()))
+    with reopen_quietly(tmp_path) as pool:  # closing ended the lock
+        assert pool.entries[0] == keys
+
+
+def test_a_second_process_on_the_directory_is_refused_until_the_first_exits(tmp_path):
+    filled(tmp_path)
+    code = CHILD_PRELUDE + (
+        "from radixkv.kv.disk import DiskPool\n"
+        f"pool = DiskPool({str(tmp_path)!r}, {N}, {PB}, {FP!r}, recover=False)\n"
+        "print('open', flush=True)\n"
+        "sys.stdin.read()\n"
+        "pool.save(b'', [])\n"
+        "pool.close()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "open"
+        with pytest.raises(DiskLockedError, match=rf"in use by process {child.pid} on "):
+            open_pool(tmp_path)
+        child.stdin.close()
+        assert child.wait(60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    with reopen_quietly(tmp_path) as pool:  # the child's save, whole
+        assert pool.entries[0] == b""
+
+
+def test_each_save_writes_a_temporary_of_its_own(tmp_path, monkeypatch):
+    """Two writers never share a temporary manifest (one removing or replacing the other's
+    was how a second process made the first one's save fail)."""
+    names: list[str] = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        names.append(os.path.basename(src))
+        return real_replace(src, dst)
+
+    keys, slots = filled(tmp_path)
+    monkeypatch.setattr(os, "replace", replace)
+    with reopen_quietly(tmp_path) as pool:
+        pool.save(keys, slots)
+        pool.save(keys, slots)
+    assert len(set(names)) == 2, names
+    assert all(n.startswith(f"manifest.bin.tmp.{os.getpid()}.") for n in names), names
+    assert not list(tmp_path.glob("manifest.bin.tmp*"))
+
+
 # --------------------------------------------------------------------------- another setup
+
+
+def test_a_nested_fingerprint_names_the_inner_fields_that_differ(tmp_path):
+    config = {"hidden_size": 576, "rope_theta": 10000.0, "num_hidden_layers": 30}
+    with DiskPool(tmp_path, N, PB, {"model": {"config": config, "weights": "ab"}}) as pool:
+        pool.save(b"", [])
+    other = {"model": {"config": {**config, "rope_theta": 500000.0}, "weights": "ab"}}
+    with pytest.raises(DiskMismatchError) as e:
+        DiskPool(tmp_path, N, PB, other)
+    path = "fingerprint['model']['config']['rope_theta']"
+    assert e.value.differences == {path: ("10000.0", "500000.0")}
+    assert "hidden_size" not in str(e.value), "only the field that differs is named"
 
 
 def test_another_fingerprint_is_refused_naming_the_fields(tmp_path):

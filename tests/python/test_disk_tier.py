@@ -315,3 +315,41 @@ def test_the_disk_calls_name_their_bad_arguments_and_change_nothing():
     cache.check()
     s = cache.stats
     assert (s.disk_free_pages, s.host_free_pages, len(cache.disk_entries()[1])) == (32, 4, 0)
+
+
+def test_a_model_fingerprint_holds_what_the_kv_depends_on_not_where_it_came_from(tmp_path):
+    """The same transformers model saved, moved and loaded again (another ``_name_or_path``),
+    or by another transformers (``transformers_version``), has the same fingerprint, so a
+    directory it wrote is found again; a config field that changes the math differs, and the
+    mismatch names that field alone."""
+    from hf_models import build_model, save_model
+
+    transformers = pytest.importorskip("transformers")
+    model = build_model("llama", seed=5)
+    fp = model_fingerprint(model)
+    saved = save_model(model, tmp_path / "here")
+    moved = tmp_path / "elsewhere"
+    os.rename(saved, moved)
+    again = transformers.AutoModelForCausalLM.from_pretrained(moved, dtype=torch.float32)
+    again.config.transformers_version = "0.0.1"
+    assert again.config.to_dict()["_name_or_path"] == str(moved)
+    assert model_fingerprint(again) == fp
+    changed = build_model("llama", seed=5, rms_norm_eps=1e-3)
+    other = model_fingerprint(changed)
+    assert other["weights"] == fp["weights"] and other["config"] != fp["config"]
+    kv = lambda fingerprint: KVCache(  # noqa: E731
+        radixkv.RadixCache(8, 4, 8, 16),
+        2,
+        2,
+        16,
+        host_device="cpu",
+        disk_dir=tmp_path / "d",
+        fingerprint=fingerprint,
+    )
+    for fingerprint in (fp, model_fingerprint(again)):  # the moved model opens the directory
+        k = kv(fingerprint)
+        k.save()  # a manifest, with the fingerprint
+        k.close()
+    with pytest.raises(DiskMismatchError) as e:
+        kv(other)
+    assert list(e.value.differences) == ["fingerprint['model']['config']['rms_norm_eps']"]

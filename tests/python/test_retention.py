@@ -65,10 +65,25 @@ def test_bad_arguments_name_the_value_and_change_nothing(cls):
     c = cls(8, page_size=1)
     req = c.admit([1, 2, 3])
     c.commit(req, 3)
-    with pytest.raises(ValueError, match=rf"priority.*0\.\.{radixkv.EVICTION_CLASSES}.*got 9"):
+    top = radixkv.EVICTION_CLASSES - 1
+    with pytest.raises(ValueError, match=rf"priority.*from 0 to {top}\b.*got 9$"):
         c.finish(req, priority=9)
+    # The value given, not a clamped one; a negative one too.
+    with pytest.raises(ValueError, match=rf"from 0 to {top}\b.*got 300$"):
+        c.finish(req, priority=300)
+    with pytest.raises(ValueError, match=rf"from 0 to {top}\b.*got -1$"):
+        c.finish(req, priority=-1)
+    with pytest.raises(ValueError, match=r"got 18446744073709551616$"):
+        c.finish(req, priority=2**64)
     with pytest.raises(TypeError, match="priority must be an int"):
         c.finish(req, priority="high")
+    # A bool is neither a class nor seconds (as the engine refuses retain=True).
+    with pytest.raises(TypeError, match="priority must be an int, got bool"):
+        c.finish(req, priority=True)
+    with pytest.raises(TypeError, match=r"retain must be seconds.*got bool"):
+        c.finish(req, retain=True)
+    with pytest.raises(TypeError, match=r"retain must be seconds.*got str"):
+        c.finish(req, retain="1")
     with pytest.raises(ValueError, match=r"retain.*got -1"):
         c.finish(req, retain=-1.0)
     with pytest.raises(ValueError, match="retain"):

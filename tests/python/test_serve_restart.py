@@ -5,6 +5,7 @@ directory written for another dtype is refused with a clear message."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -107,3 +108,64 @@ def test_a_directory_of_another_dtype_is_refused(tmp_path):
     assert rc != 0
     assert "dtype" in err and "float32" in err and "bfloat16" in err, err
     assert "Traceback" not in err, err
+
+
+def linked_checkpoint(where) -> str:
+    """The converted SmolLM2 checkpoint, as a directory ``where`` of links to its files (a copy
+    at another path, without copying 500 MB)."""
+    from radixkv.hf._load import _converted
+
+    source = _converted(smollm2_path())
+    where.mkdir(parents=True)
+    for f in source.iterdir():
+        (where / f.name).symlink_to(f)
+    return str(where)
+
+
+def test_a_moved_checkpoint_restarts_with_its_pages(tmp_path):
+    """The same weights at another path (a moved checkpoint, another model cache or $HOME)
+    compute the same KV: the restarted server finds the pages the first one saved."""
+    first = linked_checkpoint(tmp_path / "models" / "smollm2")
+    turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which tool?"}]
+    port = free_port()
+    proc = serve_process.start(port, *options(tmp_path / "cache", "--model", first))
+    try:
+        chat(port, turn)
+        stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    moved = tmp_path / "moved" / "smollm2-instruct"
+    moved.parent.mkdir()
+    os.rename(first, moved)
+    port = free_port()
+    proc = serve_process.start(port, *options(tmp_path / "cache", "--model", str(moved)))
+    try:
+        _, prompt_tokens, cached = chat(port, turn)
+        err = stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "restored" in err and cached >= prompt_tokens - 16, (cached, prompt_tokens, err)
+
+
+def test_a_second_server_on_the_directory_is_refused_naming_the_first(tmp_path):
+    port = free_port()
+    proc = serve_process.start(port, *options(tmp_path / "cache"))
+    try:
+        chat(port, [{"role": "user", "content": "Say hi."}])
+        second = serve_process.spawn(free_port(), *options(tmp_path / "cache"))
+        try:
+            rc = second.wait(180)
+        finally:
+            if second.poll() is None:
+                second.kill()
+        err = second.stderr.read()
+        assert rc == 2, err
+        assert f"in use by process {proc.pid} on " in err and "Traceback" not in err, err
+        # The first one goes on serving, and saves its tier whole.
+        chat(port, [{"role": "user", "content": "Say hi again."}])
+        assert "saved the disk tier" in stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -14,8 +14,11 @@ moved onto the event loop with ``call_soon_threadsafe``).
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's request and
 response shapes; ``usage.prompt_tokens_details.cached_tokens`` is the prefix cache's hit, as
 vLLM reports it), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
-A request's ``cache_salt`` (vLLM's field) or the configured tenant header is its cache
-namespace, so tenants never share KV. ``n > 1`` choices branch from one prefilled prompt.
+A request's cache namespace is its tenant (the configured tenant header) and its
+``cache_salt`` (vLLM's field) together: a salt subdivides a tenant's namespace and never leaves
+it, so tenants never share KV (:func:`namespace_of`). A request without a ``seed`` samples with
+a fresh one; ``keep_alive`` is bounded by the server (``--max-keep-alive``, per tenant).
+``n > 1`` choices branch from one prefilled prompt.
 ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with ``tool_choice``
 ``"required"`` or a named function constrain the reply to a grammar, a tool call returned as
 OpenAI's ``tool_calls`` (:mod:`radixkv.apps.structured`; streamed whole at its end).
@@ -29,6 +32,7 @@ import asyncio
 import dataclasses
 import json
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -41,6 +45,7 @@ try:
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field
+    from starlette.exceptions import HTTPException
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         f"radixkv serve needs FastAPI and uvicorn ({e}): pip install radixkv[serve]"
@@ -249,7 +254,7 @@ class _Body(BaseModel):
     # client sends them with extra_body): seconds the request's pages stay retained in the
     # prefix cache after it finishes (an agent about to run a tool sends its next turn later),
     # and their eviction class (0 evicted first). See SEMANTICS.md, "Eviction classes".
-    keep_alive: float = Field(default=0.0, ge=0.0)
+    keep_alive: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     cache_priority: int = Field(default=0, ge=0, lt=radixkv.EVICTION_CLASSES)
     user: str | None = None
     response_format: dict[str, Any] | None = None
@@ -270,23 +275,94 @@ class CompletionBody(_Body):
     echo: bool = False
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
-    """OpenAI's error object."""
+def _error_body(status: int, message: str, param: str | None = None, kind: str | None = None):
+    """OpenAI's error object, as a dict."""
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    kind: str | None = None,
+    headers: dict[str, str] | None = None,
+):
+    """OpenAI's error object, as a response."""
+    body = _error_body(status, message, param, kind)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # ---- the app ----------------------------------------------------------------------------------
 
 
+#: Seconds of ``keep_alive`` a request may ask for by default (``--max-keep-alive``).
+MAX_KEEP_ALIVE = 300.0
+
+
 @dataclass
 class ServerConfig:
-    """What ``radixkv serve`` was started with (for ``/v1/models`` and the tenant header)."""
+    """What ``radixkv serve`` was started with (for ``/v1/models``, the tenant header and the
+    bound on ``keep_alive``).
+
+    ``max_keep_alive``: the most seconds of ``keep_alive`` a request may ask for (more is a
+    400); ``tenant_max_keep_alive``: that bound for the tenants named (values of the tenant
+    header), in place of ``max_keep_alive``."""
 
     model_name: str = "radixkv"
     tenant_header: str | None = None
     default_max_tokens: int = 256
+    max_keep_alive: float = MAX_KEEP_ALIVE
+    tenant_max_keep_alive: dict[str, float] = field(default_factory=dict)
+
+
+def namespace_of(tenant_header: str | None, tenant: str | None, salt: str | None) -> str | None:
+    """A request's cache namespace: with a tenant header configured, its tenant (the header's
+    value, None when absent) and its ``cache_salt`` together, so that a salt only subdivides
+    its tenant's namespace (no salt reaches another tenant's pages, whatever it is); without
+    one, the salt alone. None (the shared namespace) when there is neither."""
+    if not tenant_header:
+        return salt
+    if tenant is None and salt is None:
+        return None
+    return json.dumps([tenant, salt])
+
+
+def _bad_text(value: Any, where: str) -> str | None:
+    """The path of the first string in ``value`` (a request body, as parsed) that is not valid
+    Unicode (a lone surrogate such as ``"\\ud800"``, which no tokenizer can encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        if isinstance(k, str) and _bad_text(k, where) is not None:
+            return where or "body"
+        bad = _bad_text(v, f"{where}.{k}" if where else str(k))
+        if bad is not None:
+            return bad
+    return None
+
+
+def _text_error(body: BaseModel) -> JSONResponse | None:
+    """A 400 naming the field of ``body`` that holds a string that is not valid Unicode."""
+    bad = _bad_text(body.model_dump(exclude_defaults=True), "")
+    if bad is None:
+        return None
+    return _error(
+        400,
+        f"{bad}: not valid Unicode text (it holds a lone surrogate, such as \\ud800, that "
+        "cannot be encoded as UTF-8)",
+        bad,
+    )
 
 
 def create_app(
@@ -324,6 +400,15 @@ def create_app(
             return _error(400, f"the body is not valid JSON: {msg}")
         return _error(400, f"{param}: {msg}" if param else msg, param)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        # FastAPI's own refusals (a body that is not UTF-8, an unknown path, a wrong method)
+        # in OpenAI's error object rather than FastAPI's {"detail": ...}.
+        message = str(exc.detail)
+        if message == "There was an error parsing the body":
+            message = "the body could not be read: it must be JSON in UTF-8"
+        return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
+
     @app.get("/health")
     async def health():
         if not loop.alive:
@@ -351,6 +436,9 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
+        bad = _text_error(body)
+        if bad is not None:
+            return bad
         try:  # a tool call the request demands, else its response format, else free text
             grammar = structured.tool_grammar(body.tools, body.tool_choice)
             tool_call = grammar is not None
@@ -382,6 +470,9 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
+        bad = _text_error(body)
+        if bad is not None:
+            return bad
         if isinstance(body.prompt, str):
             prompt = tokenizer.encode(body.prompt, add_special_tokens=True)
         else:
@@ -413,9 +504,20 @@ def create_app(
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             return _error(400, "stop: stop strings must not be empty", "stop")
-        namespace = body.cache_salt
-        if namespace is None and config.tenant_header:
-            namespace = request.headers.get(config.tenant_header)
+        tenant = request.headers.get(config.tenant_header) if config.tenant_header else None
+        namespace = namespace_of(config.tenant_header, tenant, body.cache_salt)
+        bound = config.tenant_max_keep_alive.get(tenant or "", config.max_keep_alive)
+        if body.keep_alive > bound:
+            who = f"tenant {tenant!r}" if tenant in config.tenant_max_keep_alive else "a request"
+            return _error(
+                400,
+                f"keep_alive: at most {bound:g} seconds for {who} on this server "
+                f"(--max-keep-alive), got {body.keep_alive:g}",
+                "keep_alive",
+            )
+        # No seed: a fresh one (as OpenAI and vLLM), so that unseeded samples differ; below
+        # 2**62, so that every branch's seed + i stays in range.
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**62)
         params = dict(
             max_new_tokens=max_tokens,
             temperature=body.temperature,
@@ -425,7 +527,7 @@ def create_app(
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
-            seed=body.seed if body.seed is not None else 0,
+            seed=seed,
             namespace=namespace,
             logprobs=logprobs,
             stop_strings=stops,
@@ -461,7 +563,16 @@ def create_app(
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             gen = _stream(
-                request, pending, index, rid, chat, include_usage, prompt, cached_tokens, tool_call
+                request,
+                pending,
+                index,
+                rid,
+                chat,
+                include_usage,
+                prompt,
+                cached_tokens,
+                tool_call,
+                logprobs,
             )
             return StreamingResponse(gen, media_type="text/event-stream")
         waiter = asyncio.ensure_future(pending.done.wait())
@@ -511,7 +622,16 @@ def create_app(
         }
 
     async def _stream(
-        request, pending, index, rid, chat, include_usage, prompt, cached_tokens, tool_call=False
+        request,
+        pending,
+        index,
+        rid,
+        chat,
+        include_usage,
+        prompt,
+        cached_tokens,
+        tool_call=False,
+        logprobs=False,
     ):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -530,6 +650,16 @@ def create_app(
 
         finished: set[int] = set()
         held: dict[int, str] = {}  # a tool call's text, sent whole as one delta at its end
+        # Each choice's tokens and log-probabilities not yet sent: a token whose text is held
+        # back (part of a character, of a possible stop string) goes with the next chunk.
+        unsent: dict[int, list[tuple[int, float]]] = {}
+
+        def with_logprobs(k: int, choice: dict[str, Any]) -> dict[str, Any]:
+            if logprobs:
+                toks = unsent.pop(k, [])
+                choice["logprobs"] = _chunk_logprobs(tokenizer, toks, chat)
+            return choice
+
         try:
             if chat:
                 yield chunk(
@@ -557,6 +687,16 @@ def create_app(
                 reason = _finish(ev.finish_reason) if ev.finish_reason else None
                 if ev.finish_reason:
                     finished.add(ev.id)
+                if logprobs and ev.token is not None and ev.logprob is not None:
+                    unsent.setdefault(k, []).append((ev.token, ev.logprob))
+                if ev.finish_reason == "error":  # OpenAI's error object, not a finish reason
+                    await pending.done.wait()
+                    r = pending.results.get(ev.id)
+                    why = getattr(r, "error", None) if r is not None else None
+                    message = f"the request failed: {why or r!r}"
+                    yield f"data: {json.dumps(_error_body(500, message))}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
                 if tool_call:
                     held[k] = held.get(k, "") + ev.text
                     if reason is None:
@@ -564,16 +704,18 @@ def create_app(
                     calls = structured.tool_calls(held[k]) if ev.finish_reason == "stop" else None
                     if calls is not None:
                         delta = {"tool_calls": [{"index": 0, **calls[0]}]}
-                        yield chunk([{"index": k, "delta": delta, "finish_reason": "tool_calls"}])
+                        choice = {"index": k, "delta": delta, "finish_reason": "tool_calls"}
+                        yield chunk([with_logprobs(k, choice)])
                         continue
                     ev = dataclasses.replace(ev, text=held[k])  # cut short: sent as text
                 if not ev.text and reason is None:
                     continue
                 if chat:
                     delta = {"content": ev.text} if ev.text else {}
-                    yield chunk([{"index": k, "delta": delta, "finish_reason": reason}])
+                    choice = {"index": k, "delta": delta, "finish_reason": reason}
                 else:
-                    yield chunk([{"index": k, "text": ev.text, "finish_reason": reason}])
+                    choice = {"index": k, "text": ev.text, "finish_reason": reason}
+                yield chunk([with_logprobs(k, choice)])
             await pending.done.wait()
             if include_usage:
                 results = [pending.results[i] for i in pending.ids]
@@ -613,11 +755,27 @@ def _finish(reason: str) -> str:
 
 
 def _token_logprobs(tokenizer: Any, r: Any) -> list[dict[str, Any]]:
+    return _logprob_entries(tokenizer, list(zip(r.output, r.logprobs or [])))
+
+
+def _logprob_entries(tokenizer: Any, toks: list[tuple[int, float]]) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries of ``(token, logprob)`` pairs."""
     out = []
-    for tok, lp in zip(r.output, r.logprobs or []):
+    for tok, lp in toks:
         text = tokenizer.decode([tok])
         out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
     return out
+
+
+def _chunk_logprobs(tokenizer: Any, toks: list[tuple[int, float]], chat: bool) -> dict[str, Any]:
+    """A streamed chunk's ``logprobs``: its tokens' (those sampled since the last chunk of the
+    choice), in the endpoint's shape."""
+    if chat:
+        return {"content": _logprob_entries(tokenizer, toks)}
+    return {
+        "tokens": [tokenizer.decode([t]) for t, _ in toks],
+        "token_logprobs": [lp for _, lp in toks],
+    }
 
 
 def _param_of(message: str) -> str | None:

@@ -140,8 +140,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tenant-header",
         default=None,
         metavar="NAME",
-        help="HTTP header whose value is the request's cache namespace when it has no "
-        "cache_salt (default: none; one shared namespace)",
+        help="HTTP header whose value names the request's tenant: its cache namespace, which "
+        "a cache_salt only subdivides (default: none; the salt alone, else one shared "
+        "namespace)",
+    )
+    p.add_argument(
+        "--max-keep-alive",
+        type=keep_alive_bound,
+        action="append",
+        default=None,
+        metavar="[TENANT=]SECONDS",
+        help="the most seconds of keep_alive a request may ask for (more is a 400); "
+        "TENANT=SECONDS sets it for one tenant of --tenant-header; repeatable (default: "
+        f"{MAX_KEEP_ALIVE:g})",
     )
     p.add_argument(
         "--kv-events",
@@ -157,6 +168,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: ``--max-keep-alive``'s default (the same as :data:`radixkv.apps.serve.MAX_KEEP_ALIVE`,
+#: which needs FastAPI to import).
+MAX_KEEP_ALIVE = 300.0
+
+
+def keep_alive_bound(text: str) -> tuple[str | None, float]:
+    """An argparse ``type``: ``SECONDS`` or ``TENANT=SECONDS`` as ``(tenant or None,
+    seconds)``, seconds finite and ``>= 0``."""
+    tenant, sep, number = text.rpartition("=")
+    if sep and not tenant:
+        raise argparse.ArgumentTypeError(f"must be SECONDS or TENANT=SECONDS, got {text!r}")
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be SECONDS or TENANT=SECONDS (a number >= 0), got {text!r}"
+        ) from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be finite and >= 0, got {text!r}")
+    return (tenant if sep else None), value
+
+
+def keep_alive_bounds(
+    given: list[tuple[str | None, float]] | None, tenant_header: str | None
+) -> tuple[float, dict[str, float]]:
+    """``(default, per tenant)`` of the ``--max-keep-alive`` values given (the last one of
+    each wins); ``UsageError`` for a tenant's without ``--tenant-header``."""
+    default, per_tenant = MAX_KEEP_ALIVE, {}
+    for tenant, seconds in given or []:
+        if tenant is None:
+            default = seconds
+        elif not tenant_header:
+            raise UsageError(
+                f"--max-keep-alive {tenant}={seconds:g} names a tenant: it needs --tenant-header"
+            )
+        else:
+            per_tenant[tenant] = seconds
+    return default, per_tenant
+
+
 def build(args: argparse.Namespace):
     """The engine loop, the app and the server config of ``args`` (model loaded)."""
     try:
@@ -169,6 +220,9 @@ def build(args: argparse.Namespace):
         raise UsageError(
             f"radixkv serve needs radixkv[serve] ({e}): pip install radixkv[serve]"
         ) from None
+    default, per_tenant = keep_alive_bounds(
+        getattr(args, "max_keep_alive", None), args.tenant_header
+    )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
@@ -236,7 +290,12 @@ def build(args: argparse.Namespace):
     name = args.served_model_name or (
         "SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)
     )
-    config = serve.ServerConfig(model_name=name, tenant_header=args.tenant_header)
+    config = serve.ServerConfig(
+        model_name=name,
+        tenant_header=args.tenant_header,
+        max_keep_alive=default,
+        tenant_max_keep_alive=per_tenant,
+    )
     loop = serve.EngineLoop(engine, max_waiting=args.max_waiting)
     if publisher is not None:
         loop.after_step.append(publisher.publish)

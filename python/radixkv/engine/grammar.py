@@ -214,6 +214,19 @@ class Compiler:
             raise ValueError(
                 f"grammar: the {_what(grammar)} does not compile: {template.get_error().strip()}"
             )
+        # llguidance builds the lexer lazily: a grammar it cannot use at all (a schema that is
+        # only a reference to itself, say) fails at its first mask. Computed here, on a copy,
+        # that is the caller's error before the request runs, not a failure in the middle of it.
+        probe = template.deep_copy()
+        first = np.zeros(self.words, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
+        if probe.is_error():
+            why = (probe.get_error() or "").replace("<non-verbose/>", "").strip()
+            raise ValueError(
+                f"grammar: the {_what(grammar)} cannot be used: it matches no output the "
+                f"tokenizer can produce ({why or 'no reason given'}; a schema that only refers "
+                "to itself does this)"
+            )
         self.compiled += 1
         self._cache[grammar] = template
         if len(self._cache) > CACHE_SIZE:

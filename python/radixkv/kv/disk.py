@@ -44,11 +44,17 @@ Crash rules:
 - Pages are written in place, by one background thread (:meth:`DiskPool.write`), one ``pwritev``
   of header and payload each; a crash may tear a page, and a slot may be overwritten (reused)
   after the last :meth:`DiskPool.save`.
-- The manifest is only replaced atomically (``manifest.bin.tmp``, ``fsync``, ``os.replace``,
-  ``fsync`` of the directory), after an ``fsync`` of the data file: after a crash the directory
-  holds the last saved manifest whole, or none. A manifest that is truncated, has a bad magic,
-  fails its checksum, or lists a slot or a key twice is treated as missing (a ``RuntimeWarning``;
-  the pool starts empty); a leftover ``manifest.bin.tmp`` is removed.
+- The manifest is only replaced atomically (``manifest.bin.tmp.<pid>.<random>``, a name of
+  this writer's own, ``fsync``, ``os.replace``, ``fsync`` of the directory), after an ``fsync``
+  of the data file: after a crash the directory holds the last saved manifest whole, or none.
+  A manifest that is truncated, has a bad magic, fails its checksum, or lists a slot or a key
+  twice is treated as missing (a ``RuntimeWarning``; the pool starts empty); leftover
+  ``manifest.bin.tmp*`` files are removed at open.
+- One process at a time: the pool holds an exclusive lock (``flock``) on the directory's
+  ``lock`` file from open to close, and writes its holder (pid, host, time) into it; a second
+  opener, in this process or another, is refused (:class:`DiskLockedError` naming the
+  holder), so two processes never overwrite each other's slots or manifest. The lock ends with
+  the process, however it ends: a crashed holder leaves nothing to clean up.
 - Every page read is checked against the key the caller expects there, against the pool's
   setup (a page another model or layout wrote into this directory is not this pool's, whatever
   its key) and against its checksum (:meth:`DiskPool.read`): a page torn by a crash, overwritten
@@ -68,8 +74,11 @@ import contextlib
 import json
 import os
 import queue
+import secrets
+import socket
 import struct
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -97,7 +106,8 @@ MANIFEST_CHECKSUM_KEY = b"radixkv.manifest"
 #: File names inside the pool's directory.
 DATA_FILE = "pages.bin"
 MANIFEST_FILE = "manifest.bin"
-MANIFEST_TMP = "manifest.bin.tmp"
+MANIFEST_TMP = "manifest.bin.tmp"  # the prefix of each writer's own temporary manifest
+LOCK_FILE = "lock"
 #: What ``on_mismatch`` may be.
 ON_MISMATCH = ("error", "reset")
 
@@ -118,6 +128,68 @@ class DiskMismatchError(radixkv.Error):
     def __init__(self, message: str, differences: dict[str, tuple[Any, Any]]) -> None:
         super().__init__(message)
         self.differences = differences
+
+
+class DiskLockedError(radixkv.Error):
+    """The directory of a :class:`DiskPool` is open in another pool (of this process or
+    another): two writers would overwrite each other's slots and manifest. ``holder``: what
+    the holder wrote into the lock file (``pid``, ``host``, ``since``), empty if unknown."""
+
+    def __init__(self, message: str, holder: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+def _lock(path: str) -> int:
+    """An open descriptor of ``path``'s lock file, holding its exclusive ``flock``, with this
+    process named in it; :class:`DiskLockedError` naming the holder when another has it."""
+    lock_path = os.path.join(path, LOCK_FILE)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no flock on this platform: unguarded, as before
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
+        except (OSError, ValueError):
+            holder = {}
+        os.close(fd)
+        if not isinstance(holder, dict):
+            holder = {}
+        who = (
+            f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, open since "
+            f"{holder.get('since', '?')}"
+            if holder
+            else "another process"
+        )
+        raise DiskLockedError(
+            f"the disk tier at {path!r} is in use by {who}: one directory serves one process "
+            "at a time (stop that one, or give this one another directory)",
+            holder,
+        ) from None
+    try:
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+    except OSError:  # the lock holds even where its note cannot be written
+        pass
+    return fd
+
+
+def _remove_temporaries(path: str) -> None:
+    """Removes the temporary manifests writers left behind (the lock is held: none is live)."""
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name.startswith(MANIFEST_TMP):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
 
 
 def slot_bytes_for(page_bytes: int) -> int:
@@ -154,6 +226,25 @@ def _normalize_fingerprint(fingerprint: Any) -> dict[str, Any]:
         ) from None
     normalized: dict[str, Any] = json.loads(text)
     return normalized
+
+
+def _diff_tree(
+    where: str, stored: dict[str, Any], given: dict[str, Any], out: dict[str, tuple[Any, Any]]
+) -> None:
+    """Into ``out``: each leaf of ``stored`` and ``given`` that differs, as
+    ``where['key']['inner']...`` -> ``(stored, given)`` in canonical JSON (``"<absent>"`` for
+    a key one side lacks). Nested objects are compared key by key, so a model config that
+    differs in one field names that field, not two dumps of the whole config."""
+    for k in sorted(set(stored) | set(given)):
+        s, g = stored.get(k, _ABSENT), given.get(k, _ABSENT)
+        path = f"{where}[{k!r}]"
+        if isinstance(s, dict) and isinstance(g, dict):
+            _diff_tree(path, s, g, out)
+            continue
+        s_text = _canonical(s) if k in stored else _ABSENT
+        g_text = _canonical(g) if k in given else _ABSENT
+        if s_text != g_text:
+            out[path] = (s_text, g_text)
 
 
 def _check_key(key: Any, name: str = "key") -> bytes:
@@ -262,15 +353,17 @@ def _writer(
 def _shutdown(
     q: queue.Queue[Any], thread_box: list[threading.Thread | None], fd_box: list[int]
 ) -> None:
-    """Stops the worker (after the writes queued before) and closes the data file."""
+    """Stops the worker (after the writes queued before), closes the data file, then the lock
+    file (``fd_box[1]``, when held: closing it ends the lock)."""
     thread = thread_box[0]
     if thread is not None:
         q.put(None)
         thread.join()
         thread_box[0] = None
-    if fd_box[0] >= 0:
-        fd, fd_box[0] = fd_box[0], -1
-        os.close(fd)
+    for i in range(len(fd_box)):
+        if fd_box[i] >= 0:
+            fd, fd_box[i] = fd_box[i], -1
+            os.close(fd)
 
 
 class DiskPool:
@@ -343,8 +436,16 @@ class DiskPool:
         os.makedirs(self.path, exist_ok=True)
         self._data_path = os.path.join(self.path, DATA_FILE)
         self._manifest_path = os.path.join(self.path, MANIFEST_FILE)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(self.path, MANIFEST_TMP))
+        lock_fd = _lock(self.path)
+        try:
+            self._open(lock_fd, recover)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+
+    def _open(self, lock_fd: int, recover: bool) -> None:
+        """The rest of ``__init__``, with the directory's lock held (``lock_fd``)."""
+        _remove_temporaries(self.path)
 
         self._keys = b""
         self._slots = np.zeros(0, np.uint32)
@@ -368,7 +469,7 @@ class DiskPool:
                     f"DiskPool at {self.path!r}: the data file is {size} bytes, longer than "
                     f"this layout's {expected}; discarding its pages (on_mismatch='reset')",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
                 layout_differs = True
             if layout_differs:
@@ -390,10 +491,12 @@ class DiskPool:
                 raise
         # Bounded: when the disk is slower than the pages coming down, a write waits for room
         # (at most MAX_QUEUED_BYTES of pages wait in memory) instead of memory growing.
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(4, MAX_QUEUED_BYTES // page_bytes))
+        self._queue: queue.Queue[Any] = queue.Queue(
+            maxsize=max(4, MAX_QUEUED_BYTES // self.page_bytes)
+        )
         self._state = _WriterState()
         self._thread_box: list[threading.Thread | None] = [None]
-        self._fd_box = [fd]
+        self._fd_box = [fd, lock_fd]
         self._finalizer = weakref.finalize(
             self, _shutdown, self._queue, self._thread_box, self._fd_box
         )
@@ -450,7 +553,7 @@ class DiskPool:
             f"DiskPool at {self.path!r}: the directory's index ({MANIFEST_FILE}) was damaged "
             f"({why}); {then}",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def _open_manifest(self) -> tuple[bool, bool]:
@@ -481,7 +584,7 @@ class DiskPool:
                 f"DiskPool at {self.path!r} was saved for another setup ({fields}); "
                 "on_mismatch='reset': the pool starts empty",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             return False, any(k in _LAYOUT_FIELDS for k in diffs)
         n = len(slots)
@@ -550,12 +653,7 @@ class DiskPool:
         for field, value in given.items():
             if header[field] != value:
                 diffs[field] = (header[field], value)
-        stored_fp = header["fingerprint"]
-        for k in sorted(set(stored_fp) | set(self.fingerprint)):
-            s = _canonical(stored_fp[k]) if k in stored_fp else _ABSENT
-            g = _canonical(self.fingerprint[k]) if k in self.fingerprint else _ABSENT
-            if s != g:
-                diffs[f"fingerprint[{k!r}]"] = (s, g)
+        _diff_tree("fingerprint", header["fingerprint"], self.fingerprint, diffs)
         return diffs
 
     def _manifest_bytes(self, keys: bytes, slots: np.ndarray) -> bytes:
@@ -840,8 +938,9 @@ class DiskPool:
         slots32 = ids.astype(np.uint32)
         data = self._manifest_bytes(keys, slots32)
         self.flush()
-        tmp = os.path.join(self.path, MANIFEST_TMP)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # A name of this writer's own: no other writer can remove or replace it under this one.
+        tmp = os.path.join(self.path, f"{MANIFEST_TMP}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
             done = 0
