@@ -5,6 +5,7 @@ redis-server in test_shared_tier.py."""
 from __future__ import annotations
 
 import pytest
+
 import serve_process
 from redis_server import free_port
 
