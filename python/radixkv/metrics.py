@@ -28,6 +28,14 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   ``radixkv_kv_disk_written_pages_total``, ``radixkv_kv_disk_fetched_pages_total`` (read back
   for a prompt), ``radixkv_kv_disk_evicted_pages_total`` and ``radixkv_kv_disk_bad_pages_total``
   (read back torn or corrupted, recomputed).
+- With an engine whose ``KVCache`` has a shared tier (``shared_store=``):
+  ``radixkv_kv_shared_hit_pages_total`` (pages fetched from the shared store and entered for a
+  prompt), ``radixkv_kv_shared_put_pages_total`` (pages sent to it),
+  ``radixkv_kv_shared_dropped_pages_total`` (not sent: queue full, store failing),
+  ``radixkv_kv_shared_bad_pages_total`` (failed their header, checksum or MAC: recomputed,
+  never served), ``radixkv_kv_shared_errors_total`` (failed store calls) and
+  ``radixkv_kv_shared_breaker_open`` (1 while the breaker skips the store, else 0). The
+  store's address and credentials are never exported.
 - With a window group (``window_pages > 0``): ``radixkv_kv_window_pages{state="free"|
   "evictable"|"used"}``, ``radixkv_prefix_cache_window_cut_hits_total`` and
   ``radixkv_prefix_cache_window_cut_tokens_total`` (hits the window cut short, and the tokens
@@ -316,7 +324,46 @@ class CacheCollector(Collector):
             out.append(h)
         if self.engine is not None:
             out.extend(self._engine_families(live))
+        shared = getattr(getattr(self.engine, "kv", None), "shared", None)
+        if shared is not None:
+            out.extend(self._shared_families(shared.stats() if live else None))
         return out
+
+    def _shared_families(self, s: dict[str, Any] | None) -> list[Any]:
+        """The shared tier's families (``s``: its stats, or None for names only)."""
+        live = s is not None
+        return [
+            self._counter(
+                "radixkv_kv_shared_hit_pages",
+                "Pages fetched from the shared store and entered for a prompt.",
+                s["hit_pages"] if s is not None else None,
+            ),
+            self._counter(
+                "radixkv_kv_shared_put_pages",
+                "Pages sent to the shared store (those it held already are not).",
+                s["put_pages"] if s is not None else None,
+            ),
+            self._counter(
+                "radixkv_kv_shared_dropped_pages",
+                "Pages not sent to the shared store (queue full, store failing).",
+                s["dropped_pages"] if s is not None else None,
+            ),
+            self._counter(
+                "radixkv_kv_shared_bad_pages",
+                "Shared pages that failed their header, checksum or MAC (never served).",
+                s["bad_pages"] if s is not None else None,
+            ),
+            self._counter(
+                "radixkv_kv_shared_errors",
+                "Calls to the shared store that failed.",
+                s["errors"] if s is not None else None,
+            ),
+            self._gauge(
+                "radixkv_kv_shared_breaker_open",
+                "1 while the shared store's circuit breaker skips it (open or probing), else 0.",
+                (1 if s["breaker"] != "closed" else 0) if live and s is not None else None,
+            ),
+        ]
 
     def _host_families(self, s: Any) -> list[Any]:
         """The host tier's families (``s``: a stats snapshot, or None for names only)."""

@@ -96,6 +96,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "page layout: refuse to start (error, the default) or start it empty (reset)",
     )
     p.add_argument(
+        "--shared-store",
+        default=None,
+        metavar="URL",
+        help="a KV tier shared by every replica on the same store: redis://[user:pw@]host:port"
+        "[/db] or unix:///path/to/socket (Redis or Valkey); pages one replica computed are "
+        "hits for the others (default: none)",
+    )
+    p.add_argument(
+        "--shared-store-key-file",
+        default=None,
+        metavar="FILE",
+        help="with --shared-store: the operator's secret (16 bytes or more) every shared page "
+        "carries a MAC under; required for a store not on loopback or a unix socket (default: "
+        "$RADIXKV_SHARED_STORE_KEY, else none)",
+    )
+    p.add_argument(
         "--policy",
         choices=("fcfs", "lpm", "dfs-weight"),
         default="lpm",
@@ -208,8 +224,36 @@ def keep_alive_bounds(
     return default, per_tenant
 
 
+def shared_store_args(args: argparse.Namespace) -> dict[str, object]:
+    """``radixkv.hf.engine``'s ``shared_store`` and ``shared_store_key`` from ``--shared-store``
+    and ``--shared-store-key-file`` (or ``$RADIXKV_SHARED_STORE_KEY``); ``UsageError`` naming
+    the bad URL (credentials masked) or key file, before anything loads."""
+    url = getattr(args, "shared_store", None)
+    key_file = getattr(args, "shared_store_key_file", None)
+    if url is None:
+        if key_file is not None:
+            raise UsageError("--shared-store-key-file needs --shared-store")
+        return {}
+    from radixkv.kv.shared_store import check_url, is_local, redact
+    from radixkv.kv.shared_tier import KEY_ENV, load_secret
+
+    try:
+        check_url(url)
+        key = load_secret(key_file)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if key is None and not is_local(url):
+        raise UsageError(
+            f"--shared-store {redact(url)} is not on a loopback address or a unix socket: "
+            "anyone who can write to it could plant KV this server would serve; give "
+            f"--shared-store-key-file FILE (or ${KEY_ENV}) so every page carries a MAC"
+        )
+    return {"shared_store": url, "shared_store_key": key}
+
+
 def build(args: argparse.Namespace):
     """The engine loop, the app and the server config of ``args`` (model loaded)."""
+    shared = shared_store_args(args)
     try:
         import torch
 
@@ -284,6 +328,7 @@ def build(args: argparse.Namespace):
             tokenizer=tokenizer,
             disk_dir=getattr(args, "cache_dir", None),
             on_mismatch=getattr(args, "on_cache_mismatch", "error"),
+            **shared,
         )
     except radixkv.Error as e:  # a directory written for another model or layout
         raise UsageError(str(e)) from None
@@ -347,6 +392,12 @@ def run(args: argparse.Namespace) -> int:
     # lets the drained server exit 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     kv = loop.engine.kv
+    if kv.shared is not None:
+        print(
+            f"radixkv serve: shared KV tier on {kv.shared.address} (pages: {kv.shared.mac})",
+            file=sys.stderr,
+            flush=True,
+        )
     if kv.disk is not None:
         print(
             f"radixkv serve: disk tier in {args.cache_dir}, {kv.disk_pages} pages "
@@ -356,6 +407,8 @@ def run(args: argparse.Namespace) -> int:
         )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     print("radixkv serve: stopped; the requests in flight were drained", file=sys.stderr)
+    if kv.shared is not None and not loop.alive:
+        kv.shared.close()  # sends the pages still queued
     if kv.disk is not None:
         if loop.alive:  # the engine thread did not stop in time: its pools may be in use
             print(

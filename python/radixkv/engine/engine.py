@@ -211,7 +211,7 @@ class Engine:
         self.batcher = Batcher(
             kv.cache, token_budget, max_batch, self.prefix_caching, policy, max_wait
         )
-        if kv.disk is not None and self.prefix_caching:
+        if (kv.disk is not None or kv.shared is not None) and self.prefix_caching:
             self.batcher.prefetch = self._prefetch
         self.sequences: dict[int, Sequence] = {}
         self.release_hooks: list[Callable[[list[Sequence]], None]] = []
@@ -229,6 +229,11 @@ class Engine:
         self._closed = False
         self._broken: radixkv.Error | None = None
         self._sampled: list[tuple[int, int]] | None = None
+        if group is not None and kv.shared is not None:
+            raise ValueError(
+                "a KVCache with a shared tier cannot run tensor-parallel yet: the ranks' pages "
+                "would need keys of their own, and one rank's miss would part the ranks"
+            )
         if group is not None and kv.disk is not None:
             raise ValueError(
                 "a KVCache with a disk tier cannot run tensor-parallel yet: each rank would "
@@ -816,8 +821,9 @@ class Engine:
             raise err from e
 
     def _prefetch(self, seq: Sequence) -> None:
-        """Reads back from the disk tier the pages of ``seq`` (waiting, about to be ranked for
-        admission) that memory lacks, into host pages: its admission finds them as host hits."""
+        """Reads back from the disk tier (and the shared tier) the pages of ``seq`` (waiting,
+        about to be ranked for admission) that memory lacks: its admission finds them as hits.
+        The shared tier never raises for its store (it counts failures itself)."""
         t = time.perf_counter()
         try:
             self.stats.disk_tokens += self.kv.prefetch(seq.target, seq.cache_namespace)

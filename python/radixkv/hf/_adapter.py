@@ -110,11 +110,14 @@ def make_kv_cache(
     fingerprint: Mapping[str, object] | None = None,
     on_mismatch: str = "error",
     attention: str = "auto",
+    shared_store: str | None = None,
+    shared_store_key: bytes | str | None = None,
 ) -> KVCache:
     """A :class:`radixkv.KVCache` for ``cache`` shaped as ``spec`` says; a cache with a host
     tier gets its host pools in CPU memory, one with a disk tier its pool under ``disk_dir``
     (``fingerprint``: the model's, see :func:`radixkv.kv.disk_tier.model_fingerprint`);
-    ``attention``: its backend (``KVCache(attention=...)``)."""
+    ``attention``: its backend (``KVCache(attention=...)``); ``shared_store`` and
+    ``shared_store_key``: its shared tier (``KVCache(shared_store=...)``)."""
     if not isinstance(cache, radixkv.Cache):
         raise ValueError(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
@@ -145,6 +148,8 @@ def make_kv_cache(
         on_mismatch=on_mismatch,
         window_layers=window_layers,
         attention=attention,
+        shared_store=shared_store,
+        shared_store_key=shared_store_key,
     )
 
 
@@ -265,6 +270,8 @@ def engine(
     disk_dir: str | os.PathLike[str] | None = None,
     on_mismatch: str = "error",
     attention: str | None = None,
+    shared_store: str | None = None,
+    shared_store_key: bytes | str | None = None,
     **kwargs: Any,
 ) -> Engine:
     """A :class:`radixkv.Engine` (continuous batching, sessions, ``branch``, the scheduler)
@@ -293,6 +300,12 @@ def engine(
     hits for the next one over the same model and refused for another (``on_mismatch="error"``,
     or ``"reset"`` to start empty).
 
+    ``shared_store``: a store URL (``redis://host:port``, ``unix:///path``) whose pages this
+    engine shares with every replica of the same model on it (:mod:`radixkv.kv.shared_tier`;
+    keyed by the model's fingerprint, as the disk tier is); ``shared_store_key``: the
+    operator's secret, which every page's MAC is keyed with (required for a store that is not
+    on a loopback address or a unix socket).
+
     ``attention``: the attention backend of the ``KVCache`` this call makes (``"auto"`` by
     default: the Triton kernels on CUDA; see :class:`radixkv.KVCache`).
 
@@ -309,11 +322,12 @@ def engine(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
         )
     adapter = HFCausalLM(model)
-    if disk_dir is not None:
+    if disk_dir is not None or shared_store is not None:
         if isinstance(cache, KVCache):
             raise ValueError(
-                "disk_dir= is for a cache this call makes its KVCache for; a KVCache passed in "
-                "brings its own disk tier (KVCache(..., disk_dir=...))"
+                "disk_dir= and shared_store= are for a cache this call makes its KVCache for; a "
+                "KVCache passed in brings its own tiers (KVCache(..., disk_dir=..., "
+                "shared_store=...))"
             )
         from radixkv.kv.disk_tier import model_fingerprint
 
@@ -324,6 +338,8 @@ def engine(
             model_fingerprint(model),
             on_mismatch,
             attention=attention or "auto",
+            shared_store=shared_store,
+            shared_store_key=shared_store_key,
         )
     else:
         kv = kv_for(adapter.spec, cache, attention)

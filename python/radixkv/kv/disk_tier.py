@@ -70,16 +70,7 @@ class DiskTier:
         self.page_bytes = type(kv).bytes_per_page(
             kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.page_size
         )
-        full = {
-            "format": FORMAT_VERSION,
-            "page_size": kv.page_size,
-            "num_layers": kv.num_layers,
-            "num_kv_heads": kv.num_kv_heads,
-            "head_dim": kv.head_dim,
-            "dtype": str(kv.dtype).removeprefix("torch."),
-            "layout": PAGE_LAYOUT,
-            "model": dict(fingerprint or {}),
-        }
+        full = layout_fingerprint(kv, fingerprint)
         self.pool = DiskPool(path, kv.cache.disk_pages, self.page_bytes, full, on_mismatch)
         keys, slots = self.pool.entries
         if len(slots):
@@ -100,24 +91,11 @@ class DiskTier:
 
     def _page_bytes(self, k: list[torch.Tensor], v: list[torch.Tensor], page: int) -> np.ndarray:
         """Every layer's K and V of ``page`` of the pools ``k``/``v``, as one fresh uint8 array."""
-        p = self.kv.page_size
-        a, b = page * p, (page + 1) * p
-        parts = [t for layer in range(self.kv.num_layers) for t in (k[layer][a:b], v[layer][a:b])]
-        out = torch.stack(parts)
-        if out.device.type != "cpu":
-            out = out.cpu()
-        return out.contiguous().view(torch.uint8).numpy().reshape(-1).copy()
+        return page_payload(self.kv, k, v, page)
 
     def _scatter(self, payload: np.ndarray, host_page: int) -> None:
         """Writes ``payload`` (as :meth:`_page_bytes` made it) into host page ``host_page``."""
-        kv = self.kv
-        p = kv.page_size
-        arr = torch.from_numpy(np.require(payload, requirements=["C", "W"]))
-        pages = arr.view(kv.dtype).view(kv.num_layers, 2, p, kv.num_kv_heads, kv.head_dim)
-        a, b = host_page * p, (host_page + 1) * p
-        for layer in range(kv.num_layers):
-            kv.host_k[layer][a:b].copy_(pages[layer, 0])
-            kv.host_v[layer][a:b].copy_(pages[layer, 1])
+        scatter_payload(self.kv, payload, self.kv.host_k, self.kv.host_v, host_page)
 
     # ---- the index's copies ------------------------------------------------------------
 
@@ -196,6 +174,48 @@ class DiskTier:
     def close(self) -> None:
         """Waits for the queued writes and closes the pool (saving nothing)."""
         self.pool.close()
+
+
+def layout_fingerprint(kv: Any, fingerprint: Mapping[str, object] | None) -> dict[str, object]:
+    """What a page of ``kv`` (a ``KVCache``) is valid for: ``fingerprint`` (the model's) with
+    the pool's layout (format version, page size, layers, KV heads, head dim, dtype, page
+    layout). The disk tier stores it with its directory; the shared tier keys pages by it."""
+    return {
+        "format": FORMAT_VERSION,
+        "page_size": kv.page_size,
+        "num_layers": kv.num_layers,
+        "num_kv_heads": kv.num_kv_heads,
+        "head_dim": kv.head_dim,
+        "dtype": str(kv.dtype).removeprefix("torch."),
+        "layout": PAGE_LAYOUT,
+        "model": dict(fingerprint or {}),
+    }
+
+
+def page_payload(kv: Any, k: list[torch.Tensor], v: list[torch.Tensor], page: int) -> np.ndarray:
+    """Every layer's K and V of ``page`` of the pools ``k``/``v`` of ``kv`` (a ``KVCache``), as
+    one fresh uint8 array laid out as :data:`PAGE_LAYOUT` says."""
+    p = kv.page_size
+    a, b = page * p, (page + 1) * p
+    parts = [t for layer in range(kv.num_layers) for t in (k[layer][a:b], v[layer][a:b])]
+    out = torch.stack(parts)
+    if out.device.type != "cpu":
+        out = out.cpu()
+    return out.contiguous().view(torch.uint8).numpy().reshape(-1).copy()
+
+
+def scatter_payload(
+    kv: Any, payload: np.ndarray, k: list[torch.Tensor], v: list[torch.Tensor], page: int
+) -> None:
+    """Writes ``payload`` (as :func:`page_payload` made it) into ``page`` of the pools
+    ``k``/``v`` of ``kv`` (a ``KVCache``)."""
+    p = kv.page_size
+    arr = torch.from_numpy(np.require(payload, requirements=["C", "W"]))
+    pages = arr.view(kv.dtype).view(kv.num_layers, 2, p, kv.num_kv_heads, kv.head_dim)
+    a, b = page * p, (page + 1) * p
+    for layer in range(kv.num_layers):
+        k[layer][a:b].copy_(pages[layer, 0])
+        v[layer][a:b].copy_(pages[layer, 1])
 
 
 #: Config fields that do not change what a model computes for a prompt, so not part of its

@@ -48,6 +48,7 @@ from radixkv.kv import backends as _backends
 from radixkv.kv import devices as _devices
 from radixkv.kv.disk_tier import DiskTier
 from radixkv.kv.mirror import DecodeMirror
+from radixkv.kv.shared_tier import SharedTier
 from radixkv.kv.step import Step
 
 #: Element types the pool may hold.
@@ -310,6 +311,13 @@ class KVCache:
     another layout, raises :class:`radixkv.kv.disk.DiskMismatchError` (``on_mismatch="error"``)
     or starts empty (``"reset"``). Without a disk tier ``disk_dir`` must be ``None``.
 
+    Shared tier: ``shared_store`` (a store URL: ``redis://host:port``, ``unix:///path``) shares
+    pages with every replica on the same store (:mod:`radixkv.kv.shared_tier`): the pages each
+    step completes are sent in the background, and :meth:`prefetch` fetches a prompt's pages
+    the local tiers lack. Pages are keyed and checked by ``fingerprint`` and the layout.
+    ``shared_store_key`` (the operator's secret, 16 bytes or more) makes every page carry an
+    HMAC; without it a store not on a loopback address or unix socket is refused.
+
     Sliding-window layers: for a cache made with ``window=W, window_pages=N`` (see SEMANTICS.md,
     "Sliding-window layers"), ``window_layers`` names the layers whose queries attend to the last
     ``W`` keys (or fewer); their pools are ``[N * page_size, num_kv_heads, head_dim]``, indexed by
@@ -346,6 +354,8 @@ class KVCache:
         on_mismatch: str = "error",
         window_layers: Sequence[int] = (),
         decode_mirror: int | None = None,
+        shared_store: str | None = None,
+        shared_store_key: bytes | str | None = None,
     ) -> None:
         if not isinstance(cache, radixkv.Cache):
             raise TypeError(f"cache must be a RadixCache or BlockCache, got {type(cache).__name__}")
@@ -425,6 +435,17 @@ class KVCache:
             )
         else:
             self.disk = DiskTier(self, disk_dir, fingerprint, on_mismatch)
+        #: The shared tier (None without one; see :mod:`radixkv.kv.shared_tier`).
+        self.shared: SharedTier | None = None
+        if shared_store is not None:
+            try:
+                self.shared = SharedTier(self, shared_store, fingerprint, shared_store_key)
+            except BaseException:
+                if self.disk is not None:
+                    self.disk.close()
+                raise
+        elif shared_store_key is not None:
+            raise ValueError("shared_store_key needs shared_store (the store's URL)")
         self._gather_k: torch.Tensor | None = None
         self._gather_v: torch.Tensor | None = None
         self._backends: dict[str, Any] = {}
@@ -688,12 +709,15 @@ class KVCache:
         return done
 
     def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any = None) -> int:
-        """Reads back from the disk tier the pages of ``tokens`` the device and host tiers lack,
-        so that admitting ``tokens`` next finds them (as host hits); returns how many tokens came
-        back. 0 without a disk tier. See :meth:`radixkv.kv.disk_tier.DiskTier.prefetch`."""
-        if self.disk is None:
-            return 0
-        return self.disk.prefetch(tokens, namespace)
+        """Reads back from the disk tier, then from the shared tier, the pages of ``tokens``
+        the device and host tiers lack, so that admitting ``tokens`` next finds them; returns
+        how many tokens came back from either. 0 without those tiers. See
+        :meth:`radixkv.kv.disk_tier.DiskTier.prefetch` and
+        :meth:`radixkv.kv.shared_tier.SharedTier.prefetch`."""
+        n = 0 if self.disk is None else self.disk.prefetch(tokens, namespace)
+        if self.shared is not None:
+            n += self.shared.prefetch(tokens, namespace)
+        return n
 
     def save(self) -> int:
         """Saves the disk tier so that the next process opening ``disk_dir`` finds every page
@@ -705,9 +729,12 @@ class KVCache:
 
     def close(self) -> None:
         """Waits for the disk tier's queued writes and closes its files (saving nothing; call
-        :meth:`save` first to keep the pages). Nothing to do without a disk tier."""
+        :meth:`save` first to keep the pages), and sends the shared tier's queued pages and
+        closes its connections. Nothing to do without those tiers."""
         if self.disk is not None:
             self.disk.close()
+        if self.shared is not None:
+            self.shared.close()
 
     def _perform_runs(self, events: list[Any] | None) -> None:
         """Performs the queued runs, layer by layer (K then V of each segment), advancing
@@ -767,7 +794,13 @@ class KVCache:
         if step.kv is not self:
             raise ValueError("step was planned by another KVCache")
         step.check_current()
+        if self.shared is None:
+            self.cache.commit_many(step.requests, step.kv_len_list)
+            return
+        starts = [r.num_computed for r in step.requests]
         self.cache.commit_many(step.requests, step.kv_len_list)
+        # The pages this step completed go to the shared store, behind the request.
+        self.shared.publish(step.requests, starts, step.kv_len_list)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,550 @@
+"""`SharedTier`: a ``KVCache``'s side of a KV pool shared by many replicas, on a store they all
+reach (Redis or Valkey; :mod:`radixkv.kv.shared_store`), so that a session routed to another
+replica, a restarted replica or a new one finds the pages some replica already computed.
+
+Why it looks like this. The disk tier already has what a shared pool needs, and this tier
+reuses it rather than inventing a second one:
+
+- **The same pages.** A value is the disk pool's slot: the 128-byte header (magic, the page's
+  key, a checksum, the payload length, the setup digest; :mod:`radixkv.kv.disk`) then the
+  payload in the disk tier's layout (``K[0] V[0] ... K[L-1] V[L-1]``,
+  :data:`radixkv.kv.disk_tier.PAGE_LAYOUT`), made and scattered by the same functions.
+- **The same validity.** The setup digest is the disk directory's fingerprint (the model's
+  config and weights digest, the pool's layout: :func:`radixkv.kv.disk_tier.layout_fingerprint`)
+  plus the MAC kind, and every page read back is checked against the key it is read for, the
+  setup and its checksum before anything is written into a pool. A page that fails is dropped
+  from the store and recomputed, never served.
+- **The same keys.** The index's block keys are a content hash of the prefix (chained blake3 of
+  the pages' tokens, salted with the tenant's namespace: :func:`radixkv.block_hashes`), the
+  same in every process; a store key is that hash with the setup digest and a digest of the
+  namespace in front (``radixkv:<setup>:<namespace>:<block hash>``), so a replica of another
+  model, dtype or page size, or another tenant, never even asks for a page it does not own.
+- **The same read-before-admission.** :meth:`SharedTier.prefetch` runs where the disk tier's
+  does (``KVCache.prefetch``, called by the engine for each waiting request before it is
+  ranked), as a prefix walk: one batched ``EXISTS`` over the pages the local tiers lack, then
+  one batched ``GET`` of the leading run the store holds, stopping at the first miss and at
+  the first page that fails its check. The pages enter the index the way computed KV does:
+  the prefix is admitted, the fetched pages are written into its pages and committed, and the
+  request is finished (published). The index's only other way in, the disk tier's
+  ``disk_prefetch``, reads slots of its own disk only; going through admission needs no
+  change to the index, publishes the pages (KV events included) like any computed prefix, and
+  lets them move down to the host tier as any device page does. The admission that follows
+  finds them as hits.
+
+Writes are behind the request: ``KVCache.commit`` hands each page a step completed to
+:meth:`SharedTier.publish`, which copies it out of the pool at once (the pool may reuse it)
+unless the store is known to hold it, and a background thread sends the copies in batches
+(``EXISTS`` first, ``SET`` only of the pages the store lacks). A full queue drops pages
+(counted), it never waits.
+
+Trust: a store anyone can write to could plant KV that a replica then serves. With a secret
+(``key``: the operator's, 16 bytes or more) each page's checksum is an HMAC-SHA256 of the page's
+key, the setup and the payload under it, so a page that was not written by a holder of the
+secret fails its check. Without a secret the checksum is the disk tier's (blake3, integrity
+only), and the tier is refused on any store but a loopback address or a unix socket.
+
+A failing store (down, slow, full, evicting) costs a bounded time and never a wrong page or a
+failed request: every call has a short timeout and no retries, a :class:`Breaker` stops
+calling a store that failed until its cooldown passes, and every error is counted and taken as
+a miss (reads) or a dropped page (writes).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import json
+import os
+import queue
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+import radixkv
+from radixkv._radixkv import _page_checksum
+from radixkv.kv.breaker import Breaker
+from radixkv.kv.disk import _HEADER_STRUCT, HEADER
+from radixkv.kv.disk_tier import layout_fingerprint, page_payload, scatter_payload
+from radixkv.kv.shared_store import SharedStore, SharedStoreError, open_store, redact
+
+#: First bytes of a shared page's header (the disk pool's layout; another magic, since its
+#: checksum may be a MAC).
+SHARED_MAGIC = b"RKVSHRD1"
+#: Fewest bytes a secret may have.
+MIN_KEY_BYTES = 16
+#: Pages one batch of the writer sends at most.
+PUT_BATCH = 32
+#: Bytes of pages queued for the writer at most (past it, pages are dropped).
+MAX_QUEUED_BYTES = 256 * 2**20
+#: Bytes one ``GET`` batch asks for at most.
+MAX_GET_BYTES = 64 * 2**20
+#: Store keys remembered as held by the store (not copied out again).
+KNOWN_KEYS = 1 << 16
+#: Namespaces of requests that asked for no prefix caching (the engine's private ones): never
+#: shared.
+PRIVATE_NAMESPACE = "radixkv.no-cache"
+
+
+def check_secret(key: Any, where: str = "shared_store_key") -> bytes | None:
+    """``key`` as bytes (a str is UTF-8 encoded; surrounding whitespace is dropped), or None;
+    ``ValueError`` naming ``where`` (never the value) for one that is too short."""
+    if key is None:
+        return None
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, (bytes, bytearray)):
+        raise ValueError(f"{where} must be bytes or a str, got {type(key).__name__}")
+    key = bytes(key).strip()
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(
+            f"{where} holds {len(key)} bytes: a shared store's key must have at least "
+            f"{MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64`)"
+        )
+    return key
+
+
+#: The environment variable a server reads the secret from, without a key file.
+KEY_ENV = "RADIXKV_SHARED_STORE_KEY"
+
+
+def load_secret(path: str | None = None, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The operator's secret: the contents of the file ``path`` (surrounding whitespace
+    dropped), else the environment variable :data:`KEY_ENV`, else None. ``ValueError`` naming
+    the file (never its contents) when it cannot be read or is too short."""
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ValueError(
+                f"shared store key file {path!r} cannot be read: {e.strerror or e}"
+            ) from None
+        return check_secret(data, f"shared store key file {path!r}")
+    value = (os.environ if environ is None else environ).get(KEY_ENV)
+    if value:
+        return check_secret(value, KEY_ENV)
+    return None
+
+
+def _namespace_bytes(namespace: Any) -> bytes:
+    if namespace is None:
+        return b"n"
+    if isinstance(namespace, str):
+        return b"s" + namespace.encode()
+    return b"b" + bytes(namespace)
+
+
+class _State:
+    """What the engine's thread and the writer thread share (the writer holds no reference to
+    the tier)."""
+
+    def __init__(self, store: SharedStore, breaker: Breaker) -> None:
+        self.store, self.breaker = store, breaker
+        self.lock = threading.Lock()
+        self.known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.queued_bytes = 0
+        self.warned_unexpected = False
+        self.counts = dict.fromkeys(
+            (
+                "lookups",
+                "hit_pages",
+                "hit_tokens",
+                "put_pages",
+                "present_pages",
+                "dropped_pages",
+                "bad_pages",
+                "errors",
+            ),
+            0,
+        )
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[name] += n
+
+    def remember(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            for k in keys:
+                self.known[k] = None
+                self.known.move_to_end(k)
+            while len(self.known) > KNOWN_KEYS:
+                self.known.popitem(last=False)
+
+    def forget(self, key: bytes) -> None:
+        with self.lock:
+            self.known.pop(key, None)
+
+    def is_known(self, key: bytes) -> bool:
+        with self.lock:
+            return key in self.known
+
+    def unexpected(self, what: str, e: BaseException) -> None:
+        self.add("errors")
+        if not self.warned_unexpected:
+            self.warned_unexpected = True
+            warnings.warn(
+                f"{what} the shared KV tier failed unexpectedly ({type(e).__name__}: {e}); "
+                "requests compute what it would have given",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def failed(self, e: BaseException) -> None:
+        self.add("errors")
+        self.breaker.failure()
+        if self.counts["errors"] == 1:
+            warnings.warn(
+                f"the shared KV tier's store failed ({e}); requests compute what it would "
+                "have given until it answers again",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def _writer(q: queue.Queue[Any], state: _State) -> None:
+    """The background writer: sends queued ``(store_key, value)`` pages in batches (``EXISTS``
+    first, ``SET`` of the missing ones) until ``None``."""
+    stop = False
+    while not stop:
+        batch = []
+        item = q.get()
+        while True:
+            if item is None:
+                stop = True
+                q.task_done()
+                break
+            batch.append(item)
+            if len(batch) >= PUT_BATCH:
+                break
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                break
+        try:
+            if batch:
+                _send(batch, state)
+        finally:
+            with state.lock:
+                state.queued_bytes -= sum(len(v) for _, v in batch)
+            for _ in batch:
+                q.task_done()
+
+
+def _send(batch: list[tuple[bytes, bytes]], state: _State) -> None:
+    if not state.breaker.allow():
+        state.add("dropped_pages", len(batch))
+        return
+    try:
+        held = state.store.exists([k for k, _ in batch])
+        missing = [(k, v) for (k, v), h in zip(batch, held) if not h]
+        state.store.put(missing)
+    except SharedStoreError as e:
+        state.failed(e)
+        state.add("dropped_pages", len(batch))
+        return
+    state.breaker.success()
+    state.add("put_pages", len(missing))
+    state.add("present_pages", len(batch) - len(missing))
+    state.remember([k for k, _ in batch])
+
+
+class SharedTier:
+    """The shared tier of a ``KVCache`` (``kv``) on the store ``url`` (see
+    :func:`radixkv.kv.shared_store.open_store`), or on ``store`` (any
+    :class:`radixkv.kv.shared_store.SharedStore`).
+
+    ``fingerprint``: what the KV depends on besides the pool's layout (the model's:
+    :func:`radixkv.kv.disk_tier.model_fingerprint`); pages are keyed and checked by it. ``key``:
+    the operator's secret (bytes or str, at least 16 bytes): pages carry an HMAC-SHA256 under
+    it; without one, a store that is not on a loopback address or a unix socket is refused
+    (``ValueError`` saying why). ``breaker``: the circuit breaker (default: open after one
+    failure, for two seconds).
+
+    Not for a cache with a window group (``ValueError``): a window layer's pool holds a
+    request's last pages only.
+    """
+
+    def __init__(
+        self,
+        kv: Any,  # the KVCache (not imported: kv_cache imports this module)
+        url: str | None = None,
+        fingerprint: Mapping[str, object] | None = None,
+        key: bytes | str | None = None,
+        *,
+        store: SharedStore | None = None,
+        breaker: Breaker | None = None,
+    ) -> None:
+        if fingerprint is not None and not isinstance(fingerprint, Mapping):
+            raise TypeError(
+                f"fingerprint must be a mapping (e.g. model_fingerprint(model)), got "
+                f"{type(fingerprint).__name__}"
+            )
+        if kv.window_layers:
+            raise ValueError(
+                "a shared KV tier is not supported with a window group yet: the window layers' "
+                "pool holds a request's last pages only"
+            )
+        secret = check_secret(key)
+        if store is None:
+            if url is None:
+                raise ValueError("SharedTier needs a store URL or a store")
+            store = open_store(url)
+        if secret is None and not store.local:
+            raise ValueError(
+                f"the shared store {store.address} is not on a loopback address or a unix "
+                "socket, and no key was given: anyone who can write to that store could plant "
+                "KV this replica would serve. Give the operator's secret (--shared-store-key-file "
+                "FILE, RADIXKV_SHARED_STORE_KEY, or shared_store_key=) so every page carries a "
+                "MAC, or use a store on this machine"
+            )
+        self.kv = kv
+        self.page_size = kv.page_size
+        self.page_bytes = type(kv).bytes_per_page(
+            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.page_size
+        )
+        self.mac = "hmac-sha256" if secret is not None else "blake3"
+        full = {**layout_fingerprint(kv, fingerprint), "mac": self.mac}
+        text = json.dumps(full, sort_keys=True, separators=(",", ":"))
+        #: The digest of what a page is valid for (fingerprint, layout, MAC kind).
+        self.setup = _page_checksum(b"radixkv.shared.setup", text.encode())
+        self._secret = secret
+        self.address = store.address
+        self.breaker = breaker if breaker is not None else Breaker()
+        self._state = _State(store, self.breaker)
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = threading.Thread(
+            target=_writer, args=(self._queue, self._state), name="radixkv-shared", daemon=True
+        )
+        self._thread.start()
+        ping = getattr(store, "ping", None)
+        if ping is not None:
+            try:
+                ping()
+            except SharedStoreError as e:
+                self._state.failed(e)
+
+    # ---- keys and pages --------------------------------------------------------------------
+
+    def store_keys(
+        self, tokens: Sequence[int] | np.ndarray, namespace: Any, first: int, end: int
+    ) -> list[bytes]:
+        """The store keys of pages ``first..end`` of ``tokens`` in ``namespace``."""
+        hashes = radixkv.block_hashes(tokens[: end * self.page_size], self.page_size, namespace)
+        ns = _page_checksum(b"radixkv.shared.namespace", _namespace_bytes(namespace))
+        head = b"radixkv:" + self.setup[:16].hex().encode() + b":" + ns[:16].hex().encode() + b":"
+        return [head + h.hex().encode() for h in hashes[first:end]]
+
+    def _checksum(self, page_id: bytes, payload: np.ndarray | memoryview) -> bytes:
+        if self._secret is None:
+            return _page_checksum(page_id + self.setup, payload)
+        m = hmac.new(self._secret, page_id + self.setup, hashlib.sha256)
+        m.update(payload)
+        return m.digest()
+
+    def _page_id(self, store_key: bytes) -> bytes:
+        return _page_checksum(b"radixkv.shared.key", store_key)
+
+    def encode(self, store_key: bytes, payload: np.ndarray) -> bytes:
+        """The value stored for ``payload`` under ``store_key``: header, then payload."""
+        page_id = self._page_id(store_key)
+        head = _HEADER_STRUCT.pack(
+            SHARED_MAGIC, page_id, self._checksum(page_id, payload), len(payload), self.setup
+        )
+        return head + bytes(HEADER - len(head)) + payload.tobytes()
+
+    def decode(self, store_key: bytes, value: bytes | None) -> np.ndarray | None:
+        """The payload of ``value`` read under ``store_key``, or None unless its header names
+        this key and setup, its length is a page's and its checksum (or MAC) holds."""
+        if value is None or len(value) != HEADER + self.page_bytes:
+            return None
+        magic, page_id, digest, length, setup = _HEADER_STRUCT.unpack_from(value, 0)
+        expected = self._page_id(store_key)
+        if magic != SHARED_MAGIC or page_id != expected or setup != self.setup:
+            return None
+        if length != self.page_bytes:
+            return None
+        payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER)
+        if not hmac.compare_digest(self._checksum(expected, payload), digest):
+            return None
+        return payload
+
+    # ---- reads ----------------------------------------------------------------------------
+
+    def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any = None) -> int:
+        """Fetches the pages of ``tokens`` past what the local tiers hold, as a prefix walk
+        that stops at the first page the store lacks or that fails its check, and enters them
+        into the index (see the module docstring); returns how many tokens came in. A failing
+        store or a full pool gives 0; nothing unchecked is ever written into a pool, and
+        nothing this tier does fails the request (an unexpected error is counted in
+        ``errors``, warned about once, and taken as a miss)."""
+        try:
+            return self._prefetch(tokens, namespace)
+        except Exception as e:
+            self._state.unexpected("reading", e)
+            return 0
+
+    def _prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any) -> int:
+        if isinstance(namespace, str) and namespace.startswith(PRIVATE_NAMESPACE):
+            return 0
+        cache, p = self.kv.cache, self.page_size
+        tokens = np.asarray(tokens)
+        end = (len(tokens) - 1) // p  # the last token is always computed
+        if end <= 0:
+            return 0
+        first = cache.match_prefix(tokens, namespace) // p
+        if first >= end or not self.breaker.allow():
+            return 0
+        state = self._state
+        state.add("lookups")
+        keys = self.store_keys(tokens, namespace, first, end)
+        try:
+            held = state.store.exists(keys)
+            run = next((i for i, h in enumerate(held) if not h), len(held))
+            values: list[bytes | None] = []
+            step = max(1, MAX_GET_BYTES // (HEADER + self.page_bytes))
+            for a in range(0, run, step):
+                values.extend(state.store.get(keys[a : min(run, a + step)]))
+        except SharedStoreError as e:
+            state.failed(e)
+            return 0
+        self.breaker.success()
+        payloads = []
+        for k, value in zip(keys, values):
+            payload = self.decode(k, value)
+            if payload is None:
+                if value is not None:  # a bad page: dropped from the store, recomputed
+                    state.add("bad_pages")
+                    state.forget(k)
+                    try:
+                        state.store.delete([k])
+                    except SharedStoreError as e:
+                        state.failed(e)
+                break
+            payloads.append(payload)
+        if not payloads:
+            return 0
+        return self._enter(tokens, namespace, first, payloads, keys)
+
+    def _enter(
+        self,
+        tokens: np.ndarray,
+        namespace: Any,
+        first: int,
+        payloads: list[np.ndarray],
+        keys: list[bytes],
+    ) -> int:
+        """Admits ``tokens`` up to the fetched pages, writes them into the request's pages,
+        commits and finishes it: the pages are published as computed ones are."""
+        p, cache, kv = self.page_size, self.kv.cache, self.kv
+        end = first + len(payloads)
+        try:
+            req = cache.admit(tokens[: end * p], namespace)
+        except radixkv.OutOfPages:
+            return 0  # no room now: the request computes them
+        try:
+            cached = req.num_cached // p
+            if cached < first:  # the local tiers lost pages since the match: leave it
+                cache.abort(req)
+                return 0
+            kv.apply_copies()  # the admission's own copies (offloads of reused pages) first
+            pages = req.pages.tolist()
+            for i in range(cached, end):
+                scatter_payload(kv, payloads[i - first], kv.k, kv.v, pages[i])
+            cache.commit(req, end * p)
+            cache.finish(req)
+        except BaseException:
+            if not req.closed:
+                cache.abort(req)
+            raise
+        n = max(0, end - cached)
+        self._state.add("hit_pages", n)
+        self._state.add("hit_tokens", n * p)
+        self._state.remember(keys[: len(payloads)])
+        return n * p
+
+    # ---- writes ---------------------------------------------------------------------------
+
+    def publish(
+        self,
+        requests: Sequence[radixkv.Request],
+        starts: Sequence[int],
+        ends: Sequence[int],
+    ) -> int:
+        """Queues for the store the pages a step completed: of each request, the full pages
+        ending in ``starts[i]+1..ends[i]`` (its tokens computed by the step), copied out of
+        the pool now; pages the store is known to hold are skipped. Returns how many were
+        queued. Never raises (the writer counts what the store fails; an unexpected error
+        here is counted in ``errors`` and warned about once)."""
+        try:
+            return self._publish(requests, starts, ends)
+        except Exception as e:
+            self._state.unexpected("writing", e)
+            return 0
+
+    def _publish(
+        self,
+        requests: Sequence[radixkv.Request],
+        starts: Sequence[int],
+        ends: Sequence[int],
+    ) -> int:
+        p, kv, state = self.page_size, self.kv, self._state
+        queued = 0
+        for req, start, end in zip(requests, starts, ends):
+            a, b = start // p, end // p
+            if b <= a:
+                continue
+            namespace = req.namespace
+            if isinstance(namespace, str) and namespace.startswith(PRIVATE_NAMESPACE):
+                continue
+            keys = self.store_keys(req.tokens, namespace, a, b)
+            pages = req.pages.tolist()
+            for i, k in zip(range(a, b), keys):
+                if state.is_known(k):
+                    continue
+                value = self.encode(k, page_payload(kv, kv.k, kv.v, pages[i]))
+                with state.lock:
+                    full = state.queued_bytes + len(value) > MAX_QUEUED_BYTES
+                    if not full:
+                        state.queued_bytes += len(value)
+                if full:
+                    state.add("dropped_pages")
+                    continue
+                self._queue.put((k, value))
+                queued += 1
+        return queued
+
+    def flush(self) -> None:
+        """Waits until every queued page was sent (or dropped)."""
+        self._queue.join()
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: ``lookups`` (prefetches that asked the store), ``hit_pages`` and
+        ``hit_tokens`` (fetched and entered), ``put_pages`` (sent), ``present_pages`` (the
+        store held them already), ``dropped_pages`` (not sent: queue full, store failing),
+        ``bad_pages`` (failed their check: dropped, recomputed), ``errors`` (failed store
+        calls); ``breaker`` (its state) and ``breaker_trips``."""
+        with self._state.lock:
+            out: dict[str, Any] = dict(self._state.counts)
+        out["breaker"] = self.breaker.state
+        out["breaker_trips"] = self.breaker.trips
+        return out
+
+    def close(self) -> None:
+        """Sends what is queued, stops the writer and closes the store's connections."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+            self._state.store.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"SharedTier({redact(self.address)!r}, mac={self.mac!r}, "
+            f"breaker={self.breaker.state!r})"
+        )

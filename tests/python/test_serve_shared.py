@@ -1,0 +1,37 @@
+"""``radixkv serve --shared-store``: what is refused before anything loads (exit 2, one line
+naming the bad value, credentials masked). The shared tier itself is tested on a real
+redis-server in test_shared_tier.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import serve_process
+from redis_server import free_port
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--shared-store", "http://127.0.0.1:1"], "has scheme 'http'"),
+        (
+            ["--shared-store", "redis://u:s3cret-pw@10.255.255.1:6379"],
+            "--shared-store redis://***@10.255.255.1:6379 is not on a loopback address",
+        ),
+        (
+            ["--shared-store", "redis://127.0.0.1:1", "--shared-store-key-file", "/nonexistent/k"],
+            "shared store key file '/nonexistent/k' cannot be read",
+        ),
+        (["--shared-store-key-file", "/nonexistent/k"], "--shared-store-key-file needs"),
+    ],
+)
+def test_a_bad_shared_store_is_a_usage_error(args, says):
+    proc = serve_process.spawn(free_port(), *args)
+    try:
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert rc == 2 and says in err and "Traceback" not in err, err
+    assert "s3cret-pw" not in err

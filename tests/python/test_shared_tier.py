@@ -1,0 +1,325 @@
+"""The shared tier end to end on a real ``redis-server``: pages one replica computed are hits
+for another (carrying exactly the KV computed for them, the greedy tokens of a cold run), and
+never for another tenant or another model; a corrupted or forged page is recomputed, never
+served; a store that dies costs a bounded time and no request, and hits resume when it is back;
+a store off this machine is refused without a key, and credentials never show."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import radixkv
+from radixkv.kv.breaker import CLOSED, OPEN, Breaker
+from radixkv.kv.disk_tier import model_fingerprint
+from radixkv.kv.kv_cache import KVCache
+from radixkv.kv.shared_store import is_local, redact
+from radixkv.kv.shared_tier import HEADER
+from redis_server import RedisServer, require
+from test_host_tier import check_cached_kv
+from tiny_model import dense_greedy, ids, tiny_model
+
+MODEL = tiny_model(seed=11)
+OTHER = tiny_model(seed=12)
+CFG = MODEL.config
+HEAD_DIM = CFG.hidden_size // CFG.num_heads
+FP = model_fingerprint(MODEL)
+SECRET = b"an operator secret of 32 bytes.."
+
+CACHES = [
+    pytest.param(lambda: radixkv.RadixCache(64, 4, 32), id="radix-p4-host"),
+    pytest.param(lambda: radixkv.BlockCache(16, 16), id="block-p16"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def store(server):
+    """The server, emptied before the test."""
+    if server.proc is None:
+        server.start()
+    c = server.client()
+    c.flushall()
+    c.close()
+    return server
+
+
+def shared_kv(cache, url, fingerprint=FP, key=None) -> KVCache:
+    return KVCache(
+        cache,
+        CFG.num_layers,
+        CFG.num_kv_heads,
+        HEAD_DIM,
+        host_device="cpu" if cache.host_pages else None,
+        fingerprint=fingerprint,
+        shared_store=url,
+        shared_store_key=key,
+    )
+
+
+def run(engine, prompt, n=4, namespace=None) -> radixkv.Result:
+    sid = engine.submit(prompt, max_new_tokens=n, stop=(), namespace=namespace)
+    (res,) = engine.run([sid], release=True)
+    return res
+
+
+def replica(make, url, model=MODEL, key=None, fingerprint=None):
+    kv = shared_kv(make(), url, fingerprint or model_fingerprint(model), key)
+    return radixkv.Engine(model, kv), kv
+
+
+@pytest.mark.parametrize("make", CACHES)
+def test_pages_one_replica_computed_are_hits_for_another(make, store):
+    rng = np.random.default_rng(0)
+    a = ids(rng, 70)
+    engine_a, kv_a = replica(make, store.url)
+    first = run(engine_a, a)
+    assert first.output == dense_greedy(MODEL, a, 4)
+    kv_a.shared.flush()
+    p = kv_a.page_size
+    put = kv_a.shared.stats()["put_pages"]
+    assert put >= len(a) // p
+    # A fresh replica (its own empty cache) on the same store: a's pages are hits.
+    engine_b, kv_b = replica(make, store.url)
+    turn = np.concatenate([a, ids(rng, 9)])
+    res = run(engine_b, turn)
+    assert res.output == dense_greedy(MODEL, turn, 4)
+    assert res.cached_tokens >= len(a) // p * p
+    s = kv_b.shared.stats()
+    assert s["hit_tokens"] == res.cached_tokens and s["bad_pages"] == 0
+    # The fetched pages hold exactly the KV computed for their tokens.
+    req = kv_b.cache.admit(turn)
+    kv_b.apply_copies()
+    assert req.num_cached >= len(a) // p * p
+    check_cached_kv(MODEL, kv_b, req, req.num_cached, atol=1e-6)
+    kv_b.cache.abort(req)
+    # What the store held already was not sent again: only the pages past a's.
+    kv_b.shared.flush()
+    assert kv_b.shared.stats()["put_pages"] <= (len(turn) + 4) // p - len(a) // p
+    kv_a.close()
+    kv_b.close()
+
+
+def test_another_tenant_and_another_model_get_no_hits(store):
+    make = CACHES[0].values[0]
+    rng = np.random.default_rng(1)
+    a = ids(rng, 60)
+    engine_a, kv_a = replica(make, store.url)
+    run(engine_a, a, namespace="tenant-a")
+    kv_a.shared.flush()
+    engine_b, kv_b = replica(make, store.url)
+    assert run(engine_b, a, namespace="tenant-b").cached_tokens == 0
+    assert run(engine_b, a).cached_tokens == 0  # no namespace is another tenant too
+    engine_c, kv_c = replica(make, store.url, model=OTHER)
+    res = run(engine_c, a, namespace="tenant-a")
+    assert res.cached_tokens == 0
+    assert res.output == dense_greedy(OTHER, a, 4)
+    assert kv_b.shared.stats()["hit_pages"] == kv_c.shared.stats()["hit_pages"] == 0
+    # The owner's tenant does hit (the pages are there).
+    engine_d, kv_d = replica(make, store.url)
+    assert run(engine_d, a, namespace="tenant-a").cached_tokens > 0
+    for kv in (kv_a, kv_b, kv_c, kv_d):
+        kv.close()
+
+
+def _values(store, prefix=b"radixkv:"):
+    c = store.client()
+    keys = sorted(c.keys(prefix + b"*"))
+    return c, keys
+
+
+def test_a_corrupted_page_is_recomputed_and_dropped(store):
+    make = CACHES[0].values[0]
+    rng = np.random.default_rng(2)
+    a = ids(rng, 64)
+    engine_a, kv_a = replica(make, store.url)
+    run(engine_a, a)
+    kv_a.shared.flush()
+    c, keys = _values(store)
+    assert keys
+    # Flip one payload byte of every stored page: each fails its checksum.
+    for k in keys:
+        v = bytearray(c.get(k))
+        v[HEADER + 5] ^= 0x40
+        c.set(k, bytes(v))
+    engine_b, kv_b = replica(make, store.url)
+    res = run(engine_b, a)
+    assert res.output == dense_greedy(MODEL, a, 4)
+    assert res.cached_tokens == 0
+    s = kv_b.shared.stats()
+    assert s["bad_pages"] == 1 and s["hit_pages"] == 0
+    # The bad page left the store, and B put its own computed one in its place.
+    kv_b.shared.flush()
+    engine_c, kv_c = replica(make, store.url)
+    assert run(engine_c, a).cached_tokens >= 4
+    c.close()
+    for kv in (kv_a, kv_b, kv_c):
+        kv.close()
+
+
+def test_a_forged_page_is_never_served(store):
+    """A writer without the operator's secret plants KV of another model under the keys of a
+    prompt; a replica holding the secret finds every page failing its MAC."""
+    make = CACHES[0].values[0]
+    rng = np.random.default_rng(3)
+    a = ids(rng, 64)
+    # The forger: another model's KV, under this model's fingerprint, with its own key.
+    engine_f, kv_f = replica(
+        make, store.url, model=OTHER, key=b"not the operator key", fingerprint=FP
+    )
+    run(engine_f, a)
+    kv_f.shared.flush()
+    assert kv_f.shared.stats()["put_pages"] > 0
+    engine_b, kv_b = replica(make, store.url, key=SECRET)
+    res = run(engine_b, a)
+    assert res.output == dense_greedy(MODEL, a, 4)
+    assert res.cached_tokens == 0
+    assert kv_b.shared.stats()["bad_pages"] == 1
+    # Pages written by a holder of the secret are served.
+    kv_b.shared.flush()
+    engine_c, kv_c = replica(make, store.url, key=SECRET)
+    res = run(engine_c, a)
+    assert res.cached_tokens > 0 and res.output == dense_greedy(MODEL, a, 4)
+    for kv in (kv_f, kv_b, kv_c):
+        kv.close()
+
+
+def test_a_dead_store_costs_a_bounded_time_and_hits_resume(store):
+    make = CACHES[0].values[0]
+    rng = np.random.default_rng(4)
+    a = ids(rng, 64)
+    engine_a, kv_a = replica(make, store.url)
+    run(engine_a, a)
+    kv_a.shared.flush()
+    store.stop()
+    with pytest.warns(RuntimeWarning, match="store failed"):  # made while it is down: no error
+        engine_b, kv_b = replica(make, store.url)
+    kv_b.shared.breaker.cooldown_s = 0.2
+    for i in range(3):
+        # a's pages are in the (dead) store only; the other prompts are new.
+        prompt = np.concatenate([a, ids(rng, 5)]) if i == 0 else ids(rng, 40)
+        t = time.perf_counter()
+        res = run(engine_b, prompt)
+        # Generous bound (not a timing test): a dead store adds far less than a second.
+        assert time.perf_counter() - t < 1.0 + 3.0
+        assert res.output == dense_greedy(MODEL, prompt, 4)
+        assert res.cached_tokens == 0
+    s = kv_b.shared.stats()
+    assert s["errors"] >= 1 and s["breaker_trips"] >= 1
+    store.start()  # empty again: A puts its pages once more
+    engine_a2, kv_a2 = replica(make, store.url)
+    run(engine_a2, a)
+    kv_a2.shared.flush()
+    time.sleep(0.25)  # past B's cooldown: its next call probes the store
+    b = ids(rng, 48)
+    run(engine_a2, b)
+    kv_a2.shared.flush()
+    time.sleep(0.25)  # past B's cooldown: its next call probes the store
+    res = run(engine_b, np.concatenate([b, ids(rng, 3)]))
+    assert res.cached_tokens == 48
+    assert kv_b.shared.breaker.state == CLOSED
+    for kv in (kv_a, kv_b, kv_a2):
+        kv.close()
+
+
+def test_a_unix_socket_store_with_a_password(tmp_path):
+    s = RedisServer(tmp_path, unix=True, password="p4ss-w0rd-xyz")
+    try:
+        make = CACHES[1].values[0]
+        rng = np.random.default_rng(5)
+        a = ids(rng, 40)
+        engine_a, kv_a = replica(make, s.url)
+        run(engine_a, a)
+        kv_a.shared.flush()
+        engine_b, kv_b = replica(make, s.url)
+        assert run(engine_b, a).cached_tokens == 32
+        for shown in (repr(kv_b.shared), repr(kv_b.shared.stats()), kv_b.shared.address):
+            assert "p4ss-w0rd-xyz" not in shown
+        kv_a.close()
+        kv_b.close()
+    finally:
+        s.stop()
+
+
+def test_a_store_off_this_machine_needs_a_key_and_urls_are_checked():
+    require()
+    cache = radixkv.RadixCache(8, 4)
+    url = "redis://user:s3cret-pw@10.255.255.1:6379/0"
+    with pytest.raises(ValueError, match="loopback") as e:
+        shared_kv(cache, url)
+    assert "s3cret-pw" not in str(e.value) and "***" in str(e.value)
+    for bad, what in (
+        ("http://127.0.0.1:6379", "scheme"),
+        ("redis://", "no host"),
+        ("unix://", "no socket"),
+        ("redis://127.0.0.1:notaport", "not a valid URL"),
+        (6379, "URL str"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            shared_kv(radixkv.RadixCache(8, 4), bad)
+    with pytest.raises(ValueError, match="at least 16"):
+        shared_kv(radixkv.RadixCache(8, 4), "redis://127.0.0.1:1", key=b"short")
+    with pytest.raises(ValueError, match="needs shared_store"):
+        shared_kv(radixkv.RadixCache(8, 4), None, key=SECRET)
+    assert is_local("redis://localhost:1") and is_local("redis://[::1]:1")
+    assert is_local("unix:///tmp/x.sock") and not is_local("redis://10.0.0.1:1")
+    assert redact("redis://:pw@h:1/0") == "redis://***@h:1/0"
+
+
+def test_the_breaker_opens_and_probes_after_its_cooldown():
+    now = [0.0]
+    b = Breaker(failures=2, cooldown_s=5.0, clock=lambda: now[0])
+    assert b.allow()
+    b.failure()
+    assert b.state == CLOSED and b.allow()
+    b.failure()
+    assert b.state == OPEN and not b.allow() and b.trips == 1
+    now[0] = 5.0
+    assert b.allow() and not b.allow()  # one probe
+    b.failure()
+    assert b.state == OPEN and b.trips == 2 and not b.allow()
+    now[0] = 10.0
+    assert b.allow()
+    b.success()
+    assert b.state == CLOSED and b.allow()
+
+
+def test_metrics_count_the_shared_tier_and_never_show_the_store(tmp_path):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from radixkv.metrics import CacheCollector
+
+    s = RedisServer(tmp_path, password="m3trics-pw-xyz")
+    try:
+        make = CACHES[0].values[0]
+        rng = np.random.default_rng(6)
+        a = ids(rng, 40)
+        engine_a, kv_a = replica(make, s.url)
+        run(engine_a, a)
+        kv_a.shared.flush()
+        engine_b, kv_b = replica(make, s.url)
+        run(engine_b, a)
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(CacheCollector(engine_b.cache, engine=engine_b))
+        got = registry.get_sample_value
+        assert got("radixkv_kv_shared_hit_pages_total") == kv_b.shared.stats()["hit_pages"] == 9
+        assert got("radixkv_kv_shared_breaker_open") == 0
+        assert got("radixkv_kv_shared_bad_pages_total") == 0
+        text = prometheus_client.generate_latest(registry).decode()
+        assert "m3trics-pw-xyz" not in text and str(s.port) not in text
+        s.stop()
+        with pytest.warns(RuntimeWarning, match=r"store failed \(shared store redis://\*\*\*@"):
+            run(engine_b, ids(rng, 40))
+        assert got("radixkv_kv_shared_breaker_open") == 1
+        assert got("radixkv_kv_shared_errors_total") >= 1
+        kv_a.close()
+        kv_b.close()
+    finally:
+        s.stop()
