@@ -73,6 +73,7 @@ from radixkv.engine.batcher import PRIORITY_MAX, Batcher
 from radixkv.engine.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_POLICY
 from radixkv.engine.detok import CONTEXT_TOKENS, Detokenizer
 from radixkv.engine.grammar import Compiler, Grammar, apply_masks, compiler_for, fill_masks
+from radixkv.engine.graphs import DecodeGraphs, why_not
 from radixkv.engine.lockstep import LeaderClosedError, Lockstep, check_same_config
 from radixkv.engine.sampling import OFF, Sampling, check_sampling, sample_tokens, to_token_array
 from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent
@@ -150,6 +151,13 @@ class Engine:
     ``decode(ids, skip_special_tokens=...)``), for ``Result.text`` and ``stop_strings`` (see
     the module docstring); nothing else needs it. Under tensor parallelism rank 0's is used
     (rank 0 decides where a stop string ends a request and tells the other ranks).
+
+    ``cuda_graphs``: run decode steps as CUDA graphs, one per padded batch bucket
+    (:mod:`radixkv.engine.graphs`); ``None`` (the default) turns them on where they can run (a
+    CUDA pool whose decode attention is Triton's, no window group, one process), ``True``
+    demands them (``ValueError`` saying why where they cannot run; on the CPU the same
+    static-buffer steps run without a graph, for tests), ``False`` keeps every step eager.
+    Tokens are the same either way.
     """
 
     #: Steps in a row that may compute nothing and end no request while requests are pending
@@ -175,7 +183,10 @@ class Engine:
         check_tokens: bool = False,
         tokenizer: object | None = None,
         stop_tokens: Iterable[int] = (),
+        cuda_graphs: bool | None = None,
     ) -> None:
+        if cuda_graphs is not None and not isinstance(cuda_graphs, (bool, np.bool_)):
+            raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise ValueError(
                 "tokenizer must be None or have a decode(ids, skip_special_tokens=...) method "
@@ -234,6 +245,14 @@ class Engine:
                 "a KVCache with a shared tier cannot run tensor-parallel yet: the ranks' pages "
                 "would need keys of their own, and one rank's miss would part the ranks"
             )
+        #: Decode steps as CUDA graphs (:mod:`radixkv.engine.graphs`), or None.
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs is None:  # on where they can run: CUDA, Triton decode, one process
+            cuda_graphs = kv.device.type == "cuda" and group is None and why_not(kv) is None
+        if cuda_graphs:
+            if group is not None:
+                raise ValueError("cuda_graphs=True cannot run tensor-parallel yet: pass False")
+            self.graphs = DecodeGraphs(model, kv, max_batch)
         if group is not None and kv.disk is not None:
             raise ValueError(
                 "a KVCache with a disk tier cannot run tensor-parallel yet: each rank would "
@@ -885,7 +904,8 @@ class Engine:
                 lock.forward_begins()
             step = self.kv.plan([s.req for s in batch])
             t2 = time.perf_counter()
-            logits = self.model(step)
+            graphs = self.graphs
+            logits = graphs.run(step) if graphs and graphs.fits(step) else self.model(step)
             self.kv.commit(step)
         except Exception as e:  # the batch's requests fail with it
             failed = self._with_failed(self._fail(batch, e))

@@ -558,3 +558,70 @@ def paged_prefill(
         num_stages=_stages(q.dtype, d),
     )
     return out
+
+
+@triton.jit
+def _store_kv(
+    K_NEW,
+    V_NEW,
+    SLOTS,
+    K,
+    V,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ks,
+    stride_kph,
+    stride_vs,
+    stride_vph,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot >= 0:  # a padded row (slot -1) writes nothing
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h < H)[:, None] & (d < D)[None, :]
+        k = tl.load(K_NEW + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(V_NEW + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        tl.store(K + slot * stride_ks + h[:, None] * stride_kph + d[None, :], k, mask=mask)
+        tl.store(V + slot * stride_vs + h[:, None] * stride_vph + d[None, :], v, mask=mask)
+
+
+def store_kv(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    slots: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+) -> None:
+    """Writes row ``t`` of ``k_new``/``v_new`` (``[T, Hkv, D]``, the pool's dtype) into the
+    pools at ``slots[t]``; a row whose slot is negative (a padded row of a batch bucket) writes
+    nothing. One launch of ``T`` programs: the grid depends on ``T`` only."""
+    t, h, d = k_new.shape
+    _check_last(k_new, v_new, k_pool, v_pool)
+    if t == 0:
+        return
+    _store_kv[(t,)](
+        k_new,
+        v_new,
+        slots,
+        k_pool,
+        v_pool,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        H=h,
+        BLOCK_H=_pow2(h),
+        D=d,
+        BLOCK_D=_pow2(d),
+    )

@@ -1,0 +1,160 @@
+"""Decode steps over fixed-address buffers (what CUDA graphs replay): the same greedy tokens as
+eager steps as lengths grow, requests join and leave the batch across buckets, pages are
+evicted and preempted, and the buffers grow; a stale step is refused before anything is
+written. On the CPU the static-buffer steps run without capture (under Triton's interpreter);
+on a GPU the same tests capture and replay graphs, and one checks that a replay never syncs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+
+import radixkv
+from radixkv.engine.graphs import buckets
+from tiny_model import dense_greedy, ids, tiny_model
+
+pytestmark = pytest.mark.cuda
+
+MODEL = None
+
+
+def model():
+    global MODEL
+    if MODEL is None:
+        MODEL = tiny_model(seed=11, device=DEVICE)
+    return MODEL
+
+
+def engine(graphs, pages=1024, page_size=4, **kw):
+    kv = model().make_kv_cache(radixkv.RadixCache(pages, page_size=page_size), attention="triton")
+    return radixkv.Engine(model(), kv, cuda_graphs=graphs, **kw)
+
+
+def drive(eng, rng_seed=0):
+    """Requests join while others decode and leave at different lengths; a branch."""
+    rng = np.random.default_rng(rng_seed)
+    system = ids(rng, 30)
+    first = [eng.submit(np.concatenate([system, ids(rng, n)]), max_new_tokens=m)
+             for n, m in ((3, 9), (11, 4), (1, 14))]  # fmt: skip
+    for _ in range(4):
+        eng.step()
+    late = [eng.submit(ids(rng, n), max_new_tokens=m) for n, m in ((7, 6), (2, 11), (20, 3))]
+    eng.step()
+    context = np.concatenate([system, ids(rng, 4)])
+    kids = eng.branch(context, [ids(rng, 2), ids(rng, 5)], max_new_tokens=5)
+    eng.run()
+    return [eng.result(i).output for i in (*first, *late, *kids)]
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(5) == [1, 2, 4, 5]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tokens_equal_eager_as_the_batch_changes(page_size):
+    want = drive(engine(False, page_size=page_size, max_batch=8))
+    eng = engine(True, page_size=page_size, max_batch=8)
+    assert drive(eng) == want
+    g = eng.graphs
+    assert g.replays > 10 and g.eager > 0  # prefills stay eager
+    assert len(g._steps) >= 3  # several buckets served
+    eng.cache.check()
+
+
+def test_tokens_equal_eager_under_eviction_and_preemption():
+    """A pool too small for every request at once: pages are evicted and requests preempted
+    between graph steps."""
+    want = drive(engine(False, pages=24, page_size=4, max_batch=6), rng_seed=1)
+    eng = engine(True, pages=24, page_size=4, max_batch=6)
+    assert drive(eng, rng_seed=1) == want
+    assert eng.batcher.preemptions > 0 or eng.cache.stats.evicted_pages > 0
+
+
+def test_buffers_grow_with_the_longest_request():
+    eng = engine(True, page_size=1, max_batch=2)
+    rng = np.random.default_rng(2)
+    prompt = ids(rng, 40)  # 40 pages of one slot: past the first buffers' 16
+    out = eng.generate([prompt], max_new_tokens=4)[0].output
+    assert out == dense_greedy(model(), prompt, 4)
+    assert eng.graphs.buffers.max_pages >= 44
+
+
+def test_a_stale_step_is_refused_before_anything_is_written():
+    from radixkv.engine.graphs import DecodeGraphs
+
+    m = model()
+    cache = radixkv.RadixCache(64, page_size=4)
+    kv = m.make_kv_cache(cache, attention="triton")
+    graphs = DecodeGraphs(m, kv, max_batch=2)
+    r = cache.admit(ids(np.random.default_rng(3), 9))
+    step = kv.plan([r])
+    m(step)
+    kv.commit(step)
+    cache.extend(r, [5])
+    step = kv.plan([r])
+    assert step.is_decode
+    graphs.run(step)  # a bucket made, buffers filled
+    fields = graphs.buffers.host.clone()
+    pools = [t.clone() for t in kv.k]
+    cache.extend(r, [6])  # the step is stale now
+    with pytest.raises(radixkv.StaleStepError):
+        graphs.run(step)
+    assert torch.equal(graphs.buffers.host, fields)
+    assert all(torch.equal(p, t) for p, t in zip(pools, kv.k))
+
+
+def test_hf_model_through_the_static_steps():
+    pytest.importorskip("transformers")
+    import radixkv.hf
+    from hf_models import build_model
+
+    hf = build_model("llama", seed=5).eval().to(DEVICE)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).astype(np.uint32) for n in (19, 6, 3)]
+    outs = {}
+    for graphs in (False, True):
+        eng = radixkv.hf.engine(
+            hf, radixkv.RadixCache(256, page_size=4), token_budget=32, attention="triton",
+            cuda_graphs=graphs,
+        )  # fmt: skip
+        outs[graphs] = [r.output for r in eng.generate(prompts, max_new_tokens=5)]
+    assert outs[True] == outs[False]
+    assert eng.graphs is not None and eng.graphs.replays > 0
+
+
+def test_where_graphs_cannot_run_it_says_why():
+    m = model()
+    sdpa = m.make_kv_cache(radixkv.RadixCache(64, page_size=4), attention="sdpa")
+    with pytest.raises(ValueError, match="its attention is 'sdpa'"):
+        radixkv.Engine(m, sdpa, cuda_graphs=True)
+    assert radixkv.Engine(m, sdpa).graphs is None  # default: off where they cannot run
+    with pytest.raises(ValueError, match="cuda_graphs must be None, True or False"):
+        radixkv.Engine(m, sdpa, cuda_graphs="yes")
+    triton = m.make_kv_cache(radixkv.RadixCache(64, page_size=4), attention="triton")
+    default = radixkv.Engine(m, triton)
+    assert (default.graphs is not None) == (DEVICE == "cuda")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="captures CUDA graphs")
+def test_cuda_replays_never_sync():
+    eng = engine(True, max_batch=4)
+    rng = np.random.default_rng(4)
+    reqs = [eng.submit(ids(rng, n), max_new_tokens=20) for n in (5, 9, 2)]
+    for _ in range(4):  # prefill, then decode steps that capture the bucket
+        eng.step()
+    assert eng.graphs.captures >= 1
+    seqs = [eng._get(i) for i in reqs]
+    step = eng.kv.plan([s.req for s in seqs])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = eng.graphs.run(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eng.kv.commit(step)
+    assert logits.shape[0] == 3
