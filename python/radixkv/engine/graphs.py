@@ -14,7 +14,8 @@ this module:
   the logits). Sampling runs on the graph's logits as on any step's, so grammar masks,
   penalties and logprobs apply after the graph unchanged.
 - Captured lazily, the first time a bucket is needed (one eager run first, which also compiles
-  the Triton kernels), all buckets in one memory pool.
+  the Triton kernels), all buckets in one memory pool. A model whose forward cannot be
+  captured (a host sync inside it, say) is warned about once and decodes eagerly from then on.
 - Eager (the ordinary path): prefill and mixed steps, batches past the largest bucket, steps
   with host-tier copies in flight; and no graphs at all for pools with a window group or whose
   attention is not Triton's.
@@ -25,6 +26,7 @@ On the CPU nothing is captured: ``cuda_graphs=True`` runs the same static-buffer
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -78,6 +80,8 @@ class DecodeGraphs:
         self.replays = 0
         self.eager = 0
         self.captures = 0
+        #: Why a capture failed (every step eager since), or None.
+        self.failed: str | None = None
 
     def _buffers(self, pages: int) -> DecodeBuffers:
         """Buffers holding ``pages`` pages a request; new ones (and no graphs) when they grow."""
@@ -90,9 +94,14 @@ class DecodeGraphs:
         return self.buffers
 
     def fits(self, step: Any) -> bool:
-        """Whether ``step`` runs here (a decode step within the largest bucket and the buffers'
-        pages, with no tier copies in flight)."""
-        ok = step.is_decode and len(step.requests) <= self.buckets[-1] and step._copy_events is None
+        """Whether ``step`` runs here (a decode step within the largest bucket, with no tier
+        copies in flight, while no capture has failed)."""
+        ok = (
+            self.failed is None
+            and step.is_decode
+            and len(step.requests) <= self.buckets[-1]
+            and step._copy_events is None
+        )
         if not ok:
             self.eager += 1
         return bool(ok)
@@ -130,8 +139,19 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._logits[bucket] = self.model(static)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._logits[bucket] = self.model(static)
+        except Exception as e:  # a forward that syncs or allocates on the host, say
+            # The step itself ran above: its logits stand; every later step runs eagerly.
+            self.failed = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"decode steps run eagerly: capturing a CUDA graph of the model's forward "
+                f"failed ({self.failed})",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return logits
         self._graphs[bucket] = graph
         self.captures += 1
         return logits
