@@ -229,6 +229,10 @@ def _fail_pending(pending: Pending, error: BaseException) -> None:
 # ---- the request bodies -----------------------------------------------------------------------
 
 
+#: The most ``top_logprobs`` (chat) or ``logprobs`` (completions) a request may ask for.
+MAX_TOP_LOGPROBS = 20
+
+
 class _Body(BaseModel):
     """Fields common to both endpoints. Unknown fields are ignored (clients send extras);
     known ones of the wrong type or range are a 400 naming the field."""
@@ -266,12 +270,12 @@ class ChatBody(_Body):
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionBody(_Body):
     prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
 
@@ -457,6 +461,8 @@ def create_app(
             return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
         prompt = tokenizer.encode(text, add_special_tokens=False)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
+        if body.top_logprobs and not body.logprobs:
+            return _error(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
         return await _complete(
             request,
             body,
@@ -466,6 +472,7 @@ def create_app(
             logprobs=body.logprobs,
             grammar=grammar,
             tool_call=tool_call,
+            top_logprobs=body.top_logprobs or 0,
         )
 
     @app.post("/v1/completions")
@@ -493,10 +500,19 @@ def create_app(
             chat=False,
             logprobs=body.logprobs is not None,
             grammar=grammar,
+            top_logprobs=body.logprobs or 0,
         )
 
     async def _complete(
-        request, body, prompt, limit, chat: bool, logprobs: bool, grammar=None, tool_call=False
+        request,
+        body,
+        prompt,
+        limit,
+        chat: bool,
+        logprobs: bool,
+        grammar=None,
+        tool_call=False,
+        top_logprobs: int = 0,
     ):
         max_tokens = limit if limit is not None else body.max_tokens
         if max_tokens is None:
@@ -530,6 +546,7 @@ def create_app(
             seed=seed,
             namespace=namespace,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
             stop_strings=stops,
             grammar=grammar,
             retain=body.keep_alive,
@@ -573,6 +590,7 @@ def create_app(
                 cached_tokens,
                 tool_call,
                 logprobs,
+                top_logprobs,
             )
             return StreamingResponse(gen, media_type="text/event-stream")
         waiter = asyncio.ensure_future(pending.done.wait())
@@ -599,14 +617,11 @@ def create_app(
                     choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                     choice["finish_reason"] = "tool_calls"
                 if logprobs:
-                    choice["logprobs"] = {"content": _token_logprobs(tokenizer, r)}
+                    choice["logprobs"] = {"content": _logprob_entries(tokenizer, _scored(r))}
             else:
                 choice["text"] = text
                 choice["logprobs"] = (
-                    {
-                        "tokens": [tokenizer.decode([t]) for t in r.output],
-                        "token_logprobs": list(r.logprobs or []),
-                    }
+                    _completion_logprobs(tokenizer, _scored(r), top_logprobs > 0)
                     if logprobs
                     else None
                 )
@@ -632,6 +647,7 @@ def create_app(
         cached_tokens,
         tool_call=False,
         logprobs=False,
+        top_logprobs=0,
     ):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -652,12 +668,12 @@ def create_app(
         held: dict[int, str] = {}  # a tool call's text, sent whole as one delta at its end
         # Each choice's tokens and log-probabilities not yet sent: a token whose text is held
         # back (part of a character, of a possible stop string) goes with the next chunk.
-        unsent: dict[int, list[tuple[int, float]]] = {}
+        unsent: dict[int, list[Scored]] = {}
 
         def with_logprobs(k: int, choice: dict[str, Any]) -> dict[str, Any]:
             if logprobs:
                 toks = unsent.pop(k, [])
-                choice["logprobs"] = _chunk_logprobs(tokenizer, toks, chat)
+                choice["logprobs"] = _chunk_logprobs(tokenizer, toks, chat, top_logprobs > 0)
             return choice
 
         try:
@@ -688,7 +704,7 @@ def create_app(
                 if ev.finish_reason:
                     finished.add(ev.id)
                 if logprobs and ev.token is not None and ev.logprob is not None:
-                    unsent.setdefault(k, []).append((ev.token, ev.logprob))
+                    unsent.setdefault(k, []).append((ev.token, ev.logprob, ev.top_logprobs))
                 if ev.finish_reason == "error":  # OpenAI's error object, not a finish reason
                     await pending.done.wait()
                     r = pending.results.get(ev.id)
@@ -754,28 +770,54 @@ def _finish(reason: str) -> str:
     return {"stop": "stop", "length": "length"}.get(reason, reason)
 
 
-def _token_logprobs(tokenizer: Any, r: Any) -> list[dict[str, Any]]:
-    return _logprob_entries(tokenizer, list(zip(r.output, r.logprobs or [])))
+#: One output token as the server reports it: its id, its logprob, and its most likely
+#: alternatives ``(token, logprob)`` with ``top_logprobs`` (else None).
+Scored = tuple[int, float, list[tuple[int, float]] | None]
 
 
-def _logprob_entries(tokenizer: Any, toks: list[tuple[int, float]]) -> list[dict[str, Any]]:
-    """Chat's ``logprobs.content`` entries of ``(token, logprob)`` pairs."""
+def _scored(r: Any) -> list[Scored]:
+    """A result's output tokens with their logprobs and alternatives."""
+    tops = r.top_logprobs or [None] * len(r.output)
+    return list(zip(r.output, r.logprobs or [], tops))
+
+
+def _token_entry(tokenizer: Any, tok: int, lp: float) -> dict[str, Any]:
+    text = tokenizer.decode([tok])
+    return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+
+def _logprob_entries(tokenizer: Any, toks: list[Scored]) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries, each with its ``top_logprobs`` (OpenAI's shape)."""
     out = []
-    for tok, lp in toks:
-        text = tokenizer.decode([tok])
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    for tok, lp, top in toks:
+        entry = _token_entry(tokenizer, tok, lp)
+        entry["top_logprobs"] = [_token_entry(tokenizer, t, v) for t, v in top or []]
+        out.append(entry)
     return out
 
 
-def _chunk_logprobs(tokenizer: Any, toks: list[tuple[int, float]], chat: bool) -> dict[str, Any]:
+def _completion_logprobs(tokenizer: Any, toks: list[Scored], with_top: bool) -> dict[str, Any]:
+    """``/v1/completions``' ``logprobs``: tokens, their logprobs, and with ``logprobs=k > 0``
+    each position's ``k`` most likely tokens as ``{text: logprob}`` (OpenAI's legacy shape)."""
+    out: dict[str, Any] = {
+        "tokens": [tokenizer.decode([t]) for t, _, _ in toks],
+        "token_logprobs": [lp for _, lp, _ in toks],
+    }
+    if with_top:
+        out["top_logprobs"] = [
+            {tokenizer.decode([t]): v for t, v in top or []} for _, _, top in toks
+        ]
+    return out
+
+
+def _chunk_logprobs(
+    tokenizer: Any, toks: list[Scored], chat: bool, with_top: bool = False
+) -> dict[str, Any]:
     """A streamed chunk's ``logprobs``: its tokens' (those sampled since the last chunk of the
     choice), in the endpoint's shape."""
     if chat:
         return {"content": _logprob_entries(tokenizer, toks)}
-    return {
-        "tokens": [tokenizer.decode([t]) for t, _ in toks],
-        "token_logprobs": [lp for _, lp in toks],
-    }
+    return _completion_logprobs(tokenizer, toks, with_top)
 
 
 def _param_of(message: str) -> str | None:

@@ -1,0 +1,108 @@
+"""OpenAI request fields as clients send them to ``radixkv serve``: the real command (one
+process for the module) on the real model, driven by the ``openai`` client (raw HTTP where the
+client cannot send a body).
+
+- ``top_logprobs`` 0-20 (chat) and ``logprobs`` 0-20 (``/v1/completions``): the most likely
+  tokens at each position, streamed or not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+pytest.importorskip("torch", reason="radixkv serve needs torch")
+openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+httpx = pytest.importorskip("httpx")
+
+import serve_process  # noqa: E402
+from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+from test_serve import free_port  # noqa: E402
+
+if smollm2_path() is None:
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+
+#: The model name the server answers to.
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class Running:
+    """The server process and an openai client for it."""
+
+    def __init__(self, port: int, proc) -> None:
+        self.port, self.proc = port, proc
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def chat(self, messages, **kw):
+        kw.setdefault("max_tokens", 1)
+        kw.setdefault("temperature", 0)
+        kw.setdefault("model", MODEL)
+        return self.client.chat.completions.create(messages=messages, **kw)
+
+    def post(self, path: str, body: dict, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60, **kw)
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = serve_process.start(port, "--num-pages", "2048")
+    yield Running(port, proc)
+    serve_process.stop(proc)
+
+
+USER = [{"role": "user", "content": "Name a color."}]
+
+
+def check_top(entries: list, k: int, chosen_logprob: float) -> None:
+    """``k`` alternatives, most likely first, the greedy choice among them with its logprob."""
+    assert len(entries) == k
+    values = [e.logprob for e in entries]
+    assert values == sorted(values, reverse=True)
+    assert sum(math.exp(v) for v in values) <= 1.0 + 1e-4
+    assert entries[0].logprob == pytest.approx(chosen_logprob, abs=1e-5)
+
+
+def test_chat_top_logprobs(server):
+    reply = server.chat(USER, max_tokens=2, logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 2
+    for entry in content:
+        check_top(entry.top_logprobs, 5, entry.logprob)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely one
+    # 20 is OpenAI's bound; 21 a 400 naming the field.
+    assert len(server.chat(USER, logprobs=True, top_logprobs=20).choices[0].logprobs.content[0]
+               .top_logprobs) == 20  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, top_logprobs=2)  # without logprobs
+    assert e.value.body["param"] == "top_logprobs"
+
+
+def test_chat_top_logprobs_streamed(server):
+    stream = server.chat(USER, max_tokens=2, logprobs=True, top_logprobs=3, stream=True)
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in
+               c.choices[0].logprobs.content]  # fmt: skip
+    assert len(entries) == 2
+    for entry in entries:
+        check_top(entry.top_logprobs, 3, entry.logprob)
+
+
+def test_completions_logprobs(server):
+    reply = server.client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=2, temperature=0, logprobs=4
+    )
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 2
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 4 and token in top  # texts of two ids may coincide
+        assert max(top.values()) == pytest.approx(value, abs=1e-5)
+    zero = server.client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=1, temperature=0, logprobs=0
+    )
+    assert len(zero.choices[0].logprobs.token_logprobs) == 1
