@@ -4,6 +4,7 @@ client cannot send a body).
 
 - ``top_logprobs`` 0-20 (chat) and ``logprobs`` 0-20 (``/v1/completions``): the most likely
   tokens at each position, streamed or not.
+- ``content`` as a list of parts: text parts joined, any other part type a 400 naming it.
 """
 
 from __future__ import annotations
@@ -106,3 +107,24 @@ def test_completions_logprobs(server):
         model=MODEL, prompt="The sky is", max_tokens=1, temperature=0, logprobs=0
     )
     assert len(zero.choices[0].logprobs.token_logprobs) == 1
+
+
+def test_content_as_a_list_of_text_parts(server):
+    parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "color."}]
+    joined = [{"role": "user", "content": "Name a\ncolor."}]
+    as_parts = server.chat([{"role": "user", "content": parts}], max_tokens=3)
+    as_text = server.chat(joined, max_tokens=3)
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    system = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *USER]
+    assert server.chat(system).usage.completion_tokens == 1
+
+
+def test_content_parts_that_are_not_text_are_refused_by_name(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(messages)
+    err = e.value.body
+    assert err["param"] == "messages.0.content.1" and "'image_url'" in err["message"]
+    assert err["type"] == "invalid_request_error"

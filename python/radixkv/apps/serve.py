@@ -52,7 +52,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps import structured
+from radixkv.apps import content_parts, structured
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -448,11 +448,12 @@ def create_app(
             tool_call = grammar is not None
             if grammar is None:
                 grammar = structured.response_grammar(body.response_format)
+            messages = content_parts.flatten(body.messages)
         except structured.BadRequest as e:
             return _error(400, str(e), e.param)
         try:
             text = tokenizer.apply_chat_template(
-                structured.history(body.messages),
+                structured.history(messages),
                 tools=body.tools,
                 tokenize=False,
                 add_generation_prompt=True,
