@@ -5,6 +5,8 @@ client cannot send a body).
 - ``top_logprobs`` 0-20 (chat) and ``logprobs`` 0-20 (``/v1/completions``): the most likely
   tokens at each position, streamed or not.
 - ``content`` as a list of parts: text parts joined, any other part type a 400 naming it.
+- Fields that change the output are implemented (``continue_final_message``,
+  ``chat_template_kwargs``) or a 400 naming them; an unknown ``model`` is a 404.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Running:
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    proc = serve_process.start(port, "--num-pages", "2048")
+    args = ["--num-pages", "2048", "--served-model-name", MODEL, "alias-b"]
+    proc = serve_process.start(port, *args)
     yield Running(port, proc)
     serve_process.stop(proc)
 
@@ -128,3 +131,57 @@ def test_content_parts_that_are_not_text_are_refused_by_name(server):
     err = e.value.body
     assert err["param"] == "messages.0.content.1" and "'image_url'" in err["message"]
     assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logit_bias", {"42": 5}),
+        ("echo", True),
+        ("best_of", 2),
+        ("functions", [{"name": "f", "parameters": {}}]),
+    ],
+)
+def test_fields_that_change_the_output_are_refused_by_name(server, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, extra_body={field: value})
+    assert e.value.body["param"] == field and field in e.value.body["message"]
+
+
+def test_no_op_values_of_refused_fields_are_accepted(server):
+    reply = server.chat(USER, logit_bias={}, parallel_tool_calls=False, extra_body={"echo": False})
+    assert reply.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, suffix="end")
+    assert e.value.body["param"] == "suffix"
+
+
+def test_continue_final_message(server):
+    start = [*USER, {"role": "assistant", "content": "My favourite color is"}]
+    body = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = server.chat(start, max_tokens=2, extra_body=body)
+    answered = server.chat(start, max_tokens=2)
+    # Continued: the prompt ends inside the assistant's message (no end-of-turn, no new turn).
+    assert reply.usage.prompt_tokens < answered.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(start, extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    # SmolLM2's template reads no extra keyword: a harmless one renders the same prompt.
+    plain = server.chat(USER)
+    kw = server.chat(USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert kw.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, extra_body={"chat_template_kwargs": {"tools": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_an_unknown_model_is_a_404_and_the_served_names_work(server):
+    with pytest.raises(openai.NotFoundError) as e:
+        server.chat(USER, model="gpt-4o")
+    assert e.value.body["param"] == "model" and "gpt-4o" in e.value.body["message"]
+    for name in (MODEL, "smollm2", "alias-b"):  # --served-model-name NAMES..., --model's value
+        assert server.chat(USER, model=name).model == MODEL
+    assert [m.id for m in server.client.models.list()] == [MODEL, "alias-b", "smollm2"]

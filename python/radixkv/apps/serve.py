@@ -52,7 +52,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps import content_parts, structured
+from radixkv.apps import content_parts, request_fields, structured
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -229,15 +229,36 @@ def _fail_pending(pending: Pending, error: BaseException) -> None:
 # ---- the request bodies -----------------------------------------------------------------------
 
 
+#: Arguments of ``apply_chat_template`` the server sets itself (not through
+#: ``chat_template_kwargs``).
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+        "chat_template",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
+
 #: The most ``top_logprobs`` (chat) or ``logprobs`` (completions) a request may ask for.
 MAX_TOP_LOGPROBS = 20
 
 
 class _Body(BaseModel):
-    """Fields common to both endpoints. Unknown fields are ignored (clients send extras);
-    known ones of the wrong type or range are a 400 naming the field."""
+    """Fields common to both endpoints. Unknown fields are kept in ``model_extra`` and ignored
+    (clients send extras), except those :mod:`radixkv.apps.request_fields` refuses; known ones
+    of the wrong type or range are a 400 naming the field."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -268,7 +289,13 @@ class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=0)
+    # vLLM's chat template fields: the last message continued rather than answered, the
+    # assistant's turn opened or not, and keywords the template reads (enable_thinking, ...).
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -276,7 +303,6 @@ class ChatBody(_Body):
 class CompletionBody(_Body):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
 
 
 def _error_body(status: int, message: str, param: str | None = None, kind: str | None = None):
@@ -314,6 +340,9 @@ class ServerConfig:
     header), in place of ``max_keep_alive``."""
 
     model_name: str = "radixkv"
+    #: Every name a request's ``model`` may give (``model_name`` always among them; a request
+    #: without ``model`` is served too); another is a 404, as OpenAI and vLLM answer.
+    aliases: tuple[str, ...] = ()
     tenant_header: str | None = None
     default_max_tokens: int = 256
     max_keep_alive: float = MAX_KEEP_ALIVE
@@ -421,13 +450,11 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": config.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "radixkv",
-        }
-        return {"object": "list", "data": [card]}
+        listed = [config.model_name, *(a for a in config.aliases if a != config.model_name)]
+        cards = [
+            {"id": n, "object": "model", "created": created, "owned_by": "radixkv"} for n in listed
+        ]
+        return {"object": "list", "data": cards}
 
     @app.get("/metrics")
     async def metrics():
@@ -440,7 +467,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
-        bad = _text_error(body)
+        bad = _text_error(body) or _refusal(body, chat=True)
         if bad is not None:
             return bad
         try:  # a tool call the request demands, else its response format, else free text
@@ -451,15 +478,34 @@ def create_app(
             messages = content_parts.flatten(body.messages)
         except structured.BadRequest as e:
             return _error(400, str(e), e.param)
+        kwargs = dict(body.chat_template_kwargs or {})
+        clash = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+        if clash:
+            return _error(
+                400,
+                f"chat_template_kwargs: {clash[0]!r} is set by the server (or by its own request "
+                "field), not through chat_template_kwargs",
+                "chat_template_kwargs",
+            )
+        if body.continue_final_message and body.add_generation_prompt:
+            return _error(
+                400,
+                "continue_final_message: needs add_generation_prompt set to false (the last "
+                "message is continued, not answered)",
+                "continue_final_message",
+            )
         try:
             text = tokenizer.apply_chat_template(
                 structured.history(messages),
                 tools=body.tools,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                **kwargs,
             )
         except Exception as e:  # a malformed message list, a template that refuses it
-            return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
+            param = "chat_template_kwargs" if kwargs else "messages"
+            return _error(400, f"messages: the chat template cannot render them: {e}", param)
         prompt = tokenizer.encode(text, add_special_tokens=False)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
         if body.top_logprobs and not body.logprobs:
@@ -478,7 +524,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        bad = _text_error(body)
+        bad = _text_error(body) or _refusal(body, chat=False)
         if bad is not None:
             return bad
         if isinstance(body.prompt, str):
@@ -487,8 +533,6 @@ def create_app(
             prompt = list(body.prompt)
         if len(prompt) == 0:
             return _error(400, "prompt: must hold at least one token", "prompt")
-        if body.echo:
-            return _error(400, "echo: not supported", "echo")
         try:
             grammar = structured.response_grammar(body.response_format)
         except structured.BadRequest as e:
@@ -503,6 +547,28 @@ def create_app(
             grammar=grammar,
             top_logprobs=body.logprobs or 0,
         )
+
+    names = {config.model_name, *config.aliases}
+
+    def _refusal(body: _Body, chat: bool) -> JSONResponse | None:
+        """The 404 of an unknown model, or the 400 of a field this server does not implement."""
+        if body.model is not None and body.model not in names:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"The model `{body.model}` does not exist: this server "
+                        f"serves {', '.join(repr(n) for n in sorted(names))}",
+                        "type": "NotFoundError",
+                        "param": "model",
+                        "code": 404,
+                    }
+                },
+                status_code=404,
+            )
+        bad = request_fields.refused(body.model_extra or {}, chat)
+        if bad is not None:
+            return _error(400, bad[1], bad[0])
+        return None
 
     async def _complete(
         request,

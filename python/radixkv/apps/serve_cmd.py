@@ -163,8 +163,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model id /v1/models reports (default: SmolLM2-135M-Instruct or the path)",
+        metavar="NAME",
+        help="the model id(s) requests name and /v1/models reports, the first one in replies; "
+        "the --model value is accepted too, any other name is a 404 (default: "
+        "SmolLM2-135M-Instruct or the path)",
     )
 
 
@@ -287,11 +291,13 @@ def build(args: argparse.Namespace):
         )
     except radixkv.Error as e:  # a directory written for another model or layout
         raise UsageError(str(e)) from None
-    name = args.served_model_name or (
-        "SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)
-    )
+    served = list(args.served_model_name or [])
+    if not served:
+        served = ["SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)]
+    name = served[0]
     config = serve.ServerConfig(
         model_name=name,
+        aliases=tuple(dict.fromkeys([*served[1:], str(args.model)])),
         tenant_header=args.tenant_header,
         max_keep_alive=default,
         tenant_max_keep_alive=per_tenant,
