@@ -7,6 +7,7 @@ client cannot send a body).
 - ``content`` as a list of parts: text parts joined, any other part type a 400 naming it.
 - Fields that change the output are implemented (``continue_final_message``,
   ``chat_template_kwargs``) or a 400 naming them; an unknown ``model`` is a 404.
+- ``--max-model-len``: a prompt and ``max_tokens`` past it are a 400 naming both lengths.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Running:
 def server():
     port = free_port()
     args = ["--num-pages", "2048", "--served-model-name", MODEL, "alias-b"]
+    args += ["--max-model-len", str(MAX_MODEL_LEN)]
     proc = serve_process.start(port, *args)
     yield Running(port, proc)
     serve_process.stop(proc)
@@ -185,3 +187,33 @@ def test_an_unknown_model_is_a_404_and_the_served_names_work(server):
     for name in (MODEL, "smollm2", "alias-b"):  # --served-model-name NAMES..., --model's value
         assert server.chat(USER, model=name).model == MODEL
     assert [m.id for m in server.client.models.list()] == [MODEL, "alias-b", "smollm2"]
+
+
+#: The server's --max-model-len.
+MAX_MODEL_LEN = 64
+
+
+def test_a_request_past_max_model_len_is_a_400_naming_both_lengths(server):
+    long = [{"role": "user", "content": "color " * 80}]
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(long)
+    err = e.value.body
+    assert (
+        err["param"] == "messages"
+        and f"maximum context length is {MAX_MODEL_LEN}" in (err["message"])
+    )
+    prompt = int(err["message"].split("(")[2].split(" ")[0])  # "(N in the messages, ..."
+    assert prompt > MAX_MODEL_LEN and f"{prompt} in the messages" in err["message"]
+    # The prompt fits; with max_tokens it does not.
+    short = server.chat(USER)
+    room = MAX_MODEL_LEN - short.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, max_tokens=room + 1)
+    assert (
+        f"{short.usage.prompt_tokens} in the messages, {room + 1} in the completion"
+        in (e.value.body["message"])
+    )
+    assert server.chat(USER, max_tokens=room).usage.prompt_tokens == short.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="color " * 80, max_tokens=1)
+    assert e.value.body["param"] == "prompt"

@@ -343,6 +343,9 @@ class ServerConfig:
     #: Every name a request's ``model`` may give (``model_name`` always among them; a request
     #: without ``model`` is served too); another is a 404, as OpenAI and vLLM answer.
     aliases: tuple[str, ...] = ()
+    #: The most tokens of a request, prompt and ``max_tokens`` together (``--max-model-len``;
+    #: None: no bound but the pool's).
+    max_model_len: int | None = None
     tenant_header: str | None = None
     default_max_tokens: int = 256
     max_keep_alive: float = MAX_KEEP_ALIVE
@@ -582,8 +585,23 @@ def create_app(
         top_logprobs: int = 0,
     ):
         max_tokens = limit if limit is not None else body.max_tokens
+        asked = max_tokens
         if max_tokens is None:
             max_tokens = config.default_max_tokens
+        context = config.max_model_len
+        if context is not None:
+            if asked is None:  # the default never asks past the context: cut to what is left
+                max_tokens = max(min(max_tokens, context - len(prompt)), 0)
+            if len(prompt) + max_tokens > context or len(prompt) >= context:
+                where = "messages" if chat else "prompt"
+                return _error(
+                    400,
+                    f"This model's maximum context length is {context} tokens (--max-model-len). "
+                    f"However, you requested {len(prompt) + max_tokens} tokens "
+                    f"({len(prompt)} in the {where}, {max_tokens} in the completion). Please "
+                    f"reduce the length of the {where} or completion.",
+                    where,
+                )
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             return _error(400, "stop: stop strings must not be empty", "stop")

@@ -162,6 +162,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: none)",
     )
     p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="the most tokens of a request, prompt and max_tokens together (more is a 400 "
+        "naming both); at most the model's context length (default: the model's "
+        "max_position_embeddings)",
+    )
+    p.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -234,6 +243,7 @@ def build(args: argparse.Namespace):
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec = radixkv.hf.check_model(model)
+    max_model_len = model_context_length(model, getattr(args, "max_model_len", None))
     page = page_size_of(args)
     window_pages = getattr(args, "window_pages", 0)
     if window_pages and not spec.window_layers:
@@ -298,6 +308,7 @@ def build(args: argparse.Namespace):
     config = serve.ServerConfig(
         model_name=name,
         aliases=tuple(dict.fromkeys([*served[1:], str(args.model)])),
+        max_model_len=max_model_len,
         tenant_header=args.tenant_header,
         max_keep_alive=default,
         tenant_max_keep_alive=per_tenant,
@@ -308,6 +319,22 @@ def build(args: argparse.Namespace):
     if engine.kv.disk is not None:
         loop.after_step.append(Saver(engine.kv, args.save_every))
     return loop, serve.create_app(loop, tokenizer, config), config
+
+
+def model_context_length(model, asked: int | None) -> int | None:
+    """``--max-model-len``: ``asked``, else the model's context length
+    (``config.max_position_embeddings``; None when the config does not say). More than the
+    model's is a :class:`UsageError`: positions past it were never trained."""
+    own = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    own = int(own) if isinstance(own, int) and own > 0 else None
+    if asked is None:
+        return own
+    if own is not None and asked > own:
+        raise UsageError(
+            f"--max-model-len {asked} is more than the model's context length ({own} tokens, "
+            "max_position_embeddings)"
+        )
+    return asked
 
 
 class Saver:
