@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import time
+from pathlib import Path
 
 from radixkv.apps.args import (
     UsageError,
@@ -32,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument(
-        "--port", type=nonnegative_int, default=8000, help="TCP port to listen on (default: 8000)"
+        "--port", type=port_number, default=8000, help="TCP port to listen on (default: 8000)"
     )
     add_cache_options(p)
     size = p.add_mutually_exclusive_group()
@@ -184,6 +186,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 #: ``--max-keep-alive``'s default (the same as :data:`radixkv.apps.serve.MAX_KEEP_ALIVE`,
 #: which needs FastAPI to import).
 MAX_KEEP_ALIVE = 300.0
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type``: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 0-65535, got {value}")
+    return value
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """What can be wrong with ``args`` without the model, said as a :class:`UsageError` before
+    seconds go into loading it: a ``--model`` path that does not exist, a ``--device`` that is
+    not there, a ``--host``/``--port`` that cannot be bound (in use, not an address here)."""
+    if args.model != "smollm2" and not Path(args.model).expanduser().exists():
+        raise UsageError(
+            f"--model {args.model!r} does not exist: pass 'smollm2', a transformers checkpoint "
+            "directory or a .gguf file"
+        )
+    if args.device is not None:
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, TypeError) as e:
+            raise UsageError(f"--device {args.device!r} is not a torch device: {e}") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise UsageError(f"--device {args.device}: no CUDA device is available here")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise UsageError(
+                    f"--device {args.device}: there are {torch.cuda.device_count()} CUDA "
+                    "devices (cuda:0 ...)"
+                )
+    try:
+        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {args.host!r} cannot be resolved: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise UsageError(
+                f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another "
+                "server on that port? pick another with --port)"
+            ) from None
 
 
 def keep_alive_bound(text: str) -> tuple[str | None, float]:
@@ -360,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError as e:
         raise UsageError(f"radixkv serve needs uvicorn ({e}): pip install radixkv[serve]") from None
+    check_before_loading(args)
     loop, app, config = build(args)
     print(
         f"radixkv serve: {config.model_name} on http://{args.host}:{args.port}/v1 "
