@@ -59,3 +59,30 @@ def test_max_model_len_past_the_models_context():
     last = proc.stderr.strip().splitlines()[-1]  # after transformers' loading bar
     assert last.startswith("radixkv: error: --max-model-len 1000000"), last
     assert "context length (8192 tokens" in last and "http://" not in proc.stderr
+
+
+def test_threads_default_never_oversubscribes(monkeypatch):
+    from radixkv.apps import serve_cmd
+
+    monkeypatch.setattr(serve_cmd.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert serve_cmd.default_threads({}) == 1  # two CPUs: one for torch, one for HTTP
+    monkeypatch.setattr(serve_cmd.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert serve_cmd.default_threads({}) == 15
+    assert serve_cmd.default_threads({"OMP_NUM_THREADS": "3"}) == 3
+    monkeypatch.setattr(serve_cmd.os, "sched_getaffinity", lambda pid: {0})
+    assert serve_cmd.default_threads({"OMP_NUM_THREADS": ""}) == 1
+
+
+def test_threads_reach_torch_and_the_startup_line():
+    import serve_process
+    from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path
+    from test_serve import free_port
+
+    if smollm2_path() is None:
+        pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}")
+    proc = serve_process.start(free_port(), "--num-pages", "64", "--threads", "1", threads=2)
+    rc, err = serve_process.stop(proc)
+    assert rc == 0, err
+    (line,) = [x for x in err.splitlines() if x.startswith("radixkv serve: SmolLM2")]
+    assert "1 CPU threads" in line, err
+    assert_user_error(radixkv("serve", "--threads", "-1"), "--threads", "-1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -164,6 +165,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: none)",
     )
     p.add_argument(
+        "--threads",
+        type=nonnegative_int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads of the engine, 0 = torch's own default (default: $OMP_NUM_THREADS "
+        "when set, else the CPUs this process may run on less one for the HTTP thread, at "
+        "least 1)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=positive_int,
         default=None,
@@ -197,6 +207,23 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port 0-65535, got {value}")
     return value
+
+
+def default_threads(environ: dict[str, str] | None = None) -> int:
+    """``--threads``' default: ``$OMP_NUM_THREADS`` when set (whoever set it sized the machine),
+    else the CPUs this process may run on (its affinity, which a container's or a job's cpuset
+    sets) less one for the HTTP thread, at least 1. torch's own default, every core of the
+    machine, oversubscribes a busy one: its threads spin-wait for each other while the event
+    loop and other processes hold cores (a 2-core machine ran the demo 6x slower with it)."""
+    env = os.environ if environ is None else environ
+    given = env.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(cpus - 1, 1)
 
 
 def check_before_loading(args: argparse.Namespace) -> None:
@@ -390,6 +417,12 @@ def model_context_length(model, asked: int | None) -> int | None:
     return asked
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 class Saver:
     """After a step, on the engine thread: saves the disk tier when ``every`` seconds have
     passed since the last save."""
@@ -414,10 +447,16 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(f"radixkv serve needs uvicorn ({e}): pip install radixkv[serve]") from None
     check_before_loading(args)
+    threads = args.threads if args.threads is not None else default_threads()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     loop, app, config = build(args)
     print(
         f"radixkv serve: {config.model_name} on http://{args.host}:{args.port}/v1 "
-        f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages"
+        f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages, "
+        f"{_torch_threads()} CPU threads"
         + (
             f", a window pool of {loop.engine.cache.window_pages} pages for the "
             f"{loop.engine.cache.window}-token window"
