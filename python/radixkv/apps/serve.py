@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 try:
-    from fastapi import FastAPI, Request
+    from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
     from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -346,6 +347,10 @@ class ServerConfig:
     #: The most tokens of a request, prompt and ``max_tokens`` together (``--max-model-len``;
     #: None: no bound but the pool's).
     max_model_len: int | None = None
+    #: ``--api-key``: the bearer token every request needs (401 without it), but those to
+    #: ``open_paths``; None: no key.
+    api_key: str | None = None
+    open_paths: tuple[str, ...] = ("/health", "/metrics")
     tenant_header: str | None = None
     default_max_tokens: int = 256
     max_keep_alive: float = MAX_KEEP_ALIVE
@@ -424,7 +429,24 @@ def create_app(
         # SIGTERM lands here after uvicorn stopped taking requests and drained the open ones.
         await asyncio.get_running_loop().run_in_executor(None, loop.stop)
 
-    app = FastAPI(title="radixkv", lifespan=lifespan)
+    bearer = HTTPBearer(auto_error=False)
+
+    async def authorize(
+        request: Request,
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008
+    ) -> None:
+        """``--api-key``: a request without ``Authorization: Bearer KEY`` is a 401."""
+        if config.api_key is None or request.url.path in config.open_paths:
+            return
+        given = credentials.credentials if credentials is not None else None
+        if given is None or not secrets.compare_digest(given, config.api_key):
+            raise HTTPException(
+                401,
+                "a valid API key is needed: Authorization: Bearer KEY (--api-key)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    app = FastAPI(title="radixkv", lifespan=lifespan, dependencies=[Depends(authorize)])
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -450,6 +472,44 @@ def create_app(
         if not loop.alive:
             return _error(503, "the engine thread is not running", kind="server_error")
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": radixkv.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]):
+        """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (through the
+        chat template) to ``{"tokens", "count", "max_model_len"}``."""
+        try:
+            if "messages" in body:
+                text = tokenizer.apply_chat_template(
+                    content_parts.flatten(body["messages"]),
+                    tokenize=False,
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                )
+                tokens = tokenizer.encode(text, add_special_tokens=False)
+            elif isinstance(body.get("prompt"), str):
+                special = bool(body.get("add_special_tokens", True))
+                tokens = tokenizer.encode(body["prompt"], add_special_tokens=special)
+            else:
+                return _error(400, "prompt: needs a string prompt or messages", "prompt")
+        except structured.BadRequest as e:
+            return _error(400, str(e), e.param)
+        except Exception as e:  # a template that refuses the messages
+            return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: dict[str, Any]):
+        """vLLM's ``/detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
+        tokens = body.get("tokens")
+        vocab = len(tokenizer)
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            return _error(400, f"tokens: must be a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
 
     @app.get("/v1/models")
     async def models():

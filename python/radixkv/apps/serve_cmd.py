@@ -165,6 +165,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: none)",
     )
     p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="requests need Authorization: Bearer KEY (401 without it) but those to the "
+        "--open-paths (default: $RADIXKV_API_KEY, else no key)",
+    )
+    p.add_argument(
+        "--open-paths",
+        nargs="*",
+        default=["/health", "/metrics"],
+        metavar="PATH",
+        help="paths served without the --api-key (default: /health /metrics; none: give the "
+        "flag alone)",
+    )
+    p.add_argument(
         "--threads",
         type=nonnegative_int,
         default=None,
@@ -389,6 +404,8 @@ def build(args: argparse.Namespace):
         model_name=name,
         aliases=tuple(dict.fromkeys([*served[1:], str(args.model)])),
         max_model_len=max_model_len,
+        api_key=getattr(args, "api_key", None) or os.environ.get("RADIXKV_API_KEY") or None,
+        open_paths=tuple(getattr(args, "open_paths", ("/health", "/metrics"))),
         tenant_header=args.tenant_header,
         max_keep_alive=default,
         tenant_max_keep_alive=per_tenant,
