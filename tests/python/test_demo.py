@@ -284,3 +284,22 @@ def test_warm_up_leaves_an_empty_pool_and_no_trace_in_the_run():
     run = demo.Run()
     counters.close(run)
     assert run.hit_rate == 0.0 and run.evicted_pages == 0 and counters.evicted() == 0
+
+
+def test_demo_with_the_real_model_installed_and_unloadable_fails(tmp_path, capsys, monkeypatch):
+    """The real model installed, a package its loader needs missing (accelerate for a GGUF
+    file): exit 2 saying why, not a run on random weights nobody asked for."""
+    load = pytest.importorskip("radixkv.hf._load")
+    find_spec = load.importlib.util.find_spec
+    monkeypatch.setenv("RADIXKV_MODEL_CACHE", str(tmp_path / "models"))  # the GGUF file is read
+    monkeypatch.setattr(
+        load.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "accelerate" else find_spec(name, *a),
+    )
+    assert cli.main(["demo", "--quick", "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("radixkv: error: demo: "), err
+    assert "needs accelerate" in err[0] and "pip install 'radixkv[hf]'" in err[0], err
+    assert "random weights)" not in captured.out

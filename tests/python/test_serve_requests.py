@@ -1,0 +1,219 @@
+"""OpenAI request fields as clients send them to ``radixkv serve``: the real command (one
+process for the module) on the real model, driven by the ``openai`` client (raw HTTP where the
+client cannot send a body).
+
+- ``top_logprobs`` 0-20 (chat) and ``logprobs`` 0-20 (``/v1/completions``): the most likely
+  tokens at each position, streamed or not.
+- ``content`` as a list of parts: text parts joined, any other part type a 400 naming it.
+- Fields that change the output are implemented (``continue_final_message``,
+  ``chat_template_kwargs``) or a 400 naming them; an unknown ``model`` is a 404.
+- ``--max-model-len``: a prompt and ``max_tokens`` past it are a 400 naming both lengths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+pytest.importorskip("torch", reason="radixkv serve needs torch")
+openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+httpx = pytest.importorskip("httpx")
+
+import serve_process  # noqa: E402
+from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+from test_serve import free_port  # noqa: E402
+
+if smollm2_path() is None:
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+
+#: The model name the server answers to.
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class Running:
+    """The server process and an openai client for it."""
+
+    def __init__(self, port: int, proc) -> None:
+        self.port, self.proc = port, proc
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def chat(self, messages, **kw):
+        kw.setdefault("max_tokens", 1)
+        kw.setdefault("temperature", 0)
+        kw.setdefault("model", MODEL)
+        return self.client.chat.completions.create(messages=messages, **kw)
+
+    def post(self, path: str, body: dict, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60, **kw)
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    args = ["--num-pages", "2048", "--served-model-name", MODEL, "alias-b"]
+    args += ["--max-model-len", str(MAX_MODEL_LEN)]
+    proc = serve_process.start(port, *args)
+    yield Running(port, proc)
+    serve_process.stop(proc)
+
+
+USER = [{"role": "user", "content": "Name a color."}]
+
+
+def check_top(entries: list, k: int, chosen_logprob: float) -> None:
+    """``k`` alternatives, most likely first, the greedy choice among them with its logprob."""
+    assert len(entries) == k
+    values = [e.logprob for e in entries]
+    assert values == sorted(values, reverse=True)
+    assert sum(math.exp(v) for v in values) <= 1.0 + 1e-4
+    assert entries[0].logprob == pytest.approx(chosen_logprob, abs=1e-5)
+
+
+def test_chat_top_logprobs(server):
+    reply = server.chat(USER, max_tokens=2, logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 2
+    for entry in content:
+        check_top(entry.top_logprobs, 5, entry.logprob)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely one
+    # 20 is OpenAI's bound; 21 a 400 naming the field.
+    assert len(server.chat(USER, logprobs=True, top_logprobs=20).choices[0].logprobs.content[0]
+               .top_logprobs) == 20  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, top_logprobs=2)  # without logprobs
+    assert e.value.body["param"] == "top_logprobs"
+
+
+def test_chat_top_logprobs_streamed(server):
+    stream = server.chat(USER, max_tokens=2, logprobs=True, top_logprobs=3, stream=True)
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in
+               c.choices[0].logprobs.content]  # fmt: skip
+    assert len(entries) == 2
+    for entry in entries:
+        check_top(entry.top_logprobs, 3, entry.logprob)
+
+
+def test_completions_logprobs(server):
+    reply = server.client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=2, temperature=0, logprobs=4
+    )
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 2
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 4 and token in top  # texts of two ids may coincide
+        assert max(top.values()) == pytest.approx(value, abs=1e-5)
+    zero = server.client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=1, temperature=0, logprobs=0
+    )
+    assert len(zero.choices[0].logprobs.token_logprobs) == 1
+
+
+def test_content_as_a_list_of_text_parts(server):
+    parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "color."}]
+    joined = [{"role": "user", "content": "Name a\ncolor."}]
+    as_parts = server.chat([{"role": "user", "content": parts}], max_tokens=3)
+    as_text = server.chat(joined, max_tokens=3)
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    system = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *USER]
+    assert server.chat(system).usage.completion_tokens == 1
+
+
+def test_content_parts_that_are_not_text_are_refused_by_name(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(messages)
+    err = e.value.body
+    assert err["param"] == "messages.0.content.1" and "'image_url'" in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logit_bias", {"42": 5}),
+        ("echo", True),
+        ("best_of", 2),
+        ("functions", [{"name": "f", "parameters": {}}]),
+    ],
+)
+def test_fields_that_change_the_output_are_refused_by_name(server, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, extra_body={field: value})
+    assert e.value.body["param"] == field and field in e.value.body["message"]
+
+
+def test_no_op_values_of_refused_fields_are_accepted(server):
+    reply = server.chat(USER, logit_bias={}, parallel_tool_calls=False, extra_body={"echo": False})
+    assert reply.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, suffix="end")
+    assert e.value.body["param"] == "suffix"
+
+
+def test_continue_final_message(server):
+    start = [*USER, {"role": "assistant", "content": "My favourite color is"}]
+    body = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = server.chat(start, max_tokens=2, extra_body=body)
+    answered = server.chat(start, max_tokens=2)
+    # Continued: the prompt ends inside the assistant's message (no end-of-turn, no new turn).
+    assert reply.usage.prompt_tokens < answered.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(start, extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    # SmolLM2's template reads no extra keyword: a harmless one renders the same prompt.
+    plain = server.chat(USER)
+    kw = server.chat(USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert kw.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, extra_body={"chat_template_kwargs": {"tools": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_an_unknown_model_is_a_404_and_the_served_names_work(server):
+    with pytest.raises(openai.NotFoundError) as e:
+        server.chat(USER, model="gpt-4o")
+    assert e.value.body["param"] == "model" and "gpt-4o" in e.value.body["message"]
+    for name in (MODEL, "smollm2", "alias-b"):  # --served-model-name NAMES..., --model's value
+        assert server.chat(USER, model=name).model == MODEL
+    assert [m.id for m in server.client.models.list()] == [MODEL, "alias-b", "smollm2"]
+
+
+#: The server's --max-model-len.
+MAX_MODEL_LEN = 64
+
+
+def test_a_request_past_max_model_len_is_a_400_naming_both_lengths(server):
+    long = [{"role": "user", "content": "color " * 80}]
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(long)
+    err = e.value.body
+    assert (
+        err["param"] == "messages"
+        and f"maximum context length is {MAX_MODEL_LEN}" in (err["message"])
+    )
+    prompt = int(err["message"].split("(")[2].split(" ")[0])  # "(N in the messages, ..."
+    assert prompt > MAX_MODEL_LEN and f"{prompt} in the messages" in err["message"]
+    # The prompt fits; with max_tokens it does not.
+    short = server.chat(USER)
+    room = MAX_MODEL_LEN - short.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, max_tokens=room + 1)
+    assert (
+        f"{short.usage.prompt_tokens} in the messages, {room + 1} in the completion"
+        in (e.value.body["message"])
+    )
+    assert server.chat(USER, max_tokens=room).usage.prompt_tokens == short.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="color " * 80, max_tokens=1)
+    assert e.value.body["param"] == "prompt"
