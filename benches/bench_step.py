@@ -22,10 +22,10 @@ to end and split into:
 - ``other``: what is left of ``Engine.step`` (its statistics, Python between the parts).
 
 Each part is timed by a wrapper (about a microsecond a call; on CUDA each one synchronizes, so
-the figures are of a serialized step). ``untimed ms`` is the same engine's step with no timer
-inside (the device waited for once before and once after the steps): on CUDA, where a wrapper's
-synchronizations stop the CPU from running ahead of the GPU, the breakdown's ``step ms`` exceeds
-it by what the timers cost. ``outside forward`` is schedule + plan + commit +
+the figures are of a serialized, eager step). ``untimed ms`` is the step as the engine runs it,
+with no timer inside (the device waited for once before and once after the steps; on CUDA the
+decode steps replay CUDA graphs): the breakdown's ``step ms`` exceeds it by what the timers and
+the eager launches cost. ``outside forward`` is schedule + plan + commit +
 sampling + other as a share of the step, the engine's own cost; the last line checks it against
 the target (under 3% of a step at 32 requests).
 """
@@ -87,8 +87,8 @@ class Clock:
         return timed
 
 
-def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
-    """Milliseconds per decode step of each part (and ``step``) for ``b`` requests."""
+def running(model: Any, b: int, args: argparse.Namespace, cuda_graphs: bool | None) -> Any:
+    """An engine with ``b`` requests past their prefill and one decode step."""
     page = 16
     pages = b * (-(-(args.prompt + 2 * args.steps + 4) // page)) + 8
     eng = radixkv.hf.engine(
@@ -98,19 +98,29 @@ def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
         max_batch=b,
         prefix_caching=False,
         stop_tokens=(),
+        cuda_graphs=cuda_graphs,
     )
     gen = torch.Generator().manual_seed(b)
     prompts = torch.randint(0, model.config.vocab_size, (b, args.prompt), generator=gen)
     for row in prompts.numpy():
         eng.submit(row, max_new_tokens=2 * args.steps + 3)
     eng.step()  # the prefill
-    eng.step()  # one decode step untimed: first-call costs out of the figures
-    # The step as it runs, no timer inside: one wait for the device before and after.
+    eng.step()  # one decode step untimed: first-call costs (and a graph's capture) out
+    return eng
+
+
+def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds per decode step of each part (and ``step``) for ``b`` requests."""
+    # The step as it runs (CUDA graphs where the engine uses them), no timer inside: one wait
+    # for the device before and after.
+    eng = running(model, b, args, None)
     clock = Clock(args.device)
     t = clock.now()
     for _ in range(args.steps):
         eng.step()
     free = clock.now() - t
+    # The breakdown: an eager engine (a graph's replay has no parts to time).
+    eng = running(model, b, args, False)
     clock = Clock(args.device)
     kernel = torch.nn.functional.scaled_dot_product_attention
     attention = step_mod.Step.attention

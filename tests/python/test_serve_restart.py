@@ -128,7 +128,8 @@ def test_a_moved_checkpoint_restarts_with_its_pages(tmp_path):
     first = linked_checkpoint(tmp_path / "models" / "smollm2")
     turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which tool?"}]
     port = free_port()
-    proc = serve_process.start(port, *options(tmp_path / "cache", "--model", first))
+    named = ("--served-model-name", "smollm2")  # the name chat() asks for, wherever it lives
+    proc = serve_process.start(port, *options(tmp_path / "cache", "--model", first, *named))
     try:
         chat(port, turn)
         stop(proc)
@@ -139,7 +140,7 @@ def test_a_moved_checkpoint_restarts_with_its_pages(tmp_path):
     moved.parent.mkdir()
     os.rename(first, moved)
     port = free_port()
-    proc = serve_process.start(port, *options(tmp_path / "cache", "--model", str(moved)))
+    proc = serve_process.start(port, *options(tmp_path / "cache", "--model", str(moved), *named))
     try:
         _, prompt_tokens, cached = chat(port, turn)
         err = stop(proc)
