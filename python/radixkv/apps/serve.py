@@ -22,6 +22,9 @@ a fresh one; ``keep_alive`` is bounded by the server (``--max-keep-alive``, per 
 ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with ``tool_choice``
 ``"required"`` or a named function constrain the reply to a grammar, a tool call returned as
 OpenAI's ``tool_calls`` (:mod:`radixkv.apps.structured`; streamed whole at its end).
+``tool_choice`` ``"auto"`` (the default when ``tools`` are sent) renders the tools through the
+chat template and parses the model's calls out of its text (``--tool-call-parser``:
+:mod:`radixkv.apps.tool_calls`); text that may be a call is held back while streaming.
 A full queue answers 429, a request that can never fit the pool or is malformed 400 with
 OpenAI's error object naming the field; a client that disconnects cancels its request.
 """
@@ -53,7 +56,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps import content_parts, request_fields, structured
+from radixkv.apps import content_parts, request_fields, structured, tool_calls
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -250,6 +253,13 @@ TEMPLATE_ARGUMENTS = frozenset(
     }
 )
 
+#: The warning of a ``tool_choice="auto"`` request on a chat template that ignores ``tools``
+#: (served, as vLLM serves it: the model answers without seeing the tools).
+TOOLS_NOT_RENDERED = (
+    "tools: this model's chat template does not render tools, so the model was not shown them; "
+    "tool calls are still parsed out of its text"
+)
+
 #: The most ``top_logprobs`` (chat) or ``logprobs`` (completions) a request may ask for.
 MAX_TOP_LOGPROBS = 20
 
@@ -353,6 +363,9 @@ class ServerConfig:
     open_paths: tuple[str, ...] = ("/health", "/metrics")
     tenant_header: str | None = None
     default_max_tokens: int = 256
+    #: ``--tool-call-parser``: the format of the calls ``tool_choice="auto"`` parses out of the
+    #: model's text (:data:`radixkv.apps.tool_calls.PARSERS`); None: ``"auto"`` is a 400.
+    tool_call_parser: str | None = "hermes"
     max_keep_alive: float = MAX_KEEP_ALIVE
     tenant_max_keep_alive: dict[str, float] = field(default_factory=dict)
 
@@ -418,6 +431,7 @@ def create_app(
     if registry is None:
         registry = _registry(eng)
     created = int(time.time())
+    renders_tools = tool_calls.template_renders_tools(tokenizer)
 
     from contextlib import asynccontextmanager
 
@@ -447,6 +461,7 @@ def create_app(
             )
 
     app = FastAPI(title="radixkv", lifespan=lifespan, dependencies=[Depends(authorize)])
+    app.state.renders_tools = renders_tools
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -479,12 +494,13 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any]):
-        """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (through the
-        chat template) to ``{"tokens", "count", "max_model_len"}``."""
+        """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...], "tools": [...]}``
+        (through the chat template) to ``{"tokens", "count", "max_model_len"}``."""
         try:
             if "messages" in body:
                 text = tokenizer.apply_chat_template(
                     content_parts.flatten(body["messages"]),
+                    tools=body.get("tools"),
                     tokenize=False,
                     add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 )
@@ -533,7 +549,23 @@ def create_app(
         bad = _text_error(body) or _refusal(body, chat=True)
         if bad is not None:
             return bad
+        # OpenAI's default tool_choice is "auto" when tools are sent: calls parsed out of text
+        auto = bool(body.tools) and body.tool_choice in (None, "auto")
+        parser, warnings = None, []
+        if auto:
+            if config.tool_call_parser is None:
+                return _error(
+                    400,
+                    'tool_choice: "auto" needs the server started with --tool-call-parser '
+                    '(hermes or llama3_json); send tool_choice "required" or a named function',
+                    "tool_choice",
+                )
+            parser = tool_calls.Auto(config.tool_call_parser, body.parallel_tool_calls is not False)
+            if not renders_tools:
+                warnings.append(TOOLS_NOT_RENDERED)
         try:  # a tool call the request demands, else its response format, else free text
+            if auto:
+                structured.check_tools(body.tools)
             grammar = structured.tool_grammar(body.tools, body.tool_choice)
             tool_call = grammar is not None
             if grammar is None:
@@ -583,6 +615,8 @@ def create_app(
             grammar=grammar,
             tool_call=tool_call,
             top_logprobs=body.top_logprobs or 0,
+            parser=parser,
+            warnings=warnings,
         )
 
     @app.post("/v1/completions")
@@ -643,6 +677,8 @@ def create_app(
         grammar=None,
         tool_call=False,
         top_logprobs: int = 0,
+        parser: tool_calls.Auto | None = None,
+        warnings: list[str] | None = None,
     ):
         max_tokens = limit if limit is not None else body.max_tokens
         asked = max_tokens
@@ -736,6 +772,8 @@ def create_app(
                 tool_call,
                 logprobs,
                 top_logprobs,
+                parser,
+                warnings,
             )
             return StreamingResponse(gen, media_type="text/event-stream")
         waiter = asyncio.ensure_future(pending.done.wait())
@@ -761,6 +799,15 @@ def create_app(
                 if calls is not None and r.finish_reason == "stop":
                     choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                     choice["finish_reason"] = "tool_calls"
+                if parser is not None:
+                    content, calls = parser.parse(text)
+                    if calls:
+                        choice["message"] = {
+                            "role": "assistant",
+                            "content": content,
+                            "tool_calls": calls,
+                        }
+                        choice["finish_reason"] = "tool_calls"
                 if logprobs:
                     choice["logprobs"] = {"content": _logprob_entries(tokenizer, _scored(r))}
             else:
@@ -772,7 +819,7 @@ def create_app(
                 )
             choices.append(choice)
         usage = _usage(prompt, results, cached_tokens)
-        return {
+        reply = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
@@ -780,6 +827,9 @@ def create_app(
             "choices": choices,
             "usage": usage,
         }
+        if warnings:
+            reply["warnings"] = warnings
+        return reply
 
     async def _stream(
         request,
@@ -793,6 +843,8 @@ def create_app(
         tool_call=False,
         logprobs=False,
         top_logprobs=0,
+        parser=None,
+        warnings=None,
     ):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -807,7 +859,13 @@ def create_app(
             }
             if include_usage:
                 body["usage"] = usage
+            if warnings and first:
+                body["warnings"] = warnings
+                first.clear()
             return f"data: {json.dumps(body)}\n\n"
+
+        first = [True]  # the first chunk carries the warnings
+        splitters = {k: parser.splitter() for k in range(len(index))} if parser else {}
 
         finished: set[int] = set()
         held: dict[int, str] = {}  # a tool call's text, sent whole as one delta at its end
@@ -869,6 +927,20 @@ def create_app(
                         yield chunk([with_logprobs(k, choice)])
                         continue
                     ev = dataclasses.replace(ev, text=held[k])  # cut short: sent as text
+                elif parser is not None:
+                    text = splitters[k].feed(ev.text)
+                    if reason is not None:
+                        content, calls = splitters[k].finish()
+                        text += content or ""
+                        if calls:
+                            if text:
+                                delta = {"content": text}
+                                yield chunk([{"index": k, "delta": delta, "finish_reason": None}])
+                            delta = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
+                            choice = {"index": k, "delta": delta, "finish_reason": "tool_calls"}
+                            yield chunk([with_logprobs(k, choice)])
+                            continue
+                    ev = dataclasses.replace(ev, text=text)
                 if not ev.text and reason is None:
                     continue
                 if chat:

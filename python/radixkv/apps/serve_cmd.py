@@ -214,6 +214,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "max_position_embeddings)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "none"),
+        default="hermes",
+        help="how tool_choice 'auto' (the default when a request sends tools) finds the model's "
+        "tool calls in its text, as vLLM's parsers of these names: hermes (Hermes/Qwen "
+        "<tool_call>{json}</tool_call>), llama3_json (Llama 3's bare JSON), none ('auto' is a "
+        "400) (default: hermes)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: auto tool choice is on whenever "
+        "--tool-call-parser is not none",
+    )
+    p.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -452,6 +467,7 @@ def build(args: argparse.Namespace):
         api_key=getattr(args, "api_key", None) or os.environ.get("RADIXKV_API_KEY") or None,
         open_paths=tuple(getattr(args, "open_paths", ("/health", "/metrics"))),
         tenant_header=args.tenant_header,
+        tool_call_parser=_parser_of(getattr(args, "tool_call_parser", "hermes")),
         max_keep_alive=default,
         tenant_max_keep_alive=per_tenant,
     )
@@ -477,6 +493,10 @@ def model_context_length(model, asked: int | None) -> int | None:
             "max_position_embeddings)"
         )
     return asked
+
+
+def _parser_of(name: str | None) -> str | None:
+    return None if name in (None, "none") else name
 
 
 def _torch_threads() -> int:
@@ -515,6 +535,14 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(threads)
     loop, app, config = build(args)
+    if config.tool_call_parser is not None and not app.state.renders_tools:
+        print(
+            "radixkv serve: the chat template does not render tools: a request with tools "
+            "gets them parsed out of the reply but the model is not shown them (its reply "
+            "carries a warning)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"radixkv serve: {config.model_name} on http://{args.host}:{args.port}/v1 "
         f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages, "
