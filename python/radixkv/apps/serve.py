@@ -13,7 +13,8 @@ moved onto the event loop with ``call_soon_threadsafe``).
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's request and
 response shapes; ``usage.prompt_tokens_details.cached_tokens`` is the prefix cache's hit, as
-vLLM reports it), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+vLLM reports it), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus),
+``POST /flush_cache`` (SGLang's; vLLM's ``/reset_prefix_cache``).
 A request's cache namespace is its tenant (the configured tenant header) and its
 ``cache_salt`` (vLLM's field) together: a salt subdivides a tenant's namespace and never leaves
 it, so tenants never share KV (:func:`namespace_of`). A request without a ``seed`` samples with
@@ -515,6 +516,16 @@ def create_app(
         except Exception as e:  # a template that refuses the messages
             return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
+
+    async def flush_cache():
+        """SGLang's ``/flush_cache`` (vLLM's ``/reset_prefix_cache``): drops every page no
+        running request holds (retained ones too) from the pool, the host and the disk tier,
+        on the engine thread between steps; answers how many."""
+        flushed = await loop.call(lambda: int(eng.cache.reset()))
+        return {"flushed_pages": flushed}
+
+    app.post("/flush_cache")(flush_cache)
+    app.post("/reset_prefix_cache")(flush_cache)
 
     @app.post("/detokenize")
     async def detokenize(body: dict[str, Any]):
