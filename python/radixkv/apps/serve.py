@@ -313,7 +313,8 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
+    #: One prompt (text or token ids) or a list of them: one choice per prompt, in order.
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
@@ -619,7 +620,7 @@ def create_app(
         return await _complete(
             request,
             body,
-            prompt,
+            [prompt],
             limit,
             chat=True,
             logprobs=body.logprobs,
@@ -635,12 +636,20 @@ def create_app(
         bad = _text_error(body) or _refusal(body, chat=False)
         if bad is not None:
             return bad
-        if isinstance(body.prompt, str):
-            prompt = tokenizer.encode(body.prompt, add_special_tokens=True)
-        else:
-            prompt = list(body.prompt)
-        if len(prompt) == 0:
-            return _error(400, "prompt: must hold at least one token", "prompt")
+        # OpenAI's prompt: a string, token ids, or a list of either (one choice per prompt)
+        given = body.prompt
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            given = [given]
+        if not given:
+            return _error(400, "prompt: must hold at least one prompt", "prompt")
+        prompts = [
+            tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            for p in given
+        ]
+        for k, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                where = "prompt" if len(prompts) == 1 else f"prompt.{k}"
+                return _error(400, f"{where}: must hold at least one token", where)
         try:
             grammar = structured.response_grammar(body.response_format)
         except structured.BadRequest as e:
@@ -648,7 +657,7 @@ def create_app(
         return await _complete(
             request,
             body,
-            prompt,
+            prompts,
             None,
             chat=False,
             logprobs=body.logprobs is not None,
@@ -681,7 +690,7 @@ def create_app(
     async def _complete(
         request,
         body,
-        prompt,
+        prompts,
         limit,
         chat: bool,
         logprobs: bool,
@@ -696,6 +705,7 @@ def create_app(
         if max_tokens is None:
             max_tokens = config.default_max_tokens
         context = config.max_model_len
+        prompt = max(prompts, key=len)  # the longest bounds the completion
         if context is not None:
             if asked is None:  # the default never asks past the context: cut to what is left
                 max_tokens = max(min(max_tokens, context - len(prompt)), 0)
@@ -748,13 +758,23 @@ def create_app(
         n = body.n
 
         def submit(on_token: Callable) -> list[int]:
-            if n == 1:
-                return [eng.submit(prompt, **params, on_token=on_token)]
-            return eng.branch(prompt, [[]] * n, **params, on_token=on_token)
+            ids: list[int] = []
+            try:
+                for p in prompts:  # choices in order: prompt by prompt, n of each
+                    if n == 1:
+                        ids.append(eng.submit(p, **params, on_token=on_token))
+                    else:
+                        ids += eng.branch(p, [[]] * n, **params, on_token=on_token)
+            except BaseException:  # a later prompt refused: the earlier ones are not served
+                for i in ids:
+                    eng.cancel(i)
+                eng.forget_finished()
+                raise
+            return ids
 
         cached = None
         if n > 1:  # the branches find the context cached by its own prefill: ask beforehand
-            cached = loop.call(lambda: _cached_now(eng, prompt, namespace))
+            cached = loop.call(lambda: sum(_cached_now(eng, p, namespace) for p in prompts))
         try:
             await loop.call(lambda: loop.submit(pending, submit))
         except QueueFull as e:
@@ -778,7 +798,7 @@ def create_app(
                 rid,
                 chat,
                 include_usage,
-                prompt,
+                prompts,
                 cached_tokens,
                 tool_call,
                 logprobs,
@@ -829,7 +849,7 @@ def create_app(
                     else None
                 )
             choices.append(choice)
-        usage = _usage(prompt, results, cached_tokens)
+        usage = _usage(prompts, results, cached_tokens)
         reply = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -849,7 +869,7 @@ def create_app(
         rid,
         chat,
         include_usage,
-        prompt,
+        prompts,
         cached_tokens,
         tool_call=False,
         logprobs=False,
@@ -964,7 +984,7 @@ def create_app(
             if include_usage:
                 results = [pending.results[i] for i in pending.ids]
                 ok = [r for r in results if not isinstance(r, BaseException)]
-                yield chunk([], _usage(prompt, ok, cached_tokens))
+                yield chunk([], _usage(prompts, ok, cached_tokens))
             yield "data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             if not pending.done.is_set():
@@ -981,14 +1001,17 @@ def _cached_now(eng: radixkv.Engine, prompt: list[int], namespace: Any) -> int:
     return int(eng.cache.match_prefix(prompt, namespace))
 
 
-def _usage(prompt: list[int], results: list[Any], cached: int | None) -> dict[str, Any]:
+def _usage(prompts: list[list[int]], results: list[Any], cached: int | None) -> dict[str, Any]:
+    """OpenAI's ``usage`` of ``prompts`` (each counted once, whatever ``n``) and their
+    ``results``; ``cached``: the prompts' cached tokens (None: the results', one per prompt)."""
     completion = sum(len(r.output) for r in results)
     if cached is None:
-        cached = results[0].cached_tokens if results else 0
+        cached = sum(r.cached_tokens for r in results)
+    prompt = sum(len(p) for p in prompts)
     return {
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": len(prompt) + completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": int(cached)},
     }
 
