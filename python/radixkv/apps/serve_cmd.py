@@ -214,6 +214,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "max_position_embeddings)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_JINJA",
+        help="the chat template to render messages with, in place of the model's: a file, or "
+        "the Jinja template itself (text holding '{', '}' or a newline), as vLLM takes it "
+        "(default: the tokenizer's own)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json", "none"),
         default="hermes",
@@ -272,6 +280,38 @@ def default_threads(environ: dict[str, str] | None = None) -> int:
     return max(cpus - 1, 1)
 
 
+#: Characters that make ``--chat-template`` a template rather than a path (vLLM's test).
+JINJA_CHARS = "{}\n"
+
+
+def chat_template_of(value: str | None) -> str | None:
+    """``--chat-template``: the template itself when ``value`` holds Jinja's characters, else
+    the text of the file it names; a :class:`UsageError` for a file that cannot be read or a
+    template that does not parse."""
+    if value is None:
+        return None
+    if any(c in value for c in JINJA_CHARS):
+        text, where = value, "--chat-template (inline)"
+    else:
+        try:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(
+                f"--chat-template {value!r} is neither a readable file ({e.strerror or e}) nor "
+                "a Jinja template (no '{', '}' or newline in it)"
+            ) from None
+        where = f"--chat-template {value}"
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(
+            f"{where}: not a valid Jinja template: {e.message} (line {e.lineno})"
+        ) from None
+    return text
+
+
 def check_before_loading(args: argparse.Namespace) -> None:
     """What can be wrong with ``args`` without the model, said as a :class:`UsageError` before
     seconds go into loading it: a ``--model`` path that does not exist, a ``--device`` that is
@@ -281,6 +321,7 @@ def check_before_loading(args: argparse.Namespace) -> None:
             f"--model {args.model!r} does not exist: pass 'smollm2', a transformers checkpoint "
             "directory or a .gguf file"
         )
+    args.chat_template_text = chat_template_of(getattr(args, "chat_template", None))
     if args.device is not None:
         import torch
 
@@ -397,6 +438,11 @@ def build(args: argparse.Namespace):
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec = radixkv.hf.check_model(model)
+    template = getattr(args, "chat_template_text", None)
+    if template is None:
+        template = chat_template_of(getattr(args, "chat_template", None))
+    if template is not None:  # every render (chat, /tokenize, the tools check) takes it
+        tokenizer.chat_template = template
     max_model_len = model_context_length(model, getattr(args, "max_model_len", None))
     page = page_size_of(args)
     window_pages = getattr(args, "window_pages", 0)
