@@ -237,3 +237,16 @@ def test_completions_take_a_list_of_prompts_one_choice_each_in_order(server):
     assert len({c.text for c in mixed.choices}) == 1
     empty = server.post("/v1/completions", {"model": MODEL, "prompt": ["a", ""]})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt.1"
+
+
+def test_metrics_carry_the_model_name_inter_token_latency_and_queue_time(server):
+    server.chat([{"role": "user", "content": "Count to three."}], max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    count = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.endswith(tuple("0123456789.")) and "_count{" in line
+    }
+    assert count["radixkv_inter_token_latency_seconds_count"] >= 2
+    assert count["radixkv_request_queue_time_seconds_count"] >= 1
+    assert f'radixkv_request_queue_time_seconds_count{{model_name="{MODEL}"}}' in text

@@ -431,7 +431,7 @@ def create_app(
     config = config or ServerConfig()
     eng = loop.engine
     if registry is None:
-        registry = _registry(eng)
+        registry = _registry(eng, {"model_name": config.model_name})
     created = int(time.time())
     renders_tools = tool_calls.template_renders_tools(tokenizer)
 
@@ -1077,7 +1077,9 @@ def _param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
-def _registry(engine: radixkv.Engine) -> Any:
+def _registry(engine: radixkv.Engine, labels: dict[str, str] | None = None) -> Any:
+    """A registry of ``engine``'s metrics with constant ``labels`` (vLLM's ``model_name``), or
+    None without prometheus_client."""
     try:
         from prometheus_client import CollectorRegistry
 
@@ -1085,5 +1087,5 @@ def _registry(engine: radixkv.Engine) -> Any:
     except ImportError:
         return None
     registry = CollectorRegistry()
-    registry.register(CacheCollector(engine.cache, engine=engine))
+    registry.register(CacheCollector(engine.cache, engine=engine, labels=labels))
     return registry
