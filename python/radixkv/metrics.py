@@ -54,8 +54,11 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   unfinished requests' included), and the histograms of finished requests
   ``radixkv_e2e_request_latency_seconds`` (submission to the end) and
   ``radixkv_request_time_per_output_token_seconds`` (time from the first token to the last over
-  the tokens after the first; requests of two tokens or more). The README maps every vLLM
-  metric to its radixkv name.
+  the tokens after the first; requests of two tokens or more),
+  ``radixkv_inter_token_latency_seconds`` (each gap between two tokens of a finished request)
+  and ``radixkv_request_queue_time_seconds`` (submission to first admission). The README maps
+  every vLLM metric to its radixkv name. vLLM's ``model_name`` label is a constant label
+  (``labels={"model_name": ...}``; ``radixkv serve`` sets it to its served model name).
 
 The hit rate over a window is ``rate(hit_tokens) / rate(query_tokens)``, the host tier's share
 of it ``rate(host_hit_tokens) / rate(query_tokens)``; ``docs/grafana`` has a dashboard and alert
@@ -92,8 +95,10 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 PROMPT_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144)
 #: Histogram bounds of end-to-end request latency, seconds.
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-#: Histogram bounds of time per output token, seconds.
+#: Histogram bounds of time per output token, seconds (and of inter-token latency).
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Histogram bounds of queue time, seconds.
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 #: ``Sequence.status`` values (``radixkv.engine.sequence.Status``, compared by value so that this
@@ -197,6 +202,8 @@ class CacheCollector(Collector):
         self._prompt_hist = _Histogram(PROMPT_BUCKETS)
         self._e2e = _Histogram(E2E_BUCKETS)
         self._tpot = _Histogram(TPOT_BUCKETS)
+        self._itl = _Histogram(TPOT_BUCKETS)
+        self._queue = _Histogram(QUEUE_BUCKETS)
         self._requests = self._prompt = self._cached = self._computed = 0
         #: Output tokens of the requests folded into the totals (finished ones).
         self._generated = 0
@@ -521,6 +528,10 @@ class CacheCollector(Collector):
             self._generated += len(r.output)
             self._prompt_hist.observe(r.prompt_tokens)
             self._e2e.observe(r.latency_s)
+            if r.queue_s is not None:
+                self._queue.observe(r.queue_s)
+            for gap in seq.token_gaps:
+                self._itl.observe(gap)
             if r.ttft_s is not None:
                 self._ttft.observe(r.ttft_s)
                 if len(r.output) > 1:
@@ -574,6 +585,17 @@ class CacheCollector(Collector):
                 "Per finished request "
                 "of two tokens or more: time from its first token to its last over the tokens "
                 "after the first, as vLLM's.",
+            ),
+            (
+                "radixkv_inter_token_latency_seconds",
+                self._itl,
+                "Time between each sampled token and the one before, per token of finished "
+                "requests, as vLLM's.",
+            ),
+            (
+                "radixkv_request_queue_time_seconds",
+                self._queue,
+                "Time from submission to first admission of each finished request, as vLLM's.",
             ),
         )
         histograms = []

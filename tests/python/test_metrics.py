@@ -566,3 +566,33 @@ def test_window_group_samples_match_the_cache(kind):
         else:
             assert s.window_cut_hits > 0, s
         cache.abort(live)
+
+
+def test_inter_token_latency_queue_time_and_a_model_name_label_as_vllm():
+    """vLLM's ``inter_token_latency_seconds`` (one sample per gap between two tokens) and
+    ``request_queue_time_seconds`` (submission to first admission), with its ``model_name``
+    label on every sample."""
+    pytest.importorskip("torch")
+    from tiny_model import tiny_model
+
+    model = tiny_model(seed=3)
+    cache = radixkv.RadixCache(512)
+    engine = radixkv.Engine(model, model.make_kv_cache(cache), token_budget=64, max_batch=2)
+    reg = CollectorRegistry()
+    reg.register(CacheCollector(cache, engine=engine, labels={"model_name": "tiny"}))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 500, n).astype(np.uint32) for n in (40, 30, 20)]
+    results = engine.generate(prompts, max_new_tokens=5)  # max_batch 2: the third one waits
+    samples = [
+        s for f in text_string_to_metric_families(generate_latest(reg).decode()) for s in f.samples
+    ]
+    assert all(s.labels.get("model_name") == "tiny" for s in samples)
+    m = {s.name: s.value for s in samples if "le" not in s.labels}
+    assert m["radixkv_inter_token_latency_seconds_count"] == sum(len(r.output) - 1 for r in results)
+    gaps = sum(r.latency_s - r.ttft_s for r in results)
+    assert 0 < m["radixkv_inter_token_latency_seconds_sum"] <= gaps
+    assert m["radixkv_request_queue_time_seconds_count"] == 3
+    queued = [r.queue_s for r in results]
+    assert all(0 <= q <= r.ttft_s for q, r in zip(queued, results))
+    assert m["radixkv_request_queue_time_seconds_sum"] == pytest.approx(sum(queued))
+    assert queued[2] > queued[0]  # admitted once a slot freed

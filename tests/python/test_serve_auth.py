@@ -64,3 +64,19 @@ def test_tokenize_detokenize_version(url):
     bad = httpx.post(url + "/detokenize", json={"tokens": [-1]}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.get(url + "/version", headers=auth).json() == {"version": radixkv.__version__}
+
+
+def test_flush_cache_needs_the_key_and_empties_the_cache(url):
+    ask = [{"role": "user", "content": "Name a colour."}]
+    c = client(url, KEY)
+    c.chat.completions.create(model="smollm2", messages=ask, max_tokens=1, temperature=0)
+    again = c.chat.completions.create(model="smollm2", messages=ask, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert httpx.post(url + "/flush_cache").status_code == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    flushed = httpx.post(url + "/flush_cache", headers=auth)
+    assert flushed.status_code == 200 and flushed.json()["flushed_pages"] > 0
+    after = c.chat.completions.create(model="smollm2", messages=ask, max_tokens=1, temperature=0)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+    # vLLM's name for it drops the pages of the last request
+    assert httpx.post(url + "/reset_prefix_cache", headers=auth).json()["flushed_pages"] > 0

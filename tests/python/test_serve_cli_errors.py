@@ -86,3 +86,9 @@ def test_threads_reach_torch_and_the_startup_line():
     (line,) = [x for x in err.splitlines() if x.startswith("radixkv serve: SmolLM2")]
     assert "1 CPU threads" in line, err
     assert_user_error(radixkv("serve", "--threads", "-1"), "--threads", "-1")
+
+
+def test_a_chat_template_that_is_no_file_nor_jinja(tmp_path):
+    missing = str(tmp_path / "nope.jinja")
+    serve_error("--chat-template", missing, needles=(f"--chat-template {missing!r}", "file"))
+    serve_error("--chat-template", "{% for m in messages %}", needles=("--chat-template", "Jinja"))

@@ -217,3 +217,36 @@ def test_a_request_past_max_model_len_is_a_400_naming_both_lengths(server):
     with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL, prompt="color " * 80, max_tokens=1)
     assert e.value.body["param"] == "prompt"
+
+
+def test_completions_take_a_list_of_prompts_one_choice_each_in_order(server):
+    texts = ["The capital of France is", "One, two, three,"]
+    single = [
+        server.client.completions.create(model=MODEL, prompt=t, max_tokens=3, temperature=0)
+        for t in texts
+    ]
+    both = server.client.completions.create(model=MODEL, prompt=texts, max_tokens=3, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [r.choices[0].text for r in single]
+    assert both.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in single)
+    ids = server.post("/tokenize", {"prompt": texts[1]}).json()["tokens"]
+    mixed = server.client.completions.create(
+        model=MODEL, prompt=[ids, ids], max_tokens=1, temperature=0, n=2
+    )
+    assert [c.index for c in mixed.choices] == [0, 1, 2, 3]  # prompt by prompt, n of each
+    assert len({c.text for c in mixed.choices}) == 1
+    empty = server.post("/v1/completions", {"model": MODEL, "prompt": ["a", ""]})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt.1"
+
+
+def test_metrics_carry_the_model_name_inter_token_latency_and_queue_time(server):
+    server.chat([{"role": "user", "content": "Count to three."}], max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    count = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.endswith(tuple("0123456789.")) and "_count{" in line
+    }
+    assert count["radixkv_inter_token_latency_seconds_count"] >= 2
+    assert count["radixkv_request_queue_time_seconds_count"] >= 1
+    assert f'radixkv_request_queue_time_seconds_count{{model_name="{MODEL}"}}' in text

@@ -3,9 +3,9 @@ changes the output, silently dropped, would hand a client a reply it did not ask
 a 400 naming the field, unless it holds its no-op value (an empty ``logit_bias``, ``echo``
 false, ``best_of`` 1, ...), which clients often send.
 
-Fields that change nothing here are accepted: ``parallel_tool_calls`` (the server returns at
-most one tool call, which ``false`` asks for and ``true`` allows), ``user``, ``store``,
-``metadata``, ``service_tier``.
+``parallel_tool_calls`` is implemented (``false``: a ``tool_choice="auto"`` reply's first call
+alone; ``"required"`` and a named tool return one call either way). Fields that change nothing
+here are accepted: ``user``, ``store``, ``metadata``, ``service_tier``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ moved onto the event loop with ``call_soon_threadsafe``).
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's request and
 response shapes; ``usage.prompt_tokens_details.cached_tokens`` is the prefix cache's hit, as
-vLLM reports it), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+vLLM reports it), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus),
+``POST /flush_cache`` (SGLang's; vLLM's ``/reset_prefix_cache``).
 A request's cache namespace is its tenant (the configured tenant header) and its
 ``cache_salt`` (vLLM's field) together: a salt subdivides a tenant's namespace and never leaves
 it, so tenants never share KV (:func:`namespace_of`). A request without a ``seed`` samples with
@@ -22,6 +23,9 @@ a fresh one; ``keep_alive`` is bounded by the server (``--max-keep-alive``, per 
 ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with ``tool_choice``
 ``"required"`` or a named function constrain the reply to a grammar, a tool call returned as
 OpenAI's ``tool_calls`` (:mod:`radixkv.apps.structured`; streamed whole at its end).
+``tool_choice`` ``"auto"`` (the default when ``tools`` are sent) renders the tools through the
+chat template and parses the model's calls out of its text (``--tool-call-parser``:
+:mod:`radixkv.apps.tool_calls`); text that may be a call is held back while streaming.
 A full queue answers 429, a request that can never fit the pool or is malformed 400 with
 OpenAI's error object naming the field; a client that disconnects cancels its request.
 """
@@ -53,7 +57,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps import content_parts, request_fields, structured
+from radixkv.apps import content_parts, request_fields, structured, tool_calls
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -250,6 +254,13 @@ TEMPLATE_ARGUMENTS = frozenset(
     }
 )
 
+#: The warning of a ``tool_choice="auto"`` request on a chat template that ignores ``tools``
+#: (served, as vLLM serves it: the model answers without seeing the tools).
+TOOLS_NOT_RENDERED = (
+    "tools: this model's chat template does not render tools, so the model was not shown them; "
+    "tool calls are still parsed out of its text"
+)
+
 #: The most ``top_logprobs`` (chat) or ``logprobs`` (completions) a request may ask for.
 MAX_TOP_LOGPROBS = 20
 
@@ -302,7 +313,8 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
+    #: One prompt (text or token ids) or a list of them: one choice per prompt, in order.
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
@@ -353,6 +365,9 @@ class ServerConfig:
     open_paths: tuple[str, ...] = ("/health", "/metrics")
     tenant_header: str | None = None
     default_max_tokens: int = 256
+    #: ``--tool-call-parser``: the format of the calls ``tool_choice="auto"`` parses out of the
+    #: model's text (:data:`radixkv.apps.tool_calls.PARSERS`); None: ``"auto"`` is a 400.
+    tool_call_parser: str | None = "hermes"
     max_keep_alive: float = MAX_KEEP_ALIVE
     tenant_max_keep_alive: dict[str, float] = field(default_factory=dict)
 
@@ -416,8 +431,9 @@ def create_app(
     config = config or ServerConfig()
     eng = loop.engine
     if registry is None:
-        registry = _registry(eng)
+        registry = _registry(eng, {"model_name": config.model_name})
     created = int(time.time())
+    renders_tools = tool_calls.template_renders_tools(tokenizer)
 
     from contextlib import asynccontextmanager
 
@@ -447,6 +463,7 @@ def create_app(
             )
 
     app = FastAPI(title="radixkv", lifespan=lifespan, dependencies=[Depends(authorize)])
+    app.state.renders_tools = renders_tools
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -479,12 +496,13 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any]):
-        """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (through the
-        chat template) to ``{"tokens", "count", "max_model_len"}``."""
+        """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...], "tools": [...]}``
+        (through the chat template) to ``{"tokens", "count", "max_model_len"}``."""
         try:
             if "messages" in body:
                 text = tokenizer.apply_chat_template(
                     content_parts.flatten(body["messages"]),
+                    tools=body.get("tools"),
                     tokenize=False,
                     add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 )
@@ -499,6 +517,16 @@ def create_app(
         except Exception as e:  # a template that refuses the messages
             return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
+
+    async def flush_cache():
+        """SGLang's ``/flush_cache`` (vLLM's ``/reset_prefix_cache``): drops every page no
+        running request holds (retained ones too) from the pool, the host and the disk tier,
+        on the engine thread between steps; answers how many."""
+        flushed = await loop.call(lambda: int(eng.cache.reset()))
+        return {"flushed_pages": flushed}
+
+    app.post("/flush_cache")(flush_cache)
+    app.post("/reset_prefix_cache")(flush_cache)
 
     @app.post("/detokenize")
     async def detokenize(body: dict[str, Any]):
@@ -533,7 +561,23 @@ def create_app(
         bad = _text_error(body) or _refusal(body, chat=True)
         if bad is not None:
             return bad
+        # OpenAI's default tool_choice is "auto" when tools are sent: calls parsed out of text
+        auto = bool(body.tools) and body.tool_choice in (None, "auto")
+        parser, warnings = None, []
+        if auto:
+            if config.tool_call_parser is None:
+                return _error(
+                    400,
+                    'tool_choice: "auto" needs the server started with --tool-call-parser '
+                    '(hermes or llama3_json); send tool_choice "required" or a named function',
+                    "tool_choice",
+                )
+            parser = tool_calls.Auto(config.tool_call_parser, body.parallel_tool_calls is not False)
+            if not renders_tools:
+                warnings.append(TOOLS_NOT_RENDERED)
         try:  # a tool call the request demands, else its response format, else free text
+            if auto:
+                structured.check_tools(body.tools)
             grammar = structured.tool_grammar(body.tools, body.tool_choice)
             tool_call = grammar is not None
             if grammar is None:
@@ -576,13 +620,15 @@ def create_app(
         return await _complete(
             request,
             body,
-            prompt,
+            [prompt],
             limit,
             chat=True,
             logprobs=body.logprobs,
             grammar=grammar,
             tool_call=tool_call,
             top_logprobs=body.top_logprobs or 0,
+            parser=parser,
+            warnings=warnings,
         )
 
     @app.post("/v1/completions")
@@ -590,12 +636,20 @@ def create_app(
         bad = _text_error(body) or _refusal(body, chat=False)
         if bad is not None:
             return bad
-        if isinstance(body.prompt, str):
-            prompt = tokenizer.encode(body.prompt, add_special_tokens=True)
-        else:
-            prompt = list(body.prompt)
-        if len(prompt) == 0:
-            return _error(400, "prompt: must hold at least one token", "prompt")
+        # OpenAI's prompt: a string, token ids, or a list of either (one choice per prompt)
+        given = body.prompt
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            given = [given]
+        if not given:
+            return _error(400, "prompt: must hold at least one prompt", "prompt")
+        prompts = [
+            tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            for p in given
+        ]
+        for k, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                where = "prompt" if len(prompts) == 1 else f"prompt.{k}"
+                return _error(400, f"{where}: must hold at least one token", where)
         try:
             grammar = structured.response_grammar(body.response_format)
         except structured.BadRequest as e:
@@ -603,7 +657,7 @@ def create_app(
         return await _complete(
             request,
             body,
-            prompt,
+            prompts,
             None,
             chat=False,
             logprobs=body.logprobs is not None,
@@ -636,19 +690,22 @@ def create_app(
     async def _complete(
         request,
         body,
-        prompt,
+        prompts,
         limit,
         chat: bool,
         logprobs: bool,
         grammar=None,
         tool_call=False,
         top_logprobs: int = 0,
+        parser: tool_calls.Auto | None = None,
+        warnings: list[str] | None = None,
     ):
         max_tokens = limit if limit is not None else body.max_tokens
         asked = max_tokens
         if max_tokens is None:
             max_tokens = config.default_max_tokens
         context = config.max_model_len
+        prompt = max(prompts, key=len)  # the longest bounds the completion
         if context is not None:
             if asked is None:  # the default never asks past the context: cut to what is left
                 max_tokens = max(min(max_tokens, context - len(prompt)), 0)
@@ -701,13 +758,23 @@ def create_app(
         n = body.n
 
         def submit(on_token: Callable) -> list[int]:
-            if n == 1:
-                return [eng.submit(prompt, **params, on_token=on_token)]
-            return eng.branch(prompt, [[]] * n, **params, on_token=on_token)
+            ids: list[int] = []
+            try:
+                for p in prompts:  # choices in order: prompt by prompt, n of each
+                    if n == 1:
+                        ids.append(eng.submit(p, **params, on_token=on_token))
+                    else:
+                        ids += eng.branch(p, [[]] * n, **params, on_token=on_token)
+            except BaseException:  # a later prompt refused: the earlier ones are not served
+                for i in ids:
+                    eng.cancel(i)
+                eng.forget_finished()
+                raise
+            return ids
 
         cached = None
         if n > 1:  # the branches find the context cached by its own prefill: ask beforehand
-            cached = loop.call(lambda: _cached_now(eng, prompt, namespace))
+            cached = loop.call(lambda: sum(_cached_now(eng, p, namespace) for p in prompts))
         try:
             await loop.call(lambda: loop.submit(pending, submit))
         except QueueFull as e:
@@ -731,11 +798,13 @@ def create_app(
                 rid,
                 chat,
                 include_usage,
-                prompt,
+                prompts,
                 cached_tokens,
                 tool_call,
                 logprobs,
                 top_logprobs,
+                parser,
+                warnings,
             )
             return StreamingResponse(gen, media_type="text/event-stream")
         waiter = asyncio.ensure_future(pending.done.wait())
@@ -761,6 +830,15 @@ def create_app(
                 if calls is not None and r.finish_reason == "stop":
                     choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                     choice["finish_reason"] = "tool_calls"
+                if parser is not None:
+                    content, calls = parser.parse(text)
+                    if calls:
+                        choice["message"] = {
+                            "role": "assistant",
+                            "content": content,
+                            "tool_calls": calls,
+                        }
+                        choice["finish_reason"] = "tool_calls"
                 if logprobs:
                     choice["logprobs"] = {"content": _logprob_entries(tokenizer, _scored(r))}
             else:
@@ -771,8 +849,8 @@ def create_app(
                     else None
                 )
             choices.append(choice)
-        usage = _usage(prompt, results, cached_tokens)
-        return {
+        usage = _usage(prompts, results, cached_tokens)
+        reply = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
@@ -780,6 +858,9 @@ def create_app(
             "choices": choices,
             "usage": usage,
         }
+        if warnings:
+            reply["warnings"] = warnings
+        return reply
 
     async def _stream(
         request,
@@ -788,11 +869,13 @@ def create_app(
         rid,
         chat,
         include_usage,
-        prompt,
+        prompts,
         cached_tokens,
         tool_call=False,
         logprobs=False,
         top_logprobs=0,
+        parser=None,
+        warnings=None,
     ):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -807,7 +890,13 @@ def create_app(
             }
             if include_usage:
                 body["usage"] = usage
+            if warnings and first:
+                body["warnings"] = warnings
+                first.clear()
             return f"data: {json.dumps(body)}\n\n"
+
+        first = [True]  # the first chunk carries the warnings
+        splitters = {k: parser.splitter() for k in range(len(index))} if parser else {}
 
         finished: set[int] = set()
         held: dict[int, str] = {}  # a tool call's text, sent whole as one delta at its end
@@ -869,6 +958,20 @@ def create_app(
                         yield chunk([with_logprobs(k, choice)])
                         continue
                     ev = dataclasses.replace(ev, text=held[k])  # cut short: sent as text
+                elif parser is not None:
+                    text = splitters[k].feed(ev.text)
+                    if reason is not None:
+                        content, calls = splitters[k].finish()
+                        text += content or ""
+                        if calls:
+                            if text:
+                                delta = {"content": text}
+                                yield chunk([{"index": k, "delta": delta, "finish_reason": None}])
+                            delta = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
+                            choice = {"index": k, "delta": delta, "finish_reason": "tool_calls"}
+                            yield chunk([with_logprobs(k, choice)])
+                            continue
+                    ev = dataclasses.replace(ev, text=text)
                 if not ev.text and reason is None:
                     continue
                 if chat:
@@ -881,7 +984,7 @@ def create_app(
             if include_usage:
                 results = [pending.results[i] for i in pending.ids]
                 ok = [r for r in results if not isinstance(r, BaseException)]
-                yield chunk([], _usage(prompt, ok, cached_tokens))
+                yield chunk([], _usage(prompts, ok, cached_tokens))
             yield "data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             if not pending.done.is_set():
@@ -898,14 +1001,17 @@ def _cached_now(eng: radixkv.Engine, prompt: list[int], namespace: Any) -> int:
     return int(eng.cache.match_prefix(prompt, namespace))
 
 
-def _usage(prompt: list[int], results: list[Any], cached: int | None) -> dict[str, Any]:
+def _usage(prompts: list[list[int]], results: list[Any], cached: int | None) -> dict[str, Any]:
+    """OpenAI's ``usage`` of ``prompts`` (each counted once, whatever ``n``) and their
+    ``results``; ``cached``: the prompts' cached tokens (None: the results', one per prompt)."""
     completion = sum(len(r.output) for r in results)
     if cached is None:
-        cached = results[0].cached_tokens if results else 0
+        cached = sum(r.cached_tokens for r in results)
+    prompt = sum(len(p) for p in prompts)
     return {
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": len(prompt) + completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": int(cached)},
     }
 
@@ -971,7 +1077,9 @@ def _param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
-def _registry(engine: radixkv.Engine) -> Any:
+def _registry(engine: radixkv.Engine, labels: dict[str, str] | None = None) -> Any:
+    """A registry of ``engine``'s metrics with constant ``labels`` (vLLM's ``model_name``), or
+    None without prometheus_client."""
     try:
         from prometheus_client import CollectorRegistry
 
@@ -979,5 +1087,5 @@ def _registry(engine: radixkv.Engine) -> Any:
     except ImportError:
         return None
     registry = CollectorRegistry()
-    registry.register(CacheCollector(engine.cache, engine=engine))
+    registry.register(CacheCollector(engine.cache, engine=engine, labels=labels))
     return registry

@@ -214,6 +214,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "max_position_embeddings)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_JINJA",
+        help="the chat template to render messages with, in place of the model's: a file, or "
+        "the Jinja template itself (text holding '{', '}' or a newline), as vLLM takes it "
+        "(default: the tokenizer's own)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "none"),
+        default="hermes",
+        help="how tool_choice 'auto' (the default when a request sends tools) finds the model's "
+        "tool calls in its text, as vLLM's parsers of these names: hermes (Hermes/Qwen "
+        "<tool_call>{json}</tool_call>), llama3_json (Llama 3's bare JSON), none ('auto' is a "
+        "400) (default: hermes)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: auto tool choice is on whenever "
+        "--tool-call-parser is not none",
+    )
+    p.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -257,6 +280,38 @@ def default_threads(environ: dict[str, str] | None = None) -> int:
     return max(cpus - 1, 1)
 
 
+#: Characters that make ``--chat-template`` a template rather than a path (vLLM's test).
+JINJA_CHARS = "{}\n"
+
+
+def chat_template_of(value: str | None) -> str | None:
+    """``--chat-template``: the template itself when ``value`` holds Jinja's characters, else
+    the text of the file it names; a :class:`UsageError` for a file that cannot be read or a
+    template that does not parse."""
+    if value is None:
+        return None
+    if any(c in value for c in JINJA_CHARS):
+        text, where = value, "--chat-template (inline)"
+    else:
+        try:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(
+                f"--chat-template {value!r} is neither a readable file ({e.strerror or e}) nor "
+                "a Jinja template (no '{', '}' or newline in it)"
+            ) from None
+        where = f"--chat-template {value}"
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(
+            f"{where}: not a valid Jinja template: {e.message} (line {e.lineno})"
+        ) from None
+    return text
+
+
 def check_before_loading(args: argparse.Namespace) -> None:
     """What can be wrong with ``args`` without the model, said as a :class:`UsageError` before
     seconds go into loading it: a ``--model`` path that does not exist, a ``--device`` that is
@@ -266,6 +321,7 @@ def check_before_loading(args: argparse.Namespace) -> None:
             f"--model {args.model!r} does not exist: pass 'smollm2', a transformers checkpoint "
             "directory or a .gguf file"
         )
+    args.chat_template_text = chat_template_of(getattr(args, "chat_template", None))
     if args.device is not None:
         import torch
 
@@ -382,6 +438,11 @@ def build(args: argparse.Namespace):
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec = radixkv.hf.check_model(model)
+    template = getattr(args, "chat_template_text", None)
+    if template is None:
+        template = chat_template_of(getattr(args, "chat_template", None))
+    if template is not None:  # every render (chat, /tokenize, the tools check) takes it
+        tokenizer.chat_template = template
     max_model_len = model_context_length(model, getattr(args, "max_model_len", None))
     page = page_size_of(args)
     window_pages = getattr(args, "window_pages", 0)
@@ -452,6 +513,7 @@ def build(args: argparse.Namespace):
         api_key=getattr(args, "api_key", None) or os.environ.get("RADIXKV_API_KEY") or None,
         open_paths=tuple(getattr(args, "open_paths", ("/health", "/metrics"))),
         tenant_header=args.tenant_header,
+        tool_call_parser=_parser_of(getattr(args, "tool_call_parser", "hermes")),
         max_keep_alive=default,
         tenant_max_keep_alive=per_tenant,
     )
@@ -477,6 +539,10 @@ def model_context_length(model, asked: int | None) -> int | None:
             "max_position_embeddings)"
         )
     return asked
+
+
+def _parser_of(name: str | None) -> str | None:
+    return None if name in (None, "none") else name
 
 
 def _torch_threads() -> int:
@@ -515,6 +581,14 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(threads)
     loop, app, config = build(args)
+    if config.tool_call_parser is not None and not app.state.renders_tools:
+        print(
+            "radixkv serve: the chat template does not render tools: a request with tools "
+            "gets them parsed out of the reply but the model is not shown them (its reply "
+            "carries a warning)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"radixkv serve: {config.model_name} on http://{args.host}:{args.port}/v1 "
         f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages, "

@@ -8,7 +8,8 @@ engine :class:`~radixkv.engine.grammar.Grammar`, and a generated tool call as Op
   "function": {"name": ...}}`` (that one): the reply is constrained to the JSON object
   ``{"name": NAME, "arguments": ARGS}``, ``ARGS`` valid under that tool's ``parameters``
   schema, and returned as one entry of ``message.tool_calls`` (``finish_reason="tool_calls"``).
-  ``tool_choice`` left out or ``"auto"``/``"none"``: the reply is free text, as before.
+  ``tool_choice`` ``"none"``: the reply is free text; ``"auto"`` (or left out with tools): free
+  text whose tool calls :mod:`radixkv.apps.tool_calls` parses out.
 
 The name comes first, so the model writes the arguments knowing the tool, and jump-forward
 appends the name (a constant for a named tool) and every key at once. An assistant message that
@@ -85,6 +86,11 @@ def tool_grammar(tools: list[dict] | None, tool_choice: Any) -> Grammar | None:
     calls = [_call_schema(n, schemas[n]) for n in names]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return _schema(schema, "tools")
+
+
+def check_tools(tools: list[dict] | None) -> None:
+    """``BadRequest`` naming the first of ``tools`` that is not a function tool."""
+    _tool_parameters(tools)
 
 
 def _tool_parameters(tools: list[dict] | None) -> dict[str, dict]:

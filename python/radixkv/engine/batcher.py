@@ -251,6 +251,8 @@ class Batcher:
 
     def _start(self, seq: Sequence, req: radixkv.Request) -> None:
         seq.req, seq.status = req, Status.RUNNING
+        if seq.admitted_at is None:
+            seq.admitted_at = time.perf_counter()
         seq.num_tokens, seq.num_computed = req.num_tokens, req.num_computed
         if seq.admissions == 0:  # prompt tokens only (a grammar's forced tokens may follow)
             seq.cached_tokens = min(seq.num_computed, len(seq.prompt))

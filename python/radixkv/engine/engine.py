@@ -70,6 +70,7 @@ import torch
 
 import radixkv
 from radixkv.engine.batcher import PRIORITY_MAX, Batcher
+from radixkv.engine.chat import render as render_chat
 from radixkv.engine.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_POLICY
 from radixkv.engine.detok import CONTEXT_TOKENS, Detokenizer
 from radixkv.engine.grammar import Compiler, Grammar, apply_masks, compiler_for, fill_masks
@@ -759,6 +760,39 @@ class Engine:
             ids.append(self._register(arr, ps, full["on_token"]).id)
             self._record(("submit", arr, ps))
         return self.run(ids, release=release)
+
+    def chat(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        **params,
+    ) -> str:
+        """The reply to OpenAI-style ``messages`` (``[{"role": "user", "content": ...}]``), as
+        text: the prompt is rendered by the tokenizer's chat template (:mod:`radixkv.engine.chat`:
+        ``tools``, ``chat_template`` and ``chat_template_kwargs`` go to it, as ``radixkv serve``
+        renders a request), run to the end with ``params`` (:meth:`submit`'s: ``max_new_tokens``,
+        ``temperature``, ``namespace``, ...) and released. Needs ``Engine(tokenizer=...)``
+        (``radixkv.hf.engine(..., tokenizer=tok)``); a request that failed raises its error. The
+        prompt's prefix is cached like any other, so a conversation sent again turn after turn
+        is served from the cache; :meth:`Session.send` with messages keeps the conversation."""
+        prompt = render_chat(
+            self.tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        (result,) = self.generate([prompt], release=True, **params)
+        if result.error is not None:
+            raise result.error
+        return result.text
 
     def stream(
         self, prompt: Seq[int] | np.ndarray | torch.Tensor, **params

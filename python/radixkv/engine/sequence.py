@@ -130,6 +130,9 @@ class Result:
     #: With ``top_logprobs=k``: for each output token, the ``k`` most likely tokens at its
     #: position as ``(token, logprob)``, most likely first (empty for a forced token), else None.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: Seconds from submission to its first admission (its time in the queue, as vLLM's
+    #: ``request_queue_time``); None when it was never admitted.
+    queue_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,12 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+    #: When it was first admitted (its queue time ends), and when its last token was sampled.
+    admitted_at: float | None = None
+    last_token_at: float | None = None
+    #: Seconds between each sampled token and the one before (inter-token latency, read by
+    #: the metrics when it finishes).
+    token_gaps: list[float] = field(default_factory=list, repr=False)
     #: This sequence's own random generator (temperature sampling), made on first use.
     generator: torch.Generator | None = field(default=None, repr=False)
     _target: np.ndarray | None = field(default=None, repr=False)
@@ -259,6 +268,9 @@ class Sequence:
         self.output.append(token)
         if self.first_token_at is None:
             self.first_token_at = now
+        if self.last_token_at is not None:
+            self.token_gaps.append(now - self.last_token_at)
+        self.last_token_at = now
         if token in self.stop:
             self.finish_reason = "stop"
         elif len(self.output) >= self.max_new_tokens:
@@ -285,4 +297,5 @@ class Sequence:
             forced_tokens=self.forced_tokens,
             retention=self.retention,
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+            queue_s=None if self.admitted_at is None else self.admitted_at - self.arrival,
         )

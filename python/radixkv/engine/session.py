@@ -18,6 +18,8 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from radixkv.engine.chat import is_messages
+from radixkv.engine.chat import render as render_chat
 from radixkv.engine.defaults import DEFAULT_MAX_NEW_TOKENS
 from radixkv.engine.engine import Engine
 from radixkv.engine.grammar import Grammar
@@ -64,6 +66,9 @@ class Session:
         self.retention: int | None = None
         self.history = to_token_array(system, "system", engine.vocab_size, allow_empty=True)
         self.results: list[Result] = []
+        #: The conversation of a chat session (one sent messages): every message and reply, as
+        #: OpenAI-style dicts; None for a session of token ids.
+        self.messages: list[dict] | None = None
 
     def append(self, tokens: Seq[int] | np.ndarray) -> None:
         """Adds ``tokens`` (tool output, a document) to the conversation without a reply."""
@@ -72,7 +77,7 @@ class Session:
 
     def send(
         self,
-        message: Seq[int] | np.ndarray,
+        message: Seq[int] | np.ndarray | list[dict],
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         stop: Iterable[int] | None = None,
@@ -89,15 +94,32 @@ class Session:
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
-    ) -> Result:
+    ) -> Result | str:
         """One turn: prompt = history + ``message``; runs it (and whatever else the engine has)
         until it finishes; history becomes prompt + reply (every token sampled, the one that
         completed a stop string included). Bad arguments raise ``ValueError`` before anything
         is queued; a turn whose step failed (or whose ``on_token`` raised) re-raises the
         request's error (``Result.error``). Either way the history is unchanged. The keyword
-        arguments are :meth:`Engine.submit`'s."""
-        extra = to_token_array(message, "message", self.engine.vocab_size, allow_empty=True)
-        prompt = np.concatenate([self.history, extra])
+        arguments are :meth:`Engine.submit`'s.
+
+        ``message`` as OpenAI-style messages (``[{"role": "user", "content": "..."}]``, a list
+        of dicts): a chat session. The conversation (:attr:`messages`) grows by them and the
+        prompt is all of it rendered by the tokenizer's chat template
+        (:func:`radixkv.engine.chat.render`; needs ``radixkv.hf.engine(..., tokenizer=tok)``);
+        the reply is returned as text and appended as the assistant's message (its
+        :class:`Result` is ``results[-1]``). The earlier turns are found in the prefix cache as
+        with token ids. A session holds token ids or messages, not both (``ValueError``)."""
+        conversation = None
+        if is_messages(message):
+            if self.messages is None and len(self.history):
+                raise ValueError("this session holds token ids: send token ids, not messages")
+            conversation = [*(self.messages or []), *message]
+            prompt = np.asarray(render_chat(self.engine.tokenizer, conversation), dtype=np.uint32)
+        else:
+            if self.messages is not None:
+                raise ValueError("this session is a chat: send messages, not token ids")
+            extra = to_token_array(message, "message", self.engine.vocab_size, allow_empty=True)
+            prompt = np.concatenate([self.history, extra])
         seq_id = self.engine.submit(
             prompt,
             max_new_tokens,
@@ -127,6 +149,9 @@ class Session:
         if result.retention is not None:  # this turn's retention covers the last one's pages
             self.close()
             self.retention = result.retention
+        if conversation is not None:
+            self.messages = [*conversation, {"role": "assistant", "content": result.text}]
+            return result.text
         return result
 
     def close(self) -> None:
@@ -193,6 +218,7 @@ class Session:
             cache_priority=self.cache_priority,
         )
         other.history = self.history.copy()
+        other.messages = None if self.messages is None else list(self.messages)
         return other
 
     def __len__(self) -> int:

@@ -1,0 +1,139 @@
+"""``tool_choice="auto"`` through the real ``radixkv serve`` on the real model, driven by the
+``openai`` client: the tools reach the prompt through the chat template, and whatever the model
+writes comes back as ``tool_calls`` or as text, never a 400. The model is SmolLM2 with a
+Hermes-style tools template beside its weights (its own template ignores tools: the server says
+so at start-up and in each reply, tested on the default server too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+pytest.importorskip("torch", reason="radixkv serve needs torch")
+openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+httpx = pytest.importorskip("httpx")
+
+import serve_process  # noqa: E402
+from radixkv.hf._load import SMOLLM2_INSTALL, _converted, smollm2_path  # noqa: E402
+from test_serve import free_port  # noqa: E402
+
+if smollm2_path() is None:
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TEMPLATES = Path(__file__).parent / "templates"
+ASK = [{"role": "user", "content": "What is the weather in Paris? Call the tool."}]
+
+
+def tools_checkpoint(tmp) -> str:
+    """The real converted SmolLM2 checkpoint, its files linked, with a chat template that
+    renders tools in the Hermes/Qwen format."""
+    source = _converted(smollm2_path())
+    for f in source.iterdir():
+        if f.name != "chat_template.jinja":
+            (tmp / f.name).symlink_to(f)
+    (tmp / "chat_template.jinja").write_text((TEMPLATES / "hermes_tools.jinja").read_text())
+    return str(tmp)
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    port = free_port()
+    model = tools_checkpoint(tmp_path_factory.mktemp("tools-model"))
+    args = ["--model", model, "--num-pages", "1024", "--tool-call-parser", "hermes"]
+    proc = serve_process.start(port, *args, "--served-model-name", "m")
+    yield f"http://127.0.0.1:{port}"
+    serve_process.stop(proc)
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def check_choice(choice):
+    """A tool call (whole, valid JSON arguments) or text, as OpenAI answers ``"auto"``."""
+    if choice.finish_reason == "tool_calls":
+        call = choice.message.tool_calls[0]
+        assert call.function.name and isinstance(json.loads(call.function.arguments), dict)
+    else:
+        assert choice.finish_reason in ("stop", "length") and not choice.message.tool_calls
+        assert isinstance(choice.message.content, str)
+
+
+def test_the_prompt_holds_the_tools(url):
+    with_tools = httpx.post(url + "/tokenize", json={"messages": ASK, "tools": TOOLS}).json()
+    bare = httpx.post(url + "/tokenize", json={"messages": ASK}).json()
+    text = httpx.post(url + "/detokenize", json={"tokens": with_tools["tokens"]}).json()["prompt"]
+    assert '"name": "get_weather"' in text and "<tool_call>" in text
+    r = client(url).chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, max_tokens=2, temperature=0
+    )
+    assert r.usage.prompt_tokens == with_tools["count"] > bare["count"]
+    assert "warnings" not in (r.model_extra or {})  # the template renders the tools
+
+
+@pytest.mark.parametrize("choice", ["auto", None])
+def test_auto_returns_tool_calls_or_text(url, choice):
+    kw = {} if choice is None else {"tool_choice": choice}  # OpenAI's default with tools: auto
+    r = client(url).chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, max_tokens=24, temperature=0, **kw
+    )
+    check_choice(r.choices[0])
+
+
+def test_auto_streamed_equals_whole(url):
+    kw = dict(model="m", messages=ASK, tools=TOOLS, max_tokens=24, temperature=0)
+    whole = client(url).chat.completions.create(**kw).choices[0]
+    content, calls, reason = "", [], None
+    for chunk in client(url).chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            reason = c.finish_reason or reason
+    assert reason == whole.finish_reason
+    if calls:
+        assert [c.function.arguments for c in calls] == [
+            c.function.arguments for c in whole.message.tool_calls
+        ]
+    assert content == (whole.message.content or "")
+
+
+def test_malformed_tools_are_a_400_naming_them(url):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(
+            model="m", messages=ASK, tools=[{"type": "function"}], max_tokens=1
+        )
+    assert e.value.body["param"] == "tools.0"
+
+
+def test_the_default_template_ignores_tools_and_the_server_says_so():
+    port = free_port()
+    proc = serve_process.start(port, "--num-pages", "256")
+    try:
+        lines = []
+        while not lines or "on http://" not in lines[-1]:
+            lines.append(proc.stderr.readline())
+        assert any("does not render tools" in line for line in lines)
+        r = client(f"http://127.0.0.1:{port}").chat.completions.create(
+            model="smollm2", messages=ASK, tools=TOOLS, max_tokens=2, temperature=0
+        )
+        check_choice(r.choices[0])
+        assert "does not render tools" in r.model_extra["warnings"][0]
+    finally:
+        serve_process.stop(proc)
