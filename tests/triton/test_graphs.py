@@ -158,3 +158,26 @@ def test_cuda_replays_never_sync():
         torch.cuda.set_sync_debug_mode("default")
     eng.kv.commit(step)
     assert logits.shape[0] == 3
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA synchronizations")
+def test_a_graph_decode_step_waits_for_the_device_once():
+    """A whole engine decode step through a graph: plan, one copy in, replay, sampling, commit,
+    with one synchronizing operation (the tokens and NaN flags coming back)."""
+    import warnings
+
+    eng = engine(True, max_batch=4)
+    rng = np.random.default_rng(5)
+    for n in (5, 9, 2):
+        eng.submit(ids(rng, n), max_new_tokens=20)
+    for _ in range(4):  # prefill, then decode steps that capture the bucket
+        eng.step()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]

@@ -59,8 +59,8 @@ class DecodeBuffers:
         buffers, rows past ``B`` padded, with one host-to-device copy."""
         plan = step._plan
         b, m, w = len(step.requests), self.max_batch, self.max_pages
-        if self._copied is not None:
-            self._copied.synchronize()  # long done: the step's tokens came back since
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # in an engine never: the last step's tokens came back
         h = self._host_np
         longs = plan.longs  # input_ids, positions, write_slots, last_token_index, kv_len
         h[0:b] = longs[0:b]
