@@ -27,17 +27,19 @@ def model():
     return MODEL
 
 
-def engine(graphs, pages=1024, page_size=4, **kw):
-    kv = model().make_kv_cache(radixkv.RadixCache(pages, page_size=page_size), attention="triton")
+def engine(graphs, pages=1024, page_size=4, host_pages=0, **kw):
+    cache = radixkv.RadixCache(pages, page_size=page_size, host_pages=host_pages)
+    kv = model().make_kv_cache(cache, attention="triton")
     return radixkv.Engine(model(), kv, cuda_graphs=graphs, **kw)
 
 
 def drive(eng, rng_seed=0):
-    """Requests join while others decode and leave at different lengths; a branch."""
+    """Requests join while others decode and leave at different lengths; a branch; then the
+    first prompt again, after all that (a hit on whatever of it is still cached)."""
     rng = np.random.default_rng(rng_seed)
     system = ids(rng, 30)
-    first = [eng.submit(np.concatenate([system, ids(rng, n)]), max_new_tokens=m)
-             for n, m in ((3, 9), (11, 4), (1, 14))]  # fmt: skip
+    prompts = [np.concatenate([system, ids(rng, n)]) for n in (3, 11, 1)]
+    first = [eng.submit(p, max_new_tokens=m) for p, m in zip(prompts, (9, 4, 14))]
     for _ in range(4):
         eng.step()
     late = [eng.submit(ids(rng, n), max_new_tokens=m) for n, m in ((7, 6), (2, 11), (20, 3))]
@@ -45,7 +47,9 @@ def drive(eng, rng_seed=0):
     context = np.concatenate([system, ids(rng, 4)])
     kids = eng.branch(context, [ids(rng, 2), ids(rng, 5)], max_new_tokens=5)
     eng.run()
-    return [eng.result(i).output for i in (*first, *late, *kids)]
+    again = eng.submit(prompts[0], max_new_tokens=6)
+    eng.run()
+    return [eng.result(i).output for i in (*first, *late, *kids, again)]
 
 
 def test_buckets():
@@ -74,6 +78,28 @@ def test_tokens_equal_eager_under_eviction_and_preemption():
     eng = engine(True, pages=24, page_size=4, max_batch=6)
     assert drive(eng, rng_seed=1) == want
     assert eng.batcher.preemptions > 0 or eng.cache.stats.evicted_pages > 0
+
+
+def test_tokens_equal_eager_with_host_tier_loads():
+    """A prompt's pages are offloaded to the host tier by two others, then loaded back for its
+    follow-up, between graph steps."""
+
+    def run(eng):
+        rng = np.random.default_rng(7)
+        a = ids(rng, 40)
+        outs = [r.output for r in eng.generate([a], max_new_tokens=4)]
+        outs += [r.output for r in eng.generate([ids(rng, 40), ids(rng, 36)], max_new_tokens=4)]
+        outs += [
+            r.output for r in eng.generate([np.concatenate([a, ids(rng, 3)])], max_new_tokens=6)
+        ]
+        return outs
+
+    want = run(engine(False, pages=24, page_size=4, host_pages=64, max_batch=4))
+    eng = engine(True, pages=24, page_size=4, host_pages=64, max_batch=4)
+    assert run(eng) == want
+    stats = eng.cache.stats
+    assert stats.offloaded_pages > 0 and stats.loaded_pages > 0, stats
+    assert eng.graphs.replays > 0
 
 
 def test_buffers_grow_with_the_longest_request():
