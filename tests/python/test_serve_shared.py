@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+# The server's own modules: a Python without the serve extra (make test-oldest) cannot start it.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
 import serve_process
 from redis_server import free_port
 

@@ -233,8 +233,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help="accepted for vLLM's command lines: auto tool choice is on whenever "
-        "--tool-call-parser is not none",
+        help="accepted for vLLM's command lines (default: off, and ignored): auto tool choice "
+        "is on whenever --tool-call-parser is not none",
     )
     p.add_argument(
         "--served-model-name",
