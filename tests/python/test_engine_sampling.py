@@ -51,6 +51,13 @@ BAD = [
     ("top_logprobs", 21, r"top_logprobs must be an int in \[0, 20\]"),
     ("top_logprobs", -1, r"top_logprobs must be an int in \[0, 20\]"),
     ("top_logprobs", 2, "top_logprobs=2 needs logprobs=True"),
+    ("logit_bias", {VOCAB: 5.0}, rf"logit_bias holds token id {VOCAB}, outside the vocabulary"),
+    ("logit_bias", {-1: 5.0}, "logit_bias holds token id -1, outside the vocabulary"),
+    ("logit_bias", {"7": 5.0}, r"logit_bias keys must be token ids \(ints\), got '7'"),
+    ("logit_bias", {7: 100.5}, r"logit_bias of token 7 must be a number in \[-100, 100\]"),
+    ("logit_bias", {7: math.nan}, r"logit_bias of token 7 must be a number"),
+    ("logit_bias", {7: "1"}, r"logit_bias of token 7 must be a number"),
+    ("logit_bias", [7], "logit_bias must be a mapping of token id to bias"),
     ("stop_strings", "stop", "stop_strings must be an iterable of non-empty str"),
     ("stop_strings", [""], "stop_strings must be an iterable of non-empty str"),
     ("stop_strings", [3], "stop_strings must be an iterable of non-empty str"),
@@ -82,6 +89,11 @@ def test_good_knobs_are_normalized():
     # Greedy with filters only: the filters do nothing, so the row takes the plain path.
     assert not Sampling(top_k=5).used(0.0) and Sampling(top_k=5).used(0.5)
     assert Sampling(logprobs=True).used(0.0) and Sampling(repetition_penalty=1.1).used(0.0)
+    # logit_bias: sorted pairs, zero biases dropped (all zeros: off), used greedy or not
+    s = check_sampling(logit_bias={np.int64(9): 2, 3: -1.5, 4: 0.0})
+    assert s == Sampling(logit_bias=((3, -1.5), (9, 2.0))) and s.used(0.0)
+    assert check_sampling(logit_bias={4: 0.0}) is sampling.OFF
+    assert check_sampling(logit_bias={}) is sampling.OFF
 
 
 # ---- greedy limits ------------------------------------------------------------------------
@@ -187,6 +199,59 @@ def test_greedy_with_penalties_and_logprobs_match_a_dense_reference():
     assert r.output == out
     assert r.output != dense_greedy(MODEL, p, 16)  # the penalties changed something
     assert np.allclose(r.logprobs, lps, atol=1e-4)
+
+
+def ref_biased_greedy(prompt_, n: int, bias: dict[int, float]) -> tuple[list[int], list[float]]:
+    """Greedy decoding over the dense logits plus ``bias``, and each pick's logprob."""
+    seq, out, lps = [int(t) for t in prompt_], [], []
+    for _ in range(n):
+        logits = MODEL.forward_dense(seq)[-1].double().clone()
+        for t, b in bias.items():
+            logits[t] += b
+        tok = int(logits.argmax())
+        lps.append(float(torch.log_softmax(logits, -1)[tok]))
+        out.append(tok)
+        seq.append(tok)
+    return out, lps
+
+
+def test_logit_bias_forces_and_bans_as_a_dense_reference():
+    p = prompt(5)
+    plain = dense_greedy(MODEL, p, 8)
+    forced = next(t for t in range(VOCAB) if t not in plain)
+    eng = engine()
+    # 100 on a token greedy never picks: it is picked at every step
+    (r,) = eng.generate([p], max_new_tokens=8, logit_bias={forced: 100})
+    assert r.output == [forced] * 8
+    # -100 on greedy's first pick: never picked, and the rest follows the biased reference
+    ban = {plain[0]: -100.0}
+    (r,) = eng.generate([p], max_new_tokens=8, logit_bias=ban, logprobs=True)
+    want, lps = ref_biased_greedy(p, 8, ban)
+    assert plain[0] not in r.output and r.output == want
+    assert np.allclose(r.logprobs, lps, atol=1e-4)
+    # moderate biases on several tokens, batched with a plain request, which is unchanged
+    mild = {plain[1]: -3.0, plain[2]: 2.5, forced: 4.0}
+    rid = eng.submit(p, max_new_tokens=8, logit_bias=mild)
+    other = eng.submit(prompt(6), max_new_tokens=8)
+    biased, unbiased = eng.run([rid, other])
+    assert biased.output == ref_biased_greedy(p, 8, mild)[0] != plain
+    assert unbiased.output == dense_greedy(MODEL, prompt(6), 8)
+
+
+def test_logit_bias_reaches_every_entry_point_and_sampled_rows():
+    p = prompt(7)
+    forced = next(t for t in range(VOCAB) if t not in dense_greedy(MODEL, p, 4))
+    bias = {forced: 100}
+    eng = engine()
+    assert (
+        eng.generate([p], max_new_tokens=4, temperature=1.0, seed=1, logit_bias=bias)[0].output
+        == [forced] * 4
+    )
+    for r in eng.run(eng.branch(p, [[], [3]], max_new_tokens=3, logit_bias=bias)):
+        assert r.output == [forced] * 3
+    assert radixkv.Session(eng).send(p, max_new_tokens=3, logit_bias=bias).output == [forced] * 3
+    (r,) = radixkv.Session(eng, system=p).branch([[1]], max_new_tokens=3, logit_bias=bias)
+    assert r.output == [forced] * 3
 
 
 def test_sampled_logprobs_are_those_after_penalties_and_temperature():

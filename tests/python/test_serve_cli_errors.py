@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
+from radixkv.apps import cli
 from test_robust_cli_errors import assert_user_error, radixkv
 
 #: The check that the model was not loaded first: radixkv.hf cannot be imported.
@@ -92,3 +93,14 @@ def test_a_chat_template_that_is_no_file_nor_jinja(tmp_path):
     missing = str(tmp_path / "nope.jinja")
     serve_error("--chat-template", missing, needles=(f"--chat-template {missing!r}", "file"))
     serve_error("--chat-template", "{% for m in messages %}", needles=("--chat-template", "Jinja"))
+
+
+def test_serve_imports_no_other_subcommand():
+    # `radixkv serve` parses with serve's own module alone: the other subcommands' modules
+    # (and what they import) are not loaded on its start; --help still lists every command.
+    others = ",".join(m for name, (m, _) in cli.COMMANDS.items() if name != "serve")
+    serve_error("--port", "99999", needles=("serve: argument --port",))
+    proc = radixkv("serve", "--port", "99999", without=others)
+    assert_user_error(proc, "serve: argument --port", "99999")
+    listed = radixkv("--help")
+    assert listed.returncode == 0 and all(name in listed.stdout for name in cli.COMMANDS)

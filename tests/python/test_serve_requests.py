@@ -4,6 +4,8 @@ client cannot send a body).
 
 - ``top_logprobs`` 0-20 (chat) and ``logprobs`` 0-20 (``/v1/completions``): the most likely
   tokens at each position, streamed or not.
+- ``logit_bias``: a bias of 100 forces a token and -100 bans greedy's pick, on both
+  endpoints; an id outside the vocabulary or a bias outside [-100, 100] is a 400 naming it.
 - ``content`` as a list of parts: text parts joined, any other part type a 400 naming it.
 - Fields that change the output are implemented (``continue_final_message``,
   ``chat_template_kwargs``) or a 400 naming them; an unknown ``model`` is a 404.
@@ -138,7 +140,6 @@ def test_content_parts_that_are_not_text_are_refused_by_name(server):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("logit_bias", {"42": 5}),
         ("echo", True),
         ("best_of", 2),
         ("functions", [{"name": "f", "parameters": {}}]),
@@ -148,6 +149,48 @@ def test_fields_that_change_the_output_are_refused_by_name(server, field, value)
     with pytest.raises(openai.BadRequestError) as e:
         server.chat(USER, extra_body={field: value})
     assert e.value.body["param"] == field and field in e.value.body["message"]
+
+
+def one_token(server: Running, text: str) -> int:
+    """The id of ``text``, which the tokenizer encodes as one token."""
+    body = {"prompt": text, "add_special_tokens": False}
+    (tok,) = server.post("/tokenize", body).json()["tokens"]
+    return tok
+
+
+def test_logit_bias_forces_and_bans_tokens(server):
+    forced = one_token(server, " purple")
+    want = server.post("/detokenize", {"tokens": [forced] * 3}).json()["prompt"]
+    for temperature in (0, 1.0):
+        reply = server.chat(USER, max_tokens=3, temperature=temperature,
+                            logit_bias={str(forced): 100})  # fmt: skip
+        assert reply.choices[0].message.content == want
+    done = server.client.completions.create(
+        model=MODEL, prompt="My favourite fruit is", max_tokens=3, temperature=0,
+        logit_bias={str(forced): 100},
+    )  # fmt: skip
+    assert done.choices[0].text == want
+    # -100 on greedy's first pick: another token comes first
+    plain = server.chat(USER, max_tokens=1, logprobs=True).choices[0].logprobs.content[0]
+    first = one_token(server, plain.token)
+    banned = server.chat(USER, max_tokens=1, logprobs=True, logit_bias={str(first): -100})
+    assert banned.choices[0].logprobs.content[0].token != plain.token
+    assert server.chat(USER, logit_bias={str(first): 0}).choices[0].message.content == (
+        plain.token
+    )  # a zero bias changes nothing
+
+
+@pytest.mark.parametrize(
+    ("bias", "named"),
+    [({"99999999": 5}, "99999999"), ({"-3": 5}, "-3"), ({"7": 150}, "150"), ({"x": 1}, "'x'")],
+)
+def test_a_bad_logit_bias_is_a_400_naming_it(server, bias, named):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, logit_bias=bias)
+    assert e.value.body["param"] == "logit_bias" and named in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logit_bias=bias)
+    assert e.value.body["param"] == "logit_bias"
 
 
 def test_no_op_values_of_refused_fields_are_accepted(server):

@@ -1,8 +1,9 @@
 """The ``radixkv`` command line: ``radixkv SUBCOMMAND ...`` (also ``python -m radixkv``).
 
 Subcommands live in :data:`COMMANDS`: name -> (module, one-line help). Each module defines
-``add_arguments(parser)`` and ``run(args) -> int`` and is imported only when its subcommand runs,
-so ``radixkv --help`` needs no torch. Adding a subcommand is one entry here.
+``add_arguments(parser)`` and ``run(args) -> int``; ``radixkv SUBCOMMAND`` imports that module
+alone, ``radixkv --help`` every one (none imports torch at the top). Adding a subcommand is one
+entry here.
 """
 
 from __future__ import annotations
@@ -61,8 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     its exit status. A user error (a bad option, a missing or unusable input file) prints one
     line, ``radixkv: error: COMMAND: ...``, on stderr and returns 2. ``--version`` and
     ``--help`` print and raise ``SystemExit(0)``, as argparse does."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args, extra = build_parser().parse_known_args(argv)
+        # Only the named subcommand's module is imported (each pulls in its own dependencies:
+        # a start of `radixkv serve` need not import the replay and demo code); the whole
+        # parser otherwise (no command yet, --help, --version, a misspelt command).
+        named = argv[0] if argv and argv[0] in COMMANDS else None
+        commands = {named: COMMANDS[named]} if named else COMMANDS
+        args, extra = build_parser(commands).parse_known_args(argv)
         if extra:  # said by the subcommand's parser, which knows its options and its --help
             args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args._run(args) or 0)

@@ -1,9 +1,10 @@
 """OpenAI request fields ``radixkv serve`` does not implement and will not ignore: a field that
 changes the output, silently dropped, would hand a client a reply it did not ask for. Each is
-a 400 naming the field, unless it holds its no-op value (an empty ``logit_bias``, ``echo``
-false, ``best_of`` 1, ...), which clients often send.
+a 400 naming the field, unless it holds its no-op value (``echo`` false, ``best_of`` 1, ...),
+which clients often send.
 
-``parallel_tool_calls`` is implemented (``false``: a ``tool_choice="auto"`` reply's first call
+``logit_bias`` is implemented (the engine's, see :mod:`radixkv.engine.sampling`), and
+``parallel_tool_calls`` is (``false``: a ``tool_choice="auto"`` reply's first call
 alone; ``"required"`` and a named tool return one call either way). Fields that change nothing
 here are accepted: ``user``, ``store``, ``metadata``, ``service_tier``.
 """
@@ -15,7 +16,6 @@ from typing import Any
 
 #: field -> (whether its value is a no-op, why it is refused); for both endpoints.
 COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: not v, "logit_bias is not supported by this server"),
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (use n)"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
     "audio": (lambda v: v is None, "audio output is not supported"),

@@ -295,6 +295,9 @@ class _Body(BaseModel):
     cache_priority: int = Field(default=0, ge=0, lt=radixkv.EVICTION_CLASSES)
     user: str | None = None
     response_format: dict[str, Any] | None = None
+    # OpenAI's: token id (a string, as JSON keys are) -> a bias in [-100, 100] added to its
+    # logit before sampling; the engine checks the ids against the vocabulary and the values.
+    logit_bias: dict[str, Any] | None = None
 
 
 class ChatBody(_Body):
@@ -733,6 +736,9 @@ def create_app(
                 f"(--max-keep-alive), got {body.keep_alive:g}",
                 "keep_alive",
             )
+        bias = _logit_bias(body.logit_bias)
+        if isinstance(bias, str):
+            return _error(400, bias, "logit_bias")
         # No seed: a fresh one (as OpenAI and vLLM), so that unseeded samples differ; below
         # 2**62, so that every branch's seed + i stays in range.
         seed = body.seed if body.seed is not None else secrets.randbelow(2**62)
@@ -749,6 +755,7 @@ def create_app(
             namespace=namespace,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            logit_bias=bias,
             stop_strings=stops,
             grammar=grammar,
             retain=body.keep_alive,
@@ -1069,6 +1076,21 @@ def _chunk_logprobs(
     if chat:
         return {"content": _logprob_entries(tokenizer, toks)}
     return _completion_logprobs(tokenizer, toks, with_top)
+
+
+def _logit_bias(given: dict[str, Any] | None) -> dict[int, Any] | str | None:
+    """A request's ``logit_bias`` with its keys as token ids (the engine checks the ids against
+    the vocabulary and the biases), or the message of a key that is not a token id."""
+    if not given:
+        return None
+    bias = {}
+    for key, value in given.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            return f"logit_bias: keys must be token ids, got {key!r}"
+        bias[tok] = value
+    return bias
 
 
 def _param_of(message: str) -> str | None:

@@ -61,7 +61,7 @@ import itertools
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -414,6 +414,7 @@ class Engine:
         logprobs: bool = False,
         stop_strings: Iterable[str] = (),
         top_logprobs: int = 0,
+        logit_bias: Mapping[int, float] | None = None,
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
         retain: float = 0.0,
@@ -432,7 +433,9 @@ class Engine:
         over prompt and output), ``presence_penalty`` and ``frequency_penalty`` in [-2, 2]
         (over the output). ``logprobs``: fill ``Result.logprobs``; ``top_logprobs=k`` (0-20, with
         ``logprobs``): also ``Result.top_logprobs`` and each event's, the ``k`` most likely
-        tokens at each position. ``stop_strings``: end the
+        tokens at each position. ``logit_bias``: OpenAI's, a mapping of token id to a bias in
+        [-100, 100] added to that token's logit before sampling (and before the penalties):
+        -100 all but bans the token, 100 all but forces it. ``stop_strings``: end the
         request as soon as its text holds one (needs ``Engine(tokenizer=...)``; the text is cut
         before it). ``on_token``: called with a :class:`StreamEvent` per token and at the end,
         on the thread that steps the engine (see the module docstring).
@@ -469,6 +472,7 @@ class Engine:
             logprobs=logprobs,
             stop_strings=stop_strings,
             top_logprobs=top_logprobs,
+            logit_bias=logit_bias,
             on_token=on_token,
             grammar=grammar,
             retain=retain,
@@ -541,7 +545,7 @@ class Engine:
             raise ValueError(
                 f"on_token must be None or callable, got {on_token!r} ({type(on_token).__name__})"
             )
-        sampling = check_sampling(**knobs)
+        sampling = check_sampling(**knobs, vocab_size=self.vocab_size)
         if sampling.stop_strings and self.tokenizer is None:
             raise ValueError(
                 "stop_strings need a tokenizer to decode the output: make the engine with "
@@ -609,6 +613,7 @@ class Engine:
         logprobs: bool = False,
         stop_strings: Iterable[str] = (),
         top_logprobs: int = 0,
+        logit_bias: Mapping[int, float] | None = None,
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
         retain: float = 0.0,
@@ -645,6 +650,7 @@ class Engine:
                 logprobs=logprobs,
                 stop_strings=stop_strings,
                 top_logprobs=top_logprobs,
+                logit_bias=logit_bias,
             ),
         )
         params = _check_params(

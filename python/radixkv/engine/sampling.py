@@ -3,6 +3,9 @@
 Each row of a batch's logits is turned into a token for its request, in this order (as vLLM and
 Hugging Face transformers do):
 
+0. ``logit_bias`` (OpenAI's): each listed token's bias, in [-100, 100], added to its logit
+   (:func:`apply_logit_bias`; as in vLLM, before the penalties): -100 all but bans a token and
+   100 all but forces it;
 1. penalties (:func:`apply_penalties`): ``repetition_penalty`` over every token of the prompt
    and the output so far (a positive logit divided by it, a negative one multiplied), then
    ``presence_penalty`` and ``frequency_penalty`` over the output tokens (OpenAI's definition:
@@ -17,15 +20,16 @@ Hugging Face transformers do):
 
 A row that uses none of the knobs costs what it did before they existed: greedy rows are one
 batched argmax, temperature rows one softmax and draw. ``logprobs``: the log-probability of the
-chosen token under ``log_softmax`` of the logits after penalties and temperature (before the
-filters; greedy: of the penalized logits); ``top_logprobs=k``: the ``k`` largest of that same
-distribution, with their tokens (OpenAI's ``top_logprobs``, at most :data:`MAX_TOP_LOGPROBS`).
+chosen token under ``log_softmax`` of the logits after the bias, penalties and temperature
+(before the filters; greedy: of the biased and penalized logits); ``top_logprobs=k``: the ``k``
+largest of that same distribution, with their tokens (OpenAI's ``top_logprobs``, at most
+:data:`MAX_TOP_LOGPROBS`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -34,6 +38,7 @@ import torch
 from radixkv.engine.sequence import OFF, Sampling, Sequence
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
     "MAX_TOP_LOGPROBS",
     "OFF",
     "Sampling",
@@ -44,6 +49,8 @@ __all__ = [
 
 #: The most ``top_logprobs`` a request may ask for (OpenAI's bound, and vLLM's default).
 MAX_TOP_LOGPROBS = 20
+#: The largest ``logit_bias`` magnitude (OpenAI's bound).
+MAX_LOGIT_BIAS = 100.0
 
 
 def to_token_array(
@@ -97,8 +104,11 @@ def check_sampling(
     logprobs=False,
     stop_strings=(),
     top_logprobs=0,
+    logit_bias=None,
+    vocab_size: int | None = None,
 ) -> Sampling:
-    """The knobs checked and normalized; ``ValueError`` naming the first bad one."""
+    """The knobs checked and normalized; ``ValueError`` naming the first bad one.
+    ``vocab_size``: the bound of ``logit_bias``'s token ids (None: not checked)."""
     p = _number(top_p, "top_p", "a number in (0, 1]")
     if not 0.0 < p <= 1.0:
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
@@ -149,9 +159,56 @@ def check_sampling(
     if top_logprobs and not logprobs:
         raise ValueError(f"top_logprobs={top_logprobs} needs logprobs=True")
     sampling = Sampling(
-        p, k, mp, rp, pens[0], pens[1], bool(logprobs), stops, top_logprobs=int(top_logprobs)
+        p,
+        k,
+        mp,
+        rp,
+        pens[0],
+        pens[1],
+        bool(logprobs),
+        stops,
+        top_logprobs=int(top_logprobs),
+        logit_bias=check_logit_bias(logit_bias, vocab_size),
     )
     return OFF if sampling == OFF else sampling
+
+
+def check_logit_bias(logit_bias, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (a mapping of token id to a bias in [-100, 100], or None) as
+    sorted ``(id, bias)`` pairs without the zero biases; ``ValueError`` naming the first bad id
+    or value (messages start with ``logit_bias``, which the server answers as the field)."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, Mapping):
+        raise ValueError(
+            f"logit_bias must be a mapping of token id to bias, got {logit_bias!r} "
+            f"({type(logit_bias).__name__})"
+        )
+    pairs = {}
+    for tok, bias in logit_bias.items():
+        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
+            raise ValueError(
+                f"logit_bias keys must be token ids (ints), got {tok!r} ({type(tok).__name__})"
+            )
+        tok = int(tok)
+        if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"logit_bias holds token id {tok}, outside the vocabulary {bound}")
+        what = f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+        v = _number(bias, f"logit_bias of token {tok}", what)
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias of token {tok} must be {what}, got {bias!r}")
+        pairs[tok] = v
+    return tuple(sorted((t, v) for t, v in pairs.items() if v != 0.0))
+
+
+def apply_logit_bias(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """``row`` (logits ``[vocab]``, float) with ``sampling.logit_bias`` added, as a new
+    tensor."""
+    ids, biases = zip(*sampling.logit_bias)
+    row = row.clone()
+    row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(biases, dtype=row.dtype)
+    return row
 
 
 def generator_of(seq: Sequence) -> torch.Generator:
@@ -221,6 +278,8 @@ def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int
     """The token (and its logprob when ``seq`` asks for them) of one row of float logits, with
     every knob of ``seq``; ``greedy_token``: the argmax of the raw row."""
     sp = seq.sampling or OFF
+    if sp.logit_bias:
+        row = apply_logit_bias(row, sp)
     if sp.penalized:
         row = apply_penalties(row, prompt_ids(seq), seq.output, sp)
     logp = None
@@ -233,7 +292,7 @@ def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int
         probs = torch.softmax(row, dim=-1)
         tok = int(torch.multinomial(probs, 1, generator=generator_of(seq)))
     else:
-        tok = int(row.argmax()) if sp.penalized else greedy_token
+        tok = int(row.argmax()) if sp.penalized or sp.logit_bias else greedy_token
         if sp.logprobs:
             logp = torch.log_softmax(row, dim=-1)
     if logp is None:

@@ -48,6 +48,9 @@ class Sampling:
     stop_strings: tuple[str, ...] = ()
     #: The most likely tokens reported with each output token's logprob (0: none).
     top_logprobs: int = 0
+    #: OpenAI's ``logit_bias``: ``(token id, bias)`` pairs added to the logits before
+    #: anything else, sorted by id, zeros left out (empty: off).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -65,8 +68,14 @@ class Sampling:
 
     def used(self, temperature: float) -> bool:
         """Whether a row of this request needs more than the plain path (argmax, or softmax
-        and a draw): a penalty, logprobs, or a filter of a sampled (``temperature > 0``) row."""
-        return self.penalized or self.logprobs or (temperature > 0 and self.filtered)
+        and a draw): a penalty, a logit bias, logprobs, or a filter of a sampled
+        (``temperature > 0``) row."""
+        return (
+            self.penalized
+            or bool(self.logit_bias)
+            or self.logprobs
+            or (temperature > 0 and self.filtered)
+        )
 
 
 #: Every knob off.

@@ -13,7 +13,7 @@ computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -91,6 +91,7 @@ class Session:
         frequency_penalty: float = 0.0,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        logit_bias: Mapping[int, float] | None = None,
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
@@ -135,6 +136,7 @@ class Session:
             frequency_penalty=frequency_penalty,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            logit_bias=logit_bias,
             stop_strings=stop_strings,
             on_token=on_token,
             grammar=grammar,
@@ -177,6 +179,7 @@ class Session:
         frequency_penalty: float = 0.0,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        logit_bias: Mapping[int, float] | None = None,
         stop_strings: Iterable[str] = (),
         on_token: Callable[[StreamEvent], object] | None = None,
         grammar: Grammar | dict | None = None,
@@ -201,6 +204,7 @@ class Session:
             frequency_penalty=frequency_penalty,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            logit_bias=logit_bias,
             stop_strings=stop_strings,
             on_token=on_token,
             grammar=grammar,
