@@ -1,0 +1,163 @@
+"""Two `radixkv serve` replicas on one shared store (the real command, the real model, a real
+``redis-server`` started here by PID on loopback, the `openai` client): pages replica A computed
+are hits for a longer prompt sent to replica B, whose greedy reply is a cold run's; another
+tenant gets no hits; a store killed mid-run costs both replicas a bounded time and no request,
+and hits resume once it is back.
+
+One pair of servers for the whole module (each takes ~10 s to start); few tokens per reply."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+pytest.importorskip("torch", reason="radixkv serve needs torch")
+openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+
+import httpx  # noqa: E402
+
+import serve_process  # noqa: E402
+from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+from redis_server import RedisServer, free_port  # noqa: E402
+
+if smollm2_path() is None:
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+
+PAGE = 16
+SYSTEM = (
+    "You are a careful assistant for a build system. Answer in one short sentence. "
+    "Tools: read_file(path) returns a file; run(cmd) runs a shell command; search(q) greps the "
+    "repository. Prefer reading before running. Never guess a path you have not seen."
+)
+#: Seconds one short request may take at most while the store is dead or just restarted.
+#: Generous (not a timing test): a reply of a few tokens takes ~1-3 s here; a replica that
+#: waited on the dead store per request (redis-py's retries: ~4 s a call) would take far more
+#: than its compute, a hung one forever.
+BOUND_S = 45.0
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """``(store, port_a, port_b)``: a redis-server and two replicas on it (tenant header
+    ``X-Tenant``), stopped by PID at the end."""
+    store = RedisServer(tmp_path_factory.mktemp("redis"))
+    procs = []
+    try:
+        ports = []
+        for _ in range(2):
+            port = free_port()
+            args = ["--num-pages", "512", "--page-size", str(PAGE), "--host-pages", "256"]
+            args += ["--shared-store", store.url, "--tenant-header", "X-Tenant"]
+            procs.append(serve_process.start(port, *args))
+            ports.append(port)
+        yield store, ports[0], ports[1]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                rc, err = serve_process.stop(proc)
+                assert rc == 0, f"radixkv serve exited {rc} after SIGTERM: {err}"
+        store.stop()
+
+
+def chat(port: int, messages: list[dict], tenant: str | None = None) -> tuple[str, int, int]:
+    """``(reply, prompt tokens, cached tokens)`` of a greedy chat completion of 6 tokens."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120
+    )
+    headers = {"X-Tenant": tenant} if tenant is not None else None
+    r = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=6, temperature=0, extra_headers=headers
+    )
+    details = r.usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None else 0
+    return r.choices[0].message.content, r.usage.prompt_tokens, cached or 0
+
+
+def metric(port: int, name: str) -> float:
+    """The value of the unlabelled sample ``name`` on the replica's ``/metrics``."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m is not None, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_for_pages(store: RedisServer, pages: int, timeout: float = 30.0) -> None:
+    """Waits until the store holds ``pages`` pages (writes are behind the request)."""
+    client = store.client()
+    try:
+        deadline = time.monotonic() + timeout
+        while client.dbsize() < pages:
+            assert time.monotonic() < deadline, f"the store holds {client.dbsize()} < {pages}"
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
+def turns(
+    question: str, reply: str, follow_up: str, system: str = SYSTEM
+) -> tuple[list[dict], list[dict]]:
+    first = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    second = [
+        *first,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": follow_up},
+    ]
+    return first, second
+
+
+def test_b_serves_from_the_pages_a_computed_and_another_tenant_gets_none(pool):
+    store, a, b = pool
+    first, _ = turns("Which tool shows me the Makefile?", "", "")
+    reply, prompt_a, cached_a = chat(a, first)
+    assert cached_a == 0
+    wait_for_pages(store, prompt_a // PAGE)
+    _, second = turns("Which tool shows me the Makefile?", reply, "And which runs the tests?")
+    text, prompt_b, cached = chat(b, second)
+    # B computed none of A's full pages: it fetched them from the store.
+    assert cached >= prompt_a // PAGE * PAGE, (cached, prompt_a, prompt_b)
+    assert metric(b, "radixkv_kv_shared_hit_pages_total") >= prompt_a // PAGE
+    # Another tenant (on A, where turn one is cached for the default tenant, and in the store)
+    # finds nothing: that is a cold run, and B's reply is its reply.
+    cold_text, _, cold_cached = chat(a, second, tenant="someone-else")
+    assert cold_cached == 0
+    assert text == cold_text
+    assert metric(b, "radixkv_kv_shared_bad_pages_total") == 0
+
+
+def test_a_store_killed_mid_run_costs_a_bounded_time_and_hits_resume(pool):
+    store, a, b = pool
+    errors_before = [metric(p, "radixkv_kv_shared_errors_total") for p in (a, b)]
+    store.stop()  # SIGKILL, as a crash
+    for i, port in enumerate((a, b, a, b)):
+        t = time.monotonic()
+        messages, _ = turns(f"Store down, question {i}: what does run(cmd) do?", "", "")
+        reply, _, _ = chat(port, messages)
+        assert time.monotonic() - t < BOUND_S
+        assert reply
+    # Both noticed (B reading, A writing): the replies above ran past a failing store.
+    deadline = time.monotonic() + 10
+    while any(
+        metric(p, "radixkv_kv_shared_errors_total") <= before
+        for p, before in zip((a, b), errors_before)
+    ):
+        assert time.monotonic() < deadline, "a replica never called the dead store"
+        time.sleep(0.2)
+    store.start()  # on the same port, empty
+    time.sleep(3.0)  # past the breakers' cooldown (2 s): their next call probes the store
+    # Another system prompt: nothing of it is cached on either replica, so all of B's hits
+    # past its first page come from the store.
+    system = "After a restart of the store. " + SYSTEM
+    question = "Which tool greps the repository?"
+    first, _ = turns(question, "", "", system)
+    t = time.monotonic()
+    reply, prompt_a, _ = chat(a, first)
+    assert time.monotonic() - t < BOUND_S
+    wait_for_pages(store, prompt_a // PAGE)
+    _, second = turns(question, reply, "And which reads a file?", system)
+    _, _, cached = chat(b, second)
+    assert cached >= prompt_a // PAGE * PAGE
+    assert metric(a, "radixkv_kv_shared_breaker_open") == 0
+    assert metric(b, "radixkv_kv_shared_breaker_open") == 0
