@@ -6,12 +6,15 @@ a store off this machine is refused without a key, and credentials never show.""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
 import pytest
 
 import radixkv
+from radixkv.kv import shared_tier
 from radixkv.kv.breaker import CLOSED, OPEN, Breaker
 from radixkv.kv.disk_tier import model_fingerprint
 from radixkv.kv.kv_cache import KVCache
@@ -228,6 +231,85 @@ def test_a_dead_store_costs_a_bounded_time_and_hits_resume(store):
     assert kv_b.shared.breaker.state == CLOSED
     for kv in (kv_a, kv_b, kv_a2):
         kv.close()
+
+
+def steps_until_done(engine, sids) -> tuple[dict[int, radixkv.Result], float]:
+    """Steps ``engine`` until ``sids`` ended: their results, and the longest step (seconds)."""
+    done: dict[int, radixkv.Result] = {}
+    longest = 0.0
+    while len(done) < len(sids):
+        t = time.perf_counter()
+        for r in engine.step():
+            done[r.id] = r
+        longest = max(longest, time.perf_counter() - t)
+    return done, longest
+
+
+def test_a_hung_store_never_delays_a_step_and_hits_still_happen(store):
+    """The store is frozen (SIGSTOP: connections open, nothing answers, as a hung or
+    overloaded server): the engine's steps never wait on it, every request completes with a
+    cold run's tokens, and once it answers again its pages are hits."""
+    make = CACHES[0].values[0]
+    rng = np.random.default_rng(7)
+    a, c, d = ids(rng, 64), ids(rng, 64), ids(rng, 64)
+    engine_a, kv_a = replica(make, store.url)
+    for prompt in (a, c, d):
+        run(engine_a, prompt)
+    kv_a.shared.flush()
+    engine_b, kv_b = replica(make, store.url)
+    kv_b.shared.breaker.cooldown_s = 0.2
+    # While the store answers: fetched off the step, installed by one, found as hits.
+    turn = np.concatenate([a, ids(rng, 5)])
+    sid = engine_b.submit(turn, max_new_tokens=4, stop=())
+    done, _ = steps_until_done(engine_b, [sid])
+    assert done[sid].cached_tokens == 64 and done[sid].output == dense_greedy(MODEL, turn, 4)
+    os.kill(store.proc.pid, signal.SIGSTOP)
+    try:
+        prompts = [np.concatenate([c, ids(rng, 5)]), ids(rng, 50), ids(rng, 30)]
+        t = time.perf_counter()
+        sids = [engine_b.submit(p, max_new_tokens=4, stop=()) for p in prompts]
+        submit_s = time.perf_counter() - t
+        done, longest = steps_until_done(engine_b, sids)
+        # Generous bound (not a timing test): a step of the tiny model takes milliseconds; one
+        # that called the frozen store would wait out its 1 s timeout.
+        assert longest < 0.5 and submit_s < 0.5, (longest, submit_s)
+        for sid, prompt in zip(sids, prompts):
+            assert done[sid].output == dense_greedy(MODEL, prompt, 4)
+            assert done[sid].cached_tokens == 0
+    finally:
+        os.kill(store.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while kv_b.shared.fetching:  # the reader's call into the frozen store times out
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert kv_b.shared.stats()["errors"] >= 1
+    time.sleep(0.3)  # past B's cooldown: its next call probes the store
+    turn = np.concatenate([d, ids(rng, 5)])
+    res = run(engine_b, turn)
+    assert res.cached_tokens == 64 and res.output == dense_greedy(MODEL, turn, 4)
+    assert kv_b.shared.breaker.state == CLOSED
+    kv_a.close()
+    kv_b.close()
+
+
+def test_a_page_the_store_lacks_is_not_asked_for_again_at_once(store):
+    """A waiting request is polled at every step; the page its fetch found missing is not
+    asked for again until the miss expires."""
+    make = CACHES[0].values[0]
+    kv = shared_kv(make(), store.url)
+    prompt = ids(np.random.default_rng(8), 40)
+    assert kv.shared.poll(prompt) == (0, True)  # the fetch starts, off this thread
+    assert kv.shared.prefetch(prompt, wait_s=5.0) == 0  # back: a miss
+    assert kv.shared.stats()["lookups"] == 1
+    for _ in range(20):
+        assert kv.shared.poll(prompt) == (0, False)
+    assert kv.shared.stats()["lookups"] == 1 and not kv.shared.fetching
+    # Once it expires the store is asked again (it may hold the page by then).
+    time.sleep(shared_tier.MISS_TTL_S + 0.05)
+    assert kv.shared.poll(prompt) == (0, True)
+    assert kv.shared.prefetch(prompt, wait_s=5.0) == 0
+    assert kv.shared.stats()["lookups"] == 2
+    kv.close()
 
 
 def test_a_unix_socket_store_with_a_password(tmp_path):

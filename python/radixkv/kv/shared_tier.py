@@ -19,17 +19,22 @@ reuses it rather than inventing a second one:
   same in every process; a store key is that hash with the setup digest and a digest of the
   namespace in front (``radixkv:<setup>:<namespace>:<block hash>``), so a replica of another
   model, dtype or page size, or another tenant, never even asks for a page it does not own.
-- **The same read-before-admission.** :meth:`SharedTier.prefetch` runs where the disk tier's
-  does (``KVCache.prefetch``, called by the engine for each waiting request before it is
-  ranked), as a prefix walk: one batched ``EXISTS`` over the pages the local tiers lack, then
-  one batched ``GET`` of the leading run the store holds, stopping at the first miss and at
-  the first page that fails its check. The pages enter the index the way computed KV does:
-  the prefix is admitted, the fetched pages are written into its pages and committed, and the
-  request is finished (published). The index's only other way in, the disk tier's
-  ``disk_prefetch``, reads slots of its own disk only; going through admission needs no
-  change to the index, publishes the pages (KV events included) like any computed prefix, and
-  lets them move down to the host tier as any device page does. The admission that follows
-  finds them as hits.
+- **The same read-before-admission, off the engine's thread.** :meth:`SharedTier.poll` runs
+  where the disk tier's prefetch does (``KVCache.fetch``, called by the engine for each waiting
+  request before it is ranked). It never calls the store: it hands the pages the local tiers
+  lack to the tier's reader thread, which walks them as a prefix (one batched ``EXISTS``, one
+  batched ``GET`` of the leading run the store holds, stopping at the first miss and at the
+  first page that fails its check; the checks run there too), and a later call installs what
+  came back. Installing is cheap and on the engine's thread: the prefix is admitted, the
+  fetched pages are written into its pages and committed, and the request is finished
+  (published), so the pages enter the index the way computed KV does (the index's only other
+  way in, the disk tier's ``disk_prefetch``, reads slots of its own disk only; going through
+  admission needs no change to the index, publishes the pages (KV events included) like any
+  computed prefix, and lets them move down to the host tier as any device page does). While
+  its fetch is out (up to :attr:`SharedTier.hold_s`) the engine keeps the request out of the
+  scheduler, so its admission finds the pages as hits; other requests run meanwhile. A page
+  the store lacked is remembered for :data:`MISS_TTL_S`, so a request that waits does not ask
+  the store again at every step.
 
 Writes are behind the request: ``KVCache.commit`` hands each page a step completed to
 :meth:`SharedTier.publish`, which copies it out of the pool at once (the pool may reuse it)
@@ -44,9 +49,10 @@ secret fails its check. Without a secret the checksum is the disk tier's (blake3
 only), and the tier is refused on any store but a loopback address or a unix socket.
 
 A failing store (down, slow, full, evicting) costs a bounded time and never a wrong page or a
-failed request: every call has a short timeout and no retries, a :class:`Breaker` stops
-calling a store that failed until its cooldown passes, and every error is counted and taken as
-a miss (reads) or a dropped page (writes).
+failed request: every call has a short timeout and no retries and runs on the tier's own
+threads (never in an engine step), a :class:`Breaker` stops calling a store that failed until
+its cooldown passes, and every error is counted and taken as a miss (reads) or a dropped page
+(writes).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ import json
 import os
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -84,6 +91,12 @@ MAX_QUEUED_BYTES = 256 * 2**20
 MAX_GET_BYTES = 64 * 2**20
 #: Store keys remembered as held by the store (not copied out again).
 KNOWN_KEYS = 1 << 16
+#: Seconds a page the store lacked is taken as missing without asking again.
+MISS_TTL_S = 1.0
+#: Seconds a request is held out of admission, at most, while its pages are being fetched.
+HOLD_S = 1.0
+#: Fetches kept at most (out, or back and not installed yet); past it the oldest are dropped.
+MAX_LOOKUPS = 256
 #: Namespaces of requests that asked for no prefix caching (the engine's private ones): never
 #: shared.
 PRIVATE_NAMESPACE = "radixkv.no-cache"
@@ -146,6 +159,10 @@ class _State:
         self.store, self.breaker = store, breaker
         self.lock = threading.Lock()
         self.known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        #: Store keys the store lacked -> when that stops counting (monotonic seconds).
+        self.misses: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        #: Notified whenever a fetch comes back.
+        self.fetched = threading.Condition(self.lock)
         self.queued_bytes = 0
         self.warned_unexpected = False
         self.counts = dict.fromkeys(
@@ -177,6 +194,23 @@ class _State:
     def forget(self, key: bytes) -> None:
         with self.lock:
             self.known.pop(key, None)
+
+    def missed(self, key: bytes) -> None:
+        with self.lock:
+            self.misses[key] = time.monotonic() + MISS_TTL_S
+            self.misses.move_to_end(key)
+            while len(self.misses) > KNOWN_KEYS:
+                self.misses.popitem(last=False)
+
+    def is_missing(self, key: bytes) -> bool:
+        with self.lock:
+            until = self.misses.get(key)
+            if until is None:
+                return False
+            if time.monotonic() < until:
+                return True
+            del self.misses[key]
+            return False
 
     def is_known(self, key: bytes) -> bool:
         with self.lock:
@@ -252,6 +286,105 @@ def _send(batch: list[tuple[bytes, bytes]], state: _State) -> None:
     state.remember([k for k, _ in batch])
 
 
+class _Codec:
+    """Makes and checks a tier's values (what the reader thread needs of the tier: it holds
+    no reference to the tier, whose pools a dropped cache must free)."""
+
+    def __init__(self, secret: bytes | None, setup: bytes, page_bytes: int) -> None:
+        self.secret, self.setup, self.page_bytes = secret, setup, page_bytes
+
+    def checksum(self, page_id: bytes, payload: np.ndarray | memoryview) -> bytes:
+        if self.secret is None:
+            return _page_checksum(page_id + self.setup, payload)
+        m = hmac.new(self.secret, page_id + self.setup, hashlib.sha256)
+        m.update(payload)
+        return m.digest()
+
+    def encode(self, store_key: bytes, payload: np.ndarray) -> bytes:
+        page_id = _page_checksum(b"radixkv.shared.key", store_key)
+        head = _HEADER_STRUCT.pack(
+            SHARED_MAGIC, page_id, self.checksum(page_id, payload), len(payload), self.setup
+        )
+        return head + bytes(HEADER - len(head)) + payload.tobytes()
+
+    def decode(self, store_key: bytes, value: bytes | None) -> np.ndarray | None:
+        if value is None or len(value) != HEADER + self.page_bytes:
+            return None
+        magic, page_id, digest, length, setup = _HEADER_STRUCT.unpack_from(value, 0)
+        expected = _page_checksum(b"radixkv.shared.key", store_key)
+        if magic != SHARED_MAGIC or page_id != expected or setup != self.setup:
+            return None
+        if length != self.page_bytes:
+            return None
+        payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER)
+        if not hmac.compare_digest(self.checksum(expected, payload), digest):
+            return None
+        return payload
+
+
+class _Lookup:
+    """One fetch: the store keys of pages ``first..`` of a prompt; ``payloads`` (the checked
+    leading run) once ``done``."""
+
+    def __init__(self, keys: list[bytes], first: int) -> None:
+        self.keys, self.first = keys, first
+        self.started = time.monotonic()
+        self.payloads: list[np.ndarray] = []
+        self.done = False
+
+
+def _reader(q: queue.Queue[Any], state: _State, codec: _Codec, page_bytes: int) -> None:
+    """The background reader: walks each queued :class:`_Lookup` in the store until ``None``."""
+    while True:
+        lookup = q.get()
+        if lookup is None:
+            return
+        try:
+            lookup.payloads = _walk(lookup.keys, state, codec, page_bytes)
+        except Exception as e:  # never a wrong page: a miss
+            state.unexpected("reading", e)
+            lookup.payloads = []
+        with state.fetched:
+            lookup.done = True
+            state.fetched.notify_all()
+
+
+def _walk(keys: list[bytes], state: _State, codec: _Codec, page_bytes: int) -> list[np.ndarray]:
+    """The checked payloads of the leading run of ``keys`` the store holds (see the module
+    docstring); a failing store gives none. The first page missing or bad is remembered as a
+    miss, a bad one dropped from the store."""
+    if not state.breaker.allow():
+        return []
+    state.add("lookups")
+    try:
+        held = state.store.exists(keys)
+        run = next((i for i, h in enumerate(held) if not h), len(held))
+        values: list[bytes | None] = []
+        step = max(1, MAX_GET_BYTES // (HEADER + page_bytes))
+        for a in range(0, run, step):
+            values.extend(state.store.get(keys[a : min(run, a + step)]))
+    except SharedStoreError as e:
+        state.failed(e)
+        return []
+    state.breaker.success()
+    payloads = []
+    for k, value in zip(keys, values):
+        payload = codec.decode(k, value)
+        if payload is None:
+            if value is not None:  # a bad page: dropped from the store, recomputed
+                state.add("bad_pages")
+                state.forget(k)
+                try:
+                    state.store.delete([k])
+                except SharedStoreError as e:
+                    state.failed(e)
+            break
+        payloads.append(payload)
+    if len(payloads) < len(keys):
+        state.missed(keys[len(payloads)])
+    return payloads
+
+
 class SharedTier:
     """The shared tier of a ``KVCache`` (``kv``) on the store ``url`` (see
     :func:`radixkv.kv.shared_store.open_store`), or on ``store`` (any
@@ -320,6 +453,19 @@ class SharedTier:
             target=_writer, args=(self._queue, self._state), name="radixkv-shared", daemon=True
         )
         self._thread.start()
+        self._codec = _Codec(secret, self.setup, self.page_bytes)
+        #: Seconds a request is held out of admission, at most, while its pages are fetched
+        #: (past it, it is admitted and computes them; the fetch still lands for later ones).
+        self.hold_s = HOLD_S
+        self._lookups: dict[bytes, _Lookup] = {}
+        self._reads: queue.Queue[Any] = queue.Queue()
+        self._reader: threading.Thread | None = threading.Thread(
+            target=_reader,
+            args=(self._reads, self._state, self._codec, self.page_bytes),
+            name="radixkv-shared-read",
+            daemon=True,
+        )
+        self._reader.start()
         ping = getattr(store, "ping", None)
         if ping is not None:
             try:
@@ -338,96 +484,97 @@ class SharedTier:
         head = b"radixkv:" + self.setup[:16].hex().encode() + b":" + ns[:16].hex().encode() + b":"
         return [head + h.hex().encode() for h in hashes[first:end]]
 
-    def _checksum(self, page_id: bytes, payload: np.ndarray | memoryview) -> bytes:
-        if self._secret is None:
-            return _page_checksum(page_id + self.setup, payload)
-        m = hmac.new(self._secret, page_id + self.setup, hashlib.sha256)
-        m.update(payload)
-        return m.digest()
-
-    def _page_id(self, store_key: bytes) -> bytes:
-        return _page_checksum(b"radixkv.shared.key", store_key)
-
     def encode(self, store_key: bytes, payload: np.ndarray) -> bytes:
         """The value stored for ``payload`` under ``store_key``: header, then payload."""
-        page_id = self._page_id(store_key)
-        head = _HEADER_STRUCT.pack(
-            SHARED_MAGIC, page_id, self._checksum(page_id, payload), len(payload), self.setup
-        )
-        return head + bytes(HEADER - len(head)) + payload.tobytes()
+        return self._codec.encode(store_key, payload)
 
     def decode(self, store_key: bytes, value: bytes | None) -> np.ndarray | None:
         """The payload of ``value`` read under ``store_key``, or None unless its header names
         this key and setup, its length is a page's and its checksum (or MAC) holds."""
-        if value is None or len(value) != HEADER + self.page_bytes:
-            return None
-        magic, page_id, digest, length, setup = _HEADER_STRUCT.unpack_from(value, 0)
-        expected = self._page_id(store_key)
-        if magic != SHARED_MAGIC or page_id != expected or setup != self.setup:
-            return None
-        if length != self.page_bytes:
-            return None
-        payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER)
-        if not hmac.compare_digest(self._checksum(expected, payload), digest):
-            return None
-        return payload
+        return self._codec.decode(store_key, value)
 
     # ---- reads ----------------------------------------------------------------------------
 
-    def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any = None) -> int:
-        """Fetches the pages of ``tokens`` past what the local tiers hold, as a prefix walk
-        that stops at the first page the store lacks or that fails its check, and enters them
-        into the index (see the module docstring); returns how many tokens came in. A failing
-        store or a full pool gives 0; nothing unchecked is ever written into a pool, and
-        nothing this tier does fails the request (an unexpected error is counted in
-        ``errors``, warned about once, and taken as a miss)."""
+    def poll(self, tokens: Sequence[int] | np.ndarray, namespace: Any = None) -> tuple[int, bool]:
+        """Installs what came back of the fetch of ``tokens``' pages past what the local tiers
+        hold, or starts that fetch (on the reader thread; see the module docstring); never
+        calls the store. Returns ``(tokens installed now, whether the fetch is still out and
+        younger than`` :attr:`hold_s` ``)``: the engine holds such a request out of admission.
+        A failing store or a full pool installs nothing; nothing unchecked is ever written
+        into a pool, and nothing this tier does fails the request (an unexpected error is
+        counted in ``errors``, warned about once, and taken as a miss)."""
         try:
-            return self._prefetch(tokens, namespace)
+            return self._poll(tokens, namespace)
         except Exception as e:
             self._state.unexpected("reading", e)
-            return 0
+            return 0, False
 
-    def _prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any) -> int:
+    def prefetch(
+        self, tokens: Sequence[int] | np.ndarray, namespace: Any = None, wait_s: float = 0.0
+    ) -> int:
+        """:meth:`poll`, waiting up to ``wait_s`` seconds for a fetch it started or found out
+        (then installing what came back); returns the tokens installed."""
+        n, out = self.poll(tokens, namespace)
+        deadline = time.monotonic() + wait_s
+        while out and time.monotonic() < deadline:
+            self.wait(deadline - time.monotonic())
+            more, out = self.poll(tokens, namespace)
+            n += more
+        return n
+
+    def wait(self, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` seconds for a fetch to come back (at once if one is back
+        and not installed)."""
+        with self._state.fetched:
+            if any(lk.done for lk in self._lookups.values()):
+                return
+            self._state.fetched.wait(max(0.0, timeout_s))
+
+    @property
+    def fetching(self) -> int:
+        """Fetches out (not back yet)."""
+        return sum(not lk.done for lk in list(self._lookups.values()))
+
+    def _poll(self, tokens: Sequence[int] | np.ndarray, namespace: Any) -> tuple[int, bool]:
         if isinstance(namespace, str) and namespace.startswith(PRIVATE_NAMESPACE):
-            return 0
+            return 0, False
         cache, p = self.kv.cache, self.page_size
         tokens = np.asarray(tokens)
         end = (len(tokens) - 1) // p  # the last token is always computed
         if end <= 0:
-            return 0
+            return 0, False
         first = cache.match_prefix(tokens, namespace) // p
-        if first >= end or not self.breaker.allow():
-            return 0
-        state = self._state
-        state.add("lookups")
+        if first >= end:
+            return 0, False
         keys = self.store_keys(tokens, namespace, first, end)
-        try:
-            held = state.store.exists(keys)
-            run = next((i for i, h in enumerate(held) if not h), len(held))
-            values: list[bytes | None] = []
-            step = max(1, MAX_GET_BYTES // (HEADER + self.page_bytes))
-            for a in range(0, run, step):
-                values.extend(state.store.get(keys[a : min(run, a + step)]))
-        except SharedStoreError as e:
-            state.failed(e)
-            return 0
-        self.breaker.success()
-        payloads = []
-        for k, value in zip(keys, values):
-            payload = self.decode(k, value)
-            if payload is None:
-                if value is not None:  # a bad page: dropped from the store, recomputed
-                    state.add("bad_pages")
-                    state.forget(k)
-                    try:
-                        state.store.delete([k])
-                    except SharedStoreError as e:
-                        state.failed(e)
-                break
-            payloads.append(payload)
-        if not payloads:
-            return 0
-        return self._enter(tokens, namespace, first, payloads, keys)
+        ident = keys[-1]  # the chained hash of the whole prefix: one fetch per prefix
+        lookup = self._lookups.get(ident)
+        if lookup is not None:
+            with self._state.lock:
+                done = lookup.done
+            if not done:
+                return 0, time.monotonic() - lookup.started < self.hold_s
+            del self._lookups[ident]
+            if not lookup.payloads:
+                return 0, False
+            # Pages past a shorter local match than the fetch's are recomputed (none lost).
+            n = self._enter(tokens, namespace, lookup.first, lookup.payloads, lookup.keys)
+            return n, False
+        if self._state.is_missing(keys[0]) or not self.breaker.ready():
+            return 0, False
+        if len(self._lookups) >= MAX_LOOKUPS:
+            self._drop_oldest()
+        lookup = _Lookup(keys, first)
+        self._lookups[ident] = lookup
+        self._reads.put(lookup)
+        return 0, True
+
+    def _drop_oldest(self) -> None:
+        """Forgets the oldest fetches that came back (or, were none back, the oldest ones)."""
+        with self._state.lock:
+            done = [k for k, lk in self._lookups.items() if lk.done]
+        for k in done or list(self._lookups)[: MAX_LOOKUPS // 4]:
+            del self._lookups[k]
 
     def _enter(
         self,
@@ -536,11 +683,17 @@ class SharedTier:
         return out
 
     def close(self) -> None:
-        """Sends what is queued, stops the writer and closes the store's connections."""
+        """Sends what is queued, stops the writer and the reader (after the fetch it is on, if
+        any) and closes the store's connections."""
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
             thread.join()
+            reader, self._reader = self._reader, None
+            if reader is not None:
+                self._reads.put(None)
+                reader.join()
+            self._lookups.clear()
             self._state.store.close()
 
     def __repr__(self) -> str:
