@@ -16,7 +16,7 @@ import pytest
 import radixkv
 from radixkv.kv import shared_tier
 from radixkv.kv.breaker import CLOSED, OPEN, Breaker
-from radixkv.kv.disk_tier import model_fingerprint
+from radixkv.kv.disk_tier import model_fingerprint, page_payload
 from radixkv.kv.kv_cache import KVCache
 from radixkv.kv.shared_store import is_local, redact
 from radixkv.kv.shared_tier import HEADER
@@ -310,6 +310,37 @@ def test_a_page_the_store_lacks_is_not_asked_for_again_at_once(store):
     assert kv.shared.prefetch(prompt, wait_s=5.0) == 0
     assert kv.shared.stats()["lookups"] == 2
     kv.close()
+
+
+def test_a_step_copies_the_pages_it_completed_out_in_one_gather(store, monkeypatch):
+    """Both prompts' pages, prefilled in one step, leave the pool in one gather (one host copy
+    on a device), each row exactly the page's KV; the store then serves them."""
+    make = CACHES[0].values[0]
+    calls = []
+    real = shared_tier.page_payloads
+
+    def spy(kv, k, v, pages):
+        rows = real(kv, k, v, pages)
+        for page, row in zip(pages, rows):
+            assert np.array_equal(row, page_payload(kv, k, v, page))
+        calls.append(len(pages))
+        return rows
+
+    monkeypatch.setattr(shared_tier, "page_payloads", spy)
+    rng = np.random.default_rng(9)
+    a, b = ids(rng, 41), ids(rng, 41)
+    kv = shared_kv(make(), store.url)
+    kv.shared.hold_s = 0  # both admitted at once, without waiting for their (missing) pages
+    engine = radixkv.Engine(MODEL, kv, token_budget=256)
+    sids = [engine.submit(p, max_new_tokens=1, stop=()) for p in (a, b)]
+    engine.run(sids, release=True)
+    kv.shared.flush()
+    assert calls[0] == 2 * 10  # the prefill step: both prompts' 10 full pages, one gather
+    assert kv.shared.stats()["put_pages"] == sum(calls) == 20
+    other, kv_o = replica(make, store.url)
+    assert run(other, np.concatenate([b, ids(rng, 3)])).cached_tokens == 40
+    kv.close()
+    kv_o.close()
 
 
 def test_a_unix_socket_store_with_a_password(tmp_path):

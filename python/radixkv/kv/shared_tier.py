@@ -36,10 +36,11 @@ reuses it rather than inventing a second one:
   the store lacked is remembered for :data:`MISS_TTL_S`, so a request that waits does not ask
   the store again at every step.
 
-Writes are behind the request: ``KVCache.commit`` hands each page a step completed to
-:meth:`SharedTier.publish`, which copies it out of the pool at once (the pool may reuse it)
-unless the store is known to hold it, and a background thread sends the copies in batches
-(``EXISTS`` first, ``SET`` only of the pages the store lacks). A full queue drops pages
+Writes are behind the request: ``KVCache.commit`` hands the pages a step completed to
+:meth:`SharedTier.publish`, which copies those the store is not known to hold out of the pool
+at once (the pool may reuse them) in one gather and one device-to-host copy for the whole
+step, and a background thread makes their values (header, checksum or MAC) and sends them in
+batches (``EXISTS`` first, ``SET`` only of the pages the store lacks). A full queue drops pages
 (counted), it never waits.
 
 Trust: a store anyone can write to could plant KV that a replica then serves. With a secret
@@ -75,7 +76,7 @@ import radixkv
 from radixkv._radixkv import _page_checksum
 from radixkv.kv.breaker import Breaker
 from radixkv.kv.disk import _HEADER_STRUCT, HEADER
-from radixkv.kv.disk_tier import layout_fingerprint, page_payload, scatter_payload
+from radixkv.kv.disk_tier import layout_fingerprint, page_payloads, scatter_payload
 from radixkv.kv.shared_store import SharedStore, SharedStoreError, open_store, redact
 
 #: First bytes of a shared page's header (the disk pool's layout; another magic, since its
@@ -239,9 +240,10 @@ class _State:
             )
 
 
-def _writer(q: queue.Queue[Any], state: _State) -> None:
-    """The background writer: sends queued ``(store_key, value)`` pages in batches (``EXISTS``
-    first, ``SET`` of the missing ones) until ``None``."""
+def _writer(q: queue.Queue[Any], state: _State, codec: _Codec) -> None:
+    """The background writer: encodes queued ``(store_key, payload)`` pages (header,
+    checksum or MAC) and sends them in batches (``EXISTS`` first, ``SET`` of the missing ones)
+    until ``None``."""
     stop = False
     while not stop:
         batch = []
@@ -260,10 +262,13 @@ def _writer(q: queue.Queue[Any], state: _State) -> None:
                 break
         try:
             if batch:
-                _send(batch, state)
+                _send([(k, codec.encode(k, payload)) for k, payload in batch], state)
+        except Exception as e:  # a bug: the pages are dropped, the writer goes on
+            state.unexpected("writing", e)
+            state.add("dropped_pages", len(batch))
         finally:
             with state.lock:
-                state.queued_bytes -= sum(len(v) for _, v in batch)
+                state.queued_bytes -= sum(payload.nbytes for _, payload in batch)
             for _ in batch:
                 q.task_done()
 
@@ -448,12 +453,15 @@ class SharedTier:
         self.address = store.address
         self.breaker = breaker if breaker is not None else Breaker()
         self._state = _State(store, self.breaker)
+        self._codec = _Codec(secret, self.setup, self.page_bytes)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = threading.Thread(
-            target=_writer, args=(self._queue, self._state), name="radixkv-shared", daemon=True
+            target=_writer,
+            args=(self._queue, self._state, self._codec),
+            name="radixkv-shared",
+            daemon=True,
         )
         self._thread.start()
-        self._codec = _Codec(secret, self.setup, self.page_bytes)
         #: Seconds a request is held out of admission, at most, while its pages are fetched
         #: (past it, it is admitted and computes them; the fetch still lands for later ones).
         self.hold_s = HOLD_S
@@ -639,7 +647,8 @@ class SharedTier:
         ends: Sequence[int],
     ) -> int:
         p, kv, state = self.page_size, self.kv, self._state
-        queued = 0
+        keys: list[bytes] = []
+        pages: list[int] = []
         for req, start, end in zip(requests, starts, ends):
             a, b = start // p, end // p
             if b <= a:
@@ -647,22 +656,27 @@ class SharedTier:
             namespace = req.namespace
             if isinstance(namespace, str) and namespace.startswith(PRIVATE_NAMESPACE):
                 continue
-            keys = self.store_keys(req.tokens, namespace, a, b)
-            pages = req.pages.tolist()
-            for i, k in zip(range(a, b), keys):
-                if state.is_known(k):
-                    continue
-                value = self.encode(k, page_payload(kv, kv.k, kv.v, pages[i]))
-                with state.lock:
-                    full = state.queued_bytes + len(value) > MAX_QUEUED_BYTES
-                    if not full:
-                        state.queued_bytes += len(value)
-                if full:
-                    state.add("dropped_pages")
-                    continue
-                self._queue.put((k, value))
-                queued += 1
-        return queued
+            table = req.pages.tolist()
+            for i, k in zip(range(a, b), self.store_keys(req.tokens, namespace, a, b)):
+                if not state.is_known(k):
+                    keys.append(k)
+                    pages.append(table[i])
+        if not keys:
+            return 0
+        with state.lock:  # what the queue has room for (the rest is dropped, counted)
+            room = max(0, (MAX_QUEUED_BYTES - state.queued_bytes) // self.page_bytes)
+            take = min(room, len(keys))
+            state.queued_bytes += take * self.page_bytes
+        if take < len(keys):
+            state.add("dropped_pages", len(keys) - take)
+        if take == 0:
+            return 0
+        # One gather on the pools' device and one copy to the host for the whole step; the
+        # writer thread makes the values (header, checksum or MAC) and sends them.
+        payloads = page_payloads(kv, kv.k, kv.v, pages[:take])
+        for k, payload in zip(keys, payloads):
+            self._queue.put((k, payload))
+        return take
 
     def flush(self) -> None:
         """Waits until every queued page was sent (or dropped)."""
