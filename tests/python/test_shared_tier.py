@@ -98,6 +98,8 @@ def test_pages_one_replica_computed_are_hits_for_another(make, store):
     assert res.cached_tokens >= len(a) // p * p
     s = kv_b.shared.stats()
     assert s["hit_tokens"] == res.cached_tokens and s["bad_pages"] == 0
+    # The engine counts them as the shared tier's, not the disk's.
+    assert engine_b.stats.shared_tokens == res.cached_tokens and engine_b.stats.disk_tokens == 0
     # The fetched pages hold exactly the KV computed for their tokens.
     req = kv_b.cache.admit(turn)
     kv_b.apply_copies()

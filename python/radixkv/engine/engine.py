@@ -102,6 +102,9 @@ class EngineStats:
     disk_tokens: int = 0
     disk_s: float = 0.0
     disk_errors: int = 0
+    #: Shared tier: prompt tokens installed from the shared store (fetched off the step), apart
+    #: from the disk's (``disk_s`` holds the time both took on the engine's thread).
+    shared_tokens: int = 0
 
 
 class Engine:
@@ -836,7 +839,8 @@ class Engine:
         out = False
         try:
             disk, shared, out = self.kv.fetch(seq.target, seq.cache_namespace)
-            self.stats.disk_tokens += disk + shared
+            self.stats.disk_tokens += disk
+            self.stats.shared_tokens += shared
         except (OSError, RuntimeError) as e:
             # A disk that fails to read costs the hit, not the request: its tokens are
             # computed (the cache confirmed nothing it did not read).
