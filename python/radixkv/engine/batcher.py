@@ -117,7 +117,8 @@ class Batcher:
             seq.cache_namespace = seq.namespace
         else:
             seq.cache_namespace = f"{NO_CACHE_NAMESPACE}.{next(self._private)}"
-        if self.hold is not None and self.hold(seq):
+        # A preempted sequence is queued at once (it just held its pages; nothing to wait for).
+        if self.hold is not None and not again and self.hold(seq):
             seq.status = Status.WAITING
             self._held_back[seq.id] = (seq, again)
             return
