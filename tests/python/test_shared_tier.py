@@ -345,6 +345,55 @@ def test_a_step_copies_the_pages_it_completed_out_in_one_gather(store, monkeypat
     kv_o.close()
 
 
+@pytest.mark.parametrize("block_hash", ["blake3", "sha256_cbor"])
+def test_routers_learn_which_pages_the_shared_store_holds(store, block_hash):
+    """The pages a replica put in the store are announced as KV events of their own medium,
+    chained as the device's, so a router can count them for every replica on the store."""
+    pytest.importorskip("zmq", reason="KV events need radixkv[events]")
+    pytest.importorskip("msgspec", reason="KV events need radixkv[events]")
+    from radixkv.events import ZmqPublisher
+    from test_events import receive_all, slow_join, subscriber
+
+    make = CACHES[0].values[0]
+    kv = shared_kv(make(), store.url)
+    engine = radixkv.Engine(MODEL, kv)
+    pub = ZmqPublisher(kv.cache, "tcp://127.0.0.1:*", bind=True, block_hash=block_hash)
+    pub.announce_shared(kv.shared)
+    sub, decoder = subscriber(pub.endpoint, "")
+    try:
+        slow_join(pub, sub, decoder)
+        a = ids(np.random.default_rng(10), 41)
+        run(engine, a, n=1, namespace="tenant-x")
+        kv.shared.flush()
+        assert pub.publish() > 0
+        events = [e for _, batch in receive_all(sub, decoder, pub._seq - 1) for e in batch.events]
+        stored = [e for e in events if type(e).__name__ == "BlockStored"]
+        shared = [e for e in stored if e.medium == "SHARED"]
+        device = [e for e in stored if e.medium == "GPU"]
+        # The prompt's 10 full pages, in order, with their tokens, under the device's hashes.
+        assert [h for e in shared for h in e.block_hashes] == [
+            h for e in device for h in e.block_hashes
+        ]
+        assert len([h for e in shared for h in e.block_hashes]) == 10
+        assert [t for e in shared for t in e.token_ids] == [int(t) for t in a[:40]]
+        if block_hash == "blake3":
+            keys = radixkv.block_hashes(a[:40], 4, "tenant-x")
+            assert [h for e in shared for h in e.block_hashes] == list(keys)
+        # Pages the store is known to hold are not sent, nor announced, again: the next turn
+        # announces its two new pages only, chained onto the last one announced.
+        turn = np.concatenate([a, ids(np.random.default_rng(11), 8)])
+        run(engine, turn, n=1, namespace="tenant-x")
+        kv.shared.flush()
+        keys = radixkv.block_hashes(turn[:48], 4, "tenant-x")
+        ((kind, ns, parent, new, tokens),) = kv.shared.drain_events()
+        assert (kind, ns, parent, new) == ("stored", b"tenant-x", keys[9], keys[10:12])
+        assert tokens.tolist() == turn[40:48].tolist()
+    finally:
+        pub.close()
+        sub.close()
+        kv.close()
+
+
 def test_a_unix_socket_store_with_a_password(tmp_path):
     s = RedisServer(tmp_path, unix=True, password="p4ss-w0rd-xyz")
     try:
@@ -429,6 +478,7 @@ def test_metrics_count_the_shared_tier_and_never_show_the_store(tmp_path):
         assert got("radixkv_kv_shared_bad_pages_total") == 0
         text = prometheus_client.generate_latest(registry).decode()
         assert "m3trics-pw-xyz" not in text and str(s.port) not in text
+        kv_b.shared.flush()  # B's writes land first: its first failure is the read below
         s.stop()
         with pytest.warns(RuntimeWarning, match=r"store failed \(shared store redis://\*\*\*@"):
             run(engine_b, ids(rng, 40))

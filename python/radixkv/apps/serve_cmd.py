@@ -343,6 +343,8 @@ def build(args: argparse.Namespace):
     )
     loop = serve.EngineLoop(engine, max_waiting=args.max_waiting)
     if publisher is not None:
+        if engine.kv.shared is not None:  # what the shared store holds, for routers
+            publisher.announce_shared(engine.kv.shared)
         loop.after_step.append(publisher.publish)
     if engine.kv.disk is not None:
         loop.after_step.append(Saver(engine.kv, args.save_every))

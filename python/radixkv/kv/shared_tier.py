@@ -152,6 +152,11 @@ def _namespace_bytes(namespace: Any) -> bytes:
     return b"b" + bytes(namespace)
 
 
+def _event_namespace(namespace: Any) -> bytes:
+    """A namespace as the cache's events carry it (bytes: a str UTF-8 encoded)."""
+    return namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+
+
 class _State:
     """What the engine's thread and the writer thread share (the writer holds no reference to
     the tier)."""
@@ -164,6 +169,8 @@ class _State:
         self.misses: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         #: Notified whenever a fetch comes back.
         self.fetched = threading.Condition(self.lock)
+        #: KV events of pages the store holds (see ``SharedTier.drain_events``), while recording.
+        self.events: list[tuple[Any, ...]] = []
         self.queued_bytes = 0
         self.warned_unexpected = False
         self.counts = dict.fromkeys(
@@ -261,22 +268,39 @@ def _writer(q: queue.Queue[Any], state: _State, codec: _Codec) -> None:
             except queue.Empty:
                 break
         try:
-            if batch:
-                _send([(k, codec.encode(k, payload)) for k, payload in batch], state)
+            if batch and _send([(k, codec.encode(k, payload)) for k, payload, _ in batch], state):
+                _announce([meta for _, _, meta in batch if meta is not None], state)
         except Exception as e:  # a bug: the pages are dropped, the writer goes on
             state.unexpected("writing", e)
             state.add("dropped_pages", len(batch))
         finally:
             with state.lock:
-                state.queued_bytes -= sum(payload.nbytes for _, payload in batch)
+                state.queued_bytes -= sum(payload.nbytes for _, payload, _ in batch)
             for _ in batch:
                 q.task_done()
 
 
-def _send(batch: list[tuple[bytes, bytes]], state: _State) -> None:
+def _announce(metas: list[tuple[Any, ...]], state: _State) -> None:
+    """Records a ``stored`` event per run of ``metas`` (``(namespace, parent, key, tokens)``
+    of pages the store now holds) that chain one onto the next."""
+    events: list[tuple[Any, ...]] = []
+    for ns, parent, key, tokens in metas:
+        last = events[-1] if events else None
+        if last is not None and last[1] == ns and last[3][-1] == parent:
+            last[3].append(key)
+            last[4].append(tokens)
+        else:
+            events.append(["stored", ns, parent, [key], [tokens]])
+    with state.lock:
+        state.events.extend((k, ns, up, keys, np.concatenate(t)) for k, ns, up, keys, t in events)
+
+
+def _send(batch: list[tuple[bytes, bytes]], state: _State) -> bool:
+    """Sends ``batch`` (``EXISTS``, then ``SET`` of what the store lacks); whether the store
+    holds it all now."""
     if not state.breaker.allow():
         state.add("dropped_pages", len(batch))
-        return
+        return False
     try:
         held = state.store.exists([k for k, _ in batch])
         missing = [(k, v) for (k, v), h in zip(batch, held) if not h]
@@ -284,11 +308,12 @@ def _send(batch: list[tuple[bytes, bytes]], state: _State) -> None:
     except SharedStoreError as e:
         state.failed(e)
         state.add("dropped_pages", len(batch))
-        return
+        return False
     state.breaker.success()
     state.add("put_pages", len(missing))
     state.add("present_pages", len(batch) - len(missing))
     state.remember([k for k, _ in batch])
+    return True
 
 
 class _Codec:
@@ -454,6 +479,7 @@ class SharedTier:
         self.breaker = breaker if breaker is not None else Breaker()
         self._state = _State(store, self.breaker)
         self._codec = _Codec(secret, self.setup, self.page_bytes)
+        self._recording = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = threading.Thread(
             target=_writer,
@@ -488,9 +514,12 @@ class SharedTier:
     ) -> list[bytes]:
         """The store keys of pages ``first..end`` of ``tokens`` in ``namespace``."""
         hashes = radixkv.block_hashes(tokens[: end * self.page_size], self.page_size, namespace)
+        return self._keys_of(hashes[first:end], namespace)
+
+    def _keys_of(self, hashes: Sequence[bytes], namespace: Any) -> list[bytes]:
         ns = _page_checksum(b"radixkv.shared.namespace", _namespace_bytes(namespace))
         head = b"radixkv:" + self.setup[:16].hex().encode() + b":" + ns[:16].hex().encode() + b":"
-        return [head + h.hex().encode() for h in hashes[first:end]]
+        return [head + h.hex().encode() for h in hashes]
 
     def encode(self, store_key: bytes, payload: np.ndarray) -> bytes:
         """The value stored for ``payload`` under ``store_key``: header, then payload."""
@@ -649,6 +678,7 @@ class SharedTier:
         p, kv, state = self.page_size, self.kv, self._state
         keys: list[bytes] = []
         pages: list[int] = []
+        metas: list[tuple[Any, ...] | None] = []
         for req, start, end in zip(requests, starts, ends):
             a, b = start // p, end // p
             if b <= a:
@@ -657,10 +687,18 @@ class SharedTier:
             if isinstance(namespace, str) and namespace.startswith(PRIVATE_NAMESPACE):
                 continue
             table = req.pages.tolist()
-            for i, k in zip(range(a, b), self.store_keys(req.tokens, namespace, a, b)):
+            tokens = req.tokens
+            hashes = radixkv.block_hashes(tokens[: b * p], p, namespace)
+            ns = None if namespace is None else _event_namespace(namespace)
+            for i, k in zip(range(a, b), self._keys_of(hashes[a:b], namespace)):
                 if not state.is_known(k):
                     keys.append(k)
                     pages.append(table[i])
+                    metas.append(
+                        (ns, hashes[i - 1] if i else None, hashes[i], tokens[i * p : (i + 1) * p])
+                        if self._recording
+                        else None
+                    )
         if not keys:
             return 0
         with state.lock:  # what the queue has room for (the rest is dropped, counted)
@@ -674,9 +712,32 @@ class SharedTier:
         # One gather on the pools' device and one copy to the host for the whole step; the
         # writer thread makes the values (header, checksum or MAC) and sends them.
         payloads = page_payloads(kv, kv.k, kv.v, pages[:take])
-        for k, payload in zip(keys, payloads):
-            self._queue.put((k, payload))
+        for k, payload, meta in zip(keys, payloads, metas):
+            self._queue.put((k, payload, meta))
         return take
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def record_events(self, enabled: bool) -> None:
+        """Turns on (or off) recording which pages this replica put in the store (or found
+        there when it went to put them): :meth:`drain_events` hands them over. A router
+        counts such a page as one every replica on the store can fetch
+        (:class:`radixkv.events.ZmqPublisher` sends them with its ``shared_medium``)."""
+        self._recording = bool(enabled)
+        if not enabled:
+            with self._state.lock:
+                self._state.events.clear()
+
+    def drain_events(self) -> list[tuple[Any, ...]]:
+        """The events recorded since the last call, in the cache's format (``("stored",
+        namespace, parent, keys, tokens)``: radixkv block keys, the key before the first or
+        None, their tokens as a numpy array, the namespace as bytes or None), one per chained
+        run of pages the store confirmed holding. The store may evict a page later without an
+        event: a router's count is then an overestimate that a fetch's miss corrects (the
+        request computes the page)."""
+        with self._state.lock:
+            out, self._state.events = self._state.events, []
+        return out
 
     def flush(self) -> None:
         """Waits until every queued page was sent (or dropped)."""
