@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
@@ -32,6 +33,8 @@ SYSTEM = (
     "Tools: read_file(path) returns a file; run(cmd) runs a shell command; search(q) greps the "
     "repository. Prefer reading before running. Never guess a path you have not seen."
 )
+#: The operator's secret both replicas are given (a key file).
+SECRET = b"the operator's secret, 32 bytes."
 #: Seconds one short request may take at most while the store is dead or just restarted.
 #: Generous (not a timing test): a reply of a few tokens takes ~1-3 s here; a replica that
 #: waited on the dead store per request (redis-py's retries: ~4 s a call) would take far more
@@ -42,15 +45,19 @@ BOUND_S = 45.0
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     """``(store, port_a, port_b)``: a redis-server and two replicas on it (tenant header
-    ``X-Tenant``), stopped by PID at the end."""
-    store = RedisServer(tmp_path_factory.mktemp("redis"))
+    ``X-Tenant``; pages carry a MAC under :data:`SECRET`), stopped by PID at the end."""
+    where = tmp_path_factory.mktemp("redis")
+    store = RedisServer(where)
+    key_file = where / "secret"
+    key_file.write_bytes(SECRET)
     procs = []
     try:
         ports = []
         for _ in range(2):
             port = free_port()
             args = ["--num-pages", "512", "--page-size", str(PAGE), "--host-pages", "256"]
-            args += ["--shared-store", store.url, "--tenant-header", "X-Tenant"]
+            args += ["--shared-store", store.url, "--shared-store-key-file", str(key_file)]
+            args += ["--tenant-header", "X-Tenant"]
             procs.append(serve_process.start(port, *args))
             ports.append(port)
         yield store, ports[0], ports[1]
@@ -125,6 +132,54 @@ def test_b_serves_from_the_pages_a_computed_and_another_tenant_gets_none(pool):
     assert cold_cached == 0
     assert text == cold_text
     assert metric(b, "radixkv_kv_shared_bad_pages_total") == 0
+
+
+def new_keys(store: RedisServer, before: set[bytes], pages: int) -> list[bytes]:
+    """The keys the store gained since ``before`` once it holds ``pages`` more (writes are
+    behind the request)."""
+    wait_for_pages(store, len(before) + pages)
+    client = store.client()
+    try:
+        return sorted(set(client.keys(b"radixkv:*")) - before)
+    finally:
+        client.close()
+
+
+def test_a_corrupted_or_forged_page_is_recomputed_with_the_reply_unchanged(pool):
+    """A's pages of two prompts are tampered with in the store: one has a payload byte flipped
+    (its checksum fails), the other is replaced by a forgery (well-formed, for the right key and
+    setup, but its MAC made under another secret). B serves neither: it computes them, and its
+    replies are a cold run's."""
+    from radixkv.kv.shared_tier import _HEADER_STRUCT, HEADER, _Codec
+
+    store, a, b = pool
+    client = store.client()
+    bad_before = metric(b, "radixkv_kv_shared_bad_pages_total")
+    for n, tamper in enumerate(("flip", "forge")):
+        system = f"Tampered pages, case {n}. " + SYSTEM
+        question = "Which tool runs a command?"
+        before = set(client.keys(b"radixkv:*"))
+        first, _ = turns(question, "", "", system)
+        reply, prompt_a, _ = chat(a, first)
+        keys = new_keys(store, before, prompt_a // PAGE)
+        for k in keys:  # every page of the prompt: B's walk stops at the first
+            value = bytearray(client.get(k))
+            if tamper == "flip":
+                value[HEADER + 100] ^= 0x01
+            else:
+                _, _, _, length, setup = _HEADER_STRUCT.unpack_from(bytes(value), 0)
+                forger = _Codec(b"not the operator's secret at all", setup, length)
+                value = bytearray(forger.encode(k, np.zeros(length, np.uint8)))
+            client.set(k, bytes(value))
+        _, second = turns(question, reply, "And which one reads a file?", system)
+        text, _, cached = chat(b, second)
+        # The system prompt is new: B had none of it, and took nothing from the store.
+        assert cached == 0, (tamper, cached)
+        cold_text, _, cold_cached = chat(a, second, tenant=f"cold-{n}")
+        assert cold_cached == 0 and text == cold_text, tamper
+    client.close()
+    assert metric(b, "radixkv_kv_shared_bad_pages_total") >= bad_before + 2
+    assert metric(b, "radixkv_kv_shared_hit_pages_total") >= 1  # from the first test
 
 
 def test_a_store_killed_mid_run_costs_a_bounded_time_and_hits_resume(pool):
