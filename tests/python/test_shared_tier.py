@@ -18,7 +18,7 @@ from radixkv.kv import shared_tier
 from radixkv.kv.breaker import CLOSED, OPEN, Breaker
 from radixkv.kv.disk_tier import model_fingerprint, page_payload
 from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.shared_store import is_local, redact
+from radixkv.kv.shared_store import check_url, is_local, redact
 from radixkv.kv.shared_tier import HEADER
 from redis_server import RedisServer, require
 from test_host_tier import check_cached_kv
@@ -433,6 +433,15 @@ def test_a_store_off_this_machine_needs_a_key_and_urls_are_checked():
         shared_kv(radixkv.RadixCache(8, 4), "redis://127.0.0.1:1", key=b"short")
     with pytest.raises(ValueError, match="needs shared_store"):
         shared_kv(radixkv.RadixCache(8, 4), None, key=SECRET)
+    for bad, what in (
+        ("mooncake://127.0.0.1", "names no master"),
+        ("mooncake://127.0.0.1:1?bogus=1", "unknown option 'bogus'"),
+        ("mooncake://127.0.0.1:1?local_buffer_mb=lots", "whole number of MiB"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            check_url(bad)
+    # Mooncake's transfer listeners bind every address: never taken as local (needs a key).
+    assert not is_local("mooncake://127.0.0.1:50051")
     assert is_local("redis://localhost:1") and is_local("redis://[::1]:1")
     assert is_local("unix:///tmp/x.sock") and not is_local("redis://10.0.0.1:1")
     assert redact("redis://:pw@h:1/0") == "redis://***@h:1/0"

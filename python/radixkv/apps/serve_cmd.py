@@ -100,8 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="a KV tier shared by every replica on the same store: redis://[user:pw@]host:port"
-        "[/db] or unix:///path/to/socket (Redis or Valkey); pages one replica computed are "
-        "hits for the others (default: none)",
+        "[/db] or unix:///path/to/socket (Redis or Valkey), or mooncake://master:port "
+        "(Mooncake Store); pages one replica computed are hits for the others (default: none)",
     )
     p.add_argument(
         "--shared-store-key-file",
