@@ -93,7 +93,7 @@ class Batcher:
         #: Called with each sequence about to be queued, and again at every step while it is
         #: held back: True keeps it out of the scheduler for now (the engine's: its pages are
         #: being fetched from a shared tier); None: nothing is held back.
-        self.hold: Callable[[Sequence], bool] | None = None
+        self.fetching: Callable[[Sequence], bool] | None = None
         #: Sequences held back from the scheduler: sequence id -> (sequence, queued again).
         self._held_back: dict[int, tuple[Sequence, bool]] = {}
         self._sid: dict[int, int] = {}  # sequence id -> scheduler id
@@ -111,14 +111,14 @@ class Batcher:
     def queue(self, seq: Sequence, again: bool = False) -> None:
         """Queues ``seq``'s whole target in the scheduler (``again``: after a preemption, with
         its priority raised by one so that it goes ahead of new arrivals of its priority), or
-        holds it back while :attr:`hold` says so (queued by a later step's
+        holds it back while :attr:`fetching` says so (queued by a later step's
         :meth:`next_batch`)."""
         if self.prefix_caching:
             seq.cache_namespace = seq.namespace
         else:
             seq.cache_namespace = f"{NO_CACHE_NAMESPACE}.{next(self._private)}"
         # A preempted sequence is queued at once (it just held its pages; nothing to wait for).
-        if self.hold is not None and not again and self.hold(seq):
+        if self.fetching is not None and not again and self.fetching(seq):
             seq.status = Status.WAITING
             self._held_back[seq.id] = (seq, again)
             return
@@ -146,7 +146,7 @@ class Batcher:
 
     @property
     def num_held_back(self) -> int:
-        """Sequences held back from the scheduler (see :attr:`hold`)."""
+        """Sequences held back from the scheduler (see :attr:`fetching`)."""
         return len(self._held_back)
 
     @property
@@ -155,10 +155,10 @@ class Batcher:
         return bool(self.running or self.held or self._waiting or self._held_back)
 
     def _queue_held_back(self) -> None:
-        """Queues the held-back sequences :attr:`hold` lets go now (one the scheduler refuses
+        """Queues the held-back sequences :attr:`fetching` lets go now (one the scheduler refuses
         fails)."""
         for seq, again in list(self._held_back.values()):
-            if self.hold is not None and self.hold(seq):
+            if self.fetching is not None and self.fetching(seq):
                 continue
             del self._held_back[seq.id]
             try:

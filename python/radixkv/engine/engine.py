@@ -219,7 +219,7 @@ class Engine:
             if kv.shared is not None:
                 # A request whose pages are being fetched from the shared tier waits out of
                 # the scheduler (up to kv.shared.hold_s) so that its admission finds them.
-                self.batcher.hold = self._prefetch
+                self.batcher.fetching = self._prefetch
         self.sequences: dict[int, Sequence] = {}
         self.release_hooks: list[Callable[[list[Sequence]], None]] = []
         self.stats = EngineStats()
@@ -567,10 +567,10 @@ class Engine:
         except BaseException:
             del self.sequences[seq.id]
             raise
-        if self.batcher.prefetch is not None and self.batcher.hold is None:
+        if self.batcher.prefetch is not None and self.batcher.fetching is None:
             # Its pages on disk come back at once (and again, for what went back while it
             # waited, when it reaches the head of the queue); with a shared tier the
-            # batcher's hold did so while queueing it.
+            # batcher's fetching check did so while queueing it.
             self._prefetch(seq)
         return seq
 
