@@ -1,7 +1,10 @@
 """bench_shared: the shared KV tier on a real ``redis-server`` (started here on a free loopback
-port, stopped by its PID; skipped, saying why, where ``redis-server`` or redis-py is missing).
+port, stopped by its PID; skipped, saying why, where ``redis-server`` or redis-py is missing),
+or on a store the caller runs (``--store URL``: Mooncake Store, ``mooncake://master:port``,
+beside a ``mooncake_client`` holder; nothing in it is flushed).
 
     .venv/bin/python benches/bench_shared.py [--quick] [--threads K] [--replicas R] [--only S]
+        [--store URL]
 
 1. Agent sessions over R replicas, round robin with no affinity (turn k of session s goes to
    replica (s + k) mod R: every turn lands on another replica than the one before), each
@@ -71,11 +74,40 @@ class Store:
     def flush(self) -> None:
         self.client.flushall()
 
+    def used_mb(self) -> float | None:
+        return float(self.client.info("memory")["used_memory"]) / 1e6
+
     def stop(self) -> None:
         self.client.close()
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+#: The secret the replicas share on a store that is not local (a Mooncake store always).
+KEY = b"bench_shared's secret, 32 bytes."
+
+
+def is_local(url: str) -> bool:
+    from radixkv.kv.shared_store import is_local as local
+
+    return local(url)
+
+
+class GivenStore:
+    """A store the caller runs (``--store URL``): nothing is started, flushed or measured."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def flush(self) -> None:
+        pass
+
+    def used_mb(self) -> float | None:
+        return None
+
+    def stop(self) -> None:
+        pass
 
 
 def random_model():
@@ -106,6 +138,7 @@ def make_engine(model, pages: int, page_size: int, url: str | None):
         head_dim,
         fingerprint=model_fingerprint(model) if url else None,
         shared_store=url,
+        shared_store_key=None if url is None or is_local(url) else KEY,
     )
     return radixkv.Engine(model, kv)
 
@@ -126,7 +159,7 @@ def warm(model, page: int) -> None:
 # ---- 1. agent sessions over replicas ---------------------------------------------------------
 
 
-def sessions(args, store: Store) -> None:
+def sessions(args, store: Store | GivenStore) -> None:
     model = random_model()
     vocab = model.config.vocab_size
     r = args.replicas
@@ -193,7 +226,7 @@ def sessions(args, store: Store) -> None:
 # ---- 2. fetch against recompute --------------------------------------------------------------
 
 
-def crossover(args, store: Store) -> None:
+def crossover(args, store: Store | GivenStore) -> None:
     import torch
 
     real = False
@@ -234,7 +267,7 @@ def crossover(args, store: Store) -> None:
             ttft(writer, ctx)
             writer.kv.shared.flush()
             writer.kv.close()
-            mb = store.client.info("memory")["used_memory"] / 1e6
+            mb = store.used_mb()
             fetches, recomputes = [], []
             for _ in range(reps):  # the median of a few: this machine's CPUs are shared
                 reader = make_engine(model, pages, page, store.url)
@@ -250,7 +283,8 @@ def crossover(args, store: Store) -> None:
             if won is None and fetch < recompute:
                 won = n
             ratio = recompute / fetch
-            print(f"{page:>5}{n:>9}{fetch:>10.3f}{recompute:>13.3f}{ratio:>7.1f}x{mb:>9.1f}")
+            held = "-" if mb is None else f"{mb:.1f}"
+            print(f"{page:>5}{n:>9}{fetch:>10.3f}{recompute:>13.3f}{ratio:>7.1f}x{held:>9}")
         where = f"from {won} tokens on (the shortest tried)" if won else "at no length tried"
         print(f"page {page}: a fetch wins {where}")
 
@@ -261,7 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for the model")
     ap.add_argument("--replicas", type=int, default=3, choices=(2, 3, 4))
     ap.add_argument("--only", choices=("sessions", "crossover"), help="one section only")
+    ap.add_argument(
+        "--store",
+        metavar="URL",
+        help="a store you run instead of the redis-server started here (e.g. mooncake://"
+        "127.0.0.1:50051 beside a mooncake_client holder); nothing in it is flushed",
+    )
     args = ap.parse_args(argv)
+    if args.store is not None:
+        return run(args, GivenStore(args.store))
     exe = shutil.which("redis-server")
     if exe is None:
         print("bench_shared: skipped: redis-server is not installed (apt-get install redis-server)")
@@ -271,20 +313,24 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("bench_shared: skipped: redis-py is not installed (pip install 'radixkv[shared]')")
         return 0
+    # SIGTERM ends the run through the finally in run(), which stops the store.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with tempfile.TemporaryDirectory(prefix="bench-shared-") as work:
+        return run(args, Store(exe, Path(work)))
+
+
+def run(args, store: Store | GivenStore) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    # SIGTERM ends the run through the finally below, which stops the store.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with tempfile.TemporaryDirectory(prefix="bench-shared-") as work:
-        store = Store(exe, Path(work))
-        try:
-            if args.only in (None, "sessions"):
-                sessions(args, store)
-            if args.only in (None, "crossover"):
-                crossover(args, store)
-        finally:
-            store.stop()
+    try:
+        print(f"store: {store.url}")
+        if args.only in (None, "sessions"):
+            sessions(args, store)
+        if args.only in (None, "crossover"):
+            crossover(args, store)
+    finally:
+        store.stop()
     return 0
 
 
