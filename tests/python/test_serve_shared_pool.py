@@ -33,6 +33,8 @@ SYSTEM = (
     "Tools: read_file(path) returns a file; run(cmd) runs a shell command; search(q) greps the "
     "repository. Prefer reading before running. Never guess a path you have not seen."
 )
+#: Where replica A publishes its KV events (set by the fixture).
+EVENTS: dict[str, str] = {}
 #: The operator's secret both replicas are given (a key file).
 SECRET = b"the operator's secret, 32 bytes."
 #: Seconds one short request may take at most while the store is dead or just restarted.
@@ -58,8 +60,11 @@ def pool(tmp_path_factory):
             args = ["--num-pages", "512", "--page-size", str(PAGE), "--host-pages", "256"]
             args += ["--shared-store", store.url, "--shared-store-key-file", str(key_file)]
             args += ["--tenant-header", "X-Tenant"]
+            if not ports:  # A publishes its KV events (a unix socket: nothing off this machine)
+                args += ["--kv-events", f"ipc://{where}/events-a"]
             procs.append(serve_process.start(port, *args))
             ports.append(port)
+        EVENTS["a"] = f"ipc://{where}/events-a"
         yield store, ports[0], ports[1]
     finally:
         for proc in procs:
@@ -180,6 +185,54 @@ def test_a_corrupted_or_forged_page_is_recomputed_with_the_reply_unchanged(pool)
     client.close()
     assert metric(b, "radixkv_kv_shared_bad_pages_total") >= bad_before + 2
     assert metric(b, "radixkv_kv_shared_hit_pages_total") >= 1  # from the first test
+
+
+def test_a_router_hears_which_pages_the_store_holds(pool):
+    """A's KV events (``--kv-events``) announce the pages it put in the store as blocks of
+    medium ``SHARED``: the same blocks it announced on its device, which every replica on the
+    store can fetch."""
+    zmq = pytest.importorskip("zmq", reason="--kv-events needs radixkv[events]")
+    pytest.importorskip("msgspec", reason="--kv-events needs radixkv[events]")
+    import msgspec
+
+    from radixkv.events import event_types
+
+    store, a, _ = pool
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "")
+    sub.connect(EVENTS["a"])
+    decoder = msgspec.msgpack.Decoder(event_types()["KVEventBatch"])
+    try:
+        time.sleep(0.5)  # PUB/SUB: what is sent before the subscription is in is dropped
+        client = store.client()
+        before = set(client.keys(b"radixkv:*"))
+        client.close()
+        first, _ = turns("Which tool reads a file?", "", "", "Events. " + SYSTEM)
+        _, prompt_a, _ = chat(a, first)
+        new_keys(store, before, prompt_a // PAGE)
+        # A publishes after its steps: another request's steps carry the pages' events (the
+        # writer confirmed them after the last step of the first).
+        chat(a, [{"role": "user", "content": "Say hi."}], tenant="events")
+        device: set[bytes] = set()
+        shared: list[bytes] = []
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        deadline = time.monotonic() + 20
+        while len(shared) < prompt_a // PAGE:
+            assert time.monotonic() < deadline, (len(shared), prompt_a // PAGE)
+            if not poller.poll(500):
+                chat(a, [{"role": "user", "content": "Say hi."}], tenant="events")
+                continue
+            _, _, payload = sub.recv_multipart()
+            for e in decoder.decode(payload).events:
+                if type(e).__name__ == "BlockStored":
+                    if e.medium == "SHARED":
+                        shared.extend(e.block_hashes)
+                    else:
+                        device.update(e.block_hashes)
+        assert set(shared) <= device
+    finally:
+        sub.close()
 
 
 def test_a_store_killed_mid_run_costs_a_bounded_time_and_hits_resume(pool):
