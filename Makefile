@@ -25,6 +25,9 @@ $(DEPS): requirements-dev.txt
 	# The real store the shared KV tier's tests start (Debian's redis-server; skipped, saying
 	# so, where apt or root is unavailable).
 	.ci/install-redis-server
+	# Mooncake Store's client and its holder, for the shared tier's Mooncake test (best effort:
+	# the test skips, saying so, without them).
+	.ci/install-mooncake $(PY)
 	touch $@
 
 # The extension is built for the stable ABI (_radixkv.abi3.so). Python prefers a version-tagged

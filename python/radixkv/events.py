@@ -43,7 +43,7 @@ hits by the window cut. A cache without a window group sends no group fields, as
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 try:
@@ -75,6 +75,8 @@ BLOCK_HASHES = ("blake3", "sha256_cbor")
 #: The name ``docs/DESIGN``'s contract gives ``block_hash="blake3"``: accepted as the same value.
 BLAKE3_ALIAS = "radixkv"
 
+#: Block hashes of the shared tier's blocks the publisher keeps for ``sha256_cbor`` chains.
+SHARED_HASHES = 1 << 20
 #: The KV cache groups of a cache with a window group, as vLLM numbers and names them:
 #: ``(group_idx, kv_cache_spec_kind)`` of its full pages and of its window pages.
 FULL_GROUP = (0, "full_attention")
@@ -278,6 +280,11 @@ class ZmqPublisher:
         # radixkv key -> sha256_cbor hash of every block announced and not removed, per group.
         self._sha: dict[bytes, bytes] = {}
         self._wsha: dict[bytes, bytes] = {}
+        #: The same for the shared tier's blocks (never removed: bounded, oldest dropped).
+        self._ssha: OrderedDict[bytes, bytes] = OrderedDict()
+        #: The shared tier whose pages are announced too (see :meth:`announce_shared`).
+        self.shared: Any = None
+        self.shared_medium = "SHARED"
         self._seq = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -307,6 +314,22 @@ class ZmqPublisher:
         cache.record_events(True)
         self.closed = False
 
+    def announce_shared(self, shared: Any, medium: str = "SHARED") -> None:
+        """Also announces the pages ``shared`` (a ``KVCache``'s shared tier, ``kv.shared``)
+        put in its store (or found there), as ``BlockStored`` with ``medium`` (a str). Every
+        replica on that store can fetch them, so a prefix-aware router may count them for any
+        of its replicas (a fetch costs less than computing, more than a device hit). The store
+        evicts without events: a router's count may run ahead of it, and a fetch that misses
+        computes the page. Turns recording on in ``shared``."""
+        if not isinstance(medium, str) or not medium:
+            raise ValueError(f"medium must be a non-empty str such as 'SHARED', got {medium!r}")
+        if not hasattr(shared, "drain_events") or not hasattr(shared, "record_events"):
+            raise TypeError(
+                f"shared must be a KVCache's shared tier (kv.shared), got {type(shared).__name__}"
+            )
+        self.shared, self.shared_medium = shared, medium
+        shared.record_events(True)
+
     # ---- events -> vLLM structs ---------------------------------------------------------------
 
     def _ext(self, h: bytes) -> bytes | int:
@@ -322,25 +345,31 @@ class ZmqPublisher:
             out["kv_cache_spec_sliding_window"] = self.window
         return out
 
-    def _stored_event(self, ev: tuple, window: bool) -> Any:
+    def _stored_event(self, ev: tuple, window: bool, shared: bool = False) -> Any:
         """The ``BlockStored`` of a ``stored``/``window_stored`` event (None: a chain whose
-        vLLM hashes cannot be known, below a block announced before recording began)."""
+        vLLM hashes cannot be known, below a block announced before recording began);
+        ``shared``: an event of the shared tier (``shared_medium``)."""
         _, ns, parent, keys, tokens = ev
         tokens = [int(t) for t in tokens]
         p = self.page_size
-        sha_of = self._wsha if window else self._sha
+        sha_of = self._ssha if shared else self._wsha if window else self._sha
         extra = None
         if self.block_hash == "sha256_cbor":
-            # A block's hash depends on its prefix only: a parent known in either group serves.
+            # A block's hash depends on its prefix only: a parent known in any group serves.
             prev = self._none_hash if parent is None else self._sha.get(parent)
             if prev is None:
                 prev = self._wsha.get(parent)
+            if prev is None:
+                prev = self._ssha.get(parent)
             if prev is None:
                 return None
             parent_out: bytes | None = None if parent is None else prev
             salt = ns if parent is None and ns else None
             hashes = _sha256_cbor_chain(prev, tokens[: len(keys) * p], p, salt)
             sha_of.update(zip(keys, hashes))
+            if shared:
+                while len(self._ssha) > SHARED_HASHES:
+                    self._ssha.popitem(last=False)
         else:
             parent_out, hashes = parent, list(keys)
         if parent is None and ns:  # the namespace salts the first block (cache_salt)
@@ -355,7 +384,7 @@ class ZmqPublisher:
             token_ids=tokens,
             block_size=p,
             lora_id=None,
-            medium=self.medium,
+            medium=self.shared_medium if shared else self.medium,
             lora_name=None,
             extra_keys=extra,
             **self._group(window),
@@ -402,6 +431,11 @@ class ZmqPublisher:
         if self.closed:
             raise RuntimeError("publish on a closed ZmqPublisher")
         events = self._convert(self.cache.drain_events())
+        if self.shared is not None:
+            for ev in self.shared.drain_events():
+                stored = self._stored_event(ev, False, shared=True)
+                if stored is not None:
+                    events.append(stored)
         if not events:
             return 0
         batch = self._batch(

@@ -6,16 +6,19 @@ a store off this machine is refused without a key, and credentials never show.""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
 import pytest
 
 import radixkv
+from radixkv.kv import shared_tier
 from radixkv.kv.breaker import CLOSED, OPEN, Breaker
-from radixkv.kv.disk_tier import model_fingerprint
+from radixkv.kv.disk_tier import model_fingerprint, page_payload
 from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.shared_store import is_local, redact
+from radixkv.kv.shared_store import check_url, is_local, redact
 from radixkv.kv.shared_tier import HEADER
 from redis_server import RedisServer, require
 from test_host_tier import check_cached_kv
@@ -95,6 +98,8 @@ def test_pages_one_replica_computed_are_hits_for_another(make, store):
     assert res.cached_tokens >= len(a) // p * p
     s = kv_b.shared.stats()
     assert s["hit_tokens"] == res.cached_tokens and s["bad_pages"] == 0
+    # The engine counts them as the shared tier's, not the disk's.
+    assert engine_b.stats.shared_tokens == res.cached_tokens and engine_b.stats.disk_tokens == 0
     # The fetched pages hold exactly the KV computed for their tokens.
     req = kv_b.cache.admit(turn)
     kv_b.apply_copies()
@@ -230,6 +235,165 @@ def test_a_dead_store_costs_a_bounded_time_and_hits_resume(store):
         kv.close()
 
 
+def steps_until_done(engine, sids) -> tuple[dict[int, radixkv.Result], float]:
+    """Steps ``engine`` until ``sids`` ended: their results, and the longest step (seconds)."""
+    done: dict[int, radixkv.Result] = {}
+    longest = 0.0
+    while len(done) < len(sids):
+        t = time.perf_counter()
+        for r in engine.step():
+            done[r.id] = r
+        longest = max(longest, time.perf_counter() - t)
+    return done, longest
+
+
+def test_a_hung_store_never_delays_a_step_and_hits_still_happen(store):
+    """The store is frozen (SIGSTOP: connections open, nothing answers, as a hung or
+    overloaded server): the engine's steps never wait on it, every request completes with a
+    cold run's tokens, and once it answers again its pages are hits."""
+    make = CACHES[0].values[0]
+    rng = np.random.default_rng(7)
+    a, c, d = ids(rng, 64), ids(rng, 64), ids(rng, 64)
+    engine_a, kv_a = replica(make, store.url)
+    for prompt in (a, c, d):
+        run(engine_a, prompt)
+    kv_a.shared.flush()
+    engine_b, kv_b = replica(make, store.url)
+    kv_b.shared.breaker.cooldown_s = 0.2
+    # While the store answers: fetched off the step, installed by one, found as hits.
+    turn = np.concatenate([a, ids(rng, 5)])
+    sid = engine_b.submit(turn, max_new_tokens=4, stop=())
+    done, _ = steps_until_done(engine_b, [sid])
+    assert done[sid].cached_tokens == 64 and done[sid].output == dense_greedy(MODEL, turn, 4)
+    os.kill(store.proc.pid, signal.SIGSTOP)
+    try:
+        prompts = [np.concatenate([c, ids(rng, 5)]), ids(rng, 50), ids(rng, 30)]
+        t = time.perf_counter()
+        sids = [engine_b.submit(p, max_new_tokens=4, stop=()) for p in prompts]
+        submit_s = time.perf_counter() - t
+        done, longest = steps_until_done(engine_b, sids)
+        # Generous bound (not a timing test): a step of the tiny model takes milliseconds; one
+        # that called the frozen store would wait out its 1 s timeout.
+        assert longest < 0.5 and submit_s < 0.5, (longest, submit_s)
+        for sid, prompt in zip(sids, prompts):
+            assert done[sid].output == dense_greedy(MODEL, prompt, 4)
+            assert done[sid].cached_tokens == 0
+    finally:
+        os.kill(store.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while kv_b.shared.fetching:  # the reader's call into the frozen store times out
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert kv_b.shared.stats()["errors"] >= 1
+    time.sleep(0.3)  # past B's cooldown: its next call probes the store
+    turn = np.concatenate([d, ids(rng, 5)])
+    res = run(engine_b, turn)
+    assert res.cached_tokens == 64 and res.output == dense_greedy(MODEL, turn, 4)
+    assert kv_b.shared.breaker.state == CLOSED
+    kv_a.close()
+    kv_b.close()
+
+
+def test_a_page_the_store_lacks_is_not_asked_for_again_at_once(store):
+    """A waiting request is polled at every step; the page its fetch found missing is not
+    asked for again until the miss expires."""
+    make = CACHES[0].values[0]
+    kv = shared_kv(make(), store.url)
+    prompt = ids(np.random.default_rng(8), 40)
+    assert kv.shared.poll(prompt) == (0, True)  # the fetch starts, off this thread
+    assert kv.shared.prefetch(prompt, wait_s=5.0) == 0  # back: a miss
+    assert kv.shared.stats()["lookups"] == 1
+    for _ in range(20):
+        assert kv.shared.poll(prompt) == (0, False)
+    assert kv.shared.stats()["lookups"] == 1 and not kv.shared.fetching
+    # Once it expires the store is asked again (it may hold the page by then).
+    time.sleep(shared_tier.MISS_TTL_S + 0.05)
+    assert kv.shared.poll(prompt) == (0, True)
+    assert kv.shared.prefetch(prompt, wait_s=5.0) == 0
+    assert kv.shared.stats()["lookups"] == 2
+    kv.close()
+
+
+def test_a_step_copies_the_pages_it_completed_out_in_one_gather(store, monkeypatch):
+    """Both prompts' pages, prefilled in one step, leave the pool in one gather (one host copy
+    on a device), each row exactly the page's KV; the store then serves them."""
+    make = CACHES[0].values[0]
+    calls = []
+    real = shared_tier.page_payloads
+
+    def spy(kv, k, v, pages):
+        rows = real(kv, k, v, pages)
+        for page, row in zip(pages, rows):
+            assert np.array_equal(row, page_payload(kv, k, v, page))
+        calls.append(len(pages))
+        return rows
+
+    monkeypatch.setattr(shared_tier, "page_payloads", spy)
+    rng = np.random.default_rng(9)
+    a, b = ids(rng, 41), ids(rng, 41)
+    kv = shared_kv(make(), store.url)
+    kv.shared.hold_s = 0  # both admitted at once, without waiting for their (missing) pages
+    engine = radixkv.Engine(MODEL, kv, token_budget=256)
+    sids = [engine.submit(p, max_new_tokens=1, stop=()) for p in (a, b)]
+    engine.run(sids, release=True)
+    kv.shared.flush()
+    assert calls[0] == 2 * 10  # the prefill step: both prompts' 10 full pages, one gather
+    assert kv.shared.stats()["put_pages"] == sum(calls) == 20
+    other, kv_o = replica(make, store.url)
+    assert run(other, np.concatenate([b, ids(rng, 3)])).cached_tokens == 40
+    kv.close()
+    kv_o.close()
+
+
+@pytest.mark.parametrize("block_hash", ["blake3", "sha256_cbor"])
+def test_routers_learn_which_pages_the_shared_store_holds(store, block_hash):
+    """The pages a replica put in the store are announced as KV events of their own medium,
+    chained as the device's, so a router can count them for every replica on the store."""
+    pytest.importorskip("zmq", reason="KV events need radixkv[events]")
+    pytest.importorskip("msgspec", reason="KV events need radixkv[events]")
+    from radixkv.events import ZmqPublisher
+    from test_events import receive_all, slow_join, subscriber
+
+    make = CACHES[0].values[0]
+    kv = shared_kv(make(), store.url)
+    engine = radixkv.Engine(MODEL, kv)
+    pub = ZmqPublisher(kv.cache, "tcp://127.0.0.1:*", bind=True, block_hash=block_hash)
+    pub.announce_shared(kv.shared)
+    sub, decoder = subscriber(pub.endpoint, "")
+    try:
+        slow_join(pub, sub, decoder)
+        a = ids(np.random.default_rng(10), 41)
+        run(engine, a, n=1, namespace="tenant-x")
+        kv.shared.flush()
+        assert pub.publish() > 0
+        events = [e for _, batch in receive_all(sub, decoder, pub._seq - 1) for e in batch.events]
+        stored = [e for e in events if type(e).__name__ == "BlockStored"]
+        shared = [e for e in stored if e.medium == "SHARED"]
+        device = [e for e in stored if e.medium == "GPU"]
+        # The prompt's 10 full pages, in order, with their tokens, under the device's hashes.
+        assert [h for e in shared for h in e.block_hashes] == [
+            h for e in device for h in e.block_hashes
+        ]
+        assert len([h for e in shared for h in e.block_hashes]) == 10
+        assert [t for e in shared for t in e.token_ids] == [int(t) for t in a[:40]]
+        if block_hash == "blake3":
+            keys = radixkv.block_hashes(a[:40], 4, "tenant-x")
+            assert [h for e in shared for h in e.block_hashes] == list(keys)
+        # Pages the store is known to hold are not sent, nor announced, again: the next turn
+        # announces its two new pages only, chained onto the last one announced.
+        turn = np.concatenate([a, ids(np.random.default_rng(11), 8)])
+        run(engine, turn, n=1, namespace="tenant-x")
+        kv.shared.flush()
+        keys = radixkv.block_hashes(turn[:48], 4, "tenant-x")
+        ((kind, ns, parent, new, tokens),) = kv.shared.drain_events()
+        assert (kind, ns, parent, new) == ("stored", b"tenant-x", keys[9], keys[10:12])
+        assert tokens.tolist() == turn[40:48].tolist()
+    finally:
+        pub.close()
+        sub.close()
+        kv.close()
+
+
 def test_a_unix_socket_store_with_a_password(tmp_path):
     s = RedisServer(tmp_path, unix=True, password="p4ss-w0rd-xyz")
     try:
@@ -269,6 +433,15 @@ def test_a_store_off_this_machine_needs_a_key_and_urls_are_checked():
         shared_kv(radixkv.RadixCache(8, 4), "redis://127.0.0.1:1", key=b"short")
     with pytest.raises(ValueError, match="needs shared_store"):
         shared_kv(radixkv.RadixCache(8, 4), None, key=SECRET)
+    for bad, what in (
+        ("mooncake://127.0.0.1", "names no master"),
+        ("mooncake://127.0.0.1:1?bogus=1", "unknown option 'bogus'"),
+        ("mooncake://127.0.0.1:1?local_buffer_mb=lots", "whole number of MiB"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            check_url(bad)
+    # Mooncake's transfer listeners bind every address: never taken as local (needs a key).
+    assert not is_local("mooncake://127.0.0.1:50051")
     assert is_local("redis://localhost:1") and is_local("redis://[::1]:1")
     assert is_local("unix:///tmp/x.sock") and not is_local("redis://10.0.0.1:1")
     assert redact("redis://:pw@h:1/0") == "redis://***@h:1/0"
@@ -314,7 +487,7 @@ def test_metrics_count_the_shared_tier_and_never_show_the_store(tmp_path):
         assert got("radixkv_kv_shared_bad_pages_total") == 0
         text = prometheus_client.generate_latest(registry).decode()
         assert "m3trics-pw-xyz" not in text and str(s.port) not in text
-        kv_b.shared.flush()  # no put of B's still in flight to meet the dead store first
+        kv_b.shared.flush()  # B's writes land first: its first failure is the read below
         s.stop()
         with pytest.warns(RuntimeWarning, match=r"store failed \(shared store redis://\*\*\*@"):
             run(engine_b, ids(rng, 40))

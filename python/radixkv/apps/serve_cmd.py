@@ -103,8 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="a KV tier shared by every replica on the same store: redis://[user:pw@]host:port"
-        "[/db] or unix:///path/to/socket (Redis or Valkey); pages one replica computed are "
-        "hits for the others (default: none)",
+        "[/db] or unix:///path/to/socket (Redis or Valkey), or mooncake://master:port "
+        "(Mooncake Store); pages one replica computed are hits for the others (default: none)",
     )
     p.add_argument(
         "--shared-store-key-file",
@@ -519,6 +519,8 @@ def build(args: argparse.Namespace):
     )
     loop = serve.EngineLoop(engine, max_waiting=args.max_waiting)
     if publisher is not None:
+        if engine.kv.shared is not None:  # what the shared store holds, for routers
+            publisher.announce_shared(engine.kv.shared)
         loop.after_step.append(publisher.publish)
     if engine.kv.disk is not None:
         loop.after_step.append(Saver(engine.kv, args.save_every))

@@ -90,6 +90,12 @@ class Batcher:
         #: Called with each sequence at the head of the queue before an admission (the
         #: engine's read-back from a disk tier); None: nothing.
         self.prefetch: Callable[[Sequence], object] | None = None
+        #: Called with each sequence about to be queued, and again at every step while it is
+        #: held back: True keeps it out of the scheduler for now (the engine's: its pages are
+        #: being fetched from a shared tier); None: nothing is held back.
+        self.fetching: Callable[[Sequence], bool] | None = None
+        #: Sequences held back from the scheduler: sequence id -> (sequence, queued again).
+        self._held_back: dict[int, tuple[Sequence, bool]] = {}
         self._sid: dict[int, int] = {}  # sequence id -> scheduler id
         self._private = itertools.count()
 
@@ -104,11 +110,21 @@ class Batcher:
 
     def queue(self, seq: Sequence, again: bool = False) -> None:
         """Queues ``seq``'s whole target in the scheduler (``again``: after a preemption, with
-        its priority raised by one so that it goes ahead of new arrivals of its priority)."""
+        its priority raised by one so that it goes ahead of new arrivals of its priority), or
+        holds it back while :attr:`fetching` says so (queued by a later step's
+        :meth:`next_batch`)."""
         if self.prefix_caching:
             seq.cache_namespace = seq.namespace
         else:
             seq.cache_namespace = f"{NO_CACHE_NAMESPACE}.{next(self._private)}"
+        # A preempted sequence is queued at once (it just held its pages; nothing to wait for).
+        if self.fetching is not None and not again and self.fetching(seq):
+            seq.status = Status.WAITING
+            self._held_back[seq.id] = (seq, again)
+            return
+        self._add(seq, again)
+
+    def _add(self, seq: Sequence, again: bool) -> None:
         sid = self.scheduler.add(
             seq.target,
             namespace=seq.cache_namespace,
@@ -120,18 +136,35 @@ class Batcher:
         self._sid[seq.id] = sid
 
     def is_queued(self, seq: Sequence) -> bool:
-        """Whether ``seq`` waits in the scheduler's queue."""
-        return seq.id in self._sid
+        """Whether ``seq`` waits in the scheduler's queue (or is held back from it)."""
+        return seq.id in self._sid or seq.id in self._held_back
 
     @property
     def num_waiting(self) -> int:
-        """Sequences queued in the scheduler."""
-        return len(self._waiting)
+        """Sequences queued in the scheduler or held back from it."""
+        return len(self._waiting) + len(self._held_back)
+
+    @property
+    def num_held_back(self) -> int:
+        """Sequences held back from the scheduler (see :attr:`fetching`)."""
+        return len(self._held_back)
 
     @property
     def has_work(self) -> bool:
         """Whether any sequence waits, runs or is held."""
-        return bool(self.running or self.held or self._waiting)
+        return bool(self.running or self.held or self._waiting or self._held_back)
+
+    def _queue_held_back(self) -> None:
+        """Queues the held-back sequences :attr:`fetching` lets go now (one the scheduler refuses
+        fails)."""
+        for seq, again in list(self._held_back.values()):
+            if self.fetching is not None and self.fetching(seq):
+                continue
+            del self._held_back[seq.id]
+            try:
+                self._add(seq, again)
+            except CALL_ERRORS as e:
+                self.fail(seq, e)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -144,6 +177,8 @@ class Batcher:
         batch: list[Sequence] = []
         if self._unclosed:
             self.retry_aborts()
+        if self._held_back:
+            self._queue_held_back()
         try:
             self._grow_running(batch)
             self._admit(batch)
@@ -338,6 +373,7 @@ class Batcher:
         whole. A ``finish`` call that raises one of :data:`CALL_ERRORS` aborts the request
         instead and ends ``seq`` with ``finish_reason="error"`` and that exception."""
         was = seq.status
+        self._held_back.pop(seq.id, None)
         sid = self._sid.pop(seq.id, None)
         if sid is not None:
             del self._waiting[sid]
@@ -373,7 +409,7 @@ class Batcher:
         self.num_ended += 1
         if was is not Status.HELD:
             for child in seq.children:
-                if not child.done and child.id not in self._sid:
+                if not child.done and not self.is_queued(child):
                     self._queue_or_fail(child)
         if unexpected is not None:
             raise unexpected

@@ -104,6 +104,9 @@ class EngineStats:
     disk_tokens: int = 0
     disk_s: float = 0.0
     disk_errors: int = 0
+    #: Shared tier: prompt tokens installed from the shared store (fetched off the step), apart
+    #: from the disk's (``disk_s`` holds the time both took on the engine's thread).
+    shared_tokens: int = 0
 
 
 class Engine:
@@ -225,6 +228,10 @@ class Engine:
         )
         if (kv.disk is not None or kv.shared is not None) and self.prefix_caching:
             self.batcher.prefetch = self._prefetch
+            if kv.shared is not None:
+                # A request whose pages are being fetched from the shared tier waits out of
+                # the scheduler (up to kv.shared.hold_s) so that its admission finds them.
+                self.batcher.fetching = self._prefetch
         self.sequences: dict[int, Sequence] = {}
         self.release_hooks: list[Callable[[list[Sequence]], None]] = []
         self.stats = EngineStats()
@@ -588,9 +595,10 @@ class Engine:
         except BaseException:
             del self.sequences[seq.id]
             raise
-        if self.batcher.prefetch is not None:
+        if self.batcher.prefetch is not None and self.batcher.fetching is None:
             # Its pages on disk come back at once (and again, for what went back while it
-            # waited, when it reaches the head of the queue).
+            # waited, when it reaches the head of the queue); with a shared tier the
+            # batcher's fetching check did so while queueing it.
             self._prefetch(seq)
         return seq
 
@@ -885,13 +893,19 @@ class Engine:
                 raise
             raise err from e
 
-    def _prefetch(self, seq: Sequence) -> None:
-        """Reads back from the disk tier (and the shared tier) the pages of ``seq`` (waiting,
-        about to be ranked for admission) that memory lacks: its admission finds them as hits.
-        The shared tier never raises for its store (it counts failures itself)."""
+    def _prefetch(self, seq: Sequence) -> bool:
+        """Reads back from the disk tier the pages of ``seq`` (waiting, about to be ranked for
+        admission) that memory lacks, and installs what the shared tier fetched of them or
+        starts that fetch (on its own thread: the step never waits on the store): its
+        admission finds them as hits. Returns whether a shared fetch for it is still out (the
+        batcher then holds it back). The shared tier never raises for its store (it counts
+        failures itself)."""
         t = time.perf_counter()
+        out = False
         try:
-            self.stats.disk_tokens += self.kv.prefetch(seq.target, seq.cache_namespace)
+            disk, shared, out = self.kv.fetch(seq.target, seq.cache_namespace)
+            self.stats.disk_tokens += disk
+            self.stats.shared_tokens += shared
         except (OSError, RuntimeError) as e:
             # A disk that fails to read costs the hit, not the request: its tokens are
             # computed (the cache confirmed nothing it did not read).
@@ -903,6 +917,7 @@ class Engine:
                     stacklevel=2,
                 )
         self.stats.disk_s += time.perf_counter() - t
+        return out
 
     def _check_step(self, batch: list[Sequence]) -> None:
         """With a group: the ranks compare their batch (and every ``digest_every`` steps their
@@ -938,6 +953,11 @@ class Engine:
         self._check_step(batch)
         if self.lockstep is not None and self.lockstep.check_tokens:
             self._sampled = []
+        if not batch and self.batcher.num_held_back and self.kv.shared is not None:
+            # Nothing to compute but requests whose pages are on the way: no stall; wait a
+            # moment for a fetch to come back rather than spin.
+            self.kv.shared.wait(HELD_BACK_WAIT_S)
+            return self._with_failed([])
         if not batch:
             if self._sampled is not None:
                 self.lockstep.check_sampled(self._sampled)  # type: ignore[union-attr]
@@ -1358,6 +1378,8 @@ def _submit_defaults(params: dict) -> dict:
     return {n: params.get(n, sig.parameters[n].default) for n in names}
 
 
+#: Seconds a step with nothing to compute waits for a shared fetch of a held-back request.
+HELD_BACK_WAIT_S = 0.005
 #: ``max_new_tokens`` bound (exclusive): what the :class:`radixkv.Scheduler` takes.
 MAX_NEW_TOKENS_LIMIT = 2**32
 #: ``seed`` range: what ``torch.Generator.manual_seed`` takes without wrapping around.

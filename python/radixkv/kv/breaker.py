@@ -55,6 +55,14 @@ class Breaker:
                 return True  # the one probe
             return False
 
+    def ready(self) -> bool:
+        """Whether :meth:`allow` would let a call through now, without taking the probe (the
+        engine's thread asks before handing work to the thread that calls the store)."""
+        with self._lock:
+            if self.state == CLOSED:
+                return True
+            return self.state == OPEN and self._clock() - self._opened_at >= self.cooldown_s
+
     def success(self) -> None:
         """The call answered: the breaker closes."""
         with self._lock:

@@ -204,6 +204,29 @@ def page_payload(kv: Any, k: list[torch.Tensor], v: list[torch.Tensor], page: in
     return out.contiguous().view(torch.uint8).numpy().reshape(-1).copy()
 
 
+def page_payloads(
+    kv: Any, k: list[torch.Tensor], v: list[torch.Tensor], pages: Sequence[int]
+) -> np.ndarray:
+    """Every layer's K and V of each of ``pages`` of the pools ``k``/``v`` of ``kv``, as one
+    fresh uint8 array ``[len(pages), page bytes]`` whose row ``i`` is
+    ``page_payload(kv, k, v, pages[i])``: gathered on the pools' device (one ``index_select``
+    per layer and K/V) and copied to the host once, not once per page."""
+    p, n = kv.page_size, len(pages)
+    if n == 0:
+        return np.zeros((0, 0), np.uint8)
+    idx = torch.as_tensor(list(pages), dtype=torch.long, device=k[0].device)
+    shape = (-1, p, kv.num_kv_heads, kv.head_dim)
+    parts = [
+        t.view(shape).index_select(0, idx)
+        for layer in range(kv.num_layers)
+        for t in (k[layer], v[layer])
+    ]
+    out = torch.stack(parts, dim=1)  # [pages, 2 * layers, page, heads, dim]
+    if out.device.type != "cpu":
+        out = out.cpu()
+    return out.contiguous().view(torch.uint8).numpy().reshape(n, -1)
+
+
 def scatter_payload(
     kv: Any, payload: np.ndarray, k: list[torch.Tensor], v: list[torch.Tensor], page: int
 ) -> None:

@@ -708,15 +708,34 @@ class KVCache:
             i = j
         return done
 
-    def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any = None) -> int:
+    def fetch(
+        self, tokens: Sequence[int] | np.ndarray, namespace: Any = None
+    ) -> tuple[int, int, bool]:
+        """Reads back from the disk tier the pages of ``tokens`` the device and host tiers
+        lack, and installs what the shared tier fetched of them or starts that fetch (never
+        waiting on the store: :meth:`radixkv.kv.shared_tier.SharedTier.poll`). Returns
+        ``(tokens from disk, tokens from the shared tier, whether a shared fetch for them is
+        still out)``: the engine holds such a request out of admission a little while, so
+        that it finds them as hits. ``(0, 0, False)`` without those tiers."""
+        d = 0 if self.disk is None else self.disk.prefetch(tokens, namespace)
+        if self.shared is None:
+            return d, 0, False
+        n, out = self.shared.poll(tokens, namespace)
+        return d, n, out
+
+    def prefetch(
+        self, tokens: Sequence[int] | np.ndarray, namespace: Any = None, wait_s: float = 0.0
+    ) -> int:
         """Reads back from the disk tier, then from the shared tier, the pages of ``tokens``
         the device and host tiers lack, so that admitting ``tokens`` next finds them; returns
-        how many tokens came back from either. 0 without those tiers. See
+        how many tokens came back from either. The shared tier's fetch runs on its own
+        thread: ``wait_s`` is how long to wait for it (0: install what came back before, start
+        the fetch otherwise). 0 without those tiers. See
         :meth:`radixkv.kv.disk_tier.DiskTier.prefetch` and
         :meth:`radixkv.kv.shared_tier.SharedTier.prefetch`."""
         n = 0 if self.disk is None else self.disk.prefetch(tokens, namespace)
         if self.shared is not None:
-            n += self.shared.prefetch(tokens, namespace)
+            n += self.shared.prefetch(tokens, namespace, wait_s)
         return n
 
     def save(self) -> int:

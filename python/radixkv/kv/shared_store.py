@@ -10,6 +10,15 @@ Backends, chosen by the URL's scheme (:func:`open_store`):
   dead store costs milliseconds a call (redis-py's default retries cost seconds), and the
   tier's circuit breaker stops calling it at all until it comes back.
 
+- ``mooncake://master_host:port[?local_hostname=H&protocol=tcp&metadata=P2PHANDSHAKE
+  &local_buffer_mb=N&global_segment_mb=N]``: Mooncake Store (its master at ``host:port``),
+  through its Python client (PyPI ``mooncake-transfer-engine-non-cuda`` on a CPU machine, or a
+  CUDA build; Debian's ``libibverbs1``). The client connects on the first call (a master that
+  is down is no error when the tier is made); ``global_segment_mb`` (default 0) is memory this
+  process lends the store, which goes with it: run a ``mooncake_client`` holder beside the
+  master so that the pages outlive any replica. Mooncake's transfer listeners bind every
+  address of the machine.
+
 Store credentials (a Redis AUTH password or ACL user) live in the URL, or in the file a server
 is given; they are never printed: :func:`redact` is what error messages, logs, metrics and
 ``repr`` show of a URL.
@@ -18,6 +27,7 @@ is given; they are never printed: :func:`redact` is what error messages, logs, m
 from __future__ import annotations
 
 import ipaddress
+import threading
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -26,6 +36,15 @@ import radixkv
 
 #: URL schemes of the RESP backend.
 RESP_SCHEMES = ("redis", "rediss", "unix")
+#: URL scheme of the Mooncake Store backend, and the query keys it takes.
+MOONCAKE_SCHEME = "mooncake"
+MOONCAKE_OPTIONS = (
+    "local_hostname",
+    "protocol",
+    "metadata",
+    "local_buffer_mb",
+    "global_segment_mb",
+)
 #: Seconds a RESP call may wait for the store's answer, and for a connection, by default.
 TIMEOUT_S = 1.0
 CONNECT_TIMEOUT_S = 0.25
@@ -86,11 +105,18 @@ def _port(parts: urllib.parse.SplitResult) -> int | None:
 
 def is_local(url: str) -> bool:
     """Whether ``url`` names a store reachable from this machine only: a unix socket, or a
-    host that is ``localhost`` or a loopback address (``127.0.0.0/8``, ``::1``)."""
+    host that is ``localhost`` or a loopback address (``127.0.0.0/8``, ``::1``). A Mooncake
+    Store never is: its transfer listeners bind every address of the machine, so other
+    machines can write into the segments (it needs a key)."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "unix":
         return True
-    host = parts.hostname or ""
+    if parts.scheme == MOONCAKE_SCHEME:
+        return False
+    return _loopback(parts.hostname or "")
+
+
+def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -109,11 +135,14 @@ def check_url(url: Any) -> str:
         port = parts.port
     except ValueError as e:
         raise ValueError(f"shared store URL {redact(url)!r} is not a valid URL: {e}") from None
-    if parts.scheme not in RESP_SCHEMES:
+    if parts.scheme not in (*RESP_SCHEMES, MOONCAKE_SCHEME):
         raise ValueError(
             f"shared store URL {redact(url)!r} has scheme {parts.scheme!r}: use redis://host:port "
-            "(Redis or Valkey), rediss:// (TLS) or unix:///path/to/socket"
+            "(Redis or Valkey), rediss:// (TLS), unix:///path/to/socket or "
+            "mooncake://master:port (Mooncake Store)"
         )
+    if parts.scheme == MOONCAKE_SCHEME:
+        mooncake_options(url)
     if parts.scheme == "unix":
         if not parts.path:
             raise ValueError(
@@ -132,7 +161,42 @@ def open_store(
     bad URL, ``ImportError`` naming the extra when its client library is missing. Nothing is
     sent to the store yet (a store that is down is no error here)."""
     check_url(url)
+    if urllib.parse.urlsplit(url).scheme == MOONCAKE_SCHEME:
+        return MooncakeStore(url)
     return RespStore(url, timeout_s, connect_timeout_s)
+
+
+def mooncake_options(url: str) -> dict[str, Any]:
+    """The Mooncake client's setup of ``url`` (``mooncake://master:port?...``): the master's
+    address and the query's options with their defaults; ``ValueError`` naming the URL and the
+    option that is unknown or bad."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname or _port(parts) is None:
+        raise ValueError(
+            f"shared store URL {redact(url)!r} names no master: use mooncake://host:port"
+        )
+    query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    unknown = sorted(set(query) - set(MOONCAKE_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"shared store URL {redact(url)!r}: unknown option {unknown[0]!r} (known: "
+            f"{', '.join(MOONCAKE_OPTIONS)})"
+        )
+    out: dict[str, Any] = {
+        "master": f"{parts.hostname}:{parts.port}",
+        "local_hostname": query.get("local_hostname", "127.0.0.1"),
+        "protocol": query.get("protocol", "tcp"),
+        "metadata": query.get("metadata", "P2PHANDSHAKE"),
+    }
+    for name, default in (("local_buffer_mb", 64), ("global_segment_mb", 0)):
+        text = query.get(name, str(default))
+        if not text.isdigit():
+            raise ValueError(
+                f"shared store URL {redact(url)!r}: {name} must be a whole number of MiB, got "
+                f"{text!r}"
+            )
+        out[name] = int(text)
+    return out
 
 
 class RespStore:
@@ -212,3 +276,96 @@ class RespStore:
 
     def __repr__(self) -> str:
         return f"RespStore({self.address!r})"
+
+
+class MooncakeStore:
+    """Mooncake Store through its Python client (``mooncake.store``): batched ``EXISTS``,
+    ``GET`` and ``PUT``, one call each; the client is set up on the first call (and again after
+    a failed setup). Calls are serialized by a lock (the tier's reader and writer threads
+    share the client). A negative status from the client is a :class:`SharedStoreError`
+    naming the call and the status. Deleting is best effort: Mooncake keeps an object for its
+    lease (10 s by default) after a read."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ImportError(
+                "a mooncake:// shared store needs Mooncake's Python client (pip install "
+                f"mooncake-transfer-engine-non-cuda, and Debian's libibverbs1): {e}"
+            ) from None
+        self._options = mooncake_options(url)
+        self.address = redact(url)
+        self.local = is_local(url)
+        self._make = MooncakeDistributedStore
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _store(self) -> Any:
+        if self._client is None:
+            o = self._options
+            client = self._make()
+            rc = client.setup(
+                o["local_hostname"],
+                o["metadata"],
+                o["global_segment_mb"] * 2**20,
+                o["local_buffer_mb"] * 2**20,
+                o["protocol"],
+                "",
+                o["master"],
+            )
+            if rc != 0:
+                raise SharedStoreError(
+                    f"shared store {self.address}: connecting to the master {o['master']} failed "
+                    f"(status {rc})"
+                )
+            self._client = client
+        return self._client
+
+    def _call(self, what: str, fn: Any) -> Any:
+        with self._lock:
+            try:
+                return fn(self._store())
+            except SharedStoreError:
+                raise
+            except (RuntimeError, OSError, ValueError) as e:
+                raise SharedStoreError(
+                    f"shared store {self.address}: {what} failed: {type(e).__name__}: {e}"
+                ) from None
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        got = self._call("EXISTS", lambda c: c.batch_is_exist([k.decode() for k in keys]))
+        bad = [int(n) for n in got if int(n) < 0]
+        if bad:
+            raise SharedStoreError(f"shared store {self.address}: EXISTS failed (status {bad[0]})")
+        return [int(n) == 1 for n in got]
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        got = self._call("GET", lambda c: c.get_batch([k.decode() for k in keys]))
+        return [bytes(v) if v else None for v in got]
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        if not items:
+            return
+        keys = [k.decode() for k, _ in items]
+        values = [v for _, v in items]
+        rc = self._call("PUT", lambda c: c.put_batch(keys, values))
+        if rc != 0:
+            raise SharedStoreError(f"shared store {self.address}: PUT failed (status {rc})")
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._call("DEL", lambda c: c.batch_remove([k.decode() for k in keys]))
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __repr__(self) -> str:
+        return f"MooncakeStore({self.address!r})"

@@ -19,22 +19,28 @@ reuses it rather than inventing a second one:
   same in every process; a store key is that hash with the setup digest and a digest of the
   namespace in front (``radixkv:<setup>:<namespace>:<block hash>``), so a replica of another
   model, dtype or page size, or another tenant, never even asks for a page it does not own.
-- **The same read-before-admission.** :meth:`SharedTier.prefetch` runs where the disk tier's
-  does (``KVCache.prefetch``, called by the engine for each waiting request before it is
-  ranked), as a prefix walk: one batched ``EXISTS`` over the pages the local tiers lack, then
-  one batched ``GET`` of the leading run the store holds, stopping at the first miss and at
-  the first page that fails its check. The pages enter the index the way computed KV does:
-  the prefix is admitted, the fetched pages are written into its pages and committed, and the
-  request is finished (published). The index's only other way in, the disk tier's
-  ``disk_prefetch``, reads slots of its own disk only; going through admission needs no
-  change to the index, publishes the pages (KV events included) like any computed prefix, and
-  lets them move down to the host tier as any device page does. The admission that follows
-  finds them as hits.
+- **The same read-before-admission, off the engine's thread.** :meth:`SharedTier.poll` runs
+  where the disk tier's prefetch does (``KVCache.fetch``, called by the engine for each waiting
+  request before it is ranked). It never calls the store: it hands the pages the local tiers
+  lack to the tier's reader thread, which walks them as a prefix (one batched ``EXISTS``, one
+  batched ``GET`` of the leading run the store holds, stopping at the first miss and at the
+  first page that fails its check; the checks run there too), and a later call installs what
+  came back. Installing is cheap and on the engine's thread: the prefix is admitted, the
+  fetched pages are written into its pages and committed, and the request is finished
+  (published), so the pages enter the index the way computed KV does (the index's only other
+  way in, the disk tier's ``disk_prefetch``, reads slots of its own disk only; going through
+  admission needs no change to the index, publishes the pages (KV events included) like any
+  computed prefix, and lets them move down to the host tier as any device page does). While
+  its fetch is out (up to :attr:`SharedTier.hold_s`) the engine keeps the request out of the
+  scheduler, so its admission finds the pages as hits; other requests run meanwhile. A page
+  the store lacked is remembered for :data:`MISS_TTL_S`, so a request that waits does not ask
+  the store again at every step.
 
-Writes are behind the request: ``KVCache.commit`` hands each page a step completed to
-:meth:`SharedTier.publish`, which copies it out of the pool at once (the pool may reuse it)
-unless the store is known to hold it, and a background thread sends the copies in batches
-(``EXISTS`` first, ``SET`` only of the pages the store lacks). A full queue drops pages
+Writes are behind the request: ``KVCache.commit`` hands the pages a step completed to
+:meth:`SharedTier.publish`, which copies those the store is not known to hold out of the pool
+at once (the pool may reuse them) in one gather and one device-to-host copy for the whole
+step, and a background thread makes their values (header, checksum or MAC) and sends them in
+batches (``EXISTS`` first, ``SET`` only of the pages the store lacks). A full queue drops pages
 (counted), it never waits.
 
 Trust: a store anyone can write to could plant KV that a replica then serves. With a secret
@@ -44,9 +50,10 @@ secret fails its check. Without a secret the checksum is the disk tier's (blake3
 only), and the tier is refused on any store but a loopback address or a unix socket.
 
 A failing store (down, slow, full, evicting) costs a bounded time and never a wrong page or a
-failed request: every call has a short timeout and no retries, a :class:`Breaker` stops
-calling a store that failed until its cooldown passes, and every error is counted and taken as
-a miss (reads) or a dropped page (writes).
+failed request: every call has a short timeout and no retries and runs on the tier's own
+threads (never in an engine step), a :class:`Breaker` stops calling a store that failed until
+its cooldown passes, and every error is counted and taken as a miss (reads) or a dropped page
+(writes).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import json
 import os
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -68,7 +76,7 @@ import radixkv
 from radixkv._radixkv import _page_checksum
 from radixkv.kv.breaker import Breaker
 from radixkv.kv.disk import _HEADER_STRUCT, HEADER
-from radixkv.kv.disk_tier import layout_fingerprint, page_payload, scatter_payload
+from radixkv.kv.disk_tier import layout_fingerprint, page_payloads, scatter_payload
 from radixkv.kv.shared_store import SharedStore, SharedStoreError, open_store, redact
 
 #: First bytes of a shared page's header (the disk pool's layout; another magic, since its
@@ -84,6 +92,12 @@ MAX_QUEUED_BYTES = 256 * 2**20
 MAX_GET_BYTES = 64 * 2**20
 #: Store keys remembered as held by the store (not copied out again).
 KNOWN_KEYS = 1 << 16
+#: Seconds a page the store lacked is taken as missing without asking again.
+MISS_TTL_S = 1.0
+#: Seconds a request is held out of admission, at most, while its pages are being fetched.
+HOLD_S = 1.0
+#: Fetches kept at most (out, or back and not installed yet); past it the oldest are dropped.
+MAX_LOOKUPS = 256
 #: Namespaces of requests that asked for no prefix caching (the engine's private ones): never
 #: shared.
 PRIVATE_NAMESPACE = "radixkv.no-cache"
@@ -138,6 +152,11 @@ def _namespace_bytes(namespace: Any) -> bytes:
     return b"b" + bytes(namespace)
 
 
+def _event_namespace(namespace: Any) -> bytes:
+    """A namespace as the cache's events carry it (bytes: a str UTF-8 encoded)."""
+    return namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+
+
 class _State:
     """What the engine's thread and the writer thread share (the writer holds no reference to
     the tier)."""
@@ -146,6 +165,12 @@ class _State:
         self.store, self.breaker = store, breaker
         self.lock = threading.Lock()
         self.known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        #: Store keys the store lacked -> when that stops counting (monotonic seconds).
+        self.misses: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        #: Notified whenever a fetch comes back.
+        self.fetched = threading.Condition(self.lock)
+        #: KV events of pages the store holds (see ``SharedTier.drain_events``), while recording.
+        self.events: list[tuple[Any, ...]] = []
         self.queued_bytes = 0
         self.warned_unexpected = False
         self.counts = dict.fromkeys(
@@ -178,6 +203,23 @@ class _State:
         with self.lock:
             self.known.pop(key, None)
 
+    def missed(self, key: bytes) -> None:
+        with self.lock:
+            self.misses[key] = time.monotonic() + MISS_TTL_S
+            self.misses.move_to_end(key)
+            while len(self.misses) > KNOWN_KEYS:
+                self.misses.popitem(last=False)
+
+    def is_missing(self, key: bytes) -> bool:
+        with self.lock:
+            until = self.misses.get(key)
+            if until is None:
+                return False
+            if time.monotonic() < until:
+                return True
+            del self.misses[key]
+            return False
+
     def is_known(self, key: bytes) -> bool:
         with self.lock:
             return key in self.known
@@ -205,9 +247,10 @@ class _State:
             )
 
 
-def _writer(q: queue.Queue[Any], state: _State) -> None:
-    """The background writer: sends queued ``(store_key, value)`` pages in batches (``EXISTS``
-    first, ``SET`` of the missing ones) until ``None``."""
+def _writer(q: queue.Queue[Any], state: _State, codec: _Codec) -> None:
+    """The background writer: encodes queued ``(store_key, payload)`` pages (header,
+    checksum or MAC) and sends them in batches (``EXISTS`` first, ``SET`` of the missing ones)
+    until ``None``."""
     stop = False
     while not stop:
         batch = []
@@ -225,19 +268,39 @@ def _writer(q: queue.Queue[Any], state: _State) -> None:
             except queue.Empty:
                 break
         try:
-            if batch:
-                _send(batch, state)
+            if batch and _send([(k, codec.encode(k, payload)) for k, payload, _ in batch], state):
+                _announce([meta for _, _, meta in batch if meta is not None], state)
+        except Exception as e:  # a bug: the pages are dropped, the writer goes on
+            state.unexpected("writing", e)
+            state.add("dropped_pages", len(batch))
         finally:
             with state.lock:
-                state.queued_bytes -= sum(len(v) for _, v in batch)
+                state.queued_bytes -= sum(payload.nbytes for _, payload, _ in batch)
             for _ in batch:
                 q.task_done()
 
 
-def _send(batch: list[tuple[bytes, bytes]], state: _State) -> None:
+def _announce(metas: list[tuple[Any, ...]], state: _State) -> None:
+    """Records a ``stored`` event per run of ``metas`` (``(namespace, parent, key, tokens)``
+    of pages the store now holds) that chain one onto the next."""
+    events: list[tuple[Any, ...]] = []
+    for ns, parent, key, tokens in metas:
+        last = events[-1] if events else None
+        if last is not None and last[1] == ns and last[3][-1] == parent:
+            last[3].append(key)
+            last[4].append(tokens)
+        else:
+            events.append(["stored", ns, parent, [key], [tokens]])
+    with state.lock:
+        state.events.extend((k, ns, up, keys, np.concatenate(t)) for k, ns, up, keys, t in events)
+
+
+def _send(batch: list[tuple[bytes, bytes]], state: _State) -> bool:
+    """Sends ``batch`` (``EXISTS``, then ``SET`` of what the store lacks); whether the store
+    holds it all now."""
     if not state.breaker.allow():
         state.add("dropped_pages", len(batch))
-        return
+        return False
     try:
         held = state.store.exists([k for k, _ in batch])
         missing = [(k, v) for (k, v), h in zip(batch, held) if not h]
@@ -245,11 +308,111 @@ def _send(batch: list[tuple[bytes, bytes]], state: _State) -> None:
     except SharedStoreError as e:
         state.failed(e)
         state.add("dropped_pages", len(batch))
-        return
+        return False
     state.breaker.success()
     state.add("put_pages", len(missing))
     state.add("present_pages", len(batch) - len(missing))
     state.remember([k for k, _ in batch])
+    return True
+
+
+class _Codec:
+    """Makes and checks a tier's values (what the reader thread needs of the tier: it holds
+    no reference to the tier, whose pools a dropped cache must free)."""
+
+    def __init__(self, secret: bytes | None, setup: bytes, page_bytes: int) -> None:
+        self.secret, self.setup, self.page_bytes = secret, setup, page_bytes
+
+    def checksum(self, page_id: bytes, payload: np.ndarray | memoryview) -> bytes:
+        if self.secret is None:
+            return _page_checksum(page_id + self.setup, payload)
+        m = hmac.new(self.secret, page_id + self.setup, hashlib.sha256)
+        m.update(payload)
+        return m.digest()
+
+    def encode(self, store_key: bytes, payload: np.ndarray) -> bytes:
+        page_id = _page_checksum(b"radixkv.shared.key", store_key)
+        head = _HEADER_STRUCT.pack(
+            SHARED_MAGIC, page_id, self.checksum(page_id, payload), len(payload), self.setup
+        )
+        return head + bytes(HEADER - len(head)) + payload.tobytes()
+
+    def decode(self, store_key: bytes, value: bytes | None) -> np.ndarray | None:
+        if value is None or len(value) != HEADER + self.page_bytes:
+            return None
+        magic, page_id, digest, length, setup = _HEADER_STRUCT.unpack_from(value, 0)
+        expected = _page_checksum(b"radixkv.shared.key", store_key)
+        if magic != SHARED_MAGIC or page_id != expected or setup != self.setup:
+            return None
+        if length != self.page_bytes:
+            return None
+        payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER)
+        if not hmac.compare_digest(self.checksum(expected, payload), digest):
+            return None
+        return payload
+
+
+class _Lookup:
+    """One fetch: the store keys of pages ``first..`` of a prompt; ``payloads`` (the checked
+    leading run) once ``done``."""
+
+    def __init__(self, keys: list[bytes], first: int) -> None:
+        self.keys, self.first = keys, first
+        self.started = time.monotonic()
+        self.payloads: list[np.ndarray] = []
+        self.done = False
+
+
+def _reader(q: queue.Queue[Any], state: _State, codec: _Codec, page_bytes: int) -> None:
+    """The background reader: walks each queued :class:`_Lookup` in the store until ``None``."""
+    while True:
+        lookup = q.get()
+        if lookup is None:
+            return
+        try:
+            lookup.payloads = _walk(lookup.keys, state, codec, page_bytes)
+        except Exception as e:  # never a wrong page: a miss
+            state.unexpected("reading", e)
+            lookup.payloads = []
+        with state.fetched:
+            lookup.done = True
+            state.fetched.notify_all()
+
+
+def _walk(keys: list[bytes], state: _State, codec: _Codec, page_bytes: int) -> list[np.ndarray]:
+    """The checked payloads of the leading run of ``keys`` the store holds (see the module
+    docstring); a failing store gives none. The first page missing or bad is remembered as a
+    miss, a bad one dropped from the store."""
+    if not state.breaker.allow():
+        return []
+    state.add("lookups")
+    try:
+        held = state.store.exists(keys)
+        run = next((i for i, h in enumerate(held) if not h), len(held))
+        values: list[bytes | None] = []
+        step = max(1, MAX_GET_BYTES // (HEADER + page_bytes))
+        for a in range(0, run, step):
+            values.extend(state.store.get(keys[a : min(run, a + step)]))
+    except SharedStoreError as e:
+        state.failed(e)
+        return []
+    state.breaker.success()
+    payloads = []
+    for k, value in zip(keys, values):
+        payload = codec.decode(k, value)
+        if payload is None:
+            if value is not None:  # a bad page: dropped from the store, recomputed
+                state.add("bad_pages")
+                state.forget(k)
+                try:
+                    state.store.delete([k])
+                except SharedStoreError as e:
+                    state.failed(e)
+            break
+        payloads.append(payload)
+    if len(payloads) < len(keys):
+        state.missed(keys[len(payloads)])
+    return payloads
 
 
 class SharedTier:
@@ -315,11 +478,28 @@ class SharedTier:
         self.address = store.address
         self.breaker = breaker if breaker is not None else Breaker()
         self._state = _State(store, self.breaker)
+        self._codec = _Codec(secret, self.setup, self.page_bytes)
+        self._recording = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = threading.Thread(
-            target=_writer, args=(self._queue, self._state), name="radixkv-shared", daemon=True
+            target=_writer,
+            args=(self._queue, self._state, self._codec),
+            name="radixkv-shared",
+            daemon=True,
         )
         self._thread.start()
+        #: Seconds a request is held out of admission, at most, while its pages are fetched
+        #: (past it, it is admitted and computes them; the fetch still lands for later ones).
+        self.hold_s = HOLD_S
+        self._lookups: dict[bytes, _Lookup] = {}
+        self._reads: queue.Queue[Any] = queue.Queue()
+        self._reader: threading.Thread | None = threading.Thread(
+            target=_reader,
+            args=(self._reads, self._state, self._codec, self.page_bytes),
+            name="radixkv-shared-read",
+            daemon=True,
+        )
+        self._reader.start()
         ping = getattr(store, "ping", None)
         if ping is not None:
             try:
@@ -334,100 +514,104 @@ class SharedTier:
     ) -> list[bytes]:
         """The store keys of pages ``first..end`` of ``tokens`` in ``namespace``."""
         hashes = radixkv.block_hashes(tokens[: end * self.page_size], self.page_size, namespace)
+        return self._keys_of(hashes[first:end], namespace)
+
+    def _keys_of(self, hashes: Sequence[bytes], namespace: Any) -> list[bytes]:
         ns = _page_checksum(b"radixkv.shared.namespace", _namespace_bytes(namespace))
         head = b"radixkv:" + self.setup[:16].hex().encode() + b":" + ns[:16].hex().encode() + b":"
-        return [head + h.hex().encode() for h in hashes[first:end]]
-
-    def _checksum(self, page_id: bytes, payload: np.ndarray | memoryview) -> bytes:
-        if self._secret is None:
-            return _page_checksum(page_id + self.setup, payload)
-        m = hmac.new(self._secret, page_id + self.setup, hashlib.sha256)
-        m.update(payload)
-        return m.digest()
-
-    def _page_id(self, store_key: bytes) -> bytes:
-        return _page_checksum(b"radixkv.shared.key", store_key)
+        return [head + h.hex().encode() for h in hashes]
 
     def encode(self, store_key: bytes, payload: np.ndarray) -> bytes:
         """The value stored for ``payload`` under ``store_key``: header, then payload."""
-        page_id = self._page_id(store_key)
-        head = _HEADER_STRUCT.pack(
-            SHARED_MAGIC, page_id, self._checksum(page_id, payload), len(payload), self.setup
-        )
-        return head + bytes(HEADER - len(head)) + payload.tobytes()
+        return self._codec.encode(store_key, payload)
 
     def decode(self, store_key: bytes, value: bytes | None) -> np.ndarray | None:
         """The payload of ``value`` read under ``store_key``, or None unless its header names
         this key and setup, its length is a page's and its checksum (or MAC) holds."""
-        if value is None or len(value) != HEADER + self.page_bytes:
-            return None
-        magic, page_id, digest, length, setup = _HEADER_STRUCT.unpack_from(value, 0)
-        expected = self._page_id(store_key)
-        if magic != SHARED_MAGIC or page_id != expected or setup != self.setup:
-            return None
-        if length != self.page_bytes:
-            return None
-        payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER)
-        if not hmac.compare_digest(self._checksum(expected, payload), digest):
-            return None
-        return payload
+        return self._codec.decode(store_key, value)
 
     # ---- reads ----------------------------------------------------------------------------
 
-    def prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any = None) -> int:
-        """Fetches the pages of ``tokens`` past what the local tiers hold, as a prefix walk
-        that stops at the first page the store lacks or that fails its check, and enters them
-        into the index (see the module docstring); returns how many tokens came in. A failing
-        store or a full pool gives 0; nothing unchecked is ever written into a pool, and
-        nothing this tier does fails the request (an unexpected error is counted in
-        ``errors``, warned about once, and taken as a miss)."""
+    def poll(self, tokens: Sequence[int] | np.ndarray, namespace: Any = None) -> tuple[int, bool]:
+        """Installs what came back of the fetch of ``tokens``' pages past what the local tiers
+        hold, or starts that fetch (on the reader thread; see the module docstring); never
+        calls the store. Returns ``(tokens installed now, whether the fetch is still out and
+        younger than`` :attr:`hold_s` ``)``: the engine holds such a request out of admission.
+        A failing store or a full pool installs nothing; nothing unchecked is ever written
+        into a pool, and nothing this tier does fails the request (an unexpected error is
+        counted in ``errors``, warned about once, and taken as a miss)."""
         try:
-            return self._prefetch(tokens, namespace)
+            return self._poll(tokens, namespace)
         except Exception as e:
             self._state.unexpected("reading", e)
-            return 0
+            return 0, False
 
-    def _prefetch(self, tokens: Sequence[int] | np.ndarray, namespace: Any) -> int:
+    def prefetch(
+        self, tokens: Sequence[int] | np.ndarray, namespace: Any = None, wait_s: float = 0.0
+    ) -> int:
+        """:meth:`poll`, waiting up to ``wait_s`` seconds for a fetch it started or found out
+        (then installing what came back); returns the tokens installed."""
+        n, out = self.poll(tokens, namespace)
+        deadline = time.monotonic() + wait_s
+        while out and time.monotonic() < deadline:
+            self.wait(deadline - time.monotonic())
+            more, out = self.poll(tokens, namespace)
+            n += more
+        return n
+
+    def wait(self, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` seconds for a fetch to come back (at once if one is back
+        and not installed)."""
+        with self._state.fetched:
+            if any(lk.done for lk in self._lookups.values()):
+                return
+            self._state.fetched.wait(max(0.0, timeout_s))
+
+    @property
+    def fetching(self) -> int:
+        """Fetches out (not back yet)."""
+        return sum(not lk.done for lk in list(self._lookups.values()))
+
+    def _poll(self, tokens: Sequence[int] | np.ndarray, namespace: Any) -> tuple[int, bool]:
         if isinstance(namespace, str) and namespace.startswith(PRIVATE_NAMESPACE):
-            return 0
+            return 0, False
         cache, p = self.kv.cache, self.page_size
         tokens = np.asarray(tokens)
         end = (len(tokens) - 1) // p  # the last token is always computed
         if end <= 0:
-            return 0
+            return 0, False
         first = cache.match_prefix(tokens, namespace) // p
-        if first >= end or not self.breaker.allow():
-            return 0
-        state = self._state
-        state.add("lookups")
+        if first >= end:
+            return 0, False
         keys = self.store_keys(tokens, namespace, first, end)
-        try:
-            held = state.store.exists(keys)
-            run = next((i for i, h in enumerate(held) if not h), len(held))
-            values: list[bytes | None] = []
-            step = max(1, MAX_GET_BYTES // (HEADER + self.page_bytes))
-            for a in range(0, run, step):
-                values.extend(state.store.get(keys[a : min(run, a + step)]))
-        except SharedStoreError as e:
-            state.failed(e)
-            return 0
-        self.breaker.success()
-        payloads = []
-        for k, value in zip(keys, values):
-            payload = self.decode(k, value)
-            if payload is None:
-                if value is not None:  # a bad page: dropped from the store, recomputed
-                    state.add("bad_pages")
-                    state.forget(k)
-                    try:
-                        state.store.delete([k])
-                    except SharedStoreError as e:
-                        state.failed(e)
-                break
-            payloads.append(payload)
-        if not payloads:
-            return 0
-        return self._enter(tokens, namespace, first, payloads, keys)
+        ident = keys[-1]  # the chained hash of the whole prefix: one fetch per prefix
+        lookup = self._lookups.get(ident)
+        if lookup is not None:
+            with self._state.lock:
+                done = lookup.done
+            if not done:
+                return 0, time.monotonic() - lookup.started < self.hold_s
+            del self._lookups[ident]
+            if not lookup.payloads:
+                return 0, False
+            # Pages past a shorter local match than the fetch's are recomputed (none lost).
+            n = self._enter(tokens, namespace, lookup.first, lookup.payloads, lookup.keys)
+            return n, False
+        if self._state.is_missing(keys[0]) or not self.breaker.ready():
+            return 0, False
+        if len(self._lookups) >= MAX_LOOKUPS:
+            self._drop_oldest()
+        lookup = _Lookup(keys, first)
+        self._lookups[ident] = lookup
+        self._reads.put(lookup)
+        return 0, True
+
+    def _drop_oldest(self) -> None:
+        """Forgets the oldest fetches that came back (or, were none back, the oldest ones)."""
+        with self._state.lock:
+            done = [k for k, lk in self._lookups.items() if lk.done]
+        for k in done or list(self._lookups)[: MAX_LOOKUPS // 4]:
+            del self._lookups[k]
 
     def _enter(
         self,
@@ -492,7 +676,9 @@ class SharedTier:
         ends: Sequence[int],
     ) -> int:
         p, kv, state = self.page_size, self.kv, self._state
-        queued = 0
+        keys: list[bytes] = []
+        pages: list[int] = []
+        metas: list[tuple[Any, ...] | None] = []
         for req, start, end in zip(requests, starts, ends):
             a, b = start // p, end // p
             if b <= a:
@@ -500,22 +686,58 @@ class SharedTier:
             namespace = req.namespace
             if isinstance(namespace, str) and namespace.startswith(PRIVATE_NAMESPACE):
                 continue
-            keys = self.store_keys(req.tokens, namespace, a, b)
-            pages = req.pages.tolist()
-            for i, k in zip(range(a, b), keys):
-                if state.is_known(k):
-                    continue
-                value = self.encode(k, page_payload(kv, kv.k, kv.v, pages[i]))
-                with state.lock:
-                    full = state.queued_bytes + len(value) > MAX_QUEUED_BYTES
-                    if not full:
-                        state.queued_bytes += len(value)
-                if full:
-                    state.add("dropped_pages")
-                    continue
-                self._queue.put((k, value))
-                queued += 1
-        return queued
+            table = req.pages.tolist()
+            tokens = req.tokens
+            hashes = radixkv.block_hashes(tokens[: b * p], p, namespace)
+            ns = None if namespace is None else _event_namespace(namespace)
+            for i, k in zip(range(a, b), self._keys_of(hashes[a:b], namespace)):
+                if not state.is_known(k):
+                    keys.append(k)
+                    pages.append(table[i])
+                    metas.append(
+                        (ns, hashes[i - 1] if i else None, hashes[i], tokens[i * p : (i + 1) * p])
+                        if self._recording
+                        else None
+                    )
+        if not keys:
+            return 0
+        with state.lock:  # what the queue has room for (the rest is dropped, counted)
+            room = max(0, (MAX_QUEUED_BYTES - state.queued_bytes) // self.page_bytes)
+            take = min(room, len(keys))
+            state.queued_bytes += take * self.page_bytes
+        if take < len(keys):
+            state.add("dropped_pages", len(keys) - take)
+        if take == 0:
+            return 0
+        # One gather on the pools' device and one copy to the host for the whole step; the
+        # writer thread makes the values (header, checksum or MAC) and sends them.
+        payloads = page_payloads(kv, kv.k, kv.v, pages[:take])
+        for k, payload, meta in zip(keys, payloads, metas):
+            self._queue.put((k, payload, meta))
+        return take
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def record_events(self, enabled: bool) -> None:
+        """Turns on (or off) recording which pages this replica put in the store (or found
+        there when it went to put them): :meth:`drain_events` hands them over. A router
+        counts such a page as one every replica on the store can fetch
+        (:class:`radixkv.events.ZmqPublisher` sends them with its ``shared_medium``)."""
+        self._recording = bool(enabled)
+        if not enabled:
+            with self._state.lock:
+                self._state.events.clear()
+
+    def drain_events(self) -> list[tuple[Any, ...]]:
+        """The events recorded since the last call, in the cache's format (``("stored",
+        namespace, parent, keys, tokens)``: radixkv block keys, the key before the first or
+        None, their tokens as a numpy array, the namespace as bytes or None), one per chained
+        run of pages the store confirmed holding. The store may evict a page later without an
+        event: a router's count is then an overestimate that a fetch's miss corrects (the
+        request computes the page)."""
+        with self._state.lock:
+            out, self._state.events = self._state.events, []
+        return out
 
     def flush(self) -> None:
         """Waits until every queued page was sent (or dropped)."""
@@ -536,11 +758,17 @@ class SharedTier:
         return out
 
     def close(self) -> None:
-        """Sends what is queued, stops the writer and closes the store's connections."""
+        """Sends what is queued, stops the writer and the reader (after the fetch it is on, if
+        any) and closes the store's connections."""
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
             thread.join()
+            reader, self._reader = self._reader, None
+            if reader is not None:
+                self._reads.put(None)
+                reader.join()
+            self._lookups.clear()
             self._state.store.close()
 
     def __repr__(self) -> str:
