@@ -89,9 +89,10 @@ def chat(port: int, messages: list[dict], tenant: str | None = None) -> tuple[st
 
 
 def metric(port: int, name: str) -> float:
-    """The value of the unlabelled sample ``name`` on the replica's ``/metrics``."""
+    """The value of the sample ``name`` on the replica's ``/metrics`` (the server labels
+    every sample with its ``model_name``)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     assert m is not None, f"{name} not in /metrics"
     return float(m.group(1))
 
