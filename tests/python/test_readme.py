@@ -250,7 +250,7 @@ def test_readme_server_flags_table_has_every_flag():
 
 
 def test_readme_request_fields_lists_every_refused_field():
-    from radixkv.apps import request_fields
+    from radixkv.apps.serve import request_fields
 
     refused = [
         line for line in section("Request fields").splitlines() if line.startswith("| refused:")
