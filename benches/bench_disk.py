@@ -274,8 +274,8 @@ def hit_vs_recompute(args, work: Path) -> None:
 
 
 def replay_tiers(args) -> None:
-    from radixkv.apps.replay import ReplayConfig, replay
-    from radixkv.apps.trace import SAMPLE_TRACE, read_trace
+    from radixkv.apps.common.trace import SAMPLE_TRACE, read_trace
+    from radixkv.apps.replay.simulate import ReplayConfig, replay
 
     # The whole trace where this checkout sits beside it, else the sample in the package.
     trace = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

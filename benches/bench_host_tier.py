@@ -6,7 +6,7 @@ Usage: .venv/bin/python benches/bench_host_tier.py [--quick] [--requests N] [--d
 [--page-size S] [--host-bandwidth GBPS] [--kv-bytes-per-token B] [--json PATH]
 [--chart PATH | --no-chart]
 
-Each setup is one ``radixkv replay`` simulation (``radixkv.apps.replay``, policy lpm, its
+Each setup is one ``radixkv replay`` simulation (``radixkv.apps.replay.simulate``, policy lpm, its
 default batch and prefill rates) over the first N requests of the trace. Printed per setup: the
 hit rate split by tier, the pages copied between the tiers, and the time-to-first-token model's
 p50/p99 (with the host tier, each batch first waits for its loads at ``--host-bandwidth``).
@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 
 from common import MOONCAKE, ROOT, pin_one_core, table
-from radixkv.apps.args import NO_CHART, have_matplotlib
-from radixkv.apps.replay import (
+from radixkv.apps.common.args import NO_CHART, have_matplotlib
+from radixkv.apps.common.trace import read_trace
+from radixkv.apps.replay.simulate import (
     DEFAULT_HOST_BANDWIDTH,
     DEFAULT_KV_BYTES_PER_TOKEN,
     ReplayConfig,
@@ -42,7 +43,6 @@ from radixkv.apps.replay import (
     infinite_bound,
     replay,
 )
-from radixkv.apps.trace import read_trace
 
 CACHES = ("radix", "block")
 HOST_FACTOR = 4  # host tier of 4D, compared with a device pool of (1 + 4)D

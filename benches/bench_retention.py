@@ -6,7 +6,7 @@ recomputed prompt tokens and time to first token of agent turns, side by side in
 
 Two workloads:
 
-- ``agent``: the synthetic agent workload (``radixkv.apps.agent_workload``: sessions of many
+- ``agent``: the synthetic agent workload (``radixkv.apps.replay.agent_workload``: sessions of many
   turns over a shared system prompt, heavy-tailed tool pauses, sub-agents, one-shot background
   traffic) with a pool that holds a third of the live sessions' histories.
 - ``mooncake``: the first requests of the Mooncake conversation trace (``benches/data``) with a
@@ -14,7 +14,7 @@ Two workloads:
   request is retained alike.
 
 Every row serves the requests one at a time in arrival order with the same pool (the model of
-``radixkv.apps.belady``), so the rows differ only in what they evict:
+``radixkv.apps.replay.belady``), so the rows differ only in what they evict:
 
 - ``LRU (today's cache)``: a ``RadixCache``, ``finish(req)``.
 - ``Belady (offline)``: the page used again farthest in the future goes first: no order
@@ -25,10 +25,11 @@ Every row serves the requests one at a time in arrival order with the same pool 
   requests plainly). Printed as "not in this build" when ``finish`` takes no ``retain=``.
 
 Times to first token come from a prefill queue over each row's recomputed tokens
-(``radixkv.apps.prefill_queue``, 50,000 tokens/s, 131,072-token batches, as ``radixkv replay``),
+(``radixkv.apps.replay.prefill_queue``, 50,000 tokens/s, 131,072-token batches, as
+``radixkv replay``),
 percentiles over agent turns (lead and sub-agent; every request for Mooncake). "gap closed":
 the share of LRU's excess over Belady that a row removes. The LRU model of
-``radixkv.apps.belady`` is checked against the real cache in the same run.
+``radixkv.apps.replay.belady`` is checked against the real cache in the same run.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ import numpy as np
 
 import radixkv
 from common import MOONCAKE, Bench, table
-from radixkv.apps.agent_workload import AgentWorkload, live_history_tokens
-from radixkv.apps.belady import BoundResult, fits, simulate
-from radixkv.apps.block_keys import block_keys
-from radixkv.apps.prefill_queue import prefill_ttfts
-from radixkv.apps.trace import TraceRequest, read_trace
+from radixkv.apps.common.trace import TraceRequest, read_trace
+from radixkv.apps.replay.agent_workload import AgentWorkload, live_history_tokens
+from radixkv.apps.replay.belady import BoundResult, fits, simulate
+from radixkv.apps.replay.block_keys import block_keys
+from radixkv.apps.replay.prefill_queue import prefill_ttfts
 
 PREFILL_TPS, TOKEN_BUDGET = 50_000.0, 131_072
 #: Eviction classes of the retention row (0 goes first): lead sessions above their sub-agents
@@ -208,7 +209,8 @@ class RetentionBench(Bench):
             print(f"retention row: {outcomes[2].note}")
         same = "equal" if model.computed_tokens == recomputed[lru.label] else "DIFFERENT"
         print(
-            f"LRU model of radixkv.apps.belady: {model.computed_tokens / 1e6:.3f}M recomputed, "
+            "LRU model of radixkv.apps.replay.belady: "
+            f"{model.computed_tokens / 1e6:.3f}M recomputed, "
             f"{same} to today's cache\n"
         )
 

@@ -14,8 +14,8 @@ import numpy as np
 
 import radixkv
 from common import MOONCAKE, mooncake_records
-from radixkv.apps.replay import ReplayConfig, infinite_bound, replay
-from radixkv.apps.trace import TraceRequest, mooncake_tokens
+from radixkv.apps.common.trace import TraceRequest, mooncake_tokens
+from radixkv.apps.replay.simulate import ReplayConfig, infinite_bound, replay
 
 
 def seq(start: int, n: int) -> np.ndarray:

@@ -61,7 +61,8 @@ def breakdown(serve_args: list[str]) -> list[tuple[str, float]]:
     """Where one start goes, timed in this process as the command runs it (once)."""
     parts: list[tuple[str, float]] = []
     t = time.perf_counter()
-    from radixkv.apps import cli, serve_cmd
+    from radixkv.apps import cli
+    from radixkv.apps.serve import cmd as serve_cmd
 
     args, _ = cli.build_parser().parse_known_args(["serve", *serve_args])
     parts.append(("command line", time.perf_counter() - t))
@@ -76,7 +77,7 @@ def breakdown(serve_args: list[str]) -> list[tuple[str, float]]:
 
     parts.append(("import radixkv.hf (transformers' model code)", time.perf_counter() - t))
     t = time.perf_counter()
-    from radixkv.apps import serve
+    from radixkv.apps.serve import app as serve
 
     parts.append(("import the server (fastapi)", time.perf_counter() - t))
     timed = {}

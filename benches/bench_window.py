@@ -112,8 +112,8 @@ def section_pages(quick: bool) -> None:
 
 
 def section_mooncake(quick: bool) -> None:
-    from radixkv.apps.replay import ReplayConfig, replay
-    from radixkv.apps.trace import SAMPLE_TRACE, read_trace
+    from radixkv.apps.common.trace import SAMPLE_TRACE, read_trace
+    from radixkv.apps.replay.simulate import ReplayConfig, replay
 
     trace = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
     if quick or not trace.exists():

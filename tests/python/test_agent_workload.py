@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from radixkv.apps.agent_workload import AgentWorkload, live_history_tokens
-from radixkv.apps.replay import ReplayConfig, replay
-from radixkv.apps.trace import TraceRequest
+from radixkv.apps.common.trace import TraceRequest
+from radixkv.apps.replay.agent_workload import AgentWorkload, live_history_tokens
+from radixkv.apps.replay.simulate import ReplayConfig, replay
 
 SMALL = AgentWorkload(sessions=12, seed=3, subagent_prob=0.3, oneshot_rate=0.5)
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import radixkv
-from radixkv.apps.belady import simulate
-from radixkv.apps.block_keys import block_keys
-from radixkv.apps.prefill_queue import prefill_ttfts
-from radixkv.apps.trace import TraceRequest
+from radixkv.apps.common.trace import TraceRequest
+from radixkv.apps.replay.belady import simulate
+from radixkv.apps.replay.block_keys import block_keys
+from radixkv.apps.replay.prefill_queue import prefill_ttfts
 
 
 def request(tokens, t=0.0, out=1):
@@ -47,7 +47,7 @@ def cache_lru(reqs, num_pages, page_size):
 
 
 def exhaustive_best(reqs, num_pages, page_size):
-    """The most cached tokens any eviction choice reaches in the model of radixkv.apps.belady
+    """The most cached tokens any eviction choice reaches in the model of radixkv.apps.replay.belady
     (evicting any pages, prefix-closed or not), by search over every choice."""
     blocks = block_keys(reqs, page_size)
     chains = [tuple(blocks.of(i).tolist()) for i in range(len(reqs))]

@@ -140,7 +140,7 @@ def test_real_prompts_are_the_chat_templates_rendering():
 
     import radixkv
     import radixkv.hf
-    from radixkv.apps import demo_real
+    from radixkv.apps.demo import real as demo_real
 
     smollm2_or_skip()
     model, tok = radixkv.hf.load("smollm2")
@@ -236,7 +236,7 @@ def test_both_demo_runs_are_warmed_up_before_either_is_timed():
     both engines are warmed up before either run is played."""
     import argparse
 
-    from radixkv.apps import demo_cmd
+    from radixkv.apps.demo import cmd as demo_cmd
 
     events = []
 
@@ -266,7 +266,7 @@ def test_warm_up_leaves_an_empty_pool_and_no_trace_in_the_run():
     import numpy as np
 
     import radixkv
-    from radixkv.apps import demo
+    from radixkv.apps.demo import scenario as demo
     from tiny_model import tiny_model
 
     model = tiny_model(seed=2)

@@ -17,7 +17,7 @@ from radixkv.engine.batcher import Batcher
 from radixkv.engine.engine import _submit_defaults
 from tiny_model import tiny_model
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SCHEDULING = Path(__file__).resolve().parents[2] / "docs" / "SCHEDULING.md"
 
 
 def default(func, name: str):
@@ -81,7 +81,7 @@ def test_in_batch_sharing_starts_at_the_stated_threshold(page_size):
 
 
 def test_the_sharing_threshold_is_documented():
-    text = " ".join(README.read_text().split())
+    text = " ".join(SCHEDULING.read_text().split())
     assert "uncached prefix of at least 64 tokens" in text
     doc = " ".join((radixkv.Engine.__doc__ or "").split())
     assert "uncached prefix of at least 64 tokens" in doc

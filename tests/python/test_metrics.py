@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import radixkv
-from radixkv.apps import cli, metrics_server
+from radixkv.apps import cli
+from radixkv.apps.common import metrics_server
 from radixkv.metrics import CacheCollector, serve
 
 

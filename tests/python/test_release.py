@@ -67,7 +67,7 @@ def test_changelog_has_an_entry_for_this_version():
 
 
 def test_a_sample_trace_ships_in_the_package_and_replays(capsys, tmp_path):
-    from radixkv.apps.trace import SAMPLE_TRACE, read_trace
+    from radixkv.apps.common.trace import SAMPLE_TRACE, read_trace
 
     package = Path(radixkv.__file__).resolve().parent
     assert SAMPLE_TRACE.is_file() and package in SAMPLE_TRACE.parents

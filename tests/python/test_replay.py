@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from radixkv.apps.replay import ReplayConfig, infinite_bound, replay
-from radixkv.apps.trace import TraceRequest, mooncake_tokens, read_trace
+from radixkv.apps.common.trace import TraceRequest, mooncake_tokens, read_trace
+from radixkv.apps.replay.simulate import ReplayConfig, infinite_bound, replay
 
 #: The Mooncake conversation trace as the project ships it (gzipped).
 TRACE = Path(__file__).resolve().parents[2] / "benches/data/mooncake_conversation_trace.jsonl.gz"
@@ -166,8 +166,8 @@ def shared_prefix_trace(n: int = 12) -> list[TraceRequest]:
 
 
 def test_replay_tables_give_every_column_a_unit():
-    from radixkv.apps.replay import replay_replicas
-    from radixkv.apps.replay_cmd import format_host_table, format_router_table, format_table
+    from radixkv.apps.replay.cmd import format_host_table, format_router_table, format_table
+    from radixkv.apps.replay.simulate import replay_replicas
 
     reqs = shared_prefix_trace()
     cfg = ReplayConfig(num_pages=64, host_pages=32)
@@ -194,7 +194,7 @@ def test_replay_chart_keeps_equal_curves_visible(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.figure
 
-    from radixkv.apps.replay_cmd import draw_chart
+    from radixkv.apps.replay.cmd import draw_chart
 
     reqs = shared_prefix_trace()
     results = [replay(reqs, ReplayConfig(num_pages=64, policy=p)) for p in ("lpm", "dfs-weight")]

@@ -12,14 +12,14 @@ import pytest
 
 import radixkv
 from radixkv.apps import cli
-from radixkv.apps.replay import (
+from radixkv.apps.common.trace import TraceRequest, read_trace
+from radixkv.apps.replay.simulate import (
     ReplayConfig,
     ReplayResult,
     infinite_bound,
     replay,
     replay_replicas,
 )
-from radixkv.apps.trace import TraceRequest, read_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "benches/data/mooncake_conversation_trace.jsonl.gz"
 

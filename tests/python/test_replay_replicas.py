@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from radixkv.apps.replay import (
+from radixkv.apps.common.trace import TraceRequest
+from radixkv.apps.replay.simulate import (
     ROUTERS,
     ReplayConfig,
     RoutedResult,
@@ -19,7 +20,6 @@ from radixkv.apps.replay import (
     replay,
     replay_replicas,
 )
-from radixkv.apps.trace import TraceRequest
 
 PAGE = 16
 PREFIX = 512  # tokens each tenant's prompts share: 32 pages

@@ -320,7 +320,7 @@ def test_progress_bars_only_on_a_terminal(trace):
     import contextlib
     import io
 
-    from radixkv.apps.args import progress_bar
+    from radixkv.apps.common.args import progress_bar
 
     proc = radixkv("replay", str(trace), "--no-chart")  # stderr is a pipe
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr

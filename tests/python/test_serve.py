@@ -38,7 +38,7 @@ def smollm2_unavailable() -> str | None:
 if smollm2_unavailable() and __name__ != "__main__":  # pragma: no cover
     pytestmark = pytest.mark.skip(reason=smollm2_unavailable() or "")
 
-from radixkv.apps import serve  # noqa: E402
+from radixkv.apps.serve import app as serve  # noqa: E402
 
 SYSTEM = (
     "You are a coding agent. Tools: read_file(path), run_tests(target), search(query). "

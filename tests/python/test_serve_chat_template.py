@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai", reason="the tests drive the server with o
 httpx = pytest.importorskip("httpx")
 
 import serve_process  # noqa: E402
-from radixkv.apps.serve_cmd import chat_template_of  # noqa: E402
+from radixkv.apps.serve.cmd import chat_template_of  # noqa: E402
 from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
 from test_serve import free_port  # noqa: E402
 from test_serve_tools import ASK, TOOLS  # noqa: E402

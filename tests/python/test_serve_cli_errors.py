@@ -63,7 +63,7 @@ def test_max_model_len_past_the_models_context():
 
 
 def test_threads_default_never_oversubscribes(monkeypatch):
-    from radixkv.apps import serve_cmd
+    from radixkv.apps.serve import cmd as serve_cmd
 
     monkeypatch.setattr(serve_cmd.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert serve_cmd.default_threads({}) == 1  # two CPUs: one for torch, one for HTTP

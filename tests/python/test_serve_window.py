@@ -20,8 +20,9 @@ openai = pytest.importorskip("openai")
 import radixkv  # noqa: E402
 import radixkv.hf  # noqa: E402
 from hf_models import smollm2_tokenizer  # noqa: E402
-from radixkv.apps import cli, serve_cmd  # noqa: E402
-from radixkv.apps.args import UsageError  # noqa: E402
+from radixkv.apps import cli  # noqa: E402
+from radixkv.apps.common.args import UsageError  # noqa: E402
+from radixkv.apps.serve import cmd as serve_cmd  # noqa: E402
 from test_serve import SYSTEM, free_port, reference_text  # noqa: E402
 
 WINDOW = 16

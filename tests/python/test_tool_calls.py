@@ -1,4 +1,4 @@
-"""radixkv.apps.tool_calls: tool calls parsed out of real model text in vLLM's ``hermes`` and
+"""radixkv.apps.serve.tool_calls: tool calls parsed out of real model text in vLLM's ``hermes`` and
 ``llama3_json`` formats, streamed or whole, and whether a chat template renders tools (the real
 SmolLM2 tokenizer's does not)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.apps import tool_calls
+from radixkv.apps.serve import tool_calls
 
 #: What Qwen 2.5 writes for two calls (its template's format, Hermes 2 Pro's).
 QWEN = (

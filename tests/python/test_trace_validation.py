@@ -19,9 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixkv.apps import cli, replay_cmd
-from radixkv.apps.args import UsageError
-from radixkv.apps.trace import TraceError, read_trace
+from radixkv.apps import cli
+from radixkv.apps.common.args import UsageError
+from radixkv.apps.common.trace import TraceError, read_trace
+from radixkv.apps.replay import cmd as replay_cmd
 
 #: A valid line of each format, written before the bad line and a blank line: every bad trace
 #: line is line 4 of its file, every bad log line line 3.

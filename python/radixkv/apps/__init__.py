@@ -1,9 +1,19 @@
 """Applications built on the library (imported only by the ``radixkv`` command line and tests).
 
-- :mod:`radixkv.apps.cli`: the ``radixkv`` command line; one module per subcommand:
-  :mod:`radixkv.apps.demo_cmd` and :mod:`radixkv.apps.replay_cmd`.
-- :mod:`radixkv.apps.demo`: an agent session on the built-in model, with and without the cache.
-- :mod:`radixkv.apps.trace`: request traces (Mooncake and radixkv JSONL, plain or gzipped).
-- :mod:`radixkv.apps.replay`: a simulated server replaying a trace through a cache and scheduler.
-- :mod:`radixkv.apps.caches`: a cache chosen by name (``--cache radix|block``).
+One package per application, each with the subcommand's module ``cmd``, and one for what they
+share:
+
+- :mod:`radixkv.apps.cli`: the ``radixkv`` command line; it imports only the subcommand run.
+- :mod:`radixkv.apps.serve`: ``radixkv serve``, the OpenAI-compatible server (``app``: the HTTP
+  app and the engine thread; ``request_fields``, ``structured``, ``tool_calls``,
+  ``content_parts``: what a request may hold and how it is read).
+- :mod:`radixkv.apps.replay`: ``radixkv replay``, a simulated server replaying a trace through a
+  cache and scheduler (``simulate``), offline bounds (``offline``, ``belady``, ``block_keys``,
+  ``prefill_queue``) and the synthetic agent workload (``agent_workload``).
+- :mod:`radixkv.apps.demo`: ``radixkv demo``, an agent session with and without the cache, on
+  the built-in model (``scenario``) or a real one (``real``).
+- :mod:`radixkv.apps.doctor`: ``radixkv doctor``, why a log of chat requests misses the cache.
+- :mod:`radixkv.apps.common`: command-line helpers (``args``), request traces (``trace``:
+  Mooncake and radixkv JSONL, plain or gzipped), a cache chosen by name (``caches``) and the
+  metrics endpoint of demo and replay (``metrics_server``).
 """

@@ -15,17 +15,17 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 import radixkv
-from radixkv.apps.args import UsageError
+from radixkv.apps.common.args import UsageError
 
 #: The program name in usage lines and errors.
 PROG = "radixkv"
 
 #: Subcommand name -> (module defining ``add_arguments`` and ``run``, help line).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("radixkv.apps.demo_cmd", "an agent session with and without the prefix cache"),
-    "replay": ("radixkv.apps.replay_cmd", "replay a request trace through a cache, per policy"),
-    "doctor": ("radixkv.apps.doctor_cmd", "find why a log of chat requests misses the cache"),
-    "serve": ("radixkv.apps.serve_cmd", "an OpenAI-compatible server on the prefix-cached Engine"),
+    "demo": ("radixkv.apps.demo.cmd", "an agent session with and without the prefix cache"),
+    "replay": ("radixkv.apps.replay.cmd", "replay a request trace through a cache, per policy"),
+    "doctor": ("radixkv.apps.doctor.cmd", "find why a log of chat requests misses the cache"),
+    "serve": ("radixkv.apps.serve.cmd", "an OpenAI-compatible server on the prefix-cached Engine"),
 }
 
 

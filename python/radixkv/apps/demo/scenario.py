@@ -1,6 +1,6 @@
 """``radixkv demo``: an agent session on the built-in model, run with the prefix cache and without.
 (``--random``, ``--checkpoint`` and ``--model``; the default real-model session in real text is
-:mod:`radixkv.apps.demo_real`.)
+:mod:`radixkv.apps.demo.real`.)
 
 The scenario (synthetic token ids, the same for both runs):
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import radixkv
-from radixkv.apps.args import table_header
+from radixkv.apps.common.args import table_header
 from radixkv.engine.engine import Engine
 from radixkv.engine.sequence import Result
 from radixkv.engine.session import Session

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixkv.apps.trace import TraceRequest
+from radixkv.apps.common.trace import TraceRequest
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 #: Multiplier of the chain (odd, so invertible modulo 2**64).

@@ -1,6 +1,6 @@
 """``radixkv replay TRACE``: a trace through a cache, once per policy: a table and a chart.
 Without TRACE it replays the sample shipped in the package
-(:data:`radixkv.apps.trace.SAMPLE_TRACE`).
+(:data:`radixkv.apps.common.trace.SAMPLE_TRACE`).
 
 With ``--replicas K`` (K > 1) the trace goes through K simulated servers, each with its own cache
 of ``--num-pages`` pages, behind a router (``--router``: round-robin, prefix, least-loaded, a
@@ -12,12 +12,12 @@ for a sweep over K). ``--metrics-port`` then serves the first replica's metrics.
 With ``--host-pages N`` each cache has a host tier of N pages: a second table splits the hit
 rate by tier (device hits, host hits loaded back) and counts the copies, and the time to first
 token includes the loads, at ``--host-bandwidth`` GB/s with ``--kv-bytes-per-token`` bytes per
-token (see :mod:`radixkv.apps.replay`). Without it the output is as it always was.
+token (see :mod:`radixkv.apps.replay.simulate`). Without it the output is as it always was.
 
-With ``--workload agent`` the requests are a synthetic agent workload (``--sessions``,
-``--seed``; :mod:`radixkv.apps.agent_workload`) instead of a trace, and the pool defaults to a
-third of the live sessions' histories; ``--bound belady`` adds offline rows, Belady's optimum and
-today's LRU served one request at a time with the same pool (:mod:`radixkv.apps.replay_offline`).
+With ``--workload agent`` the requests are a synthetic agent workload (``--sessions``, ``--seed``;
+:mod:`radixkv.apps.replay.agent_workload`) instead of a trace, and the pool defaults to a third of
+the live sessions' histories; ``--bound belady`` adds offline rows, Belady's optimum and today's LRU
+served one request at a time with the same pool (:mod:`radixkv.apps.replay.offline`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from radixkv.apps import metrics_server, replay_offline
-from radixkv.apps.args import (
+from radixkv.apps.common import metrics_server
+from radixkv.apps.common.args import (
     NO_CHART,
     UsageError,
     have_matplotlib,
@@ -39,7 +39,16 @@ from radixkv.apps.args import (
     positive_int,
     table_header,
 )
-from radixkv.apps.replay import (
+from radixkv.apps.common.trace import (
+    MOONCAKE_TRACE_URL,
+    SAMPLE_TRACE,
+    TraceRequest,
+    emptiness,
+    input_problem,
+    read_trace,
+)
+from radixkv.apps.replay import offline as replay_offline
+from radixkv.apps.replay.simulate import (
     DEFAULT_BALANCE_THRESHOLD,
     DEFAULT_DISK_BANDWIDTH,
     DEFAULT_HOST_BANDWIDTH,
@@ -51,14 +60,6 @@ from radixkv.apps.replay import (
     infinite_bound,
     replay,
     replay_replicas,
-)
-from radixkv.apps.trace import (
-    MOONCAKE_TRACE_URL,
-    SAMPLE_TRACE,
-    TraceRequest,
-    emptiness,
-    input_problem,
-    read_trace,
 )
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")

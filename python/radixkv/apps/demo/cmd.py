@@ -1,5 +1,5 @@
 """``radixkv demo``: options, the two runs, the table and the chart (see
-:mod:`radixkv.apps.demo`)."""
+:mod:`radixkv.apps.demo.scenario`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from radixkv._extras import TORCH_EXTRA, install_line, require_torch
-from radixkv.apps import metrics_server
-from radixkv.apps.args import (
+from radixkv.apps.common import metrics_server
+from radixkv.apps.common.args import (
     NO_CHART,
     UsageError,
     add_cache_options,
@@ -183,8 +183,8 @@ def _pool(args: argparse.Namespace, need: int, page_size: int) -> int:
 
 def _both_runs(args, n_requests: int, make_engine, play, warm) -> tuple:
     """``play(engine, bar)`` on an engine with the prefix cache, then on one without. Both
-    engines are made and warmed up (``warm(engine)``: :func:`radixkv.apps.demo.warm_up`) before
-    either is timed, so the first timed run pays no cold start that the second does not."""
+    engines are made and warmed up (``warm(engine)``: :func:`radixkv.apps.demo.scenario.warm_up`)
+    before either is timed, so the first timed run pays no cold start that the second does not."""
     endpoint = metrics_server.start("demo", args)
     engines = {caching: make_engine(caching) for caching in (True, False)}
     for engine in engines.values():
@@ -201,7 +201,7 @@ def _both_runs(args, n_requests: int, make_engine, play, warm) -> tuple:
 
 def _report(args, on, off, page_size: int) -> int:
     """The table, the totals, the check that both runs said the same, and the chart."""
-    from radixkv.apps.demo import draw_chart, format_table
+    from radixkv.apps.demo.scenario import draw_chart, format_table
 
     print(format_table(on, off))
     prompt = sum(r.prompt_tokens for r in on.results)
@@ -236,8 +236,8 @@ def _run_synthetic(args: argparse.Namespace, page_size: int) -> int:
     a transformers checkpoint (``--random``, ``--checkpoint``, ``--model``)."""
     import dataclasses
 
-    from radixkv.apps.caches import make_cache
-    from radixkv.apps.demo import Scenario, Script, describe_model, run_script, warm_up
+    from radixkv.apps.common.caches import make_cache
+    from radixkv.apps.demo.scenario import Scenario, Script, describe_model, run_script, warm_up
     from radixkv.engine.engine import Engine
 
     sc = Scenario.quick() if args.quick else Scenario()
@@ -319,11 +319,10 @@ def _real_model(args: argparse.Namespace):
 
 
 def _run_real(args: argparse.Namespace, page_size: int, model, tokenizer) -> int:
-    """The agent session in real text on the real model (see :mod:`radixkv.apps.demo_real`)."""
+    """The agent session in real text on the real model (see :mod:`radixkv.apps.demo.real`)."""
     import radixkv.hf
-    from radixkv.apps.caches import make_cache
-    from radixkv.apps.demo import describe_model, warm_up
-    from radixkv.apps.demo_real import (
+    from radixkv.apps.common.caches import make_cache
+    from radixkv.apps.demo.real import (
         RealScenario,
         estimate_tokens,
         format_transcript,
@@ -331,6 +330,7 @@ def _run_real(args: argparse.Namespace, page_size: int, model, tokenizer) -> int
         system_ids,
         system_tokens,
     )
+    from radixkv.apps.demo.scenario import describe_model, warm_up
 
     sc = RealScenario.quick() if args.quick else RealScenario()
     stop = radixkv.hf.eos_token_ids(model)
@@ -373,7 +373,7 @@ def _run_real(args: argparse.Namespace, page_size: int, model, tokenizer) -> int
 def _model(args: argparse.Namespace):
     """The demo's model; a :class:`UsageError` for a checkpoint directory this package cannot
     load, or a transformers model radixkv.hf cannot serve (the reason in one line)."""
-    from radixkv.apps.demo import build_hf_model, build_model
+    from radixkv.apps.demo.scenario import build_hf_model, build_model
 
     if args.model is not None:
         try:

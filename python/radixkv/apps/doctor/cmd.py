@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from radixkv.apps.args import UsageError
-from radixkv.apps.trace import emptiness, input_problem
+from radixkv.apps.common.args import UsageError
+from radixkv.apps.common.trace import emptiness, input_problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

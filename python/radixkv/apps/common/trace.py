@@ -51,7 +51,7 @@ from radixkv._jsonl import show
 MOONCAKE_BLOCK = 512
 #: A trace shipped in the package (the first 1,000 requests of Mooncake's conversation trace; see
 #: ``radixkv/data/README.md``): what ``radixkv replay`` replays when given no trace.
-SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_sample.jsonl.gz"
+SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_sample.jsonl.gz"
 #: Where the whole Mooncake trace lives (the source repository has a gzipped copy).
 MOONCAKE_TRACE_URL = (
     "https://github.com/kvcache-ai/Mooncake/blob/main/FAST25-release/traces/"

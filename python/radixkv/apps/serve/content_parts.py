@@ -1,14 +1,14 @@
 """Chat message ``content`` given as a list of parts (OpenAI's ``[{"type": "text", "text":
 ...}]``, what many agent SDKs send): the text parts joined into the one string a chat template
 renders, as vLLM does (with newlines between parts); any other part type (``image_url``,
-``input_audio``, ``file``) is a :class:`~radixkv.apps.structured.BadRequest` naming the part
+``input_audio``, ``file``) is a :class:`~radixkv.apps.serve.structured.BadRequest` naming the part
 and its type, since the server's models read text only."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from radixkv.apps.structured import BadRequest
+from radixkv.apps.serve.structured import BadRequest
 
 #: What joins a message's text parts.
 SEPARATOR = "\n"

@@ -3,7 +3,7 @@
 dashboard to read the final figures.
 
 Every user error (a port out of range or in use, an address that does not resolve or is not
-this machine's, prometheus_client not installed) is a :class:`~radixkv.apps.args.UsageError`:
+this machine's, prometheus_client not installed) is a :class:`~radixkv.apps.common.args.UsageError`:
 one line, exit status 2.
 """
 
@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from radixkv.apps.args import UsageError
+from radixkv.apps.common.args import UsageError
 
 
 def port_number(text: str) -> int:

@@ -22,10 +22,10 @@ a fresh one; ``keep_alive`` is bounded by the server (``--max-keep-alive``, per 
 ``n > 1`` choices branch from one prefilled prompt.
 ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with ``tool_choice``
 ``"required"`` or a named function constrain the reply to a grammar, a tool call returned as
-OpenAI's ``tool_calls`` (:mod:`radixkv.apps.structured`; streamed whole at its end).
+OpenAI's ``tool_calls`` (:mod:`radixkv.apps.serve.structured`; streamed whole at its end).
 ``tool_choice`` ``"auto"`` (the default when ``tools`` are sent) renders the tools through the
 chat template and parses the model's calls out of its text (``--tool-call-parser``:
-:mod:`radixkv.apps.tool_calls`); text that may be a call is held back while streaming.
+:mod:`radixkv.apps.serve.tool_calls`); text that may be a call is held back while streaming.
 A full queue answers 429, a request that can never fit the pool or is malformed 400 with
 OpenAI's error object naming the field; a client that disconnects cancels its request.
 """
@@ -57,7 +57,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps import content_parts, request_fields, structured, tool_calls
+from radixkv.apps.serve import content_parts, request_fields, structured, tool_calls
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -267,7 +267,7 @@ MAX_TOP_LOGPROBS = 20
 
 class _Body(BaseModel):
     """Fields common to both endpoints. Unknown fields are kept in ``model_extra`` and ignored
-    (clients send extras), except those :mod:`radixkv.apps.request_fields` refuses; known ones
+    (clients send extras), except those :mod:`radixkv.apps.serve.request_fields` refuses; known ones
     of the wrong type or range are a 400 naming the field."""
 
     model_config = ConfigDict(extra="allow")
@@ -369,7 +369,7 @@ class ServerConfig:
     tenant_header: str | None = None
     default_max_tokens: int = 256
     #: ``--tool-call-parser``: the format of the calls ``tool_choice="auto"`` parses out of the
-    #: model's text (:data:`radixkv.apps.tool_calls.PARSERS`); None: ``"auto"`` is a 400.
+    #: model's text (:data:`radixkv.apps.serve.tool_calls.PARSERS`); None: ``"auto"`` is a 400.
     tool_call_parser: str | None = "hermes"
     max_keep_alive: float = MAX_KEEP_ALIVE
     tenant_max_keep_alive: dict[str, float] = field(default_factory=dict)

@@ -28,7 +28,7 @@ Token ids: every new stretch of content (the system prompt, a context, a reply, 
 a one-shot prompt) takes fresh ids from one counter, so two prompts share tokens exactly where
 they share history; ids stay below ``2**31`` (the replay's synthetic output ids live above).
 
-The requests are :class:`AgentRequest`: :class:`radixkv.apps.trace.TraceRequest` with the
+The requests are :class:`AgentRequest`: :class:`radixkv.apps.common.trace.TraceRequest` with the
 session id, turn number, kind (lead, subagent or oneshot), parent session and whether the turn
 is the session's last, so that retention can be applied per session. The same parameters and
 seed give the same requests, token for token.
@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from radixkv.apps.trace import TraceRequest
+from radixkv.apps.common.trace import TraceRequest
 
 #: Kinds of :class:`AgentRequest`, in the order requests arriving together are listed.
 KINDS = ("lead", "subagent", "oneshot")

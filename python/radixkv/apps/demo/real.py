@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.apps.demo import Counters, Run
+from radixkv.apps.demo.scenario import Counters, Run
 from radixkv.engine.engine import Engine
 from radixkv.engine.sequence import Result
 from radixkv.engine.session import Session
@@ -560,7 +560,8 @@ class RealRun(Run):
 
 def system_ids(tokenizer: Any, sc: RealScenario) -> np.ndarray:
     """The token ids of the rendered system message (instructions and tool schemas): the
-    session's first prefill, and the size of its warm-up (:func:`radixkv.apps.demo.warm_up`)."""
+    session's first prefill, and the size of its warm-up
+    (:func:`radixkv.apps.demo.scenario.warm_up`)."""
     messages = [{"role": "system", "content": system_prompt(tool_schemas(sc.tools))}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     return np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.uint32)

@@ -9,7 +9,7 @@ engine :class:`~radixkv.engine.grammar.Grammar`, and a generated tool call as Op
   ``{"name": NAME, "arguments": ARGS}``, ``ARGS`` valid under that tool's ``parameters``
   schema, and returned as one entry of ``message.tool_calls`` (``finish_reason="tool_calls"``).
   ``tool_choice`` ``"none"``: the reply is free text; ``"auto"`` (or left out with tools): free
-  text whose tool calls :mod:`radixkv.apps.tool_calls` parses out.
+  text whose tool calls :mod:`radixkv.apps.serve.tool_calls` parses out.
 
 The name comes first, so the model writes the arguments knowing the tool, and jump-forward
 appends the name (a constant for a named tool) and every key at once. An assistant message that

@@ -2,7 +2,7 @@
 retention policy is measured against.
 
 The model. Requests are served one at a time in arrival order by a pool of ``num_pages`` pages
-of ``page_size`` tokens, like :func:`radixkv.apps.replay.infinite_bound` but with a bounded
+of ``page_size`` tokens, like :func:`radixkv.apps.replay.simulate.infinite_bound` but with a bounded
 pool. A request of ``n`` tokens hits the longest prefix of its full pages that is cached, less
 one page when that would leave no token to compute (as ``admit`` does: at least one token is
 computed); it holds ``ceil(n / page_size)`` pages while it runs (the hit ones, shared, and fresh
@@ -50,8 +50,8 @@ from itertools import pairwise
 
 import numpy as np
 
-from radixkv.apps.block_keys import BlockKeys, block_keys
-from radixkv.apps.trace import TraceRequest
+from radixkv.apps.common.trace import TraceRequest
+from radixkv.apps.replay.block_keys import BlockKeys, block_keys
 
 #: Eviction orders :func:`simulate` knows.
 POLICIES = ("belady", "lru")

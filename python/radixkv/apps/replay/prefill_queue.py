@@ -1,13 +1,13 @@
 """Time to first token from recomputed prompt tokens alone: a prefill queue without pages.
 
-The offline simulations (:mod:`radixkv.apps.belady`) give each request its cached and computed
-prompt tokens but run no server; this turns those counts into times to first token with the
-batch model of :mod:`radixkv.apps.replay`, less its pages and decode slots. One server computes
-batches back to back: whenever it is idle it takes, oldest first, the next chunks of the
-requests that have arrived and still have prompt tokens to compute, up to ``token_budget``
-tokens (a longer prompt goes in chunks over several batches); a batch of ``T`` tokens takes
-``T / prefill_tps`` seconds; a request's first token comes when the batch computing its last
-chunk ends. Comparing policies through it isolates what they recompute from everything else.
+The offline simulations (:mod:`radixkv.apps.replay.belady`) give each request its cached and
+computed prompt tokens but run no server; this turns those counts into times to first token with the
+batch model of :mod:`radixkv.apps.replay.simulate`, less its pages and decode slots. One server
+computes batches back to back: whenever it is idle it takes, oldest first, the next chunks of the
+requests that have arrived and still have prompt tokens to compute, up to ``token_budget`` tokens (a
+longer prompt goes in chunks over several batches); a batch of ``T`` tokens takes ``T /
+prefill_tps`` seconds; a request's first token comes when the batch computing its last chunk ends.
+Comparing policies through it isolates what they recompute from everything else.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``radixkv serve``: an OpenAI-compatible server on the Engine (see :mod:`radixkv.apps.serve`)."""
+"""``radixkv serve``: an OpenAI-compatible server on the Engine (:mod:`radixkv.apps.serve.app`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from radixkv.apps.args import (
+from radixkv.apps.common.args import (
     UsageError,
     add_cache_options,
     nonnegative_int,
@@ -247,7 +247,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-#: ``--max-keep-alive``'s default (the same as :data:`radixkv.apps.serve.MAX_KEEP_ALIVE`,
+#: ``--max-keep-alive``'s default (the same as :data:`radixkv.apps.serve.app.MAX_KEEP_ALIVE`,
 #: which needs FastAPI to import).
 MAX_KEEP_ALIVE = 300.0
 
@@ -423,7 +423,7 @@ def build(args: argparse.Namespace):
 
         import radixkv
         import radixkv.hf
-        from radixkv.apps import serve
+        from radixkv.apps.serve import app as serve
     except ImportError as e:
         raise UsageError(
             f"radixkv serve needs radixkv[serve] ({e}): pip install radixkv[serve]"

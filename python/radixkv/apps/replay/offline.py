@@ -1,10 +1,10 @@
 """What ``radixkv replay`` adds for agents: ``--workload agent`` (the synthetic workload of
-:mod:`radixkv.apps.agent_workload` instead of a trace file) and ``--bound belady`` (rows from
-the offline simulations of :mod:`radixkv.apps.belady` beside the replayed policies).
+:mod:`radixkv.apps.replay.agent_workload` instead of a trace file) and ``--bound belady`` (rows from
+the offline simulations of :mod:`radixkv.apps.replay.belady` beside the replayed policies).
 
 The offline rows serve the same requests one at a time with the same pool: ``lru*`` as today's
 cache evicts, ``belady*`` by Belady's rule (the most any eviction or retention order can reach
-in that model); their times to first token come from :func:`radixkv.apps.prefill_queue
+in that model); their times to first token come from :func:`radixkv.apps.replay.prefill_queue
 .prefill_ttfts`, and they have no queue waits. The gap between the two starred rows is what a
 better order could win; the replayed rows add concurrency (pages pinned by requests in flight,
 reserved for outputs) on top.
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixkv.apps.agent_workload import AgentRequest, AgentWorkload, live_history_tokens
-from radixkv.apps.args import UsageError, nonnegative_int, positive_int
-from radixkv.apps.belady import BoundResult, simulate
-from radixkv.apps.block_keys import block_keys
-from radixkv.apps.prefill_queue import prefill_ttfts
-from radixkv.apps.trace import TraceRequest
+from radixkv.apps.common.args import UsageError, nonnegative_int, positive_int
+from radixkv.apps.common.trace import TraceRequest
+from radixkv.apps.replay.agent_workload import AgentRequest, AgentWorkload, live_history_tokens
+from radixkv.apps.replay.belady import BoundResult, simulate
+from radixkv.apps.replay.block_keys import block_keys
+from radixkv.apps.replay.prefill_queue import prefill_ttfts
 
 #: ``--workload`` choices.
 WORKLOADS = ("trace", "agent")
@@ -32,7 +32,7 @@ BOUNDS = ("belady",)
 #: ``--num-pages`` without ``--workload agent`` when not given.
 TRACE_NUM_PAGES = 262_144
 #: The pool ``--workload agent`` gets when ``--num-pages`` is not given: this share of the live
-#: sessions' histories (:func:`radixkv.apps.agent_workload.live_history_tokens`).
+#: sessions' histories (:func:`radixkv.apps.replay.agent_workload.live_history_tokens`).
 AGENT_POOL_SHARE = 1 / 3
 
 
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="trace",
         help="trace: replay TRACE; agent: a synthetic agent workload instead (sessions of many "
         "turns with growing histories over a shared system prompt, heavy-tailed tool pauses, "
-        "sub-agents, one-shot background requests; see radixkv.apps.agent_workload) "
+        "sub-agents, one-shot background requests; see radixkv.apps.replay.agent_workload) "
         "(default: trace)",
     )
     p.add_argument(
@@ -141,7 +141,7 @@ def offline_rows(
 
 
 def format_rows(rows: Sequence[OfflineRow], bound: float) -> list[str]:
-    """The offline rows in the columns of :func:`radixkv.apps.replay_cmd.format_table`, and a
+    """The offline rows in the columns of :func:`radixkv.apps.replay.cmd.format_table`, and a
     footnote."""
     out = []
     for row in rows:

@@ -71,9 +71,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import radixkv
-from radixkv.apps.args import progress_bar
-from radixkv.apps.caches import make_cache
-from radixkv.apps.trace import TraceRequest
+from radixkv.apps.common.args import progress_bar
+from radixkv.apps.common.caches import make_cache
+from radixkv.apps.common.trace import TraceRequest
 
 OUTPUT_BASE = 2**31  # output token ids live above every Mooncake prompt id
 

@@ -1,0 +1,1 @@
+"""What the applications share: command-line helpers, traces, caches by name, metrics."""

@@ -1,0 +1,1 @@
+"""``radixkv demo``: an agent session with and without the prefix cache."""

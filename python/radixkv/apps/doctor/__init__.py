@@ -1,0 +1,1 @@
+"""``radixkv doctor``: why a log of chat requests misses the cache."""

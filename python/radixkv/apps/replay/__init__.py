@@ -1,0 +1,1 @@
+"""``radixkv replay``: a request trace through a cache and scheduler, per policy."""

@@ -1,0 +1,1 @@
+"""``radixkv serve``: an OpenAI-compatible server on the prefix-cached Engine."""
