@@ -175,8 +175,18 @@ fmt: $(DEPS)
 	cargo fmt
 	$(PY) -m ruff format python tests benches examples
 
-wheel: $(DEPS)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m maturin build $(WHEEL_FLAGS)
+# The wheel needs only its build tools (maturin, and zig for manylinux2014), in a small
+# environment of their own: not torch or the rest of the development environment.
+WHEEL_VENV  := target/wheel-venv
+WHEEL_TOOLS := $(WHEEL_VENV)/.tools-installed
+$(WHEEL_TOOLS):
+	python3 -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check 'maturin>=1.5,<2' \
+	    "$$(grep -E '^ziglang' requirements-dev.txt)"
+	touch $@
+
+wheel: $(WHEEL_TOOLS)
+	PATH=$(abspath $(WHEEL_VENV))/bin:$$PATH $(WHEEL_VENV)/bin/python -m maturin build $(WHEEL_FLAGS)
 
 clean:
 	cargo clean
