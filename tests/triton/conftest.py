@@ -5,7 +5,6 @@ process of their own). Without either, every test here is skipped, saying how to
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,13 +13,13 @@ import pytest
 # The shared helpers of the torch-layer tests (tiny_model, test_attention, hf_models).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 def _device() -> str | None:
     import torch
 
-    if INTERPRETED:
+    from radixkv.kv.backends.choice import interpreted
+
+    if interpreted():
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"

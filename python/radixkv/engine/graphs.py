@@ -51,8 +51,10 @@ def why_not(kv: Any) -> str | None:
     """Why decode steps over ``kv`` cannot run as graphs, or ``None`` when they can."""
     if kv.attention not in ("triton", "auto"):
         return f"its attention is {kv.attention!r}: graphs replay the Triton decode kernel"
-    if kv.attention == "auto" and kv.backend_for(True, 1).name != "triton":
-        return f"attention='auto' runs {kv.backend_for(True, 1).name!r} on {kv.device}, not Triton"
+    if kv.attention == "auto":
+        name = kv.backend_for(True, 1).name
+        if name != "triton":
+            return f"attention='auto' runs {name!r} on {kv.device}, not Triton"
     if kv.window_layers:
         return "its window layers read a window pool of their own"
     return None

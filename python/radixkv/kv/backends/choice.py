@@ -47,7 +47,9 @@ def _has_varlen() -> bool:
     return "block_table" in inspect.signature(varlen_attn).parameters
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """Whether Triton runs kernels under its interpreter (``TRITON_INTERPRET``, on CPU
+    tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -58,7 +60,7 @@ def triton_problem(device: torch.device) -> str | None:
     if device.type == "cuda":
         return None
     if device.type == "cpu":
-        if _interpreted():
+        if interpreted():
             return None
         return (
             "the Triton kernels run on CUDA devices; on the CPU only under Triton's interpreter "

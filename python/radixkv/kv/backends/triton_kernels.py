@@ -30,21 +30,17 @@ wrong (triton issue 11584): there the operands are cast to fp32 first.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from radixkv.kv.backends.choice import interpreted
+
 #: Fewest keys a decode split reads before the kernel uses another split for a request.
 MIN_SPLIT = 256
 #: Most splits of a decode launch.
 MAX_SPLITS = 32
-
-
-def interpreted() -> bool:
-    """Whether Triton runs kernels under its interpreter (on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -66,6 +62,46 @@ def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr)
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
     return s
+
+
+@triton.jit
+def _load_kv(
+    K, V, BT_ROW, j, jm, kh, d, dmask,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    P: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Keys ``j`` (masked by ``jm``) of KV head ``kh`` of the request whose page-table row
+    starts at ``BT_ROW``: ``[N, BLOCK_D]`` K and V blocks read where the pool holds them."""
+    page = tl.load(BT_ROW + j // P, mask=jm, other=0)
+    slot = page.to(tl.int64) * P + j % P
+    kv_mask = jm[:, None] & dmask[None, :]
+    k = tl.load(
+        K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=kv_mask, other=0.0
+    )
+    v = tl.load(
+        V + slot[:, None] * stride_vs + kh * stride_vh + d[None, :], mask=kv_mask, other=0.0
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online(m, lsum, acc, sc, v, IEEE: tl.constexpr):
+    """One step of the online softmax: the running max ``m``, sum ``lsum`` and output ``acc``
+    of each row after the masked scores ``sc`` of a block whose values are ``v`` (a row that
+    has seen no key yet keeps a max of -inf and adds nothing)."""
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(sc - m_safe[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, lsum, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -138,30 +174,13 @@ def _decode_split(
     for j0 in range(lo, hi, BLOCK_N):
         j = j0 + offs
         jm = j < hi
-        page = tl.load(BT + b.to(tl.int64) * stride_bt + j // P, mask=jm, other=0)
-        slot = page.to(tl.int64) * P + j % P
-        kv_mask = jm[:, None] & dmask[None, :]
-        k = tl.load(
-            K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            V + slot[:, None] * stride_vs + kh * stride_vh + d[None, :], mask=kv_mask, other=0.0
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(
+            K, V, BT + b.to(tl.int64) * stride_bt, j, jm, kh, d, dmask,
+            stride_ks, stride_kh, stride_vs, stride_vh, P, UPCAST,
+        )  # fmt: skip
         sc = _scores(q, k, scale, softcap, HAS_SOFTCAP, IEEE)
         sc = tl.where(jm[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, lsum, acc = _online(m, lsum, acc, sc, v, IEEE)
     empty = lsum == 0.0  # a split past this request's keys
     out = acc / tl.where(empty, 1.0, lsum)[:, None]
     lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, lsum)))
@@ -290,34 +309,16 @@ def _prefill(
     for j0 in range(lo, hi, BLOCK_N):
         j = j0 + offs
         jm = j < hi
-        page = tl.load(BT + b * stride_bt + j // P, mask=jm, other=0)
-        slot = page.to(tl.int64) * P + j % P
-        kv_mask = jm[:, None] & dmask[None, :]
-        k = tl.load(
-            K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            V + slot[:, None] * stride_vs + kh * stride_vh + d[None, :], mask=kv_mask, other=0.0
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(
+            K, V, BT + b * stride_bt, j, jm, kh, d, dmask,
+            stride_ks, stride_kh, stride_vs, stride_vh, P, UPCAST,
+        )  # fmt: skip
         sc = _scores(q, k, scale, softcap, HAS_SOFTCAP, IEEE)
         seen = jm[None, :] & (j[None, :] <= pos[:, None])
         if HAS_WINDOW:
             seen = seen & (j[None, :] > pos[:, None] - window)
         sc = tl.where(seen, sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, lsum, acc = _online(m, lsum, acc, sc, v, IEEE)
     if HAS_SINKS:
         sink = tl.load(SINKS + head, mask=rmask, other=0.0).to(tl.float32)
         mx = tl.maximum(m, sink)
