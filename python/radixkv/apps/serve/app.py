@@ -58,6 +58,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import radixkv
 from radixkv.apps.serve import content_parts, request_fields, structured, tool_calls
+from radixkv.engine import DivergedError
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -78,15 +79,33 @@ class QueueFull(Exception):
     """More requests wait than the server's bound (answered 429)."""
 
 
+#: Seconds an idle tensor-parallel engine goes without a step: rank 0 then steps an empty
+#: one, so that the other ranks, waiting in the broadcast of its next step, never reach their
+#: collectives' timeout, and a rank that died is found while nothing is asked.
+HEARTBEAT_S = 5.0
+
+
 class EngineLoop:
     """Owns ``engine`` and steps it on a thread of its own until :meth:`stop`.
 
     ``max_waiting``: requests submitted and not yet finished at most; one more is refused with
     :class:`QueueFull`. Finished requests are released from the engine as soon as their results
-    are handed over, so memory stays flat however long the server runs."""
+    are handed over, so memory stays flat however long the server runs.
 
-    def __init__(self, engine: radixkv.Engine, max_waiting: int = 256) -> None:
+    A tensor-parallel engine (``Engine(group=...)``, rank 0) is stepped every ``heartbeat_s``
+    seconds when idle (None: never; the other ranks then time out in their collectives after
+    the group's timeout). Once its ranks part (``radixkv.engine.DivergedError``:
+    a rank died, or disagreed) it takes no more steps: the requests in flight fail, the thread
+    ends (``/health`` answers 503) and :attr:`on_fatal`'s callbacks get the error."""
+
+    def __init__(
+        self,
+        engine: radixkv.Engine,
+        max_waiting: int = 256,
+        heartbeat_s: float | None = HEARTBEAT_S,
+    ) -> None:
         self.engine = engine
+        self.heartbeat_s = heartbeat_s
         self.max_waiting = max_waiting
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._pending: dict[int, Pending] = {}
@@ -96,6 +115,9 @@ class EngineLoop:
         self.error: BaseException | None = None
         #: Called on the engine thread after every step (a KV event publisher's ``publish``).
         self.after_step: list[Callable[[], Any]] = []
+        #: Called on the engine thread with the error that parted a tensor-parallel engine's
+        #: ranks, as the thread ends (``radixkv serve`` stops the server).
+        self.on_fatal: list[Callable[[BaseException], Any]] = []
 
     def start(self) -> None:
         self._thread.start()
@@ -178,6 +200,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         eng = self.engine
+        heartbeat = self.heartbeat_s if eng.lockstep is not None else None
+        last = time.monotonic()
         while True:
             block = not eng.has_work
             if block and self._stop.is_set() and not self._pending:
@@ -189,7 +213,8 @@ class EngineLoop:
                     self._inbox.get_nowait()()
             except queue.Empty:
                 pass
-            if not eng.has_work:
+            due = heartbeat is not None and time.monotonic() - last >= heartbeat
+            if not eng.has_work and not due:
                 continue
             try:
                 results = eng.step()
@@ -199,6 +224,11 @@ class EngineLoop:
                 for pending in {id(p): p for p in self._pending.values()}.values():
                     pending.loop.call_soon_threadsafe(_fail_pending, pending, e)
                 self._pending.clear()
+                if isinstance(e, DivergedError):  # the ranks parted: no step can follow
+                    for hook in self.on_fatal:
+                        hook(e)
+                    return
+            last = time.monotonic()
             self.steps += 1
             for r in results:
                 pending = self._pending.pop(r.id, None)
@@ -525,7 +555,7 @@ def create_app(
         """SGLang's ``/flush_cache`` (vLLM's ``/reset_prefix_cache``): drops every page no
         running request holds (retained ones too) from the pool, the host and the disk tier,
         on the engine thread between steps; answers how many."""
-        flushed = await loop.call(lambda: int(eng.cache.reset()))
+        flushed = await loop.call(eng.reset_cache)
         return {"flushed_pages": flushed}
 
     app.post("/flush_cache")(flush_cache)

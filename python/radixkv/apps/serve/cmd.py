@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from radixkv.apps.common.args import (
     UsageError,
@@ -142,6 +143,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device",
         default=None,
         help="torch device, cpu or cuda[:N] (default: cuda when there is one, else cpu)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        "--tp-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="shard the model over N processes of this machine, one per CUDA device (cuda:0 "
+        "to cuda:N-1; on CPU N processes): transformers' tensor-parallel plan, the heads "
+        "divided among the ranks, each with its own KV pool of its heads, the engines in "
+        "lockstep (vLLM's -tp, SGLang's --tp-size; not with --cache-dir or --shared-store) "
+        "(default: 1)",
     )
     p.add_argument(
         "--dtype",
@@ -322,6 +338,7 @@ def check_before_loading(args: argparse.Namespace) -> None:
             "directory or a .gguf file"
         )
     args.chat_template_text = chat_template_of(getattr(args, "chat_template", None))
+    check_tensor_parallel(args)
     if args.device is not None:
         import torch
 
@@ -351,6 +368,37 @@ def check_before_loading(args: argparse.Namespace) -> None:
                 f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another "
                 "server on that port? pick another with --port)"
             ) from None
+
+
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """``--tensor-parallel-size`` beside what it cannot run with yet, and the devices it
+    needs: a :class:`UsageError` saying why."""
+    world = getattr(args, "tensor_parallel_size", 1)
+    if world == 1:
+        return
+    flag = f"--tensor-parallel-size {world}"
+    for option, why in (
+        ("cache_dir", "each rank would read and write a directory of its own"),
+        ("shared_store", "each rank's pages would need keys of their own"),
+    ):
+        if getattr(args, option, None):
+            raise UsageError(
+                f"{flag} with --{option.replace('_', '-')} is not supported in this version: {why}"
+            )
+    import torch
+
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device is not None and args.device != kind:
+        raise UsageError(
+            f"{flag} with --device {args.device}: the ranks run on "
+            + ("cuda:0 to cuda:N-1" if kind == "cuda" else "the CPU (no CUDA device here)")
+            + "; leave --device out"
+        )
+    if kind == "cuda" and torch.cuda.device_count() < world:
+        raise UsageError(
+            f"{flag}: one CUDA device per rank is needed, this machine has "
+            f"{torch.cuda.device_count()}"
+        )
 
 
 def keep_alive_bound(text: str) -> tuple[str | None, float]:
@@ -416,13 +464,10 @@ def shared_store_args(args: argparse.Namespace) -> dict[str, object]:
 
 
 def build(args: argparse.Namespace):
-    """The engine loop, the app and the server config of ``args`` (model loaded)."""
-    shared = shared_store_args(args)
+    """The engine loop, the app and the server config of ``args`` (model loaded). With
+    ``--tensor-parallel-size``, rank 0's (the other ranks make their engine alone with
+    :func:`make_engine`, at the same time)."""
     try:
-        import torch
-
-        import radixkv
-        import radixkv.hf
         from radixkv.apps.serve import app as serve
     except ImportError as e:
         raise UsageError(
@@ -431,19 +476,75 @@ def build(args: argparse.Namespace):
     default, per_tenant = keep_alive_bounds(
         getattr(args, "max_keep_alive", None), args.tenant_header
     )
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    try:
-        model, tokenizer = radixkv.hf.load(args.model, dtype=dtype, device=device)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    spec = radixkv.hf.check_model(model)
+    publisher = None
+
+    def events(cache) -> None:
+        nonlocal publisher
+        try:
+            from radixkv.events import ZmqPublisher
+        except ImportError as e:
+            raise UsageError(f"--kv-events needs radixkv[events] ({e})") from None
+        publisher = ZmqPublisher(cache, endpoint=args.kv_events)
+
+    engine, model, tokenizer = make_engine(args, on_cache=events if args.kv_events else None)
     template = getattr(args, "chat_template_text", None)
     if template is None:
         template = chat_template_of(getattr(args, "chat_template", None))
     if template is not None:  # every render (chat, /tokenize, the tools check) takes it
         tokenizer.chat_template = template
     max_model_len = model_context_length(model, getattr(args, "max_model_len", None))
+    served = list(args.served_model_name or [])
+    if not served:
+        served = ["SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)]
+    name = served[0]
+    config = serve.ServerConfig(
+        model_name=name,
+        aliases=tuple(dict.fromkeys([*served[1:], str(args.model)])),
+        max_model_len=max_model_len,
+        api_key=getattr(args, "api_key", None) or os.environ.get("RADIXKV_API_KEY") or None,
+        open_paths=tuple(getattr(args, "open_paths", ("/health", "/metrics"))),
+        tenant_header=args.tenant_header,
+        tool_call_parser=_parser_of(getattr(args, "tool_call_parser", "hermes")),
+        max_keep_alive=default,
+        tenant_max_keep_alive=per_tenant,
+    )
+    loop = serve.EngineLoop(engine, max_waiting=args.max_waiting)
+    if publisher is not None:
+        if engine.kv.shared is not None:  # what the shared store holds, for routers
+            publisher.announce_shared(engine.kv.shared)
+        loop.after_step.append(publisher.publish)
+    if engine.kv.disk is not None:
+        loop.after_step.append(Saver(engine.kv, args.save_every))
+    return loop, serve.create_app(loop, tokenizer, config), config
+
+
+def make_engine(args: argparse.Namespace, on_cache=None):
+    """``(engine, model, tokenizer)`` of ``args``: the model loaded (this rank's shard with
+    ``--tensor-parallel-size``), its cache and tiers, the engine over them; ``on_cache(cache)``
+    is called once the cache is made, before the engine (the KV event publisher)."""
+    shared = shared_store_args(args)
+    try:
+        import torch
+
+        import radixkv
+        import radixkv.hf
+    except ImportError as e:
+        raise UsageError(
+            f"radixkv serve needs radixkv[serve] ({e}): pip install radixkv[serve]"
+        ) from None
+    tensor_parallel = getattr(args, "tensor_parallel_size", 1) > 1
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if tensor_parallel:
+        device = args.device  # each rank on its own accelerator (or the CPU), as load says
+    else:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model, tokenizer = radixkv.hf.load(
+            args.model, dtype=dtype, device=device, tensor_parallel=tensor_parallel
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    spec = radixkv.hf.check_model(model)
     page = page_size_of(args)
     window_pages = getattr(args, "window_pages", 0)
     if window_pages and not spec.window_layers:
@@ -480,13 +581,8 @@ def build(args: argparse.Namespace):
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    publisher = None
-    if args.kv_events:
-        try:
-            from radixkv.events import ZmqPublisher
-        except ImportError as e:
-            raise UsageError(f"--kv-events needs radixkv[events] ({e})") from None
-        publisher = ZmqPublisher(cache, endpoint=args.kv_events)
+    if on_cache is not None:
+        on_cache(cache)
     try:
         engine = radixkv.hf.engine(
             model,
@@ -502,29 +598,11 @@ def build(args: argparse.Namespace):
         )
     except radixkv.Error as e:  # a directory written for another model or layout
         raise UsageError(str(e)) from None
-    served = list(args.served_model_name or [])
-    if not served:
-        served = ["SmolLM2-135M-Instruct" if args.model == "smollm2" else str(args.model)]
-    name = served[0]
-    config = serve.ServerConfig(
-        model_name=name,
-        aliases=tuple(dict.fromkeys([*served[1:], str(args.model)])),
-        max_model_len=max_model_len,
-        api_key=getattr(args, "api_key", None) or os.environ.get("RADIXKV_API_KEY") or None,
-        open_paths=tuple(getattr(args, "open_paths", ("/health", "/metrics"))),
-        tenant_header=args.tenant_header,
-        tool_call_parser=_parser_of(getattr(args, "tool_call_parser", "hermes")),
-        max_keep_alive=default,
-        tenant_max_keep_alive=per_tenant,
-    )
-    loop = serve.EngineLoop(engine, max_waiting=args.max_waiting)
-    if publisher is not None:
-        if engine.kv.shared is not None:  # what the shared store holds, for routers
-            publisher.announce_shared(engine.kv.shared)
-        loop.after_step.append(publisher.publish)
-    if engine.kv.disk is not None:
-        loop.after_step.append(Saver(engine.kv, args.save_every))
-    return loop, serve.create_app(loop, tokenizer, config), config
+    except ValueError as e:  # a model whose heads do not divide among the ranks
+        if not tensor_parallel:
+            raise
+        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: {e}") from None
+    return engine, model, tokenizer
 
 
 def model_context_length(model, asked: int | None) -> int | None:
@@ -577,12 +655,42 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(f"radixkv serve needs uvicorn ({e}): pip install radixkv[serve]") from None
     check_before_loading(args)
-    threads = args.threads if args.threads is not None else default_threads()
+    world = getattr(args, "tensor_parallel_size", 1)
+    threads = args.threads
+    if threads is None:  # the CPUs shared among the ranks
+        threads = max(default_threads() // world, 1)
+    args.threads = threads  # the other ranks take it too
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    loop, app, config = build(args)
+    ranks = None
+    stopping: dict[str, Any] = {"server": None, "why": None}
+
+    def stop_server(why: str) -> None:
+        """Another rank exited, or the ranks parted: the server cannot step any more."""
+        print(f"radixkv serve: {why}; the server stops", file=sys.stderr, flush=True)
+        stopping["why"] = why
+        server = stopping["server"]
+        if server is None:  # still loading: rank 0 waits in collectives the others left
+            assert ranks is not None
+            ranks.kill()
+            os._exit(1)
+        server.should_exit = True
+
+    if world > 1:
+        from radixkv.apps.serve import ranks as tp
+
+        tp.check_model(args)
+        ranks = tp.Ranks(args)
+        ranks.watch(lambda rank, status: stop_server(f"rank {rank} exited (status {status})"))
+    try:
+        loop, app, config = build(args)
+    except BaseException:
+        if ranks is not None:
+            ranks.kill()
+        raise
+    loop.on_fatal.append(lambda e: stop_server(f"the tensor-parallel ranks parted: {e}"))
     if config.tool_call_parser is not None and not app.state.renders_tools:
         print(
             "radixkv serve: the chat template does not render tools: a request with tools "
@@ -595,6 +703,7 @@ def run(args: argparse.Namespace) -> int:
         f"radixkv serve: {config.model_name} on http://{args.host}:{args.port}/v1 "
         f"({args.cache} cache, {loop.engine.cache.stats.num_pages} pages, "
         f"{_torch_threads()} CPU threads"
+        + (f" per rank, {world} tensor-parallel ranks" if world > 1 else "")
         + (
             f", a window pool of {loop.engine.cache.window_pages} pages for the "
             f"{loop.engine.cache.window}-token window"
@@ -624,7 +733,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    )
+    stopping["server"] = server
+    server.run()
+    if ranks is not None:
+        return close_ranks(loop, ranks, stopping["why"])
     print("radixkv serve: stopped; the requests in flight were drained", file=sys.stderr)
     if kv.shared is not None and not loop.alive:
         kv.shared.close()  # sends the pages still queued
@@ -642,3 +757,37 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def close_ranks(loop, ranks, why: str | None) -> int:
+    """Rank 0, the server stopped: closes the engine (the other ranks' ``follow`` returns) and
+    waits for them to exit; the exit status (1 when a rank was lost, the ranks parted, or one
+    did not exit cleanly)."""
+    import radixkv
+
+    if why is not None or loop.alive:
+        # A rank was lost or the ranks parted: the others cannot be closed in step. Or the
+        # engine thread did not stop in time and may still be stepping.
+        if why is None:
+            print(
+                "radixkv serve: the engine is still running; the ranks are stopped", file=sys.stderr
+            )
+        ranks.kill()
+        return 1
+    ranks.closing.set()  # from here on a rank's exit is expected
+    status = 0
+    try:
+        loop.engine.close()
+    except radixkv.Error as e:
+        print(f"radixkv serve: closing the tensor-parallel ranks: {e}", file=sys.stderr)
+        status = 1
+    if not ranks.wait():
+        print("radixkv serve: a rank did not exit cleanly", file=sys.stderr)
+        status = 1
+    if status == 0:
+        print(
+            "radixkv serve: stopped; the requests in flight were drained and the "
+            f"{ranks.world - 1} other ranks closed",
+            file=sys.stderr,
+        )
+    return status

@@ -1,0 +1,227 @@
+"""``radixkv serve --tensor-parallel-size 3``: the real model's 9 heads (3 KV heads) sharded over
+three CPU processes by transformers' plan, the engines in lockstep, driven through the real
+command and the ``openai`` client. Replies equal one process's greedy tokens over the same
+prompt tokens, prefixes are reused, ``/flush_cache`` keeps the ranks in step, a rank killed
+stops the server with status 1 naming it, and SIGTERM to the whole process group (what a
+service manager sends) drains, closes every rank and exits 0. Options it cannot run with, and
+sizes the heads do not divide by, are one-line errors before any rank starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+torch = pytest.importorskip("torch", reason="radixkv serve needs torch")
+openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+httpx = pytest.importorskip("httpx")
+
+import serve_process  # noqa: E402
+from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+from test_serve import free_port  # noqa: E402
+
+if smollm2_path() is None:
+    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="three CPU ranks (a CUDA machine would need 3 devices)"
+)
+
+WORLD = "3"
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+MODEL = "SmolLM2-135M-Instruct"
+OPTIONS = ["--tensor-parallel-size", WORLD, "--num-pages", "256", "--page-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One 3-rank server for the module (its own process group); the last test stops it."""
+    port = free_port()
+    proc = serve_process.start(port, *OPTIONS, threads=3, timeout=300, new_session=True)
+    yield proc, port
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def client(port: int):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+
+def chat(port: int, messages: list[dict], max_tokens: int = 10) -> tuple[str, int]:
+    r = client(port).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0
+    )
+    return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+
+def prompt_tokens(port: int, messages: list[dict]) -> list[int]:
+    body = {"model": MODEL, "messages": messages}
+    return httpx.post(f"http://127.0.0.1:{port}/tokenize", json=body, timeout=30).json()["tokens"]
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """Greedy text of the unsharded model in this process: ``text(tokens, n)``."""
+    import radixkv
+    import radixkv.hf
+
+    model, tokenizer = radixkv.hf.load("smollm2")
+    eng = radixkv.hf.engine(model, radixkv.RadixCache(256, page_size=16), tokenizer=tokenizer)
+
+    def text(tokens: list[int], n: int) -> str:
+        i = eng.submit(tokens, max_new_tokens=n)
+        return eng.run([i], release=True)[0].text
+
+    return text
+
+
+def test_three_ranks_reply_as_one_process_and_reuse_the_prefix(server, one_process):
+    proc, port = server
+    first = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Name the capital of France in one word."},
+    ]
+    reply, cached = chat(port, first)
+    assert reply == one_process(prompt_tokens(port, first), 10)
+    assert "Paris" in reply
+    assert cached == 0
+    second = [
+        *first,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    reply2, cached2 = chat(port, second)
+    assert reply2 == one_process(prompt_tokens(port, second), 10)
+    assert cached2 >= 16, "the second turn reuses the first one's pages on every rank"
+    assert proc.poll() is None
+
+
+def test_flush_cache_keeps_the_ranks_in_step(server, one_process):
+    proc, port = server
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hello."}]
+    reply, _ = chat(port, messages, max_tokens=6)
+    _, cached = chat(port, messages, max_tokens=6)
+    assert cached > 0
+    flushed = httpx.post(f"http://127.0.0.1:{port}/flush_cache", timeout=30).json()
+    assert flushed["flushed_pages"] > 0
+    # Rank 0 dropped its pages; had the others kept theirs, the next step's state check fails
+    # and the server stops (every step checks the batch; the digest every few steps).
+    again, cached = chat(port, messages, max_tokens=6)
+    assert (again, cached) == (reply, 0)
+    for _ in range(3):
+        assert chat(port, messages, max_tokens=6)[0] == reply
+    assert reply == one_process(prompt_tokens(port, messages), 6)
+    assert proc.poll() is None
+
+
+def test_idle_server_keeps_its_ranks(server):
+    """Idle for longer than the heartbeat (rank 0 then steps an empty step, which the other
+    ranks wait for in a collective): the ranks are still there and in step."""
+    from radixkv.apps.serve.app import HEARTBEAT_S
+
+    proc, port = server
+    ranks = serve_process.children(proc.pid)
+    assert len(ranks) == int(WORLD) - 1
+    time.sleep(2 * HEARTBEAT_S + 1)
+    assert serve_process.children(proc.pid) == ranks
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Name the capital of France in one word."},
+    ]
+    assert "Paris" in chat(port, messages)[0]
+
+
+def test_sigterm_to_the_process_group_drains_and_closes_every_rank(server):
+    """Last in the module: stops the module's server as a service manager would, SIGTERM to
+    every process of its group at once, with a request in flight."""
+    proc, port = server
+    ranks = serve_process.children(proc.pid)
+    assert len(ranks) == int(WORLD) - 1
+    c = client(port)
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a long story about a cat."}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+    )
+    first = next(iter(stream))  # the request is in flight
+    os.killpg(proc.pid, signal.SIGTERM)
+    pieces = [first.choices[0].delta.content or ""]
+    pieces += [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len("".join(pieces)) > 0
+    rc = proc.wait(120)
+    err = proc.stderr.read()
+    assert rc == 0, err[-3000:]
+    assert "the 2 other ranks closed" in err
+    for pid in ranks:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"rank process {pid} is left"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_rank_that_dies_stops_the_server_naming_it():
+    port = free_port()
+    proc = serve_process.start(port, *OPTIONS, threads=3, timeout=300, new_session=True)
+    try:
+        ranks = serve_process.children(proc.pid)
+        assert len(ranks) == int(WORLD) - 1
+        os.kill(ranks[-1], signal.SIGKILL)
+        rc = proc.wait(60)
+        err = proc.stderr.read()
+        assert rc == 1, err[-3000:]
+        assert "exited (status -9); the server stops" in err
+        time.sleep(0.5)
+        assert all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in ranks)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--tensor-parallel-size", "2"],
+            "has 9 attention heads and 3 KV heads, which do not divide among 2 ranks "
+            "(sizes that do: 1, 3)",
+        ),
+        (["-tp", "3", "--cache-dir", "DIR"], "with --cache-dir is not supported in this version"),
+        (
+            ["--tp", "3", "--shared-store", "redis://127.0.0.1:1"],
+            "with --shared-store is not supported in this version",
+        ),
+        (["--tp-size", "3", "--device", "cuda"], "the ranks run on the CPU (no CUDA device here)"),
+    ],
+)
+def test_what_tensor_parallel_cannot_run_with_is_said_before_any_rank_starts(
+    tmp_path, extra, message
+):
+    extra = [str(tmp_path) if a == "DIR" else a for a in extra]
+    port = free_port()
+    t = time.monotonic()
+    out = subprocess.run(
+        [*serve_process.command(port), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - t < 60
