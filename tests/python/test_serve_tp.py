@@ -1,13 +1,14 @@
 """``radixkv serve --tensor-parallel-size 3``: the real model's 9 heads (3 KV heads) sharded over
 three CPU processes by transformers' plan, the engines in lockstep, driven through the real
 command and the ``openai`` client. Replies equal one process's greedy tokens over the same
-prompt tokens, prefixes are reused, ``/flush_cache`` keeps the ranks in step, a rank killed
-stops the server with status 1 naming it, and SIGTERM to the whole process group (what a
-service manager sends) drains, closes every rank and exits 0. Options it cannot run with, and
-sizes the heads do not divide by, are one-line errors before any rank starts."""
+prompt tokens, prefixes are reused, ``/flush_cache`` and structured output keep the ranks in
+step, a rank killed stops the server with status 1 naming it, and SIGTERM to the whole process
+group (what a service manager sends) drains, closes every rank and exits 0. Options it cannot
+run with, and sizes the heads do not divide by, are one-line errors before any rank starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -75,8 +76,8 @@ def one_process():
     model, tokenizer = radixkv.hf.load("smollm2")
     eng = radixkv.hf.engine(model, radixkv.RadixCache(256, page_size=16), tokenizer=tokenizer)
 
-    def text(tokens: list[int], n: int) -> str:
-        i = eng.submit(tokens, max_new_tokens=n)
+    def text(tokens: list[int], n: int, grammar=None) -> str:
+        i = eng.submit(tokens, max_new_tokens=n, grammar=grammar)
         return eng.run([i], release=True)[0].text
 
     return text
@@ -118,6 +119,48 @@ def test_flush_cache_keeps_the_ranks_in_step(server, one_process):
     for _ in range(3):
         assert chat(port, messages, max_tokens=6)[0] == reply
     assert reply == one_process(prompt_tokens(port, messages), 6)
+    assert proc.poll() is None
+
+
+def test_structured_output_on_every_rank(server, one_process):
+    """A JSON schema and a required tool: every rank compiles the grammar and masks its
+    logits as rank 0 does (the token check would part them otherwise); the reply is valid and
+    equals one process's under the same grammar."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance", reason="grammars need radixkv[grammar]")
+    from radixkv.engine.grammar import Grammar
+
+    proc, port = server
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which city is the capital of France? Answer in JSON."},
+    ]
+    r = client(port).chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=24,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    reply = r.choices[0].message.content
+    jsonschema.validate(json.loads(reply), schema)
+    assert reply == one_process(prompt_tokens(port, messages), 24, Grammar.json_schema(schema))
+    tool = {
+        "type": "function",
+        "function": {"name": "lookup", "parameters": schema},
+    }
+    r = client(port).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, tools=[tool], tool_choice="required"
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "lookup"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
     assert proc.poll() is None
 
 

@@ -154,7 +154,8 @@ class Engine:
     ``tokenizer``: the model's tokenizer (a transformers tokenizer, or any object with its
     ``decode(ids, skip_special_tokens=...)``), for ``Result.text`` and ``stop_strings`` (see
     the module docstring); nothing else needs it. Under tensor parallelism rank 0's is used
-    (rank 0 decides where a stop string ends a request and tells the other ranks).
+    (rank 0 decides where a stop string ends a request and tells the other ranks), but
+    ``grammar=`` needs it on every rank (each rank masks its own logits).
 
     ``cuda_graphs``: run decode steps as CUDA graphs, one per padded batch bucket
     (:mod:`radixkv.engine.graphs`); ``None`` (the default) turns them on where they can run (a
@@ -567,10 +568,9 @@ class Engine:
         if grammar is None:
             return None
         grammar = Grammar.of(grammar)
-        if self.lockstep is not None:
-            raise ValueError(
-                "grammar= is not supported under tensor parallelism (Engine(group=...)) yet"
-            )
+        # Under tensor parallelism every rank compiles it (from its own tokenizer) when it
+        # replays the request, and masks and jumps as rank 0 does: the same logits, the same
+        # tokens. Compiled here first, so that a bad grammar is rank 0's ValueError alone.
         self._grammar_compiler().compile(grammar)
         return grammar
 

@@ -594,6 +594,9 @@ def make_engine(args: argparse.Namespace, on_cache=None):
             tokenizer=tokenizer,
             disk_dir=getattr(args, "cache_dir", None),
             on_mismatch=getattr(args, "on_cache_mismatch", "error"),
+            # The ranks compare their sampled tokens every step (an all-gather of three
+            # integers): a rank that sampled otherwise stops the server, not garbles replies.
+            **({"check_tokens": True} if tensor_parallel else {}),
             **shared,
         )
     except radixkv.Error as e:  # a directory written for another model or layout

@@ -186,6 +186,10 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    with contextlib.suppress(ImportError):  # rank 0's progress bar is enough
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         engine, _, _ = make_engine(args)
     except UsageError as e:
