@@ -115,6 +115,10 @@ class EngineLoop:
         self.error: BaseException | None = None
         #: Called on the engine thread after every step (a KV event publisher's ``publish``).
         self.after_step: list[Callable[[], Any]] = []
+        #: Called on the engine thread when it wakes with nothing to step (at least every half
+        #: second while idle): a KV event publisher's ``publish``, so that what changed outside
+        #: a step (pages the shared tier stored, a flush) is announced without waiting for one.
+        self.on_idle: list[Callable[[], Any]] = []
         #: Called on the engine thread with the error that parted a tensor-parallel engine's
         #: ranks, as the thread ends (``radixkv serve`` stops the server).
         self.on_fatal: list[Callable[[BaseException], Any]] = []
@@ -215,6 +219,8 @@ class EngineLoop:
                 pass
             due = heartbeat is not None and time.monotonic() - last >= heartbeat
             if not eng.has_work and not due:
+                for hook in self.on_idle:
+                    hook()
                 continue
             try:
                 results = eng.step()

@@ -513,6 +513,7 @@ def build(args: argparse.Namespace):
         if engine.kv.shared is not None:  # what the shared store holds, for routers
             publisher.announce_shared(engine.kv.shared)
         loop.after_step.append(publisher.publish)
+        loop.on_idle.append(publisher.publish)
     if engine.kv.disk is not None:
         loop.after_step.append(Saver(engine.kv, args.save_every))
     return loop, serve.create_app(loop, tokenizer, config), config
