@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -50,6 +51,21 @@ def run_ranks(
     for r, rep in enumerate(reports):
         assert "crash" not in rep, f"rank {r} crashed:\n{rep['crash']}"
     return reports
+
+
+def join_gloo(rank: int, port: int, world: int, timeout_s: float = WATCHDOG_S):
+    """This process (one torch thread) as rank ``rank`` of ``world`` over gloo, meeting the
+    others on the loopback ``port``, collectives timing out after ``timeout_s``; returns the
+    group of them all."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return torch.distributed.group.WORLD
 
 
 def end_rank(rank: int, out_dir: str, report: dict, barrier: bool = True) -> NoReturn:

@@ -8,6 +8,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from types import ModuleType
+
+
+def needs_real_server() -> ModuleType:
+    """At the top of a test module that runs ``radixkv serve`` on the real model: skips the
+    module unless that can run here (radixkv[serve], torch, the ``openai`` client that drives
+    it, the packaged model); returns the ``openai`` module."""
+    import pytest
+
+    pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
+    pytest.importorskip("torch", reason="radixkv serve needs torch")
+    openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+    from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path
+
+    if smollm2_path() is None:
+        pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+    return openai
 
 
 def command(port: int) -> list[str]:
@@ -34,21 +52,35 @@ def start(
 ) -> subprocess.Popen:
     """:func:`spawn`, then wait until it answers ``GET /health``. ``RuntimeError`` with its
     stderr if it exits first, or (killed) if it does not answer within ``timeout`` seconds."""
+    proc = spawn(port, *args, threads=threads, new_session=new_session)
+    wait_healthy(proc, port, timeout)
+    return proc
+
+
+def wait_healthy(
+    proc: subprocess.Popen, port: int, timeout: float, tail: Callable[[], str] | None = None
+) -> None:
+    """Returns once the server ``proc`` answers ``GET /health`` on ``port``. ``RuntimeError``
+    with ``tail()`` (default: its stderr) if it exits first, or (killed) if it does not answer
+    within ``timeout`` seconds."""
     import httpx
 
-    proc = spawn(port, *args, threads=threads, new_session=new_session)
+    def why() -> str:
+        return (tail() if tail is not None else proc.stderr.read())[-3000:]
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"radixkv serve exited {proc.returncode}: {proc.stderr.read()}")
+            raise RuntimeError(f"radixkv serve exited {proc.returncode}:\n{why()}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError(f"radixkv serve did not answer /health within {timeout:g} s")
+    proc.wait()
+    raise RuntimeError(f"radixkv serve did not answer /health within {timeout:g} s:\n{why()}")
 
 
 def stop(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str]:

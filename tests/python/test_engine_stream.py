@@ -16,7 +16,6 @@ import random
 import sys
 import traceback
 import types
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ import torch
 
 import radixkv
 from radixkv.engine import Detokenizer, StreamEvent
-from ranks import WATCHDOG_S, end_rank, run_ranks
+from ranks import end_rank, join_gloo, run_ranks
 from tiny_model import VOCAB, dense_greedy, tiny_model
 
 MODEL = tiny_model(seed=11)  # vocabulary 512, no tokenizer
@@ -499,18 +498,10 @@ def tp_report(eng: radixkv.Engine) -> dict:
 
 
 def _tp_worker(rank: int, port: int, world: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
     report: dict = {}
     try:
-        torch.distributed.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=WATCHDOG_S),
-        )
-        group = torch.distributed.group.WORLD
+        group = join_gloo(rank, port, world)
         model = tiny_model(seed=3).shard(rank, world, group)
         if rank == 0:  # the tokenizer is rank 0's alone
             eng = tp_engine(model, group=group, digest_every=1, tokenizer=LetterTokenizer())

@@ -9,8 +9,6 @@ that does not cover (versions, packages not installed here, the Rust build).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("torch")
@@ -21,6 +19,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import extras_env  # noqa: E402
+import serve_process  # noqa: E402
 from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
 from test_serve import free_port  # noqa: E402
 
@@ -62,18 +61,7 @@ def test_serve_extra_serves_the_packaged_gguf_model(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, (
-                f"radixkv serve exited {proc.returncode}: " + (proc.stderr.read()[-3000:])
-            )
-            assert time.monotonic() < deadline, "radixkv serve did not answer /health"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        serve_process.wait_healthy(proc, port, 600)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         reply = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",

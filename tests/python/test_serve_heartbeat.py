@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ pytest.importorskip("fastapi", reason="the engine loop is radixkv serve's (radix
 torch = pytest.importorskip("torch")
 
 import radixkv  # noqa: E402
-from ranks import end_rank, run_ranks  # noqa: E402
+from ranks import end_rank, join_gloo, run_ranks  # noqa: E402
 from tiny_model import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -32,18 +31,10 @@ IDLE_S = 5.0
 
 
 def _worker(rank: int, port: int, out_dir: str, heartbeat_s: float | None) -> None:
-    torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
     report: dict = {}
     try:
-        torch.distributed.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=TIMEOUT_S),
-        )
-        group = torch.distributed.group.WORLD
+        group = join_gloo(rank, port, 2, TIMEOUT_S)
         model = tiny_model(seed=3, dtype=torch.float32).shard(rank, 2, group)
         kv = model.make_kv_cache(radixkv.RadixCache(64, page_size=4))
         eng = radixkv.Engine(model, kv, token_budget=32, max_batch=2, group=group)

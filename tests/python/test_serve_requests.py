@@ -18,17 +18,12 @@ import math
 
 import pytest
 
-pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
-pytest.importorskip("torch", reason="radixkv serve needs torch")
-openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
 httpx = pytest.importorskip("httpx")
 
 import serve_process  # noqa: E402
-from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
-from test_serve import free_port  # noqa: E402
 
-if smollm2_path() is None:
-    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
+openai = serve_process.needs_real_server()
+from test_serve import free_port  # noqa: E402
 
 #: The model name the server answers to.
 MODEL = "SmolLM2-135M-Instruct"

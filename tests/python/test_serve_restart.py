@@ -8,18 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 
-import pytest
+import serve_process
 
-pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
-pytest.importorskip("torch", reason="radixkv serve needs torch")
-openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
-
-import serve_process  # noqa: E402
-from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+openai = serve_process.needs_real_server()
 from test_serve import free_port  # noqa: E402
-
-if smollm2_path() is None:
-    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
 
 SYSTEM = (
     "You are a careful assistant for a build system. Answer in one short sentence. "
@@ -113,7 +105,7 @@ def test_a_directory_of_another_dtype_is_refused(tmp_path):
 def linked_checkpoint(where) -> str:
     """The converted SmolLM2 checkpoint, as a directory ``where`` of links to its files (a copy
     at another path, without copying 500 MB)."""
-    from radixkv.hf._load import _converted
+    from radixkv.hf._load import _converted, smollm2_path
 
     source = _converted(smollm2_path())
     where.mkdir(parents=True)

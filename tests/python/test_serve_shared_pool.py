@@ -14,18 +14,12 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
-pytest.importorskip("torch", reason="radixkv serve needs torch")
-openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
+import serve_process
 
+openai = serve_process.needs_real_server()
 import httpx  # noqa: E402
 
-import serve_process  # noqa: E402
-from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
 from redis_server import RedisServer, free_port  # noqa: E402
-
-if smollm2_path() is None:
-    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
 
 PAGE = 16
 SYSTEM = (

@@ -9,18 +9,10 @@ from __future__ import annotations
 import signal
 import threading
 
-import pytest
+import serve_process
 
-pytest.importorskip("fastapi", reason="radixkv serve needs radixkv[serve]")
-pytest.importorskip("torch", reason="radixkv serve needs torch")
-openai = pytest.importorskip("openai", reason="the tests drive the server with openai")
-
-import serve_process  # noqa: E402
-from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+openai = serve_process.needs_real_server()
 from test_serve import free_port  # noqa: E402
-
-if smollm2_path() is None:
-    pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)
 
 
 def test_sigterm_drains_the_streams_in_flight_then_exits_0():

@@ -13,7 +13,6 @@ import math
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 
 import radixkv
 from radixkv.engine import agree_num_pages
-from ranks import WATCHDOG_S, end_rank, run_ranks
+from ranks import end_rank, join_gloo, run_ranks
 from tiny_model import VOCAB, tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -77,18 +76,10 @@ def outputs(eng: radixkv.Engine) -> dict[str, list]:
 
 def _worker(rank: int, port: int, world: int, out_dir: str, job: str) -> None:
     """One rank: runs ``job`` and writes what it saw to ``out_dir/rank<r>.json``."""
-    torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
     report: dict = {}
     try:
-        torch.distributed.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=WATCHDOG_S),
-        )
-        group = torch.distributed.group.WORLD
+        group = join_gloo(rank, port, world)
         model = tiny_model(seed=3, dtype=torch.float32).shard(rank, world, group)
         if job == "equal":
             _equal_job(rank, model, group, report)

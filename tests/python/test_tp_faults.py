@@ -15,7 +15,6 @@ import random
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch
 
 import radixkv
 from radixkv.engine.lockstep import DivergedError, LeaderClosedError, PeerLostError
-from ranks import end_rank, run_ranks
+from ranks import end_rank, join_gloo, run_ranks
 from test_tp import drive, make_engine
 from tiny_model import tiny_model
 
@@ -67,19 +66,11 @@ def fault_case(seed: int) -> dict:
 
 
 def _worker(rank: int, port: int, out_dir: str, job: str, case: dict) -> None:
-    torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
     report: dict = {}
     barrier = True
     try:
-        torch.distributed.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=PG_TIMEOUT_S),
-        )
-        group = torch.distributed.group.WORLD
+        group = join_gloo(rank, port, 2, PG_TIMEOUT_S)
         model = tiny_model(seed=3, dtype=torch.float32).shard(rank, 2, group)
         barrier = JOBS[job](rank, model, group, report, case, out_dir)
     except BaseException:  # the test reads it

@@ -37,7 +37,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -59,6 +58,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import extras_env  # noqa: E402
+import serve_process  # noqa: E402
 from radixkv.hf._load import (  # noqa: E402
     GGUF_NEEDS,
     SMOLLM2_INSTALL,
@@ -100,23 +100,6 @@ def add_to_venv(python: Path, env: dict[str, str], cwd: Path, name: str, folder:
     out = run([str(python), "-c", code], env, cwd)
     assert out.returncode == 0, say("sysconfig", out)
     (Path(out.stdout.strip()) / f"{name}.pth").write_text(f"{folder}\n")
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, stderr: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            tail = stderr.read_text(errors="replace")[-3000:]
-            raise AssertionError(f"radixkv serve (the wheel's) exited {proc.returncode}:\n{tail}")
-        if time.monotonic() > deadline:
-            tail = stderr.read_text(errors="replace")[-3000:]
-            raise AssertionError(f"radixkv serve did not answer /health in {timeout:g} s:\n{tail}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
 
 
 def test_the_wheel_with_serve_serves_the_packaged_model(tmp_path):
@@ -195,7 +178,7 @@ def test_the_wheel_with_serve_serves_the_packaged_model(tmp_path):
             stderr=stderr,
         )
     try:
-        wait_healthy(proc, url, log, timeout=240)
+        serve_process.wait_healthy(proc, port, 240, tail=lambda: log.read_text(errors="replace"))
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         messages = [
             {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
