@@ -1,14 +1,17 @@
 """Two replicas on one Mooncake Store, run by ``test_shared_mooncake.py`` inside a private
 network namespace where a ``mooncake_master`` and a ``mooncake_client`` memory holder run:
 pages replica A computed are hits for replica B (the greedy tokens of a cold run), another
-tenant gets none, a forged page is never served. Exits 0 and prints ``ok`` when every check
-holds; an ``AssertionError`` otherwise.
+tenant gets none, a forged page is never served; then a stopped master costs a call the store's
+timeout, not the client's 30 s. Exits 0 and prints ``ok`` and ``hung master ok`` when every
+check holds; an ``AssertionError`` otherwise.
 
-    python mooncake_replicas.py mooncake://127.0.0.1:PORT
+    python mooncake_replicas.py mooncake://127.0.0.1:PORT MASTER_PID
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -90,5 +93,41 @@ def main(url: str) -> None:
     print("ok", kv_b.shared.stats())
 
 
+def hung_master(url: str, master: int) -> None:
+    """The master stopped (SIGSTOP: it holds its connections and answers nothing; the client's
+    own RPC timeout is 30 s): a call is given up after the store's timeout, the next one fails
+    at once without reaching the client, and once the master runs again calls succeed."""
+    store = open_store(url)
+    store.put([(b"radixkv-hung", b"x" * 64)])
+    os.kill(master, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        try:
+            store.exists([b"radixkv-hung"])
+            raise AssertionError("EXISTS answered by a stopped master")
+        except SharedStoreError as e:
+            took = time.monotonic() - t
+            assert "no answer in" in str(e) and took < store.timeout_s + 1.0, (str(e), took)
+        t = time.monotonic()
+        try:
+            store.get([b"radixkv-hung"])
+            raise AssertionError("GET sent behind a call the client still holds")
+        except SharedStoreError as e:
+            assert "still waits" in str(e) and time.monotonic() - t < 0.5, str(e)
+    finally:
+        os.kill(master, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while True:  # the late call comes back (answered, or the client's timeout), then calls go
+        try:
+            assert store.get([b"radixkv-hung"]) == [b"x" * 64]
+            break
+        except SharedStoreError:
+            assert time.monotonic() < deadline, "calls never went through again"
+            time.sleep(0.5)
+    store.close()
+    print("hung master ok")
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
+    hung_master(sys.argv[1], int(sys.argv[2]))

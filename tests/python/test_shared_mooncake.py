@@ -28,7 +28,7 @@ M=$!
     >"$LOGS/holder.log" 2>&1 &
 H=$!
 trap 'kill $H $M 2>/dev/null; wait $H $M 2>/dev/null' EXIT
-"$PYTHON" "$REPLICAS" "mooncake://127.0.0.1:50051"
+"$PYTHON" "$REPLICAS" "mooncake://127.0.0.1:50051" "$M"
 """
 
 
@@ -64,4 +64,4 @@ def test_two_replicas_share_pages_on_a_mooncake_store(tmp_path):
         f"\n--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(tmp_path.glob("*.log"))
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
-    assert "ok" in proc.stdout
+    assert "ok" in proc.stdout and "hung master ok" in proc.stdout, proc.stdout[-3000:]

@@ -17,7 +17,10 @@ Backends, chosen by the URL's scheme (:func:`open_store`):
   is down is no error when the tier is made); ``global_segment_mb`` (default 0) is memory this
   process lends the store, which goes with it: run a ``mooncake_client`` holder beside the
   master so that the pages outlive any replica. Mooncake's transfer listeners bind every
-  address of the machine.
+  address of the machine. The client's own RPC timeout is 30 s (a master that stops answering
+  held a call that long); each call here runs on a thread of the store's and is given up after
+  ``timeout_s`` (its first, which sets the client up, after ``setup_timeout_s``): a
+  :class:`SharedStoreError`, and until that call comes back every other one fails at once.
 
 Store credentials (a Redis AUTH password or ACL user) live in the URL, or in the file a server
 is given; they are never printed: :func:`redact` is what error messages, logs, metrics and
@@ -26,10 +29,14 @@ is given; they are never printed: :func:`redact` is what error messages, logs, m
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import queue
 import threading
 import urllib.parse
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 import radixkv
@@ -48,6 +55,10 @@ MOONCAKE_OPTIONS = (
 #: Seconds a RESP call may wait for the store's answer, and for a connection, by default.
 TIMEOUT_S = 1.0
 CONNECT_TIMEOUT_S = 0.25
+#: Seconds a Mooncake call may take, and its first one (the client's setup: its transfer
+#: engine, the master's handshake), by default.
+MOONCAKE_TIMEOUT_S = 2.0
+MOONCAKE_SETUP_TIMEOUT_S = 15.0
 
 
 class SharedStoreError(radixkv.Error):
@@ -282,11 +293,19 @@ class MooncakeStore:
     """Mooncake Store through its Python client (``mooncake.store``): batched ``EXISTS``,
     ``GET`` and ``PUT``, one call each; the client is set up on the first call (and again after
     a failed setup). Calls are serialized by a lock (the tier's reader and writer threads
-    share the client). A negative status from the client is a :class:`SharedStoreError`
-    naming the call and the status. Deleting is best effort: Mooncake keeps an object for its
-    lease (10 s by default) after a read."""
+    share the client) and run on a thread of the store's, waited for ``timeout_s`` seconds
+    (the first ``setup_timeout_s``): past that a :class:`SharedStoreError`, and every call
+    until the late one comes back fails at once (the client cannot be interrupted). A negative
+    status from the client is a :class:`SharedStoreError` naming the call and the status.
+    Deleting is best effort: Mooncake keeps an object for its lease (10 s by default) after a
+    read."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = MOONCAKE_TIMEOUT_S,
+        setup_timeout_s: float = MOONCAKE_SETUP_TIMEOUT_S,
+    ) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -300,6 +319,12 @@ class MooncakeStore:
         self._make = MooncakeDistributedStore
         self._client: Any = None
         self._lock = threading.Lock()
+        self.timeout_s, self.setup_timeout_s = timeout_s, setup_timeout_s
+        #: The client's calls, run by one daemon thread (started on the first call).
+        self._calls: queue.Queue[tuple[Future, Any] | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        #: A call given up on that the client still holds, and what it was.
+        self._late: tuple[Future, str] | None = None
 
     def _store(self) -> Any:
         if self._client is None:
@@ -322,10 +347,47 @@ class MooncakeStore:
             self._client = client
         return self._client
 
+    def _run(self) -> None:
+        """The worker thread: runs each call on the client (set up first when it is not)."""
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self._store()))
+            except BaseException as e:  # handed to the caller
+                fut.set_exception(e)
+
+    def _submit(self, fn: Any) -> Future:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="radixkv-mooncake", daemon=True)
+            self._worker.start()
+        fut: Future = Future()
+        self._calls.put((fut, fn))
+        return fut
+
     def _call(self, what: str, fn: Any) -> Any:
         with self._lock:
+            if self._late is not None:
+                late, which = self._late
+                if not late.done():
+                    raise SharedStoreError(
+                        f"shared store {self.address}: {what} not sent: the client still waits "
+                        f"for the store's answer to an earlier {which}"
+                    )
+                self._late = None
+            limit = self.timeout_s if self._client is not None else self.setup_timeout_s
+            fut = self._submit(fn)
             try:
-                return fn(self._store())
+                return fut.result(limit)
+            except FutureTimeout:
+                self._late = (fut, what)
+                raise SharedStoreError(
+                    f"shared store {self.address}: {what}: no answer in {limit:g} s"
+                ) from None
             except SharedStoreError:
                 raise
             except (RuntimeError, OSError, ValueError) as e:
@@ -362,10 +424,21 @@ class MooncakeStore:
             self._call("DEL", lambda c: c.batch_remove([k.decode() for k in keys]))
 
     def close(self) -> None:
+        """Closes the client on the worker thread (given up after ``timeout_s`` when the store
+        does not answer) and ends that thread."""
         with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
+            if self._worker is None:
+                return
+
+            def shut(client: Any) -> None:
+                self._client = None
+                client.close()
+
+            if self._client is not None and self._late is None:
+                with contextlib.suppress(Exception):
+                    self._submit(shut).result(self.timeout_s)
+            self._calls.put(None)
+            self._worker = None
 
     def __repr__(self) -> str:
         return f"MooncakeStore({self.address!r})"
