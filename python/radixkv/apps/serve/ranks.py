@@ -180,7 +180,7 @@ def main() -> int:
     _die_with_parent()
     rank = os.environ.get("RANK", "?")
     args = argparse.Namespace(**pickle.loads(sys.stdin.buffer.read()))
-    from radixkv.apps.serve.cmd import make_engine
+    from radixkv.apps.serve.loading import make_engine
 
     if args.threads:
         import torch
