@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from radixkv.apps.common.args import UsageError, page_size_of
 
 
-def shared_store_args(args: argparse.Namespace) -> dict[str, object]:
+def shared_store_args(args: argparse.Namespace) -> dict[str, Any]:
     """``radixkv.hf.engine``'s ``shared_store`` and ``shared_store_key`` from ``--shared-store``
     and ``--shared-store-key-file`` (or ``$RADIXKV_SHARED_STORE_KEY``); ``UsageError`` naming
     the bad URL (credentials masked) or key file, before anything loads."""
@@ -101,6 +102,7 @@ def make_engine(args: argparse.Namespace, on_cache=None):
         raise UsageError(str(e)) from None
     if on_cache is not None:
         on_cache(cache)
+    checks: dict[str, Any] = {"check_tokens": True} if tensor_parallel else {}
     try:
         engine = radixkv.hf.engine(
             model,
@@ -112,10 +114,10 @@ def make_engine(args: argparse.Namespace, on_cache=None):
             tokenizer=tokenizer,
             disk_dir=getattr(args, "cache_dir", None),
             on_mismatch=getattr(args, "on_cache_mismatch", "error"),
+            **shared,
             # The ranks compare their sampled tokens every step (an all-gather of three
             # integers): a rank that sampled otherwise stops the server, not garbles replies.
-            **({"check_tokens": True} if tensor_parallel else {}),
-            **shared,
+            **checks,
         )
     except radixkv.Error as e:  # a directory written for another model or layout
         raise UsageError(str(e)) from None
