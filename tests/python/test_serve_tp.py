@@ -220,13 +220,14 @@ def test_a_rank_that_dies_stops_the_server_naming_it():
     try:
         ranks = serve_process.children(proc.pid)
         assert len(ranks) == int(WORLD) - 1
+        assert sorted(_ranks_started_by(proc.pid)) == sorted(ranks)
         os.kill(ranks[-1], signal.SIGKILL)
         rc = proc.wait(60)
         err = proc.stderr.read()
         assert rc == 1, err[-3000:]
         assert "exited (status -9); the server stops" in err
         time.sleep(0.5)
-        assert all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in ranks)
+        assert _ranks_started_by(proc.pid) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -266,3 +267,38 @@ def test_what_tensor_parallel_cannot_run_with_is_said_before_any_rank_starts(
     assert message in out.stderr
     assert "Traceback" not in out.stderr
     assert time.monotonic() - t < 60
+
+
+def test_a_usage_error_found_after_loading_is_status_2_on_every_rank(tmp_path):
+    """``--window-pages`` needs the model's spec (loaded on every rank): each rank refuses it,
+    and whichever rank 0 hears first (its own error, or a rank that exited with it), the
+    command exits 2 with the message, no rank left behind."""
+    port = free_port()
+    proc = serve_process.spawn(port, *OPTIONS, "--window-pages", "4", threads=3, new_session=True)
+    try:
+        rc = proc.wait(180)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert rc == 2, err[-3000:]
+    assert "--window-pages needs a model with sliding-window layers" in err
+    time.sleep(0.5)
+    assert _ranks_started_by(proc.pid) == []
+
+
+def _ranks_started_by(pid: int) -> list[int]:
+    """Live rank processes the server ``pid`` started (by the parent pid in their environment:
+    once it exited they belong to init)."""
+    mark = f"RADIXKV_PARENT_PID={pid}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and not _zombie(int(entry)):
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found

@@ -554,23 +554,28 @@ def run(args: argparse.Namespace) -> int:
     ranks = None
     stopping: dict[str, Any] = {"server": None, "why": None}
 
-    def stop_server(why: str) -> None:
-        """Another rank exited, or the ranks parted: the server cannot step any more."""
+    def stop_server(why: str, status: int = 1) -> None:
+        """Another rank exited, or the ranks parted: the server cannot step any more. While
+        loading, exits ``status`` at once (rank 0 waits in collectives the others left)."""
         print(f"radixkv serve: {why}; the server stops", file=sys.stderr, flush=True)
         stopping["why"] = why
         server = stopping["server"]
-        if server is None:  # still loading: rank 0 waits in collectives the others left
+        if server is None:
             assert ranks is not None
             ranks.kill()
-            os._exit(1)
+            os._exit(status)
         server.should_exit = True
+
+    def lost(rank: int, status: int) -> None:
+        # A rank's usage error (it said which) is the command's: status 2, as rank 0's own.
+        stop_server(f"rank {rank} exited (status {status})", 2 if status == 2 else 1)
 
     if world > 1:
         from radixkv.apps.serve import ranks as tp
 
         tp.check_model(args)
         ranks = tp.Ranks(args)
-        ranks.watch(lambda rank, status: stop_server(f"rank {rank} exited (status {status})"))
+        ranks.watch(lost)
     try:
         loop, app, config = build(args)
     except BaseException:
