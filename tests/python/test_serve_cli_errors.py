@@ -93,6 +93,9 @@ def test_a_chat_template_that_is_no_file_nor_jinja(tmp_path):
     missing = str(tmp_path / "nope.jinja")
     serve_error("--chat-template", missing, needles=(f"--chat-template {missing!r}", "file"))
     serve_error("--chat-template", "{% for m in messages %}", needles=("--chat-template", "Jinja"))
+    latin1 = tmp_path / "latin1.jinja"  # not UTF-8: said in one line, not a traceback
+    latin1.write_bytes("{{ 'café' }}".encode("latin-1"))
+    serve_error("--chat-template", str(latin1), needles=(str(latin1), "utf-8"))
 
 
 def test_serve_imports_no_other_subcommand():

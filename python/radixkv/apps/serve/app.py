@@ -231,8 +231,8 @@ class EngineLoop:
                     pending.loop.call_soon_threadsafe(_fail_pending, pending, e)
                 self._pending.clear()
                 if isinstance(e, DivergedError):  # the ranks parted: no step can follow
-                    for hook in self.on_fatal:
-                        hook(e)
+                    for fatal in self.on_fatal:
+                        fatal(e)
                     return
             last = time.monotonic()
             self.steps += 1

@@ -313,7 +313,8 @@ def chat_template_of(value: str | None) -> str | None:
             text = Path(value).expanduser().read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(
-                f"--chat-template {value!r} is neither a readable file ({e.strerror or e}) nor "
+                f"--chat-template {value!r} is neither a readable file "
+                f"({getattr(e, 'strerror', None) or e}) nor "
                 "a Jinja template (no '{', '}' or newline in it)"
             ) from None
         where = f"--chat-template {value}"
