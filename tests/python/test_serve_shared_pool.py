@@ -145,6 +145,40 @@ def new_keys(store: RedisServer, before: set[bytes], pages: int) -> list[bytes]:
         client.close()
 
 
+def test_a_replica_of_another_dtype_gets_none_of_the_pages(pool, tmp_path):
+    """A third replica on the same store and secret, serving the model in bfloat16: the pages
+    A computed in float32 hold other numbers, and their keys carry A's setup (fingerprint,
+    dtype, layout), so C finds none of them: no shared hit, no cached token, and the pages it
+    computes go in under keys of its own."""
+    store, a, _ = pool
+    first, _ = turns("Which tool greps the repository?", "", "", "Dtypes. " + SYSTEM)
+    client = store.client()
+    before = set(client.keys(b"radixkv:*"))
+    client.close()
+    _, prompt_a, _ = chat(a, first)
+    after_a = set(new_keys(store, before, prompt_a // PAGE)) | before
+    key_file = tmp_path / "secret"
+    key_file.write_bytes(SECRET)
+    port = free_port()
+    args = ["--num-pages", "512", "--page-size", str(PAGE), "--host-pages", "256"]
+    args += ["--shared-store", store.url, "--shared-store-key-file", str(key_file)]
+    args += ["--tenant-header", "X-Tenant", "--dtype", "bfloat16"]
+    proc = serve_process.start(port, *args)
+    try:
+        reply, prompt_c, cached = chat(port, first)
+        assert reply and prompt_c == prompt_a
+        assert cached == 0
+        assert metric(port, "radixkv_kv_shared_hit_pages_total") == 0
+        mine = new_keys(store, after_a, prompt_c // PAGE)
+        setup = {k.split(b":")[1] for k in mine}
+        assert len(mine) >= prompt_c // PAGE and setup.isdisjoint(
+            {k.split(b":")[1] for k in after_a - before}
+        ), "C's pages went in under A's setup"
+    finally:
+        rc, err = serve_process.stop(proc)
+        assert rc == 0, err
+
+
 def test_a_corrupted_or_forged_page_is_recomputed_with_the_reply_unchanged(pool):
     """A's pages of two prompts are tampered with in the store: one has a payload byte flipped
     (its checksum fails), the other is replaced by a forgery (well-formed, for the right key and
