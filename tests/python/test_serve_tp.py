@@ -8,6 +8,7 @@ run with, and sizes the heads do not divide by, are one-line errors before any r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -232,6 +233,34 @@ def test_a_rank_that_dies_stops_the_server_naming_it():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("when", ["loading", "serving"])
+def test_ranks_die_with_a_rank_0_that_is_killed(when):
+    """Rank 0 SIGKILLed (no drain, no close), while the ranks load the model or while it
+    serves: the other ranks exit within seconds. Serving, their collectives fail as rank 0's
+    sockets close; loading, nothing of rank 0's is open to them yet (they would wait for its
+    rendezvous for the group's timeout, two hours): PR_SET_PDEATHSIG kills them."""
+    port = free_port()
+    if when == "serving":
+        proc = serve_process.start(port, *OPTIONS, threads=3, timeout=300, new_session=True)
+    else:
+        proc = serve_process.spawn(port, *OPTIONS, threads=3, new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks := _ranks_started_by(proc.pid)) < int(WORLD) - 1:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while _ranks_started_by(proc.pid):
+            assert time.monotonic() < deadline, f"ranks {ranks} outlived rank 0 ({when})"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.mark.parametrize(
