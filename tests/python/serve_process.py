@@ -28,23 +28,37 @@ def needs_real_server() -> ModuleType:
     return openai
 
 
-def command(port: int) -> list[str]:
-    """``radixkv serve --port PORT`` as this Python runs it (options to append)."""
-    return [sys.executable, "-m", "radixkv", "serve", "--port", str(port)]
-
-
 def spawn(port: int, *args: str, threads: int = 2, new_session: bool = False) -> subprocess.Popen:
     """``radixkv serve --port PORT ARGS...`` started, not waited for (``threads`` CPU threads;
     ``new_session``: in a process group of its own, as a service manager starts it)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     return subprocess.Popen(
-        [*command(port), *args],
+        [sys.executable, "-m", "radixkv", "serve", "--port", str(port), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=new_session,
     )
+
+
+def exit_of(
+    port: int, *args: str, threads: int = 2, timeout: float = 120.0, new_session: bool = False
+) -> tuple[int, str]:
+    """``radixkv serve --port PORT ARGS...`` run to its exit (one that refuses its options):
+    ``(exit status, stderr)``. Past ``timeout`` seconds it is killed (its process group with
+    ``new_session``) and ``subprocess.TimeoutExpired`` raised."""
+    proc = spawn(port, *args, threads=threads, new_session=new_session)
+    try:
+        rc = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            if new_session:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+    return rc, proc.stderr.read()
 
 
 def start(

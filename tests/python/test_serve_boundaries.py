@@ -174,13 +174,7 @@ def test_keep_alive_past_the_servers_bound_is_a_400(server, value):
     ],
 )
 def test_a_bad_max_keep_alive_is_a_usage_error(value, says):
-    proc = serve_process.spawn(free_port(), "--max-keep-alive", value)
-    try:
-        rc = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read()
+    rc, err = serve_process.exit_of(free_port(), "--max-keep-alive", value)
     assert rc == 2 and says in err and "Traceback" not in err, err
 
 

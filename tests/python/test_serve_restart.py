@@ -90,13 +90,9 @@ def test_a_directory_of_another_dtype_is_refused(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    proc = serve_process.spawn(free_port(), *options(tmp_path / "cache", "--dtype", "bfloat16"))
-    try:
-        rc = proc.wait(180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read()
+    rc, err = serve_process.exit_of(
+        free_port(), *options(tmp_path / "cache", "--dtype", "bfloat16"), timeout=180
+    )
     assert rc != 0
     assert "dtype" in err and "float32" in err and "bfloat16" in err, err
     assert "Traceback" not in err, err
@@ -147,13 +143,7 @@ def test_a_second_server_on_the_directory_is_refused_naming_the_first(tmp_path):
     proc = serve_process.start(port, *options(tmp_path / "cache"))
     try:
         chat(port, [{"role": "user", "content": "Say hi."}])
-        second = serve_process.spawn(free_port(), *options(tmp_path / "cache"))
-        try:
-            rc = second.wait(180)
-        finally:
-            if second.poll() is None:
-                second.kill()
-        err = second.stderr.read()
+        rc, err = serve_process.exit_of(free_port(), *options(tmp_path / "cache"), timeout=180)
         assert rc == 2, err
         assert f"in use by process {proc.pid} on " in err and "Traceback" not in err, err
         # The first one goes on serving, and saves its tier whole.

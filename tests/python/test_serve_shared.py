@@ -30,12 +30,6 @@ from redis_server import free_port
     ],
 )
 def test_a_bad_shared_store_is_a_usage_error(args, says):
-    proc = serve_process.spawn(free_port(), *args)
-    try:
-        rc = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read()
+    rc, err = serve_process.exit_of(free_port(), *args)
     assert rc == 2 and says in err and "Traceback" not in err, err
     assert "s3cret-pw" not in err

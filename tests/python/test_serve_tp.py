@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -203,8 +202,7 @@ def test_sigterm_to_the_process_group_drains_and_closes_every_rank(server):
     err = proc.stderr.read()
     assert rc == 0, err[-3000:]
     assert "the 2 other ranks closed" in err
-    for pid in ranks:
-        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"rank process {pid} is left"
+    assert _ranks_started_by(proc.pid) == [], f"rank processes of {ranks} are left"
 
 
 def _zombie(pid: int) -> bool:
@@ -283,18 +281,11 @@ def test_what_tensor_parallel_cannot_run_with_is_said_before_any_rank_starts(
     tmp_path, extra, message
 ):
     extra = [str(tmp_path) if a == "DIR" else a for a in extra]
-    port = free_port()
     t = time.monotonic()
-    out = subprocess.run(
-        [*serve_process.command(port), *extra],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert message in out.stderr
-    assert "Traceback" not in out.stderr
+    rc, err = serve_process.exit_of(free_port(), *extra, threads=1)
+    assert rc == 2, err[-2000:]
+    assert message in err
+    assert "Traceback" not in err
     assert time.monotonic() - t < 60
 
 
