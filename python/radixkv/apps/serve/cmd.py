@@ -388,13 +388,12 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
             )
     import torch
 
-    kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device is not None and args.device != kind:
-        raise UsageError(
-            f"{flag} with --device {args.device}: the ranks run on "
-            + ("cuda:0 to cuda:N-1" if kind == "cuda" else "the CPU (no CUDA device here)")
-            + "; leave --device out"
-        )
+    from radixkv.kv.devices import rank_device
+
+    try:
+        kind = rank_device(args.device, "--device").type
+    except ValueError as e:
+        raise UsageError(f"{flag} with {e}") from None
     if kind == "cuda" and torch.cuda.device_count() < world:
         raise UsageError(
             f"{flag}: one CUDA device per rank is needed, this machine has "

@@ -63,25 +63,23 @@ def check_model(args: argparse.Namespace) -> None:
     import transformers
 
     from radixkv.hf._load import checkpoint_of
+    from radixkv.hf._support import undivided_heads
 
     world = args.tensor_parallel_size
     try:
-        checkpoint = checkpoint_of(args.model)
+        config = transformers.AutoConfig.from_pretrained(checkpoint_of(args.model))
+        if not undivided_heads(config, world):
+            return  # (radixkv.hf.check_model says what else is wrong with the model, if aught)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    config = transformers.AutoConfig.from_pretrained(checkpoint)
-    config = getattr(config, "text_config", None) or config
-    heads = getattr(config, "num_attention_heads", None)
+    heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not isinstance(heads, int) or not isinstance(kv_heads, int):
-        return  # radixkv.hf.check_model says what is wrong with such a model
-    if heads % world or kv_heads % world:
-        sizes = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
-        raise UsageError(
-            f"--tensor-parallel-size {world}: {args.model} has {heads} attention heads and "
-            f"{kv_heads} KV heads, which do not divide among {world} ranks (sizes that do: "
-            f"{', '.join(map(str, sizes))})"
-        )
+    sizes = [n for n in range(1, kv_heads + 1) if not undivided_heads(config, n)]
+    raise UsageError(
+        f"--tensor-parallel-size {world}: {args.model} has {heads} attention heads and "
+        f"{kv_heads} KV heads, which do not divide among {world} ranks (sizes that do: "
+        f"{', '.join(map(str, sizes))})"
+    )
 
 
 class Ranks:
