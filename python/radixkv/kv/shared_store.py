@@ -320,7 +320,9 @@ class MooncakeStore:
         self._client: Any = None
         self._lock = threading.Lock()
         self.timeout_s, self.setup_timeout_s = timeout_s, setup_timeout_s
-        #: The client's calls, run by one daemon thread (started on the first call).
+        #: The client's calls, run by one daemon thread (started on the first call). Not a
+        #: ThreadPoolExecutor: its threads are joined at exit, and a call stuck in the
+        #: client would then hold the process.
         self._calls: queue.Queue[tuple[Future, Any] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         #: A call given up on that the client still holds, and what it was.

@@ -96,8 +96,6 @@ class Ranks:
         #: Set once rank 0 let them go (closed the engine, or is stopping them): an exit is
         #: expected from then on.
         self.closing = threading.Event()
-        #: ``(rank, exit status)`` of the first rank that exited unasked.
-        self.lost: tuple[int, int] | None = None
         try:
             for rank in range(1, self.world):
                 env = dict(os.environ, **rank_environment(rank, self.world, port))
@@ -124,7 +122,6 @@ class Ranks:
                 for rank, proc in enumerate(self.procs, start=1):
                     status = proc.poll()
                     if status is not None and not self.closing.is_set():
-                        self.lost = (rank, status)
                         on_lost(rank, status)
                         return
                 self.closing.wait(0.2)
