@@ -33,6 +33,9 @@ POLICIES = ["fcfs", "lpm", "dfs-weight"]
 CACHES = {
     "radix": lambda: radixkv.RadixCache(16, page_size=4),
     "block": lambda: radixkv.BlockCache(8, page_size=8),
+    # A host tier under the small pool: every rank offloads and loads its own heads' pages as
+    # the index decides, in lockstep.
+    "radix-host": lambda: radixkv.RadixCache(16, page_size=4, host_pages=16),
 }
 SCENARIOS = [(c, p) for c in CACHES for p in POLICIES]
 
@@ -65,6 +68,12 @@ def drive(eng: radixkv.Engine) -> None:
     chat.send(prompts[3][12:], max_new_tokens=5, temperature=0.5, seed=3)
     chat.send(prompts[0][12:], max_new_tokens=3)
     chat.close()
+
+
+def host_traffic(eng: radixkv.Engine) -> list[int]:
+    """Pages offloaded to and loaded from the host tier, and tokens it served as hits."""
+    st = eng.cache.stats
+    return [st.offloaded_pages, st.loaded_pages, st.host_hit_tokens]
 
 
 def outputs(eng: radixkv.Engine) -> dict[str, list]:
@@ -106,6 +115,7 @@ def _equal_job(rank: int, model, group, report: dict) -> None:
             "outputs": outputs(eng),
             "preemptions": eng.stats.preemptions,
             "evicted": eng.cache.stats.evicted_pages,
+            "host": host_traffic(eng),
             "digest": eng.cache.state_digest(),
         }
 
@@ -159,12 +169,16 @@ def test_ranks_match_one_process_for_every_cache_and_policy(tmp_path):
         assert single.cache.stats.evicted_pages > 0, (cache, policy)
         assert "2" not in want  # the cancelled request was released
         assert sum(len(o) for o, _ in want.values()) > 40
+        if cache == "radix-host":  # pages went down to the host tier and came back as hits
+            offloaded, loaded, hits = host_traffic(single)
+            assert offloaded > 0 and loaded > 0 and hits > 0, (cache, policy, offloaded, loaded)
         key = f"{cache}/{policy}"
         for r, rep in enumerate((rank0, rank1)):
             got = rep[key]
             assert got["outputs"] == want, f"rank {r}, {key}"
             assert got["preemptions"] == single.stats.preemptions, f"rank {r}, {key}"
             assert got["evicted"] == single.cache.stats.evicted_pages, f"rank {r}, {key}"
+            assert got["host"] == host_traffic(single), f"rank {r}, {key}"
             assert got["digest"] == single.cache.state_digest(), f"rank {r}, {key}"
 
 
