@@ -53,6 +53,7 @@ from radixkv._radixkv import (
     block_hashes,
     plan_step,
 )
+from radixkv.tenancy import tenant_namespace
 
 __version__ = "0.1.0"
 
@@ -108,6 +109,7 @@ __all__ = [
     "StepPlan",
     "block_hashes",
     "plan_step",
+    "tenant_namespace",
 ]
 if _extras.available("torch"):
     __all__ += ["Engine", "Grammar", "KVCache", "Session", "Step", "StreamEvent", "models"]

@@ -8,12 +8,14 @@ One pair of servers for the whole module (each takes ~10 s to start); few tokens
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
 import numpy as np
 import pytest
 
+import radixkv
 import serve_process
 
 openai = serve_process.needs_real_server()
@@ -174,6 +176,56 @@ def test_a_replica_of_another_dtype_gets_none_of_the_pages(pool, tmp_path):
         assert len(mine) >= prompt_c // PAGE and setup.isdisjoint(
             {k.split(b":")[1] for k in after_a - before}
         ), "C's pages went in under A's setup"
+    finally:
+        rc, err = serve_process.stop(proc)
+        assert rc == 0, err
+
+
+def salted_chat(port: int, messages: list[dict], salt: str, tenant: str | None = None) -> int:
+    """The cached prompt tokens of a greedy chat completion of 2 tokens with ``cache_salt``."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120
+    )
+    headers = {"X-Tenant": tenant} if tenant is not None else None
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=2,
+        temperature=0,
+        extra_headers=headers,
+        extra_body={"cache_salt": salt},
+    )
+    details = r.usage.prompt_tokens_details
+    return (details.cached_tokens if details is not None else 0) or 0
+
+
+def test_no_salt_sent_to_a_replica_without_tenants_reads_a_tenants_pages(pool, tmp_path):
+    """Replicas configured differently on one store: C takes no tenant header. A client of C
+    that sends, as its ``cache_salt``, the namespace tenant "acme" has on A (its old
+    ``["acme", null]`` form, or the current one) gets none of acme's pages; and a salt sent to C
+    is not A's anonymous request's with the same salt."""
+    store, a, b = pool
+    first, _ = turns("Which tool reads a file?", "", "", "Tenants. " + SYSTEM)
+    _, prompt_a, _ = chat(a, first, tenant="acme")
+    wait_for_pages(store, prompt_a // PAGE)
+    key_file = tmp_path / "secret"
+    key_file.write_bytes(SECRET)
+    port = free_port()
+    args = ["--num-pages", "512", "--page-size", str(PAGE)]
+    args += ["--shared-store", store.url, "--shared-store-key-file", str(key_file)]
+    proc = serve_process.start(port, *args)
+    try:
+        forged = [json.dumps(["acme", None]), radixkv.tenant_namespace("acme", None, tenants=True)]
+        for salt in forged:
+            assert salted_chat(port, first, salt) == 0, f"cache_salt {salt!r} read acme's pages"
+        # The store does hold acme's pages: B, configured as A, hits them.
+        _, _, cached = chat(b, first, tenant="acme")
+        assert cached >= prompt_a // PAGE * PAGE - PAGE
+        # The same salt on both configurations, no tenant on A: two namespaces.
+        second, _ = turns("Which tool runs a command?", "", "", "Salts. " + SYSTEM)
+        salted_chat(port, second, "s")
+        time.sleep(1.0)  # C's pages reach the store behind its request
+        assert salted_chat(a, second, "s") == 0
     finally:
         rc, err = serve_process.stop(proc)
         assert rc == 0, err

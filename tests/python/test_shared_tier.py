@@ -135,6 +135,63 @@ def test_another_tenant_and_another_model_get_no_hits(store):
         kv.close()
 
 
+def test_a_keyed_and_an_unkeyed_replica_never_ask_for_each_others_pages(store):
+    """Replicas with and without the operator's secret on one store: the MAC kind is part of
+    the setup in the keys, so neither even reads the other's pages (none is fetched and found
+    bad: a reader would otherwise fetch them all and drop each one failing its check)."""
+    make = CACHES[0].values[0]
+    rng = np.random.default_rng(5)
+    a, b = ids(rng, 64), ids(rng, 64)
+    engine_k, kv_k = replica(make, store.url, key=SECRET)
+    engine_u, kv_u = replica(make, store.url)
+    run(engine_k, a)
+    run(engine_u, b)
+    kv_k.shared.flush()
+    kv_u.shared.flush()
+    assert kv_k.shared.key_prefix(None) != kv_u.shared.key_prefix(None)
+    # Each reads the other's prompt: no hit, and no page of the other's was fetched at all.
+    engine_k2, kv_k2 = replica(make, store.url, key=SECRET)
+    engine_u2, kv_u2 = replica(make, store.url)
+    assert run(engine_u2, a).cached_tokens == 0
+    assert run(engine_k2, b).cached_tokens == 0
+    for kv in (kv_u2, kv_k2):
+        s = kv.shared.stats()
+        assert s["bad_pages"] == 0 and s["hit_pages"] == 0, s
+    # Their own pages are hits for their own kind (the pages are there).
+    assert run(engine_k2, a).cached_tokens > 0 and run(engine_u2, b).cached_tokens > 0
+    for kv in (kv_k, kv_u, kv_k2, kv_u2):
+        kv.close()
+
+
+def test_each_namespace_has_a_key_prefix_of_its_own(store):
+    """The second layer of a store key (the namespace's digest, after the setup): every page
+    of a tenant is under its own prefix and no other tenant's is, so an operator can find or
+    drop one tenant's pages by pattern."""
+    make = CACHES[0].values[0]
+    rng = np.random.default_rng(6)
+    a = ids(rng, 64)
+    engine, kv = replica(make, store.url)
+    run(engine, a, namespace="tenant-a")
+    run(engine, a, namespace="tenant-b")
+    run(engine, a)
+    kv.shared.flush()
+    c = store.client()
+    try:
+        every = set(c.keys(b"radixkv:*"))
+        mine = {
+            ns: set(c.scan_iter(match=kv.shared.key_prefix(ns) + b"*"))
+            for ns in ("tenant-a", "tenant-b", None)
+        }
+    finally:
+        c.close()
+    pages = len(a) // kv.page_size
+    for ns, keys in mine.items():
+        assert len(keys) == pages, f"{ns!r}: {len(keys)} keys under its prefix, {pages} pages"
+        assert keys == set(kv.shared.store_keys(a, ns, 0, pages))
+    assert set().union(*mine.values()) == every and len(every) == 3 * pages
+    kv.close()
+
+
 def _values(store, prefix=b"radixkv:"):
     c = store.client()
     keys = sorted(c.keys(prefix + b"*"))

@@ -516,9 +516,15 @@ class SharedTier:
         hashes = radixkv.block_hashes(tokens[: end * self.page_size], self.page_size, namespace)
         return self._keys_of(hashes[first:end], namespace)
 
-    def _keys_of(self, hashes: Sequence[bytes], namespace: Any) -> list[bytes]:
+    def key_prefix(self, namespace: Any) -> bytes:
+        """The start of every store key of ``namespace``'s pages under this tier's setup,
+        ``radixkv:<setup>:<namespace>:``: an operator forgets one tenant's pages on the store
+        (``SCAN MATCH <prefix>*``, then ``DEL``) without touching any other's."""
         ns = _page_checksum(b"radixkv.shared.namespace", _namespace_bytes(namespace))
-        head = b"radixkv:" + self.setup[:16].hex().encode() + b":" + ns[:16].hex().encode() + b":"
+        return b"radixkv:" + self.setup[:16].hex().encode() + b":" + ns[:16].hex().encode() + b":"
+
+    def _keys_of(self, hashes: Sequence[bytes], namespace: Any) -> list[bytes]:
+        head = self.key_prefix(namespace)
         return [head + h.hex().encode() for h in hashes]
 
     def encode(self, store_key: bytes, payload: np.ndarray) -> bytes:

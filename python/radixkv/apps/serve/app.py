@@ -59,6 +59,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import radixkv
 from radixkv.apps.serve import content_parts, request_fields, structured, tool_calls
 from radixkv.engine import DivergedError
+from radixkv.tenancy import tenant_namespace
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -414,13 +415,12 @@ class ServerConfig:
 def namespace_of(tenant_header: str | None, tenant: str | None, salt: str | None) -> str | None:
     """A request's cache namespace: with a tenant header configured, its tenant (the header's
     value, None when absent) and its ``cache_salt`` together, so that a salt only subdivides
-    its tenant's namespace (no salt reaches another tenant's pages, whatever it is); without
-    one, the salt alone. None (the shared namespace) when there is neither."""
-    if not tenant_header:
-        return salt
-    if tenant is None and salt is None:
-        return None
-    return json.dumps([tenant, salt])
+    its tenant's namespace; without one, the salt alone. Built by
+    :func:`radixkv.tenancy.tenant_namespace`, so that no salt sent to a server of either
+    configuration names another tenant's namespace on a server of the other (replicas sharing
+    a store may be configured differently). None (the shared namespace) when there is
+    neither."""
+    return tenant_namespace(tenant if tenant_header else None, salt, tenants=bool(tenant_header))
 
 
 def _bad_text(value: Any, where: str) -> str | None:
