@@ -46,6 +46,43 @@ def test_health_and_metrics_stay_open(url):
     assert httpx.get(url + "/metrics").status_code in (200, 404)  # 404: no prometheus_client
 
 
+def test_the_schema_and_its_pages_need_the_key(url):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(url + path).status_code == 401, path
+        assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url + path, headers=auth).status_code == 200, path
+    schema = httpx.get(url + "/openapi.json", headers=auth).json()
+    assert "/v1/chat/completions" in schema["paths"]
+
+
+def test_a_non_ascii_key_is_a_401_never_a_500(url):
+    """A header byte past ASCII (a client sending UTF-8, or Latin-1) is a wrong key."""
+    for key in ("clé-ключ".encode(), "clé".encode("latin-1"), b"\xff\xfe"):
+        r = httpx.get(url + "/v1/models", headers={"Authorization": b"Bearer " + key})
+        assert r.status_code == 401, (key, r.status_code, r.text)
+        assert "API key" in r.json()["error"]["message"]
+
+
+def test_a_non_ascii_configured_key_serves_its_holder(tmp_path):
+    """--api-key of non-ASCII text: its holder (sending its UTF-8 bytes) is served, anyone
+    else gets a 401 (was a 500 for every request)."""
+    key = "clé-ключ-🔑"
+    port = free_port()
+    proc = serve_process.start(port, "--num-pages", "64", "--api-key", key)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        good = {"Authorization": b"Bearer " + key.encode()}
+        assert httpx.get(base + "/v1/models", headers=good).status_code == 200
+        for other in (b"Bearer wrong", b"Bearer " + key.encode()[:-1], b"Bearer cl\xe9"):
+            r = httpx.get(base + "/v1/models", headers={"Authorization": other})
+            assert r.status_code == 401, (other, r.status_code, r.text)
+        assert httpx.get(base + "/v1/models").status_code == 401
+    finally:
+        rc, err = serve_process.stop(proc)
+        assert rc == 0, err
+
+
 def test_tokenize_detokenize_version(url):
     auth = {"Authorization": f"Bearer {KEY}"}
     assert httpx.post(url + "/tokenize", json={"prompt": "Hello"}).status_code == 401

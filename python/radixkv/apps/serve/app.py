@@ -47,6 +47,7 @@ from typing import Any
 try:
     from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
     from pydantic import BaseModel, ConfigDict, Field
@@ -423,6 +424,14 @@ def namespace_of(tenant_header: str | None, tenant: str | None, salt: str | None
     return tenant_namespace(tenant if tenant_header else None, salt, tenants=bool(tenant_header))
 
 
+def _key_matches(given: str, key: str) -> bool:
+    """Whether the bearer token ``given`` (as the HTTP layer decoded it: each byte of the
+    header one latin-1 character) is ``key`` (``--api-key``, sent as its UTF-8 bytes), in
+    constant time. Bytes, since ``secrets.compare_digest`` refuses non-ASCII text: any key,
+    any header, never a 500."""
+    return secrets.compare_digest(given.encode("latin-1", "replace"), key.encode("utf-8"))
+
+
 def _bad_text(value: Any, where: str) -> str | None:
     """The path of the first string in ``value`` (a request body, as parsed) that is not valid
     Unicode (a lone surrogate such as ``"\\ud800"``, which no tokenizer can encode), or None."""
@@ -494,14 +503,36 @@ def create_app(
         if config.api_key is None or request.url.path in config.open_paths:
             return
         given = credentials.credentials if credentials is not None else None
-        if given is None or not secrets.compare_digest(given, config.api_key):
+        if given is None or not _key_matches(given, config.api_key):
             raise HTTPException(
                 401,
                 "a valid API key is needed: Authorization: Bearer KEY (--api-key)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    app = FastAPI(title="radixkv", lifespan=lifespan, dependencies=[Depends(authorize)])
+    # The schema and its two pages are routes of the app's own (FastAPI adds its defaults
+    # outside the app's dependencies), so that --api-key covers them as every other path.
+    app = FastAPI(
+        title="radixkv",
+        lifespan=lifespan,
+        dependencies=[Depends(authorize)],
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_page() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="radixkv")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc_page() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title="radixkv")
+
     app.state.renders_tools = renders_tools
 
     @app.exception_handler(RequestValidationError)
