@@ -40,9 +40,11 @@ BAD = [
     ("top_k", True, r"top_k must be an int >= 0"),
     ("min_p", 1.0, r"min_p must be a number in \[0, 1\)"),
     ("min_p", -0.1, r"min_p must be a number in \[0, 1\)"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0"),
-    ("repetition_penalty", -1.0, "repetition_penalty must be a finite number > 0"),
-    ("repetition_penalty", math.inf, "repetition_penalty must be a finite number > 0"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be a number in \[0.01, 10000\]"),
+    ("repetition_penalty", -1.0, r"repetition_penalty must be a number in \[0.01, 10000\]"),
+    ("repetition_penalty", math.inf, r"repetition_penalty must be a number in \[0.01, 10000\]"),
+    ("repetition_penalty", 1e-300, r"must be a number in \[0.01, 10000\] \(1: off\), got 1e-300"),
+    ("repetition_penalty", 1.5e4, r"repetition_penalty must be a number in \[0.01, 10000\]"),
     ("presence_penalty", 2.5, r"presence_penalty must be a number in \[-2, 2\]"),
     ("presence_penalty", math.nan, "presence_penalty must be"),
     ("frequency_penalty", -2.01, r"frequency_penalty must be a number in \[-2, 2\]"),
@@ -79,6 +81,38 @@ def test_every_knob_is_checked_and_nothing_is_registered(name, value, match):
         with pytest.raises(ValueError, match=match):
             call()
     assert not eng.sequences and not eng.has_work
+
+
+def test_a_temperature_below_the_floor_samples_as_the_floor():
+    """A temperature in (0, 0.01) is raised to 0.01 (vLLM's rule): logits / 1e-300 overflowed
+    and failed the request."""
+    from radixkv.engine.engine import MIN_TEMPERATURE
+
+    p = prompt(3)
+    eng = engine()
+    (floor,) = eng.generate([p], max_new_tokens=8, temperature=MIN_TEMPERATURE, seed=4)
+    assert floor.finish_reason == "length"
+    for t in (1e-300, 5e-324, 1e-3):
+        (r,) = eng.generate([p], max_new_tokens=8, temperature=t, seed=4, logprobs=True)
+        assert r.finish_reason == "length" and r.output == floor.output, t
+        assert all(math.isfinite(lp) for lp in r.logprobs)
+
+
+def test_the_order_of_bias_and_penalty_matters_and_is_bias_first():
+    """logit_bias before the penalties (vLLM's order): logits [3, 1, 0, -1], +4 on token 1,
+    repetition_penalty 2 with token 1 in the prompt: bias first, token 1's 5 halves to 2.5 and
+    token 0 (3) wins; penalty first, token 1 gets 0.5 + 4 = 4.5 and wins."""
+    from radixkv.engine.sequence import Sequence
+
+    row = torch.tensor([3.0, 1.0, 0.0, -1.0])
+    sp = check_sampling(repetition_penalty=2.0, logit_bias={1: 4.0})
+    for temperature in (0.0, 0.05):  # greedy, and a draw this cold that takes the top token
+        seq = Sequence(0, np.array([1, 1]), 1, temperature=temperature, seed=0, sampling=sp)
+        tok, _ = sampling.sample_row(row, seq, greedy_token=0)
+        assert tok == 0, temperature
+    # Without the penalty the bias wins: the order, not the bias alone, decides.
+    seq = Sequence(0, np.array([1, 1]), 1, sampling=check_sampling(logit_bias={1: 4.0}))
+    assert sampling.sample_row(row, seq, greedy_token=0)[0] == 1
 
 
 def test_good_knobs_are_normalized():
@@ -193,7 +227,7 @@ def test_greedy_with_penalties_and_logprobs_match_a_dense_reference():
         logits = MODEL.forward_dense(seq)[-1]
         pen = ref_penalize(logits, p, out, 1.8, 0.5, 0.9)
         tok = int(pen.argmax())
-        lps.append(float(torch.log_softmax(pen, -1)[tok]))
+        lps.append(float(torch.log_softmax(logits.double(), -1)[tok]))  # the model's own
         out.append(tok)
         seq.append(tok)
     assert r.output == out
@@ -202,14 +236,16 @@ def test_greedy_with_penalties_and_logprobs_match_a_dense_reference():
 
 
 def ref_biased_greedy(prompt_, n: int, bias: dict[int, float]) -> tuple[list[int], list[float]]:
-    """Greedy decoding over the dense logits plus ``bias``, and each pick's logprob."""
+    """Greedy decoding over the dense logits plus ``bias``, and each pick's logprob under the
+    model's own (unbiased) distribution."""
     seq, out, lps = [int(t) for t in prompt_], [], []
     for _ in range(n):
-        logits = MODEL.forward_dense(seq)[-1].double().clone()
+        raw = MODEL.forward_dense(seq)[-1].double()
+        logits = raw.clone()
         for t, b in bias.items():
             logits[t] += b
         tok = int(logits.argmax())
-        lps.append(float(torch.log_softmax(logits, -1)[tok]))
+        lps.append(float(torch.log_softmax(raw, -1)[tok]))
         out.append(tok)
         seq.append(tok)
     return out, lps
@@ -254,16 +290,15 @@ def test_logit_bias_reaches_every_entry_point_and_sampled_rows():
     assert r.output == [forced] * 3
 
 
-def test_sampled_logprobs_are_those_after_penalties_and_temperature():
+def test_sampled_logprobs_are_the_models_own_before_penalties_and_temperature():
     p = prompt(1)
     (r,) = engine().generate(
         [p], max_new_tokens=12, temperature=0.7, top_k=50, seed=3, logprobs=True,
         repetition_penalty=1.3, frequency_penalty=0.4,
     )  # fmt: skip
     seq, want = [int(t) for t in p], []
-    for i, tok in enumerate(r.output):
-        pen = ref_penalize(MODEL.forward_dense(seq)[-1], p, r.output[:i], 1.3, 0.0, 0.4)
-        want.append(float(torch.log_softmax(pen / 0.7, -1)[tok]))
+    for tok in r.output:
+        want.append(float(torch.log_softmax(MODEL.forward_dense(seq)[-1].double(), -1)[tok]))
         seq.append(tok)
     assert len(r.logprobs) == len(r.output) == 12
     assert np.allclose(r.logprobs, want, atol=1e-4)
@@ -418,7 +453,7 @@ def test_top_logprobs_are_the_largest_of_the_same_distribution():
     seq = [int(t) for t in p]
     assert len(r.top_logprobs) == len(r.output) == 5
     for tok, top in zip(r.output, r.top_logprobs):
-        logp = torch.log_softmax(MODEL.forward_dense(seq)[-1].double() / 0.8, -1)
+        logp = torch.log_softmax(MODEL.forward_dense(seq)[-1].double(), -1)
         values, want = torch.topk(logp, 4)
         assert [t for t, _ in top] == want.tolist()
         assert np.allclose([v for _, v in top], values.numpy(), atol=1e-4)

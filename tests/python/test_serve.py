@@ -323,10 +323,14 @@ def test_invalid_json_is_a_400(server):
 
 
 def test_a_full_queue_answers_429(server):
-    server.loop.max_waiting = 0
+    server.loop.max_waiting = 1
     try:
+        stream = chat(server, [{"role": "user", "content": "Count."}], max_tokens=40, stream=True)
+        next(iter(stream))  # in flight: the one sequence the bound allows
         with pytest.raises(openai.RateLimitError):
             chat(server, [{"role": "user", "content": "hello"}], max_tokens=1)
+        stream.close()
+        server.idle()
     finally:
         server.loop.max_waiting = 64
     assert chat(server, [{"role": "user", "content": "hello"}], max_tokens=1).choices

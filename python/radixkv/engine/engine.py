@@ -1417,6 +1417,11 @@ class _Params:
     cache_class: int = 0
 
 
+#: The lowest temperature sampled with: a temperature in ``(0, MIN_TEMPERATURE)`` is raised to
+#: it (vLLM's rule and bound), since dividing logits by less overflows to ``inf``.
+MIN_TEMPERATURE = 0.01
+
+
 def _as_int(value, name: str, lo: int, hi: int, what: str) -> int:
     """``value`` as a Python int in ``[lo, hi]`` (ints and numpy integers; never ``bool``),
     else ``ValueError`` naming ``name`` and the value."""
@@ -1458,6 +1463,8 @@ def _check_params(
     t = float(temperature)
     if not (math.isfinite(t) and t >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if 0 < t < MIN_TEMPERATURE:  # logits / 1e-300 overflow to inf: raised, as vLLM does
+        t = MIN_TEMPERATURE
     if isinstance(stop, (str, bytes, bytearray)) or not isinstance(stop, Iterable):
         raise ValueError(
             f"{name} must be an iterable of token ids, got {stop!r} ({type(stop).__name__})"

@@ -20,8 +20,9 @@ Hugging Face transformers do):
 
 A row that uses none of the knobs costs what it did before they existed: greedy rows are one
 batched argmax, temperature rows one softmax and draw. ``logprobs``: the log-probability of the
-chosen token under ``log_softmax`` of the logits after the bias, penalties and temperature
-(before the filters; greedy: of the biased and penalized logits); ``top_logprobs=k``: the ``k``
+chosen token under the model's own distribution, ``log_softmax`` of the logits before the bias,
+penalties, temperature and filters (OpenAI's meaning, and vLLM's default ``raw_logprobs``; a
+grammar's mask is part of the model's output here, as in vLLM); ``top_logprobs=k``: the ``k``
 largest of that same distribution, with their tokens (OpenAI's ``top_logprobs``, at most
 :data:`MAX_TOP_LOGPROBS`).
 """
@@ -51,6 +52,11 @@ __all__ = [
 MAX_TOP_LOGPROBS = 20
 #: The largest ``logit_bias`` magnitude (OpenAI's bound).
 MAX_LOGIT_BIAS = 100.0
+#: The range of ``repetition_penalty``: a logit is divided (or multiplied) by it, so a value
+#: near 0 overflows to ``inf`` (1e-300 did) and a huge one to ``-inf``; 1e4 already bans every
+#: token seen.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 1e4
 
 
 def to_token_array(
@@ -122,11 +128,10 @@ def check_sampling(
     mp = _number(min_p, "min_p", "a number in [0, 1)")
     if not 0.0 <= mp < 1.0:
         raise ValueError(f"min_p must be a number in [0, 1), got {min_p!r}")
-    rp = _number(repetition_penalty, "repetition_penalty", "a finite number > 0 (1: off)")
-    if not rp > 0.0:
-        raise ValueError(
-            f"repetition_penalty must be a finite number > 0 (1: off), got {repetition_penalty!r}"
-        )
+    what = f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1: off)"
+    rp = _number(repetition_penalty, "repetition_penalty", what)
+    if not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+        raise ValueError(f"repetition_penalty must be {what}, got {repetition_penalty!r}")
     pens = []
     for name, value in (
         ("presence_penalty", presence_penalty),
@@ -278,25 +283,22 @@ def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int
     """The token (and its logprob when ``seq`` asks for them) of one row of float logits, with
     every knob of ``seq``; ``greedy_token``: the argmax of the raw row."""
     sp = seq.sampling or OFF
+    raw = row
     if sp.logit_bias:
         row = apply_logit_bias(row, sp)
     if sp.penalized:
         row = apply_penalties(row, prompt_ids(seq), seq.output, sp)
-    logp = None
     if seq.temperature > 0:
         row = row / seq.temperature
-        if sp.logprobs:
-            logp = torch.log_softmax(row, dim=-1)
         if sp.filtered:
             row = filter_logits(row, sp)
         probs = torch.softmax(row, dim=-1)
         tok = int(torch.multinomial(probs, 1, generator=generator_of(seq)))
     else:
         tok = int(row.argmax()) if sp.penalized or sp.logit_bias else greedy_token
-        if sp.logprobs:
-            logp = torch.log_softmax(row, dim=-1)
-    if logp is None:
+    if not sp.logprobs:
         return tok, None
+    logp = torch.log_softmax(raw, dim=-1)  # the model's own (see the module docstring)
     if sp.top_logprobs:
         values, ids = torch.topk(logp, sp.top_logprobs)
         seq.last_top = list(zip(ids.tolist(), values.tolist()))

@@ -59,6 +59,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import radixkv
 from radixkv.apps.serve import content_parts, request_fields, structured, tool_calls
+from radixkv.apps.serve.token_bytes import token_bytes
 from radixkv.engine import DivergedError
 from radixkv.tenancy import tenant_namespace
 
@@ -90,8 +91,9 @@ HEARTBEAT_S = 5.0
 class EngineLoop:
     """Owns ``engine`` and steps it on a thread of its own until :meth:`stop`.
 
-    ``max_waiting``: requests submitted and not yet finished at most; one more is refused with
-    :class:`QueueFull`. Finished requests are released from the engine as soon as their results
+    ``max_waiting``: sequences submitted and not yet finished at most (a request of ``n``
+    choices over ``k`` prompts is ``n * k`` of them); a request that would pass it is refused
+    with :class:`QueueFull`. Finished requests are released from the engine as soon as their results
     are handed over, so memory stays flat however long the server runs.
 
     A tensor-parallel engine (``Engine(group=...)``, rank 0) is stepped every ``heartbeat_s``
@@ -179,13 +181,17 @@ class EngineLoop:
             raise error
         return value
 
-    def submit(self, pending: Pending, submit: Callable[[Callable], list[int]]) -> None:
-        """Engine thread: ``submit(on_token)`` makes the request(s); their events and results
-        go to ``pending``. Raises :class:`QueueFull` past ``max_waiting``."""
-        if len(self._pending) >= self.max_waiting:
+    def submit(
+        self, pending: Pending, submit: Callable[[Callable], list[int]], sequences: int = 1
+    ) -> None:
+        """Engine thread: ``submit(on_token)`` makes the request's ``sequences`` sequences;
+        their events and results go to ``pending``. Raises :class:`QueueFull` when they would
+        take the sequences in flight past ``max_waiting``."""
+        if len(self._pending) + sequences > self.max_waiting:
             raise QueueFull(
-                f"{len(self._pending)} requests are in flight, the server's bound "
-                f"(--max-waiting {self.max_waiting}): retry later"
+                f"{len(self._pending)} sequences are in flight and this request adds "
+                f"{sequences}, past the server's bound (--max-waiting {self.max_waiting}): "
+                "retry later"
             )
         loop = pending.loop
 
@@ -318,7 +324,8 @@ class _Body(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    # [0.01, 1e4]: radixkv.engine.sampling's bounds (a logit is divided by it)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=1e4)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -830,6 +837,16 @@ def create_app(
         )
         pending = Pending(asyncio.get_running_loop())
         n = body.n
+        sequences = n * len(prompts)
+        if sequences > loop.max_waiting:  # never served, however long it waits: not a 429
+            where = "n" if len(prompts) == 1 else "prompt"
+            return _error(
+                400,
+                f"{where}: this request asks for {sequences} sequences ({len(prompts)} "
+                f"prompt(s) x n={n}), more than the server ever runs at once "
+                f"(--max-waiting {loop.max_waiting})",
+                where,
+            )
 
         def submit(on_token: Callable) -> list[int]:
             ids: list[int] = []
@@ -850,7 +867,7 @@ def create_app(
         if n > 1:  # the branches find the context cached by its own prefill: ask beforehand
             cached = loop.call(lambda: sum(_cached_now(eng, p, namespace) for p in prompts))
         try:
-            await loop.call(lambda: loop.submit(pending, submit))
+            await loop.call(lambda: loop.submit(pending, submit, sequences))
         except QueueFull as e:
             return _error(429, str(e), kind="rate_limit_error")
         except (ValueError, ImportError) as e:  # a knob out of range, a request the pool can
@@ -1107,8 +1124,10 @@ def _scored(r: Any) -> list[Scored]:
 
 
 def _token_entry(tokenizer: Any, tok: int, lp: float) -> dict[str, Any]:
+    """One token of chat's ``logprobs``: its text, logprob, and its own UTF-8 bytes (a token
+    holding part of a character has the text U+FFFD, but its bytes are its own)."""
     text = tokenizer.decode([tok])
-    return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return {"token": text, "logprob": lp, "bytes": list(token_bytes(tokenizer, tok))}
 
 
 def _logprob_entries(tokenizer: Any, toks: list[Scored]) -> list[dict[str, Any]]:
