@@ -193,6 +193,17 @@ def test_the_wheel_with_serve_serves_the_packaged_model(tmp_path):
         assert "Paris" in (replies[0].choices[0].message.content or ""), replies[0]
         cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
         assert cached[0] == 0 and cached[1] > 0, cached  # the prefix reused by the wheel's cache
+        # The quick start's /metrics, with nothing installed but [serve]: the counters show
+        # the two requests and the cached tokens.
+        metrics = httpx.get(url + "/metrics", timeout=30)
+        assert metrics.status_code == 200, metrics.text[:500]
+        samples = dict(
+            line.rsplit(" ", 1) for line in metrics.text.splitlines() if line[:1] not in ("#", "")
+        )
+        hits = [
+            v for k, v in samples.items() if k.startswith("radixkv_prefix_cache_hit_tokens_total")
+        ]
+        assert hits and float(hits[0]) >= cached[1], metrics.text[:2000]
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

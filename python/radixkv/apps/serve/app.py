@@ -541,6 +541,8 @@ def create_app(
         return get_redoc_html(openapi_url="/openapi.json", title="radixkv")
 
     app.state.renders_tools = renders_tools
+    #: The registry ``/metrics`` serves (None: prometheus_client is missing; a 404).
+    app.state.metrics = registry
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

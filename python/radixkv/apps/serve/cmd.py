@@ -606,6 +606,13 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if app.state.metrics is None:
+        print(
+            "radixkv serve: /metrics is not served: prometheus_client is not installed "
+            "(pip install 'radixkv[serve]' brings it)",
+            file=sys.stderr,
+            flush=True,
+        )
     # uvicorn drains on SIGTERM, then raises the signal again once the previous handler is back
     # in place; with Python's default that would kill the process, so that a clean drain would
     # look like a crash (exit -15) to whoever supervises it. A handler that does nothing
