@@ -32,7 +32,11 @@ EXAMPLES = int(os.environ.get("RADIXKV_FUZZ_EXAMPLES", "25"))
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
     lambda inner: (
         st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
     ),
@@ -49,6 +53,19 @@ def server():
     yield url, schema
     rc, err = serve_process.stop(proc)
     assert rc == 0, err
+
+
+EDGES = (0.0, 5e-324, 1e-300, 1e-9, 0.5, 1.0 - 1e-16, 1.0, 2.0, -2.0, 1e300, -1e300)
+
+
+def within(value: float, node: dict[str, Any]) -> bool:
+    """Whether ``value`` meets the bounds of the number schema ``node``."""
+    return not (
+        ("minimum" in node and value < node["minimum"])
+        or ("exclusiveMinimum" in node and value <= node["exclusiveMinimum"])
+        or ("maximum" in node and value > node["maximum"])
+        or ("exclusiveMaximum" in node and value >= node["exclusiveMaximum"])
+    )
 
 
 def from_schema(node: dict[str, Any]) -> st.SearchStrategy:
@@ -76,7 +93,7 @@ def from_schema(node: dict[str, Any]) -> st.SearchStrategy:
         hi = int(node["exclusiveMaximum"]) - 1 if "exclusiveMaximum" in node else hi
         return st.integers(lo, hi)
     if kind == "number":
-        return st.floats(
+        floats = st.floats(
             node.get("minimum", node.get("exclusiveMinimum")),
             node.get("maximum", node.get("exclusiveMaximum")),
             exclude_min="exclusiveMinimum" in node,
@@ -84,6 +101,10 @@ def from_schema(node: dict[str, Any]) -> st.SearchStrategy:
             allow_nan=False,
             allow_infinity=False,
         )
+        # The values where arithmetic breaks (an overflow at 1e-300, the smallest subnormal),
+        # as often as the rest: a fixed budget of examples rarely draws them otherwise.
+        edges = [v for v in EDGES if within(v, node)]
+        return st.sampled_from(edges) | floats if edges else floats
     if kind == "string":
         return st.text(min_size=node.get("minLength", 0), max_size=node.get("maxLength", 30))
     if kind == "array":
@@ -121,23 +142,44 @@ def body_schema(schema: dict[str, Any], path: str) -> dict[str, Any]:
     return inline(content["schema"], schema.get("components", {}).get("schemas", {}))
 
 
+#: A request each endpoint serves, that :func:`bodies` adds fields to.
+BASES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Say hi."}]},
+    "/v1/completions": {"prompt": "The sky is"},
+    "/tokenize": {"prompt": "Hello"},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
+SCALARS = ("number", "integer", "boolean", "string")
+
+
+def scalar(node: dict[str, Any]) -> bool:
+    """Whether ``node`` is a number, integer, boolean or string schema (or one of them or
+    null): a field whose valid values the schema itself tells."""
+    kinds = [n.get("type") for n in node.get("anyOf", [node])]
+    return bool(kinds) and all(k in SCALARS or k == "null" for k in kinds)
+
+
 @st.composite
 def bodies(draw, schema: dict[str, Any], path: str) -> Any:
-    """A body valid under the schema, then maybe one field replaced by any JSON value; the
-    model named the served one most of the time (so bodies get past the 404), and replies
-    kept to 2 tokens where the field is a count."""
-    body = draw(from_schema(schema))
+    """Either a body of the schema's own shape (nested objects and all), or a request the
+    endpoint serves with a few scalar fields set to values the schema allows (edges often),
+    and maybe one field replaced by any JSON value; the model named the served one most of
+    the time (so bodies get past the 404), and replies kept to 2 tokens."""
+    props = schema.get("properties", {})
+    # (hypothesis draws small values first: the common case is the one that draws 0)
+    if draw(st.integers(0, 3)) == 3:
+        body = draw(from_schema(schema))
+    else:
+        body = json.loads(json.dumps(BASES[path]))
+        scalars = sorted(k for k, v in props.items() if scalar(v) and k not in body)
+        chosen = st.lists(st.sampled_from(scalars), min_size=1, max_size=5, unique=True)
+        for k in draw(chosen) if scalars else ():
+            body[k] = draw(from_schema(props[k]))
+        body.setdefault("model", MODEL)
     if not isinstance(body, dict):
         return body
-    props = list(schema.get("properties", {}))
-    if props and draw(st.booleans()):
-        body[draw(st.sampled_from(props))] = draw(json_values)
-    if "model" not in body or draw(st.integers(0, 3)):
-        body["model"] = draw(st.sampled_from([MODEL, None]))
-        if body["model"] is None:
-            del body["model"]
-    if path == "/v1/chat/completions" and draw(st.booleans()):
-        body["messages"] = [{"role": "user", "content": draw(st.text(max_size=40))}]
+    if props and draw(st.integers(0, 2)) == 2:
+        body[draw(st.sampled_from(sorted(props)))] = draw(json_values)
     for count in ("max_tokens", "max_completion_tokens"):
         value = body.get(count)
         if isinstance(value, int) and not isinstance(value, bool) and value > 2:
@@ -174,3 +216,30 @@ def test_generated_bodies_are_never_a_5xx(server, path):
         check(httpx.post(url + path, json=body, timeout=120), body)
 
     probe()
+
+
+def edge_bodies(schema: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """For every number field of the schema, a served request with that field (alone) at each
+    edge value its bounds allow, with a temperature of 1 beside it where it is a sampling
+    knob (greedy would skip the knob's arithmetic)."""
+    out = []
+    for name, node in sorted(schema.get("properties", {}).items()):
+        for branch in node.get("anyOf", [node]):
+            if branch.get("type") != "number":
+                continue
+            for value in EDGES:
+                if within(value, branch):
+                    body = {**BASES[path], "model": MODEL, "max_tokens": 2, name: value}
+                    if name != "temperature":
+                        body.setdefault("temperature", 1.0)
+                    out.append(body)
+    return out
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_every_number_field_at_its_edges_is_never_a_5xx(server, path):
+    url, schema = server
+    bodies_ = edge_bodies(body_schema(schema, path), path)
+    assert len(bodies_) > 20
+    for body in bodies_:
+        check(httpx.post(url + path, json=body, timeout=120), body)
