@@ -651,12 +651,13 @@ def create_app(
                     '(hermes or llama3_json); send tool_choice "required" or a named function',
                     "tool_choice",
                 )
-            parser = tool_calls.Auto(config.tool_call_parser, body.parallel_tool_calls is not False)
             if not renders_tools:
                 warnings.append(TOOLS_NOT_RENDERED)
         try:  # a tool call the request demands, else its response format, else free text
             if auto:
-                structured.check_tools(body.tools)
+                declared = structured.check_tools(body.tools)
+                parallel = body.parallel_tool_calls is not False
+                parser = tool_calls.Auto(config.tool_call_parser, declared, parallel)
             grammar = structured.tool_grammar(body.tools, body.tool_choice)
             tool_call = grammar is not None
             if grammar is None:

@@ -88,9 +88,9 @@ def tool_grammar(tools: list[dict] | None, tool_choice: Any) -> Grammar | None:
     return _schema(schema, "tools")
 
 
-def check_tools(tools: list[dict] | None) -> None:
-    """``BadRequest`` naming the first of ``tools`` that is not a function tool."""
-    _tool_parameters(tools)
+def check_tools(tools: list[dict] | None) -> frozenset[str]:
+    """The names of ``tools``; ``BadRequest`` naming the first that is not a function tool."""
+    return frozenset(_tool_parameters(tools))
 
 
 def _tool_parameters(tools: list[dict] | None) -> dict[str, dict]:
