@@ -58,7 +58,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps.serve import content_parts, request_fields, structured, tool_calls
+from radixkv.apps.serve import chat_prompt, request_fields, structured, tool_calls
 from radixkv.apps.serve.token_bytes import token_bytes
 from radixkv.engine import DivergedError
 from radixkv.tenancy import tenant_namespace
@@ -278,26 +278,6 @@ def _fail_pending(pending: Pending, error: BaseException) -> None:
 # ---- the request bodies -----------------------------------------------------------------------
 
 
-#: Arguments of ``apply_chat_template`` the server sets itself (not through
-#: ``chat_template_kwargs``).
-TEMPLATE_ARGUMENTS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "tokenize",
-        "add_generation_prompt",
-        "continue_final_message",
-        "return_dict",
-        "return_tensors",
-        "chat_template",
-        "padding",
-        "truncation",
-        "max_length",
-    }
-)
-
 #: The warning of a ``tool_choice="auto"`` request on a chat template that ignores ``tools``
 #: (served, as vLLM serves it: the model answers without seeing the tools).
 TOOLS_NOT_RENDERED = (
@@ -489,6 +469,7 @@ def create_app(
         registry = _registry(eng, {"model_name": config.model_name})
     created = int(time.time())
     renders_tools = tool_calls.template_renders_tools(tokenizer)
+    renders_calls = chat_prompt.template_renders_calls(tokenizer)
 
     from contextlib import asynccontextmanager
 
@@ -576,16 +557,18 @@ def create_app(
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any]):
         """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...], "tools": [...]}``
-        (through the chat template) to ``{"tokens", "count", "max_model_len"}``."""
+        (rendered as chat renders them: :func:`chat_prompt.render`) to ``{"tokens", "count",
+        "max_model_len"}`` (and ``warnings`` as chat gives them)."""
+        warnings: list[str] = []
         try:
             if "messages" in body:
-                text = tokenizer.apply_chat_template(
-                    content_parts.flatten(body["messages"]),
-                    tools=body.get("tools"),
-                    tokenize=False,
+                tokens, warnings = chat_prompt.render(
+                    tokenizer,
+                    body["messages"],
+                    body.get("tools"),
+                    renders_calls=renders_calls,
                     add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 )
-                tokens = tokenizer.encode(text, add_special_tokens=False)
             elif isinstance(body.get("prompt"), str):
                 special = bool(body.get("add_special_tokens", True))
                 tokens = tokenizer.encode(body["prompt"], add_special_tokens=special)
@@ -593,9 +576,14 @@ def create_app(
                 return _error(400, "prompt: needs a string prompt or messages", "prompt")
         except structured.BadRequest as e:
             return _error(400, str(e), e.param)
-        except Exception as e:  # a template that refuses the messages
-            return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
+        reply: dict[str, Any] = {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": config.max_model_len,
+        }
+        if warnings:
+            reply["warnings"] = warnings
+        return reply
 
     async def flush_cache():
         """SGLang's ``/flush_cache`` (vLLM's ``/reset_prefix_cache``): drops every page no
@@ -662,38 +650,18 @@ def create_app(
             tool_call = grammar is not None
             if grammar is None:
                 grammar = structured.response_grammar(body.response_format)
-            messages = content_parts.flatten(body.messages)
-        except structured.BadRequest as e:
-            return _error(400, str(e), e.param)
-        kwargs = dict(body.chat_template_kwargs or {})
-        clash = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
-        if clash:
-            return _error(
-                400,
-                f"chat_template_kwargs: {clash[0]!r} is set by the server (or by its own request "
-                "field), not through chat_template_kwargs",
-                "chat_template_kwargs",
-            )
-        if body.continue_final_message and body.add_generation_prompt:
-            return _error(
-                400,
-                "continue_final_message: needs add_generation_prompt set to false (the last "
-                "message is continued, not answered)",
-                "continue_final_message",
-            )
-        try:
-            text = tokenizer.apply_chat_template(
-                structured.history(messages),
-                tools=body.tools,
-                tokenize=False,
+            prompt, rendered = chat_prompt.render(
+                tokenizer,
+                body.messages,
+                body.tools,
+                renders_calls=renders_calls,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                **kwargs,
+                template_kwargs=body.chat_template_kwargs,
             )
-        except Exception as e:  # a malformed message list, a template that refuses it
-            param = "chat_template_kwargs" if kwargs else "messages"
-            return _error(400, f"messages: the chat template cannot render them: {e}", param)
-        prompt = tokenizer.encode(text, add_special_tokens=False)
+        except structured.BadRequest as e:
+            return _error(400, str(e), e.param)
+        warnings += rendered
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
         if body.top_logprobs and not body.logprobs:
             return _error(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
