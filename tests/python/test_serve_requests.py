@@ -10,6 +10,8 @@ client cannot send a body).
 - Fields that change the output are implemented (``continue_final_message``,
   ``chat_template_kwargs``) or a 400 naming them; an unknown ``model`` is a 404.
 - ``--max-model-len``: a prompt and ``max_tokens`` past it are a 400 naming both lengths.
+- A malformed ``tool_choice`` (a function given as a string, a list, an object without a
+  string ``name``) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import serve_process  # noqa: E402
 
 openai = serve_process.needs_real_server()
 from test_serve import free_port  # noqa: E402
+from test_serve_tools import TOOLS  # noqa: E402
 
 #: The model name the server answers to.
 MODEL = "SmolLM2-135M-Instruct"
@@ -288,3 +291,15 @@ def test_metrics_carry_the_model_name_inter_token_latency_and_queue_time(server)
     assert count["radixkv_inter_token_latency_seconds_count"] >= 2
     assert count["radixkv_request_queue_time_seconds_count"] >= 1
     assert f'radixkv_request_queue_time_seconds_count{{model_name="{MODEL}"}}' in text
+
+
+@pytest.mark.parametrize(
+    "function",
+    ["get_weather", ["get_weather"], {}, {"name": ["get_weather"]}, {"name": {"n": 1}}, None],
+)
+def test_a_malformed_tool_choice_is_a_400_naming_it(server, function):
+    choice = {"type": "function", "function": function}
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, tools=TOOLS, tool_choice=choice)
+    assert e.value.body["param"] == "tool_choice"
+    assert "tool_choice" in e.value.body["message"]

@@ -72,7 +72,14 @@ def tool_grammar(tools: list[dict] | None, tool_choice: Any) -> Grammar | None:
     if tool_choice == "required":
         names = list(schemas)
     elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise BadRequest(
+                "tool_choice",
+                'a function choice must be {"type": "function", "function": {"name": ...}} '
+                f"with the tool's name as a string, got {tool_choice!r}",
+            )
         if name not in schemas:
             raise BadRequest("tool_choice", f"names no tool of tools: {name!r}")
         names = [name]
