@@ -10,6 +10,7 @@ client cannot send a body).
 - Fields that change the output are implemented (``continue_final_message``,
   ``chat_template_kwargs``) or a 400 naming them; an unknown ``model`` is a 404.
 - ``--max-model-len``: a prompt and ``max_tokens`` past it are a 400 naming both lengths.
+- ``max_tokens`` (or ``max_completion_tokens``) 0 is a 400 naming it, as vLLM answers.
 - A malformed ``tool_choice`` (a function given as a string, a list, an object without a
   string ``name``) is a 400 naming it.
 """
@@ -303,3 +304,14 @@ def test_a_malformed_tool_choice_is_a_400_naming_it(server, function):
         server.chat(USER, tools=TOOLS, tool_choice=choice)
     assert e.value.body["param"] == "tool_choice"
     assert "tool_choice" in e.value.body["message"]
+
+
+def test_zero_max_tokens_is_a_400_naming_it(server):
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            server.chat(USER, **{field: 0})
+        assert e.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    assert server.chat(USER, max_completion_tokens=1).usage.completion_tokens == 1

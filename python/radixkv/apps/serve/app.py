@@ -297,7 +297,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)  # 0 asks for nothing: a 400, as vLLM
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
@@ -330,7 +330,7 @@ class ChatBody(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     # vLLM's chat template fields: the last message continued rather than answered, the
     # assistant's turn opened or not, and keywords the template reads (enable_thinking, ...).
     continue_final_message: bool = False
