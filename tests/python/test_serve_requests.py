@@ -11,6 +11,8 @@ client cannot send a body).
   ``chat_template_kwargs``) or a 400 naming them; an unknown ``model`` is a 404.
 - ``--max-model-len``: a prompt and ``max_tokens`` past it are a 400 naming both lengths.
 - ``max_tokens`` (or ``max_completion_tokens``) 0 is a 400 naming it, as vLLM answers.
+- ``/tokenize``: an unknown ``model`` is a 404 as chat answers, its booleans are JSON booleans
+  (the string ``"false"`` a 400), and its messages count what chat's prompt holds.
 - A malformed ``tool_choice`` (a function given as a string, a list, an object without a
   string ``name``) is a 400 naming it.
 """
@@ -315,3 +317,22 @@ def test_zero_max_tokens_is_a_400_naming_it(server):
         server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
     assert server.chat(USER, max_completion_tokens=1).usage.completion_tokens == 1
+
+
+def test_tokenize_knows_its_models_and_booleans_and_counts_chats_prompt(server):
+    r = server.post("/tokenize", {"model": "gpt-4o", "prompt": "Hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert server.post("/tokenize", {"model": "alias-b", "prompt": "Hi"}).status_code == 200
+    for field in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
+        r = server.post("/tokenize", {"messages": USER, field: "false"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = server.post("/tokenize", {"prompt": "Hi", "add_special_tokens": "false"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+    # the fields chat takes render the prompt chat serves
+    start = [*USER, {"role": "assistant", "content": "My favourite color is"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    for messages, body in ((USER, {}), (USER, {"add_generation_prompt": False}), (start, cont)):
+        count = server.post("/tokenize", {"messages": messages, **body}).json()["count"]
+        assert count == server.chat(messages, extra_body=body).usage.prompt_tokens
+    answered = server.post("/tokenize", {"messages": USER}).json()["count"]
+    assert server.post("/tokenize", {"messages": USER, **cont}).json()["count"] < answered

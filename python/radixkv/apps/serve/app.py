@@ -50,7 +50,7 @@ try:
     from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool
     from starlette.exceptions import HTTPException
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -346,6 +346,25 @@ class CompletionBody(_Body):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` (text), or chat ``messages`` with ``tools`` and chat's
+    template fields, rendered as chat renders them. Booleans are JSON booleans (the string
+    ``"false"`` is a 400, not true); other fields are ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: The tokenizer's special tokens (BOS) around a ``prompt`` (by default); ``messages`` are
+    #: encoded as chat encodes them (their template writes its own), so true is refused there.
+    add_special_tokens: StrictBool | None = None
+
+
 def _error_body(status: int, message: str, param: str | None = None, kind: str | None = None):
     """OpenAI's error object, as a dict."""
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
@@ -555,27 +574,40 @@ def create_app(
         return {"version": radixkv.__version__}
 
     @app.post("/tokenize")
-    async def tokenize(body: dict[str, Any]):
+    async def tokenize(body: TokenizeBody):
         """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...], "tools": [...]}``
         (rendered as chat renders them: :func:`chat_prompt.render`) to ``{"tokens", "count",
-        "max_model_len"}`` (and ``warnings`` as chat gives them)."""
+        "max_model_len"}`` (and ``warnings`` as chat gives them). An unknown ``model`` is a 404,
+        as chat answers."""
+        bad = _text_error(body) or _unknown_model(body.model)
+        if bad is not None:
+            return bad
+        if (body.messages is None) == (body.prompt is None):
+            return _error(400, "prompt: give a string prompt or messages, one of them", "prompt")
         warnings: list[str] = []
-        try:
-            if "messages" in body:
+        if body.prompt is not None:
+            special = body.add_special_tokens is not False
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=special)
+        elif body.add_special_tokens:
+            return _error(
+                400,
+                "add_special_tokens: applies to a prompt; messages are encoded as chat encodes "
+                "them (their template writes the special tokens)",
+                "add_special_tokens",
+            )
+        else:
+            try:
                 tokens, warnings = chat_prompt.render(
                     tokenizer,
-                    body["messages"],
-                    body.get("tools"),
+                    body.messages or [],
+                    body.tools,
                     renders_calls=renders_calls,
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    template_kwargs=body.chat_template_kwargs,
                 )
-            elif isinstance(body.get("prompt"), str):
-                special = bool(body.get("add_special_tokens", True))
-                tokens = tokenizer.encode(body["prompt"], add_special_tokens=special)
-            else:
-                return _error(400, "prompt: needs a string prompt or messages", "prompt")
-        except structured.BadRequest as e:
-            return _error(400, str(e), e.param)
+            except structured.BadRequest as e:
+                return _error(400, str(e), e.param)
         reply: dict[str, Any] = {
             "tokens": tokens,
             "count": len(tokens),
@@ -715,21 +747,28 @@ def create_app(
 
     names = {config.model_name, *config.aliases}
 
+    def _unknown_model(model: str | None) -> JSONResponse | None:
+        """The 404 of a ``model`` this server does not serve (None: any request is served)."""
+        if model is None or model in names:
+            return None
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"The model `{model}` does not exist: this server "
+                    f"serves {', '.join(repr(n) for n in sorted(names))}",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                }
+            },
+            status_code=404,
+        )
+
     def _refusal(body: _Body, chat: bool) -> JSONResponse | None:
         """The 404 of an unknown model, or the 400 of a field this server does not implement."""
-        if body.model is not None and body.model not in names:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"The model `{body.model}` does not exist: this server "
-                        f"serves {', '.join(repr(n) for n in sorted(names))}",
-                        "type": "NotFoundError",
-                        "param": "model",
-                        "code": 404,
-                    }
-                },
-                status_code=404,
-            )
+        bad = _unknown_model(body.model)
+        if bad is not None:
+            return bad
         bad = request_fields.refused(body.model_extra or {}, chat)
         if bad is not None:
             return _error(400, bad[1], bad[0])
