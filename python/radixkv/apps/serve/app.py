@@ -671,13 +671,15 @@ def create_app(
                     '(hermes or llama3_json); send tool_choice "required" or a named function',
                     "tool_choice",
                 )
+            try:
+                declared = structured.check_tools(body.tools)
+            except structured.BadRequest as e:
+                return _error(400, str(e), e.param)
+            parallel = body.parallel_tool_calls is not False
+            parser = tool_calls.Auto(config.tool_call_parser, declared, parallel)
             if not renders_tools:
                 warnings.append(TOOLS_NOT_RENDERED)
         try:  # a tool call the request demands, else its response format, else free text
-            if auto:
-                declared = structured.check_tools(body.tools)
-                parallel = body.parallel_tool_calls is not False
-                parser = tool_calls.Auto(config.tool_call_parser, declared, parallel)
             grammar = structured.tool_grammar(body.tools, body.tool_choice)
             tool_call = grammar is not None
             if grammar is None:
@@ -766,9 +768,9 @@ def create_app(
 
     def _refusal(body: _Body, chat: bool) -> JSONResponse | None:
         """The 404 of an unknown model, or the 400 of a field this server does not implement."""
-        bad = _unknown_model(body.model)
-        if bad is not None:
-            return bad
+        unknown = _unknown_model(body.model)
+        if unknown is not None:
+            return unknown
         bad = request_fields.refused(body.model_extra or {}, chat)
         if bad is not None:
             return _error(400, bad[1], bad[0])

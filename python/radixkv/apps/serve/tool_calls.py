@@ -161,7 +161,7 @@ def template_renders_tools(tokenizer: Any, chat_template: str | None = None) -> 
     """Whether ``tokenizer``'s chat template (or ``chat_template``) renders ``tools``: a
     conversation rendered with a tool and without differs. False when it refuses tools."""
     messages = [{"role": "user", "content": "Hi"}]
-    kwargs = dict(tokenize=False, add_generation_prompt=True)
+    kwargs: dict[str, Any] = dict(tokenize=False, add_generation_prompt=True)
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
     try:
