@@ -115,6 +115,7 @@ def test_no_tool_calls_renders_as_a_plain_message(tools_tokenizer, renders_calls
     "arguments, where",
     [
         ('{"city": "Par', "messages.1.tool_calls.0.function.arguments"),
+        ("[" * 100_000, "messages.1.tool_calls.0.function.arguments"),
         ("[1, 2]", "messages.1.tool_calls.0.function.arguments"),
         (7, "messages.1.tool_calls.0.function.arguments"),
     ],
@@ -140,3 +141,8 @@ def test_a_malformed_call_is_a_bad_request_naming_it(tools_tokenizer):
     with pytest.raises(BadRequest) as e:
         chat_prompt.render(tools_tokenizer, history, TOOLS, renders_calls=True)
     assert e.value.param == "messages.1.tool_calls"
+    history = agent_history()
+    history[1]["content"] = 5
+    with pytest.raises(BadRequest) as e:
+        chat_prompt.render(tools_tokenizer, history, TOOLS, renders_calls=False)
+    assert e.value.param == "messages.1.content"

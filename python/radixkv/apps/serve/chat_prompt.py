@@ -149,6 +149,10 @@ def history(
             else:
                 texts = [_call_text(c["function"]) for c, _ in checked]
                 content = m.get("content")
+                if content is not None and not isinstance(content, str):
+                    raise BadRequest(
+                        f"messages.{i}.content", f"must be text or null, got {content!r}"
+                    )
                 m["content"] = "\n".join([content, *texts] if content else texts)
                 rewritten = True
         out.append(m)
@@ -174,7 +178,7 @@ def _calls(calls: Any, where: str) -> list[tuple[dict[str, Any], dict[str, Any]]
         if isinstance(given, str):
             try:
                 args = json.loads(given)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
                 args = None
         if not isinstance(args, dict):
             raise BadRequest(
