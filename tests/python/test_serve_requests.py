@@ -10,6 +10,11 @@ client cannot send a body).
 - Fields that change the output are implemented (``continue_final_message``,
   ``chat_template_kwargs``) or a 400 naming them; an unknown ``model`` is a 404.
 - ``--max-model-len``: a prompt and ``max_tokens`` past it are a 400 naming both lengths.
+- ``max_tokens`` (or ``max_completion_tokens``) 0 is a 400 naming it, as vLLM answers.
+- ``/tokenize``: an unknown ``model`` is a 404 as chat answers, its booleans are JSON booleans
+  (the string ``"false"`` a 400), and its messages count what chat's prompt holds.
+- A malformed ``tool_choice`` (a function given as a string, a list, an object without a
+  string ``name``) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import serve_process  # noqa: E402
 
 openai = serve_process.needs_real_server()
 from test_serve import free_port  # noqa: E402
+from test_serve_tools import TOOLS  # noqa: E402
 
 #: The model name the server answers to.
 MODEL = "SmolLM2-135M-Instruct"
@@ -288,3 +294,45 @@ def test_metrics_carry_the_model_name_inter_token_latency_and_queue_time(server)
     assert count["radixkv_inter_token_latency_seconds_count"] >= 2
     assert count["radixkv_request_queue_time_seconds_count"] >= 1
     assert f'radixkv_request_queue_time_seconds_count{{model_name="{MODEL}"}}' in text
+
+
+@pytest.mark.parametrize(
+    "function",
+    ["get_weather", ["get_weather"], {}, {"name": ["get_weather"]}, {"name": {"n": 1}}, None],
+)
+def test_a_malformed_tool_choice_is_a_400_naming_it(server, function):
+    choice = {"type": "function", "function": function}
+    with pytest.raises(openai.BadRequestError) as e:
+        server.chat(USER, tools=TOOLS, tool_choice=choice)
+    assert e.value.body["param"] == "tool_choice"
+    assert "tool_choice" in e.value.body["message"]
+
+
+def test_zero_max_tokens_is_a_400_naming_it(server):
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            server.chat(USER, **{field: 0})
+        assert e.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    assert server.chat(USER, max_completion_tokens=1).usage.completion_tokens == 1
+
+
+def test_tokenize_knows_its_models_and_booleans_and_counts_chats_prompt(server):
+    r = server.post("/tokenize", {"model": "gpt-4o", "prompt": "Hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert server.post("/tokenize", {"model": "alias-b", "prompt": "Hi"}).status_code == 200
+    for field in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
+        r = server.post("/tokenize", {"messages": USER, field: "false"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = server.post("/tokenize", {"prompt": "Hi", "add_special_tokens": "false"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+    # the fields chat takes render the prompt chat serves
+    start = [*USER, {"role": "assistant", "content": "My favourite color is"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    for messages, body in ((USER, {}), (USER, {"add_generation_prompt": False}), (start, cont)):
+        count = server.post("/tokenize", {"messages": messages, **body}).json()["count"]
+        assert count == server.chat(messages, extra_body=body).usage.prompt_tokens
+    answered = server.post("/tokenize", {"messages": USER}).json()["count"]
+    assert server.post("/tokenize", {"messages": USER, **cont}).json()["count"] < answered

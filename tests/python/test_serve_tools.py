@@ -1,8 +1,10 @@
 """``tool_choice="auto"`` through the real ``radixkv serve`` on the real model, driven by the
 ``openai`` client: the tools reach the prompt through the chat template, and whatever the model
 writes comes back as ``tool_calls`` or as text, never a 400. The model is SmolLM2 with a
-Hermes-style tools template beside its weights (its own template ignores tools: the server says
-so at start-up and in each reply, tested on the default server too)."""
+Hermes/Qwen-style template beside its weights that renders tools and an agent's history of calls
+(the prompt is transformers' own, token for token, through chat and ``/tokenize``); its own
+template ignores both: the server says so at start-up and in each reply, renders the calls as
+JSON itself, and (``llama3_json``) parses no call out of a JSON answer that names no tool."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ httpx = pytest.importorskip("httpx")
 import serve_process  # noqa: E402
 
 openai = serve_process.needs_real_server()
+from radixkv.apps.serve.chat_prompt import CALLS_NOT_RENDERED  # noqa: E402
 from radixkv.hf._load import _converted, smollm2_path  # noqa: E402
 from test_serve import free_port  # noqa: E402
 
@@ -35,6 +38,18 @@ TOOLS = [
 ]
 TEMPLATES = Path(__file__).parent / "templates"
 ASK = [{"role": "user", "content": "What is the weather in Paris? Call the tool."}]
+#: The call the model made and its result, sent back as an agent does (OpenAI's shape: the
+#: arguments a JSON string, the content null).
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+HISTORY = [
+    *ASK,
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees."},
+]
 
 
 def tools_checkpoint(tmp) -> str:
@@ -118,18 +133,88 @@ def test_malformed_tools_are_a_400_naming_them(url):
     assert e.value.body["param"] == "tools.0"
 
 
-def test_the_default_template_ignores_tools_and_the_server_says_so():
+def test_a_call_history_is_the_prompt_transformers_renders_through_chat_and_tokenize(url):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(_converted(smollm2_path()))
+    documented = json.loads(json.dumps(HISTORY))  # transformers documents arguments as objects
+    documented[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    want = tok.apply_chat_template(
+        documented,
+        tools=TOOLS,
+        chat_template=(TEMPLATES / "hermes_tools.jinja").read_text(),
+        tokenize=True,
+        return_dict=False,
+        add_generation_prompt=True,
+    )
+    got = httpx.post(url + "/tokenize", json={"messages": HISTORY, "tools": TOOLS}).json()
+    assert got["tokens"] == list(want) and "warnings" not in got
+    text = httpx.post(url + "/detokenize", json={"tokens": got["tokens"]}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    r = client(url).chat.completions.create(
+        model="m", messages=HISTORY, tools=TOOLS, max_tokens=1, temperature=0
+    )
+    assert r.usage.prompt_tokens == len(want)
+    assert "warnings" not in (r.model_extra or {})
+
+
+@pytest.fixture(scope="module")
+def default():
+    """The real model with its own template (which ignores tools and calls), parsing calls in
+    Llama 3's JSON format."""
     port = free_port()
-    proc = serve_process.start(port, "--num-pages", "256")
-    try:
-        lines = []
-        while not lines or "on http://" not in lines[-1]:
-            lines.append(proc.stderr.readline())
-        assert any("does not render tools" in line for line in lines)
-        r = client(f"http://127.0.0.1:{port}").chat.completions.create(
-            model="smollm2", messages=ASK, tools=TOOLS, max_tokens=2, temperature=0
-        )
-        check_choice(r.choices[0])
-        assert "does not render tools" in r.model_extra["warnings"][0]
-    finally:
-        serve_process.stop(proc)
+    proc = serve_process.start(port, "--num-pages", "256", "--tool-call-parser", "llama3_json")
+    yield f"http://127.0.0.1:{port}", proc
+    serve_process.stop(proc)
+
+
+def test_the_default_template_ignores_tools_and_the_server_says_so(default):
+    url, proc = default
+    lines = []
+    while not lines or "on http://" not in lines[-1]:
+        lines.append(proc.stderr.readline())
+    assert any("does not render tools" in line for line in lines)
+    r = client(url).chat.completions.create(
+        model="smollm2", messages=ASK, tools=TOOLS, max_tokens=2, temperature=0
+    )
+    check_choice(r.choices[0])
+    assert "does not render tools" in r.model_extra["warnings"][0]
+
+
+def test_a_call_history_the_template_ignores_is_rendered_and_tokenized_alike(default):
+    url, _ = default
+    got = httpx.post(url + "/tokenize", json={"messages": HISTORY, "tools": TOOLS})
+    assert got.status_code == 200, got.text
+    assert got.json()["warnings"] == [CALLS_NOT_RENDERED]
+    text = httpx.post(url + "/detokenize", json={"tokens": got.json()["tokens"]}).json()["prompt"]
+    assert '<|im_start|>assistant\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    r = client(url).chat.completions.create(
+        model="smollm2", messages=HISTORY, tools=TOOLS, max_tokens=1, temperature=0
+    )
+    assert r.usage.prompt_tokens == got.json()["count"]
+    assert CALLS_NOT_RENDERED in r.model_extra["warnings"]
+
+
+def forced(value: dict) -> dict:
+    """A ``response_format`` whose only reply is the JSON object ``value``."""
+    props = {k: {"const": v} for k, v in value.items()}
+    schema = {"type": "object", "properties": props, "required": list(value)}
+    schema["additionalProperties"] = False
+    return {"type": "json_schema", "json_schema": {"name": "forced", "schema": schema}}
+
+
+@pytest.mark.parametrize("answer", [{"name": "Bob", "age": 30}, {"name": "get_weather"}])
+def test_a_json_answer_that_is_no_declared_call_stays_text_streamed_too(default, answer):
+    pytest.importorskip("llguidance")
+    url, _ = default
+    kw = dict(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=40, temperature=0)
+    kw["extra_body"] = {"response_format": forced(answer)}
+    c = client(url).chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls
+    assert json.loads(c.message.content) == answer
+    content, calls, reason = "", [], None
+    for chunk in client(url).chat.completions.create(stream=True, **kw):
+        for d in chunk.choices:
+            content += d.delta.content or ""
+            calls += d.delta.tool_calls or []
+            reason = d.finish_reason or reason
+    assert (content, calls, reason) == (c.message.content, [], "stop")

@@ -1,6 +1,7 @@
 """radixkv.apps.serve.tool_calls: tool calls parsed out of real model text in vLLM's ``hermes`` and
-``llama3_json`` formats, streamed or whole, and whether a chat template renders tools (the real
-SmolLM2 tokenizer's does not)."""
+``llama3_json`` formats, streamed or whole (a call names a declared tool and holds its arguments:
+any other JSON is text), and whether a chat template renders tools (the real SmolLM2 tokenizer's
+does not)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ QWEN = (
 )
 #: What Llama 3.1 writes for a call (its template asks for "parameters").
 LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+#: The tools the request declares.
+NAMES = frozenset({"get_weather", "f", "a", "b"})
 TEMPLATES = Path(__file__).parent / "templates"
 
 
@@ -29,7 +32,7 @@ def args(call):
 
 
 def test_hermes_calls_and_content():
-    content, calls = tool_calls.parse("hermes", QWEN)
+    content, calls = tool_calls.parse("hermes", QWEN, NAMES)
     assert content == "I'll check both cities.\n"
     assert [args(c) for c in calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"}),
@@ -39,7 +42,9 @@ def test_hermes_calls_and_content():
 
 
 def test_hermes_unclosed_last_call_and_no_content():
-    content, calls = tool_calls.parse("hermes", '<tool_call>\n{"name": "f", "arguments": {}}')
+    content, calls = tool_calls.parse(
+        "hermes", '<tool_call>\n{"name": "f", "arguments": {}}', NAMES
+    )
     assert content is None and [args(c) for c in calls] == [("f", {})]
 
 
@@ -52,14 +57,14 @@ def test_hermes_unclosed_last_call_and_no_content():
     ],
 )
 def test_hermes_text_that_is_no_whole_call_is_text(text):
-    assert tool_calls.parse("hermes", text) == (text, [])
+    assert tool_calls.parse("hermes", text, NAMES) == (text, [])
 
 
 def test_llama3_json_calls():
-    content, calls = tool_calls.parse("llama3_json", LLAMA)
+    content, calls = tool_calls.parse("llama3_json", LLAMA, NAMES)
     assert content is None and [args(c) for c in calls] == [("get_weather", {"city": "Paris"})]
     two = '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}'
-    both = tool_calls.parse("llama3_json", two)[1]
+    both = tool_calls.parse("llama3_json", two, NAMES)[1]
     assert [args(c) for c in both] == [("a", {}), ("b", {"x": 1})]
 
 
@@ -67,12 +72,50 @@ def test_llama3_json_calls():
     "text", ["The weather is fine.", '{"name": "f", "parameters": {"a": 1', LLAMA + " and more"]
 )
 def test_llama3_json_text_is_text(text):
-    assert tool_calls.parse("llama3_json", text) == (text, [])
+    assert tool_calls.parse("llama3_json", text, NAMES) == (text, [])
 
 
-def stream(parser: str, text: str, size: int):
+#: JSON a model may write that is no call of the tools declared (``get_weather(city)``): an
+#: answer shaped like a call to an undeclared function, a declared name without its arguments,
+#: arguments that are no object.
+NOT_CALLS = {
+    "llama3_json": [
+        '{"name": "Bob", "age": 30}',
+        '{"name": "get_weather"}',
+        '{"name": "get_weather", "parameters": [1]}',
+        '{"name": "get_weather", "parameters": {}}; {"name": "Bob", "parameters": {}}',
+    ],
+    "hermes": [
+        '<tool_call>\n{"name": "get_weather"}\n</tool_call>',
+        '<tool_call>\n{"name": "Bob", "arguments": {"age": 30}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": "[1]"}\n</tool_call>',
+        'Two: <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>',
+    ],
+}
+
+
+@pytest.mark.parametrize("parser, text", [(p, t) for p, texts in NOT_CALLS.items() for t in texts])
+def test_json_that_is_no_call_of_a_declared_tool_is_text_streamed_too(parser, text):
+    declared = frozenset({"get_weather"})
+    assert tool_calls.parse(parser, text, declared) == (text, [])
+    for size in (1, 1000):
+        assert stream(parser, text, size, declared) == (text, [])
+
+
+def test_a_declared_call_with_an_arguments_object_is_a_call_checked_against_nothing_more():
+    # get_weather requires a city; the parser checks the name and that arguments are an object
+    for parser, text in (
+        ("llama3_json", '{"name": "get_weather", "parameters": {}}'),
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'),
+    ):
+        content, calls = tool_calls.parse(parser, text, frozenset({"get_weather"}))
+        assert content is None and [args(c) for c in calls] == [("get_weather", {})]
+
+
+def stream(parser: str, text: str, size: int, names=NAMES):
     """``text`` fed in pieces of ``size`` characters: (what was sent as content, calls)."""
-    s = tool_calls.StreamSplitter(parser)
+    s = tool_calls.StreamSplitter(parser, names)
     sent = "".join(s.feed(text[i : i + size]) for i in range(0, len(text), size))
     content, calls = s.finish()
     return sent + (content or ""), calls
@@ -82,7 +125,7 @@ def stream(parser: str, text: str, size: int):
 def test_streamed_calls_equal_whole(size):
     for parser, text in (("hermes", QWEN), ("llama3_json", LLAMA)):
         content, calls = stream(parser, text, size)
-        whole_content, whole_calls = tool_calls.parse(parser, text)
+        whole_content, whole_calls = tool_calls.parse(parser, text, NAMES)
         assert content == (whole_content or "")
         assert [args(c) for c in calls] == [args(c) for c in whole_calls]
     for parser in tool_calls.PARSERS:
@@ -90,7 +133,7 @@ def test_streamed_calls_equal_whole(size):
 
 
 def test_streamed_text_before_a_hermes_call_is_sent_before_the_end():
-    s = tool_calls.StreamSplitter("hermes")
+    s = tool_calls.StreamSplitter("hermes", NAMES)
     assert s.feed("Let me look. <tool") == "Let me look. "  # a start of <tool_call> held back
     assert s.feed('_call>{"name": "f", "arguments": {}}') == ""
     assert s.finish()[0] is None
@@ -110,10 +153,10 @@ def test_the_real_smollm2_template_ignores_tools_and_a_tools_template_renders_th
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    one = tool_calls.Auto("hermes", parallel=False)
+    one = tool_calls.Auto("hermes", NAMES, parallel=False)
     assert [args(c) for c in one.parse(QWEN)[1]] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"})
     ]
     s = one.splitter()
     s.feed(QWEN)
-    assert len(s.finish()[1]) == 1 and len(tool_calls.Auto("hermes").parse(QWEN)[1]) == 2
+    assert len(s.finish()[1]) == 1 and len(tool_calls.Auto("hermes", NAMES).parse(QWEN)[1]) == 2

@@ -50,7 +50,7 @@ try:
     from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool
     from starlette.exceptions import HTTPException
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -58,7 +58,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps.serve import content_parts, request_fields, structured, tool_calls
+from radixkv.apps.serve import chat_prompt, request_fields, structured, tool_calls
 from radixkv.apps.serve.token_bytes import token_bytes
 from radixkv.engine import DivergedError
 from radixkv.tenancy import tenant_namespace
@@ -278,26 +278,6 @@ def _fail_pending(pending: Pending, error: BaseException) -> None:
 # ---- the request bodies -----------------------------------------------------------------------
 
 
-#: Arguments of ``apply_chat_template`` the server sets itself (not through
-#: ``chat_template_kwargs``).
-TEMPLATE_ARGUMENTS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "tokenize",
-        "add_generation_prompt",
-        "continue_final_message",
-        "return_dict",
-        "return_tensors",
-        "chat_template",
-        "padding",
-        "truncation",
-        "max_length",
-    }
-)
-
 #: The warning of a ``tool_choice="auto"`` request on a chat template that ignores ``tools``
 #: (served, as vLLM serves it: the model answers without seeing the tools).
 TOOLS_NOT_RENDERED = (
@@ -317,7 +297,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)  # 0 asks for nothing: a 400, as vLLM
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
@@ -350,7 +330,7 @@ class ChatBody(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     # vLLM's chat template fields: the last message continued rather than answered, the
     # assistant's turn opened or not, and keywords the template reads (enable_thinking, ...).
     continue_final_message: bool = False
@@ -364,6 +344,25 @@ class CompletionBody(_Body):
     #: One prompt (text or token ids) or a list of them: one choice per prompt, in order.
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` (text), or chat ``messages`` with ``tools`` and chat's
+    template fields, rendered as chat renders them. Booleans are JSON booleans (the string
+    ``"false"`` is a 400, not true); other fields are ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: The tokenizer's special tokens (BOS) around a ``prompt`` (by default); ``messages`` are
+    #: encoded as chat encodes them (their template writes its own), so true is refused there.
+    add_special_tokens: StrictBool | None = None
 
 
 def _error_body(status: int, message: str, param: str | None = None, kind: str | None = None):
@@ -489,6 +488,7 @@ def create_app(
         registry = _registry(eng, {"model_name": config.model_name})
     created = int(time.time())
     renders_tools = tool_calls.template_renders_tools(tokenizer)
+    renders_calls = chat_prompt.template_renders_calls(tokenizer)
 
     from contextlib import asynccontextmanager
 
@@ -574,28 +574,48 @@ def create_app(
         return {"version": radixkv.__version__}
 
     @app.post("/tokenize")
-    async def tokenize(body: dict[str, Any]):
+    async def tokenize(body: TokenizeBody):
         """vLLM's ``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...], "tools": [...]}``
-        (through the chat template) to ``{"tokens", "count", "max_model_len"}``."""
-        try:
-            if "messages" in body:
-                text = tokenizer.apply_chat_template(
-                    content_parts.flatten(body["messages"]),
-                    tools=body.get("tools"),
-                    tokenize=False,
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+        (rendered as chat renders them: :func:`chat_prompt.render`) to ``{"tokens", "count",
+        "max_model_len"}`` (and ``warnings`` as chat gives them). An unknown ``model`` is a 404,
+        as chat answers."""
+        bad = _text_error(body) or _unknown_model(body.model)
+        if bad is not None:
+            return bad
+        if (body.messages is None) == (body.prompt is None):
+            return _error(400, "prompt: give a string prompt or messages, one of them", "prompt")
+        warnings: list[str] = []
+        if body.prompt is not None:
+            special = body.add_special_tokens is not False
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=special)
+        elif body.add_special_tokens:
+            return _error(
+                400,
+                "add_special_tokens: applies to a prompt; messages are encoded as chat encodes "
+                "them (their template writes the special tokens)",
+                "add_special_tokens",
+            )
+        else:
+            try:
+                tokens, warnings = chat_prompt.render(
+                    tokenizer,
+                    body.messages or [],
+                    body.tools,
+                    renders_calls=renders_calls,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    template_kwargs=body.chat_template_kwargs,
                 )
-                tokens = tokenizer.encode(text, add_special_tokens=False)
-            elif isinstance(body.get("prompt"), str):
-                special = bool(body.get("add_special_tokens", True))
-                tokens = tokenizer.encode(body["prompt"], add_special_tokens=special)
-            else:
-                return _error(400, "prompt: needs a string prompt or messages", "prompt")
-        except structured.BadRequest as e:
-            return _error(400, str(e), e.param)
-        except Exception as e:  # a template that refuses the messages
-            return _error(400, f"messages: the chat template cannot render them: {e}", "messages")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
+            except structured.BadRequest as e:
+                return _error(400, str(e), e.param)
+        reply: dict[str, Any] = {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": config.max_model_len,
+        }
+        if warnings:
+            reply["warnings"] = warnings
+        return reply
 
     async def flush_cache():
         """SGLang's ``/flush_cache`` (vLLM's ``/reset_prefix_cache``): drops every page no
@@ -651,48 +671,31 @@ def create_app(
                     '(hermes or llama3_json); send tool_choice "required" or a named function',
                     "tool_choice",
                 )
-            parser = tool_calls.Auto(config.tool_call_parser, body.parallel_tool_calls is not False)
+            try:
+                declared = structured.check_tools(body.tools)
+            except structured.BadRequest as e:
+                return _error(400, str(e), e.param)
+            parallel = body.parallel_tool_calls is not False
+            parser = tool_calls.Auto(config.tool_call_parser, declared, parallel)
             if not renders_tools:
                 warnings.append(TOOLS_NOT_RENDERED)
         try:  # a tool call the request demands, else its response format, else free text
-            if auto:
-                structured.check_tools(body.tools)
             grammar = structured.tool_grammar(body.tools, body.tool_choice)
             tool_call = grammar is not None
             if grammar is None:
                 grammar = structured.response_grammar(body.response_format)
-            messages = content_parts.flatten(body.messages)
-        except structured.BadRequest as e:
-            return _error(400, str(e), e.param)
-        kwargs = dict(body.chat_template_kwargs or {})
-        clash = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
-        if clash:
-            return _error(
-                400,
-                f"chat_template_kwargs: {clash[0]!r} is set by the server (or by its own request "
-                "field), not through chat_template_kwargs",
-                "chat_template_kwargs",
-            )
-        if body.continue_final_message and body.add_generation_prompt:
-            return _error(
-                400,
-                "continue_final_message: needs add_generation_prompt set to false (the last "
-                "message is continued, not answered)",
-                "continue_final_message",
-            )
-        try:
-            text = tokenizer.apply_chat_template(
-                structured.history(messages),
-                tools=body.tools,
-                tokenize=False,
+            prompt, rendered = chat_prompt.render(
+                tokenizer,
+                body.messages,
+                body.tools,
+                renders_calls=renders_calls,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                **kwargs,
+                template_kwargs=body.chat_template_kwargs,
             )
-        except Exception as e:  # a malformed message list, a template that refuses it
-            param = "chat_template_kwargs" if kwargs else "messages"
-            return _error(400, f"messages: the chat template cannot render them: {e}", param)
-        prompt = tokenizer.encode(text, add_special_tokens=False)
+        except structured.BadRequest as e:
+            return _error(400, str(e), e.param)
+        warnings += rendered
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
         if body.top_logprobs and not body.logprobs:
             return _error(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
@@ -746,21 +749,28 @@ def create_app(
 
     names = {config.model_name, *config.aliases}
 
+    def _unknown_model(model: str | None) -> JSONResponse | None:
+        """The 404 of a ``model`` this server does not serve (None: any request is served)."""
+        if model is None or model in names:
+            return None
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"The model `{model}` does not exist: this server "
+                    f"serves {', '.join(repr(n) for n in sorted(names))}",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                }
+            },
+            status_code=404,
+        )
+
     def _refusal(body: _Body, chat: bool) -> JSONResponse | None:
         """The 404 of an unknown model, or the 400 of a field this server does not implement."""
-        if body.model is not None and body.model not in names:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"The model `{body.model}` does not exist: this server "
-                        f"serves {', '.join(repr(n) for n in sorted(names))}",
-                        "type": "NotFoundError",
-                        "param": "model",
-                        "code": 404,
-                    }
-                },
-                status_code=404,
-            )
+        unknown = _unknown_model(body.model)
+        if unknown is not None:
+            return unknown
         bad = request_fields.refused(body.model_extra or {}, chat)
         if bad is not None:
             return _error(400, bad[1], bad[0])

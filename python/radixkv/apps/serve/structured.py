@@ -12,9 +12,8 @@ engine :class:`~radixkv.engine.grammar.Grammar`, and a generated tool call as Op
   text whose tool calls :mod:`radixkv.apps.serve.tool_calls` parses out.
 
 The name comes first, so the model writes the arguments knowing the tool, and jump-forward
-appends the name (a constant for a named tool) and every key at once. An assistant message that
-carries ``tool_calls`` (an agent loop sends its history back) is rendered with that JSON as its
-content, byte for byte what was generated, so the next turn finds the call in the prefix cache.
+appends the name (a constant for a named tool) and every key at once. How an agent's history of
+calls reaches the chat template is :mod:`radixkv.apps.serve.chat_prompt`'s.
 """
 
 from __future__ import annotations
@@ -73,7 +72,14 @@ def tool_grammar(tools: list[dict] | None, tool_choice: Any) -> Grammar | None:
     if tool_choice == "required":
         names = list(schemas)
     elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise BadRequest(
+                "tool_choice",
+                'a function choice must be {"type": "function", "function": {"name": ...}} '
+                f"with the tool's name as a string, got {tool_choice!r}",
+            )
         if name not in schemas:
             raise BadRequest("tool_choice", f"names no tool of tools: {name!r}")
         names = [name]
@@ -88,9 +94,9 @@ def tool_grammar(tools: list[dict] | None, tool_choice: Any) -> Grammar | None:
     return _schema(schema, "tools")
 
 
-def check_tools(tools: list[dict] | None) -> None:
-    """``BadRequest`` naming the first of ``tools`` that is not a function tool."""
-    _tool_parameters(tools)
+def check_tools(tools: list[dict] | None) -> frozenset[str]:
+    """The names of ``tools``; ``BadRequest`` naming the first that is not a function tool."""
+    return frozenset(_tool_parameters(tools))
 
 
 def _tool_parameters(tools: list[dict] | None) -> dict[str, dict]:
@@ -144,29 +150,3 @@ def tool_calls(text: str) -> list[dict[str, Any]] | None:
     arguments = text[at:].rstrip()[:-1]  # the object's closing brace is the call's
     function = {"name": name, "arguments": arguments}
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}]
-
-
-def history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with each assistant message that holds ``tool_calls`` and no content given
-    the generated JSON as its content (what the model wrote), for chat templates that render
-    content alone."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls") if isinstance(m, dict) else None
-        if (
-            calls
-            and isinstance(calls, list)
-            and m.get("role") == "assistant"
-            and not m.get("content")
-        ):
-            texts = []
-            for c in calls:
-                fn = (c.get("function") or {}) if isinstance(c, dict) else {}
-                texts.append(
-                    f'{{"name": {json.dumps(fn.get("name"))}, {_ARGUMENTS}'
-                    f"{fn.get('arguments') or '{}'}}}"
-                )
-            m = {k: v for k, v in m.items() if k != "tool_calls"}
-            m["content"] = "\n".join(texts)
-        out.append(m)
-    return out

@@ -8,9 +8,11 @@
   {...}}`` (optionally after ``<|python_tag|>``; several separated by ``;``); the whole reply
   must be calls, else it is text.
 
-A reply that holds no call, or one whose JSON does not parse (cut short by ``max_tokens``), is
-returned as text, as vLLM does. Each call comes back in OpenAI's shape, its ``arguments`` a JSON
-string.
+A call is one of the request's declared tools by name, with its arguments as an object
+(``arguments`` or ``parameters``; checked against nothing more): JSON the model writes as its
+answer (``{"name": "Bob", "age": 30}``) is no call. A reply that holds no call, a call that is not
+one, or JSON that does not parse (cut short by ``max_tokens``) is returned as text, whole, as
+vLLM's parsers do. Each call comes back in OpenAI's shape, its ``arguments`` a JSON string.
 
 Whether a chat template renders ``tools`` at all is :func:`template_renders_tools`: a template
 that ignores them leaves the model unaware of the tools it is offered.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +39,18 @@ HERMES_START = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
 
-def _call(name: Any, arguments: Any) -> ToolCall:
-    if not isinstance(name, str) or not name:
-        raise ValueError("a tool call needs a name")
+def _call(obj: Any, names: Collection[str]) -> ToolCall:
+    """The call ``obj`` (parsed JSON) makes; ``ValueError`` unless it names one of ``names`` and
+    holds its arguments as an object (``arguments``, or Llama's ``parameters``)."""
+    if not isinstance(obj, dict):
+        raise ValueError("a tool call is an object")
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in names:
+        raise ValueError(f"a tool call names a declared tool, not {name!r}")
+    key = "arguments" if "arguments" in obj else "parameters"
+    if key not in obj:
+        raise ValueError("a tool call holds its arguments")
+    arguments = obj[key]
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments = json.loads(arguments)
     if not isinstance(arguments, dict):
@@ -48,18 +59,17 @@ def _call(name: Any, arguments: Any) -> ToolCall:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
 
 
-def hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+def hermes(text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]]:
     """``(content, calls)`` of a Hermes/Qwen reply: each ``<tool_call>`` JSON block (the last
-    one may lack its closing tag), the text before the first as the content (None when
-    blank). ``(text, [])`` when there is no call or one does not parse."""
+    one may lack its closing tag), a call of one of ``names``, the text before the first as the
+    content (None when blank). ``(text, [])`` when there is no call or a block is none."""
     if HERMES_START not in text:
         return text, []
     try:
-        calls = []
-        for closed, open_ in _HERMES.findall(text):
-            obj = json.loads(closed or open_)
-            calls.append(_call(obj.get("name"), obj.get("arguments", {})))
-    except (ValueError, AttributeError):
+        calls = [
+            _call(json.loads(closed or open_), names) for closed, open_ in _HERMES.findall(text)
+        ]
+    except (ValueError, RecursionError):
         return text, []
     if not calls:
         return text, []
@@ -67,10 +77,10 @@ def hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     return (content if content.strip() else None), calls
 
 
-def llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    """``(None, calls)`` of a Llama 3 reply that is one or more JSON calls (``{"name": ...,
-    "parameters": {...}}``, ``arguments`` accepted too), optionally after ``<|python_tag|>``
-    and separated by ``;``; ``(text, [])`` for anything else."""
+def llama3_json(text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]]:
+    """``(None, calls)`` of a Llama 3 reply that is one or more JSON calls of ``names``
+    (``{"name": ..., "parameters": {...}}``, ``arguments`` accepted too), optionally after
+    ``<|python_tag|>`` and separated by ``;``; ``(text, [])`` for anything else."""
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG) :].lstrip()
@@ -81,30 +91,28 @@ def llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     try:
         while at < len(body):
             obj, end = decoder.raw_decode(body, at)
-            if not isinstance(obj, dict):
-                raise ValueError("a tool call is an object")
-            args = obj.get("parameters", obj.get("arguments", {}))
-            calls.append(_call(obj.get("name"), args))
+            calls.append(_call(obj, names))
             rest = body[end:].lstrip()
             if rest.startswith(";"):
                 rest = rest[1:].lstrip()
             elif rest:
                 raise ValueError("text after a tool call")
             at = len(body) - len(rest)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text, []
     return None, calls
 
 
-_PARSE: dict[str, Callable[[str], tuple[str | None, list[ToolCall]]]] = {
+_PARSE: dict[str, Callable[[str, Collection[str]], tuple[str | None, list[ToolCall]]]] = {
     "hermes": hermes,
     "llama3_json": llama3_json,
 }
 
 
-def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """``(content, calls)`` of ``text`` under ``parser`` (one of :data:`PARSERS`)."""
-    return _PARSE[parser](text)
+def parse(parser: str, text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]]:
+    """``(content, calls)`` of ``text`` under ``parser`` (one of :data:`PARSERS`), each call
+    one of the tools ``names``."""
+    return _PARSE[parser](text, names)
 
 
 def may_be_call(parser: str, text: str) -> bool:
@@ -121,19 +129,21 @@ def may_be_call(parser: str, text: str) -> bool:
 
 @dataclass(frozen=True)
 class Auto:
-    """One request's ``tool_choice="auto"``: its server's ``parser``, and whether it allows
-    several calls (``parallel_tool_calls``, true unless sent false: then the first call alone
-    is returned)."""
+    """One request's ``tool_choice="auto"``: its server's ``parser``, the ``names`` of its
+    ``tools`` (a call names one), and whether it allows several calls
+    (``parallel_tool_calls``, true unless sent false: then the first call alone is
+    returned)."""
 
     parser: str
+    names: frozenset[str]
     parallel: bool = True
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        content, calls = parse(self.parser, text)
+        content, calls = parse(self.parser, text, self.names)
         return content, calls if self.parallel else calls[:1]
 
     def splitter(self) -> StreamSplitter:
-        return StreamSplitter(self.parser, self.parallel)
+        return StreamSplitter(self.parser, self.names, self.parallel)
 
 
 #: A tool that no chat template would print unless it renders ``tools``.
@@ -151,7 +161,7 @@ def template_renders_tools(tokenizer: Any, chat_template: str | None = None) -> 
     """Whether ``tokenizer``'s chat template (or ``chat_template``) renders ``tools``: a
     conversation rendered with a tool and without differs. False when it refuses tools."""
     messages = [{"role": "user", "content": "Hi"}]
-    kwargs = dict(tokenize=False, add_generation_prompt=True)
+    kwargs: dict[str, Any] = dict(tokenize=False, add_generation_prompt=True)
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
     try:
@@ -163,12 +173,13 @@ def template_renders_tools(tokenizer: Any, chat_template: str | None = None) -> 
 
 
 class StreamSplitter:
-    """One streamed choice under ``parser``: :meth:`feed` takes each piece of text and returns
-    what may be sent as content now, holding back what may be a tool call; :meth:`finish`
-    parses what was held once the reply ends (a call is sent whole, as one delta)."""
+    """One streamed choice under ``parser`` offered the tools ``names``: :meth:`feed` takes
+    each piece of text and returns what may be sent as content now, holding back what may be a
+    tool call; :meth:`finish` parses what was held once the reply ends (a call is sent whole,
+    as one delta; held text that is no call is sent as content)."""
 
-    def __init__(self, parser: str, parallel: bool = True) -> None:
-        self.parser, self.parallel = parser, parallel
+    def __init__(self, parser: str, names: Collection[str], parallel: bool = True) -> None:
+        self.parser, self.names, self.parallel = parser, names, parallel
         self.held = ""
         self.calling = False  # a call has begun: everything to the end is held
         self.free = False  # llama3_json: the reply is text, nothing more is held
@@ -204,5 +215,5 @@ class StreamSplitter:
         text, self.held = self.held, ""
         if not self.calling:
             return text, []
-        content, calls = parse(self.parser, text)
+        content, calls = parse(self.parser, text, self.names)
         return content, calls if self.parallel else calls[:1]
