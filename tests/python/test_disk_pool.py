@@ -27,7 +27,7 @@ import pytest
 import radixkv
 from radixkv._radixkv import _page_checksum
 from radixkv.kv import disk
-from radixkv.kv.disk import DiskLockedError, DiskMismatchError, DiskPool
+from radixkv.kv.disk import DiskLockedError, DiskMismatchError, DiskPool, check_unlocked
 
 #: Pages of 3000 bytes: slots of round_up(128 + 3000, 4096) = 4096 bytes.
 PB = 3000
@@ -431,11 +431,16 @@ def test_a_second_process_on_the_directory_is_refused_until_the_first_exits(tmp_
         assert child.stdout.readline().strip() == "open"
         with pytest.raises(DiskLockedError, match=rf"in use by process {child.pid} on "):
             open_pool(tmp_path)
+        # Asking without opening (a server, before it loads its model) says the same.
+        with pytest.raises(DiskLockedError, match=rf"in use by process {child.pid} on "):
+            check_unlocked(str(tmp_path))
         child.stdin.close()
         assert child.wait(60) == 0
     finally:
         if child.poll() is None:
             child.kill()
+    check_unlocked(str(tmp_path))  # the lock ended with the child
+    check_unlocked(str(tmp_path / "not-made-yet"))
     with reopen_quietly(tmp_path) as pool:  # the child's save, whole
         assert pool.entries[0] == b""
 

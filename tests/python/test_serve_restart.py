@@ -139,11 +139,15 @@ def test_a_moved_checkpoint_restarts_with_its_pages(tmp_path):
 
 
 def test_a_second_server_on_the_directory_is_refused_naming_the_first(tmp_path):
+    """The second server is refused before it loads its model: its ``--model`` is a directory
+    that holds no checkpoint, which it would fail to load (another error) had it tried."""
     port = free_port()
     proc = serve_process.start(port, *options(tmp_path / "cache"))
     try:
         chat(port, [{"role": "user", "content": "Say hi."}])
-        rc, err = serve_process.exit_of(free_port(), *options(tmp_path / "cache"), timeout=180)
+        (tmp_path / "no-model").mkdir()
+        second = ["--model", str(tmp_path / "no-model"), *options(tmp_path / "cache")]
+        rc, err = serve_process.exit_of(free_port(), *second, timeout=180)
         assert rc == 2, err
         assert f"in use by process {proc.pid} on " in err and "Traceback" not in err, err
         # The first one goes on serving, and saves its tier whole.

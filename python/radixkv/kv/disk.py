@@ -152,24 +152,9 @@ def _lock(path: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
-        except (OSError, ValueError):
-            holder = {}
+        error = _locked(path, fd)
         os.close(fd)
-        if not isinstance(holder, dict):
-            holder = {}
-        who = (
-            f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, open since "
-            f"{holder.get('since', '?')}"
-            if holder
-            else "another process"
-        )
-        raise DiskLockedError(
-            f"the disk tier at {path!r} is in use by {who}: one directory serves one process "
-            "at a time (stop that one, or give this one another directory)",
-            holder,
-        ) from None
+        raise error from None
     try:
         me = {
             "pid": os.getpid(),
@@ -181,6 +166,50 @@ def _lock(path: str) -> int:
     except OSError:  # the lock holds even where its note cannot be written
         pass
     return fd
+
+
+def _locked(path: str, fd: int) -> DiskLockedError:
+    """The error of ``path``'s lock file (open as ``fd``) held by another: its holder named."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
+    except (OSError, ValueError):
+        holder = {}
+    if not isinstance(holder, dict):
+        holder = {}
+    who = (
+        f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, open since "
+        f"{holder.get('since', '?')}"
+        if holder
+        else "another process"
+    )
+    return DiskLockedError(
+        f"the disk tier at {path!r} is in use by {who}: one directory serves one process "
+        "at a time (stop that one, or give this one another directory)",
+        holder,
+    )
+
+
+def check_unlocked(path: str) -> None:
+    """:class:`DiskLockedError` naming the holder if another pool holds ``path``'s lock now
+    (what opening a :class:`DiskPool` there would raise), for a caller that checks before it
+    spends time on what the pool needs (a server loading its model); nothing is created or
+    written, and the lock is not kept."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
+    except OSError:  # no lock file (no directory yet): nobody holds it
+        return
+    try:
+        import fcntl
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise _locked(path, fd) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except ImportError:  # pragma: no cover - no flock on this platform: unguarded
+        pass
+    finally:
+        os.close(fd)
 
 
 def _remove_temporaries(path: str) -> None:

@@ -340,6 +340,7 @@ def check_before_loading(args: argparse.Namespace) -> None:
         )
     args.chat_template_text = chat_template_of(getattr(args, "chat_template", None))
     check_tensor_parallel(args)
+    check_cache_dir(args)
     if args.device is not None:
         import torch
 
@@ -369,6 +370,20 @@ def check_before_loading(args: argparse.Namespace) -> None:
                 f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another "
                 "server on that port? pick another with --port)"
             ) from None
+
+
+def check_cache_dir(args: argparse.Namespace) -> None:
+    """``--cache-dir`` in use by another server (its lock held): a :class:`UsageError` naming
+    that process, before the model loads (the disk tier takes the lock itself once it opens)."""
+    path = getattr(args, "cache_dir", None)
+    if not path:
+        return
+    from radixkv.kv.disk import DiskLockedError, check_unlocked
+
+    try:
+        check_unlocked(os.fspath(path))  # the path as the disk tier opens it
+    except DiskLockedError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
