@@ -3,7 +3,8 @@
 rank 0's next step in a collective, which times out after the group's timeout. Two ranks of the
 tiny model over gloo with a 2 s timeout, idle for 5 s, then a request: with the heartbeat the
 request is served and both ranks close cleanly; without it (``heartbeat_s=None``) rank 1 times
-out and the request fails, which is what the heartbeat is there for."""
+out and the request fails, which is what the heartbeat is there for; the engine thread then ends,
+and a call handed to it fails with the error that parted the ranks."""
 
 from __future__ import annotations
 
@@ -70,6 +71,11 @@ def _lead(eng: radixkv.Engine, heartbeat_s: float | None, report: dict) -> None:
         pass
     report["finish_reason"] = events[-1].finish_reason if events else None
     report["loop_error"] = type(loop.error).__name__ if loop.error is not None else None
+    if loop.error is not None:  # the thread ended: a call fails with its error, never waits
+        try:
+            loop.call_blocking(lambda: None, timeout=10)
+        except Exception as e:
+            report["call_after"] = type(e).__name__
     loop.stop()
     try:
         eng.close()
@@ -89,6 +95,9 @@ def test_idle_rank_zero_steps_so_the_other_ranks_never_time_out(tmp_path):
 
 
 def test_without_the_heartbeat_the_other_rank_times_out(tmp_path):
+    """And once the ranks parted, a call handed to the engine thread fails with their error (a
+    request arriving then got no answer at all, and kept the server from stopping)."""
     lead, follow = _run(tmp_path, None)
     assert follow.get("follow") == "PeerLostError", follow
     assert lead["finish_reason"] != "length" or lead["loop_error"] is not None, lead
+    assert lead["call_after"] == "PeerLostError", lead

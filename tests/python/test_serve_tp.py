@@ -2,12 +2,15 @@
 three CPU processes by transformers' plan, the engines in lockstep, driven through the real
 command and the ``openai`` client. Replies equal one process's greedy tokens over the same
 prompt tokens, prefixes are reused, ``/flush_cache`` and structured output keep the ranks in
-step, a rank killed stops the server with status 1 naming it, and SIGTERM to the whole process
-group (what a service manager sends) drains, closes every rank and exits 0. Options it cannot
-run with, and sizes the heads do not divide by, are one-line errors before any rank starts."""
+step, a rank killed or stopped (SIGSTOP, under ``--rank-timeout``) stops the server with status 1
+naming it, the requests it ends getting OpenAI's error object (in their stream too), and SIGTERM
+to the whole process group (what a service manager sends) drains, closes every rank and exits 0.
+Options it cannot run with, and sizes the heads do not divide by, are one-line errors before any
+rank starts."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -233,6 +236,136 @@ def test_a_rank_that_dies_stops_the_server_naming_it():
             proc.wait()
 
 
+def _rank_of(pid: int) -> int:
+    """The rank of the rank process ``pid`` (``RANK`` in its environment)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        for item in f.read().split(b"\0"):
+            if item.startswith(b"RANK="):
+                return int(item[5:])
+    raise AssertionError(f"process {pid} has no RANK in its environment")
+
+
+def _server_stops(err: str) -> list[str]:
+    """Rank 0's lines saying why the server stops."""
+    return [ln for ln in err.splitlines() if ln.startswith("radixkv serve: ") and "stops" in ln]
+
+
+def _stream(port: int, max_tokens: int):
+    """A streamed chat request, its first chunk read (the request is in the engine)."""
+    stream = client(port).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a long story about a cat."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+    chunks = iter(stream)
+    next(chunks)
+    return chunks
+
+
+def test_a_rank_lost_outside_the_forward_pass_ends_the_stream_with_an_error():
+    """A rank lost while rank 0 waits for it in the step's own collectives (the broadcast of
+    its calls, the step check, the token check), not in the forward pass: the requests in
+    flight failed without a final event, and a stream ended with a plain ``[DONE]`` as if
+    complete (4 kills of 11 by hand). Made so every time: rank 2 is stopped while the server
+    is idle (it waits for rank 0's next step), a stream is sent (rank 0's step then waits for
+    rank 2 in the step check, before any forward pass), and rank 2 is killed. The stream ends
+    with OpenAI's error object, and the one line saying why the server stops names rank 2."""
+    port = free_port()
+    proc = serve_process.start(port, *OPTIONS, threads=3, timeout=300, new_session=True)
+    try:
+        ranks = {_rank_of(pid): pid for pid in serve_process.children(proc.pid)}
+        assert sorted(ranks) == [1, 2]
+        os.kill(ranks[2], signal.SIGSTOP)
+        try:
+            chunks = _stream(port, 64)
+        except openai.InternalServerError as e:  # rank 0 was in an idle step as rank 2 stopped
+            chunks, refused = iter(()), e
+        else:
+            refused = None
+        os.kill(ranks[2], signal.SIGKILL)
+        if refused is None:
+            with pytest.raises(openai.APIError, match="the request failed") as raised:
+                for _ in chunks:
+                    pass
+            assert "PeerLostError" in str(raised.value), raised.value
+        rc = proc.wait(60)
+        err = proc.stderr.read()
+        assert rc == 1, err[-3000:]
+        stops = _server_stops(err)
+        assert len(stops) == 1 and stops[0].startswith("radixkv serve: rank 2 exited (status -9)")
+        time.sleep(0.5)
+        assert _ranks_started_by(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+#: ``--rank-timeout`` of the stopped-rank test: seconds a collective may wait.
+RANK_TIMEOUT_S = 8
+
+
+def test_a_stopped_rank_stops_the_server_naming_it():
+    """A rank SIGSTOPped (it does not exit: the heartbeat never sees it) while a stream is in
+    flight froze the server: the stream stalled, new requests hung and ``/health`` answered 200
+    for as long as it lasted. With ``--rank-timeout``: ``/health`` answers 503 once the step
+    is overdue, the stream ends with an error object, a request sent meanwhile gets a 500, and
+    the server exits 1 within the bound, naming the stopped rank, no rank left behind."""
+    port = free_port()
+    proc = serve_process.start(
+        port,
+        *OPTIONS,
+        "--rank-timeout",
+        str(RANK_TIMEOUT_S),
+        threads=3,
+        timeout=300,
+        new_session=True,
+    )
+    try:
+        ranks = {_rank_of(pid): pid for pid in serve_process.children(proc.pid)}
+        chunks = _stream(port, 200)
+        os.kill(ranks[1], signal.SIGSTOP)
+        meanwhile = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60
+        )
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            later = pool.submit(
+                meanwhile.chat.completions.create,
+                model=MODEL,
+                messages=[{"role": "user", "content": "Say hi."}],
+                max_tokens=4,
+            )
+            health = []
+            deadline = time.monotonic() + 6 * RANK_TIMEOUT_S
+            while proc.poll() is None and time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                    health.append((r.status_code, r.json()))
+                time.sleep(0.1)
+            assert proc.poll() == 1, f"still running {6 * RANK_TIMEOUT_S} s after the stop"
+            with pytest.raises(openai.InternalServerError, match="the engine failed"):
+                later.result(30)
+        err = proc.stderr.read()
+        overdue = [body for status, body in health if status == 503]
+        assert overdue and "overdue" in overdue[0]["error"]["message"], health[-5:]
+        with pytest.raises(openai.APIError, match="the request failed"):
+            for _ in chunks:
+                pass
+        stops = _server_stops(err)
+        assert len(stops) == 1, err[-3000:]
+        assert stops[0].startswith("radixkv serve: rank 1 stopped answering"), stops
+        time.sleep(0.5)
+        assert _ranks_started_by(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a rank left stopped, when the test failed
+
+
 @pytest.mark.parametrize("when", ["loading", "serving"])
 def test_ranks_die_with_a_rank_0_that_is_killed(when):
     """Rank 0 SIGKILLed (no drain, no close), while the ranks load the model or while it
@@ -275,6 +408,7 @@ def test_ranks_die_with_a_rank_0_that_is_killed(when):
             "with --shared-store is not supported in this version",
         ),
         (["--tp-size", "3", "--device", "cuda"], "the ranks run on the CPU (no CUDA device here)"),
+        (["-tp", "3", "--rank-timeout", "0.5"], "--rank-timeout 0.5 is too short: at least 1 s"),
     ],
 )
 def test_what_tensor_parallel_cannot_run_with_is_said_before_any_rank_starts(

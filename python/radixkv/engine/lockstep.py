@@ -30,8 +30,10 @@ reports it: every rank raises unless the forward pass raised on every rank. A fo
 raises before its collectives are done leaves the other ranks inside the model's collectives,
 where nothing but this process's exit (or the group's timeout) reaches them: that rank raises
 :class:`DivergedError` at once, enters no more collectives, and the others raise
-:class:`PeerLostError` once it exits. Any collective that fails (a peer died, or left) raises
-:class:`PeerLostError`, never the backend's ``RuntimeError``.
+:class:`PeerLostError` once it exits. Any collective that fails (a peer died, or left, or did
+not answer within the group's timeout) raises :class:`PeerLostError`, never the backend's
+``RuntimeError``; it names the peer when there is one, else the ranks it may be (a collective
+does not say which peer it waited for: ``radixkv serve`` tells by the ranks' processes).
 """
 
 from __future__ import annotations
@@ -428,11 +430,14 @@ class Lockstep:
         others = [r for r in range(self.world_size) if r != self.rank]
         peer = f"rank {others[0]}" if len(others) == 1 else f"one of {_ranks(others)}"
         text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        if "Timed out" in text or "timed out" in text:
+            how = "it did not answer within the group's timeout: it is stopped, hangs, or died"
+        else:
+            how = "it died, or left the lockstep while this rank waited for it"
         return self._end(
             PeerLostError(
-                f"rank {self.rank}: lost {peer} in {what} at step {self.steps} (it died, or "
-                f"left the lockstep while this rank waited for it): {type(error).__name__}: "
-                f"{text}"
+                f"rank {self.rank}: lost {peer} in {what} at step {self.steps} ({how}): "
+                f"{type(error).__name__}: {text}"
             )
         )
 

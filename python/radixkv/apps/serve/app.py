@@ -60,7 +60,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import radixkv
 from radixkv.apps.serve import chat_prompt, request_fields, structured, tool_calls
 from radixkv.apps.serve.token_bytes import token_bytes
-from radixkv.engine import DivergedError
+from radixkv.engine import DivergedError, StreamEvent
 from radixkv.tenancy import tenant_namespace
 
 # ---- the engine thread ------------------------------------------------------------------------
@@ -96,26 +96,41 @@ class EngineLoop:
     with :class:`QueueFull`. Finished requests are released from the engine as soon as their results
     are handed over, so memory stays flat however long the server runs.
 
-    A tensor-parallel engine (``Engine(group=...)``, rank 0) is stepped every ``heartbeat_s``
-    seconds when idle (None: never; the other ranks then time out in their collectives after
-    the group's timeout). Once its ranks part (``radixkv.engine.DivergedError``:
-    a rank died, or disagreed) it takes no more steps: the requests in flight fail, the thread
-    ends (``/health`` answers 503) and :attr:`on_fatal`'s callbacks get the error."""
+    A tensor-parallel engine (``Engine(group=...)``, rank 0) is stepped at once and then every
+    ``heartbeat_s`` seconds when idle (None: never; the other ranks then time out in their
+    collectives after the group's timeout). Once its ranks part (``radixkv.engine.DivergedError``:
+    a rank died, stopped answering, or disagreed) it takes no more steps: every request in
+    flight fails with the error (a final event with ``finish_reason="error"``, so a stream ends
+    with OpenAI's error object), so does every call waiting for the thread or made later, the
+    thread ends (``/health`` answers 503) and :attr:`on_fatal`'s callbacks get the error.
+
+    ``overdue_s``: a step that has run for longer is overdue (:meth:`overdue`; ``/health``
+    answers 503 while it lasts); None: never."""
 
     def __init__(
         self,
         engine: radixkv.Engine,
         max_waiting: int = 256,
         heartbeat_s: float | None = HEARTBEAT_S,
+        overdue_s: float | None = None,
     ) -> None:
         self.engine = engine
         self.heartbeat_s = heartbeat_s
+        self.overdue_s = overdue_s
         self.max_waiting = max_waiting
-        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        # Each call with what fails it unrun (None: nobody waits for it).
+        self._inbox: queue.Queue[tuple[Callable[[], None], Callable[[BaseException], None] | None]]
+        self._inbox = queue.Queue()
+        # Held while a call is queued and while the thread, ending, fails the calls left, so
+        # that none is queued after that and never run.
+        self._gate = threading.Lock()
+        self._ended: BaseException | None = None  # why the thread ended, once it has
         self._pending: dict[int, Pending] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         self.steps = 0
+        #: ``time.monotonic()`` when the step now running began; None between steps.
+        self.step_started: float | None = None
         self.error: BaseException | None = None
         #: Called on the engine thread after every step (a KV event publisher's ``publish``).
         self.after_step: list[Callable[[], Any]] = []
@@ -133,12 +148,37 @@ class EngineLoop:
     def stop(self, timeout: float | None = 30.0) -> None:
         """Finishes the requests in flight (up to ``timeout`` seconds), then ends the thread."""
         self._stop.set()
-        self._inbox.put(lambda: None)  # wakes it
+        self._inbox.put((lambda: None, None))  # wakes it
         self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def overdue(self) -> str | None:
+        """Why the engine is late, if it is: the step now running has run for longer than
+        ``overdue_s`` (a rank of a tensor-parallel engine stopped answering, say); else None."""
+        started = self.step_started
+        if self.overdue_s is None or started is None:
+            return None
+        took = time.monotonic() - started
+        if took <= self.overdue_s:
+            return None
+        return (
+            f"the engine's step has run for {took:.1f} s, more than {self.overdue_s:g} s: "
+            "it is overdue"
+        )
+
+    def _queue(self, run: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+        """Queues ``run`` for the engine thread, or calls ``fail`` with why it will never run."""
+        with self._gate:
+            ended = self._ended
+            if ended is None and not self.alive:
+                ended = radixkv.Error("the engine thread is not running")
+            if ended is None:
+                self._inbox.put((run, fail))
+                return
+        fail(ended)
 
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Runs ``fn()`` on the engine thread; a future (of the running event loop) for what it
@@ -154,10 +194,10 @@ class EngineLoop:
             else:
                 loop.call_soon_threadsafe(_settle, fut, value, None)
 
-        if not self.alive:
-            fut.set_exception(radixkv.Error("the engine thread is not running"))
-        else:
-            self._inbox.put(run)
+        def fail(error: BaseException) -> None:
+            loop.call_soon_threadsafe(_settle, fut, None, error)
+
+        self._queue(run, fail)
         return fut
 
     def call_blocking(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
@@ -173,7 +213,11 @@ class EngineLoop:
                 box.append((None, e))
             done.set()
 
-        self._inbox.put(run)
+        def fail(error: BaseException) -> None:
+            box.append((None, error))
+            done.set()
+
+        self._queue(run, fail)
         if not done.wait(timeout):
             raise TimeoutError("the engine thread did not run the call in time")
         value, error = box[0]
@@ -211,18 +255,34 @@ class EngineLoop:
         self.engine.forget_finished()
 
     def _run(self) -> None:
+        fatal = None
+        try:
+            fatal = self._loop()
+        finally:
+            with self._gate:  # calls left, or queued as it ended, are failed, not lost
+                self._ended = fatal or radixkv.Error("the engine thread stopped")
+                while True:
+                    try:
+                        _, fail = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if fail is not None:
+                        fail(self._ended)
+
+    def _loop(self) -> BaseException | None:
+        """Steps until stopped (None) or until the ranks part (the error that parted them)."""
         eng = self.engine
         heartbeat = self.heartbeat_s if eng.lockstep is not None else None
-        last = time.monotonic()
+        last = -float("inf")  # the first heartbeat at once: the other ranks wait for it
         while True:
             block = not eng.has_work
             if block and self._stop.is_set() and not self._pending:
-                return
+                return None
             try:
-                fn = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                fn, _ = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
                 fn()
                 while True:  # every call waiting, before the next step
-                    self._inbox.get_nowait()()
+                    self._inbox.get_nowait()[0]()
             except queue.Empty:
                 pass
             due = heartbeat is not None and time.monotonic() - last >= heartbeat
@@ -230,18 +290,21 @@ class EngineLoop:
                 for hook in self.on_idle:
                     hook()
                 continue
+            self.step_started = time.monotonic()
             try:
                 results = eng.step()
             except BaseException as e:  # a bug: every waiter is told, the server stays up
                 self.error = e
                 results = []
-                for pending in {id(p): p for p in self._pending.values()}.values():
-                    pending.loop.call_soon_threadsafe(_fail_pending, pending, e)
+                for waiting in {id(p): p for p in self._pending.values()}.values():
+                    waiting.loop.call_soon_threadsafe(_fail_pending, waiting, e)
                 self._pending.clear()
                 if isinstance(e, DivergedError):  # the ranks parted: no step can follow
                     for fatal in self.on_fatal:
                         fatal(e)
-                    return
+                    return e
+            finally:
+                self.step_started = None
             last = time.monotonic()
             self.steps += 1
             for r in results:
@@ -270,8 +333,13 @@ def _deliver(pending: Pending, result: Any) -> None:
 
 
 def _fail_pending(pending: Pending, error: BaseException) -> None:
+    """Every request of ``pending`` not finished yet fails with ``error``: its result, and a
+    final event with ``finish_reason="error"`` (a stream then ends with the error object, not
+    as if complete)."""
     for i in pending.ids:
-        pending.results.setdefault(i, error)
+        if i not in pending.results:
+            pending.results[i] = error
+            pending.events.put_nowait(StreamEvent(i, None, "", None, "error"))
     pending.done.set()
 
 
@@ -563,10 +631,19 @@ def create_app(
             message = "the body could not be read: it must be JSON in UTF-8"
         return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(DivergedError)
+    async def parted(request: Request, exc: DivergedError):
+        # A call the engine thread failed unrun as the ranks parted (the request had not
+        # reached the engine): a 500 with OpenAI's error object, as a request in flight gets.
+        return _error(500, f"the engine failed: {exc!r}")
+
     @app.get("/health")
     async def health():
         if not loop.alive:
             return _error(503, "the engine thread is not running", kind="server_error")
+        late = loop.overdue()
+        if late is not None:
+            return _error(503, late, kind="server_error")
         return {"status": "ok"}
 
     @app.get("/version")

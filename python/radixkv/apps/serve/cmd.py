@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,10 @@ from radixkv.apps.common.args import (
     positive_int,
 )
 from radixkv.apps.serve.loading import make_engine
+from radixkv.apps.serve.ranks import RANK_TIMEOUT_S
+
+#: The shortest ``--rank-timeout`` taken, in seconds.
+MIN_RANK_TIMEOUT_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,6 +163,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "divided among the ranks, each with its own KV pool of its heads, the engines in "
         "lockstep (vLLM's -tp, SGLang's --tp-size; not with --cache-dir or --shared-store) "
         "(default: 1)",
+    )
+    p.add_argument(
+        "--rank-timeout",
+        type=positive_float,
+        default=RANK_TIMEOUT_S,
+        metavar="SECONDS",
+        help="with --tensor-parallel-size: the most seconds a rank waits for the others in a "
+        "collective once serving; past it (a rank stopped or hung) the server stops with "
+        "status 1 naming the rank, and /health answers 503 once a step has run for half of it; "
+        f"at least {MIN_RANK_TIMEOUT_S:g} (default: {RANK_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--dtype",
@@ -401,6 +416,12 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"{flag} with --{option.replace('_', '-')} is not supported in this version: {why}"
             )
+    timeout = getattr(args, "rank_timeout", RANK_TIMEOUT_S)
+    if timeout < MIN_RANK_TIMEOUT_S:
+        raise UsageError(
+            f"--rank-timeout {timeout:g} is too short: at least {MIN_RANK_TIMEOUT_S:g} s (a step "
+            "of the ranks, and the idle heartbeat at a third of it, must fit in it)"
+        )
     import torch
 
     from radixkv.kv.devices import rank_device
@@ -475,6 +496,13 @@ def build(args: argparse.Namespace):
         publisher = ZmqPublisher(cache, endpoint=args.kv_events)
 
     engine, model, tokenizer = make_engine(args, on_cache=events if args.kv_events else None)
+    heartbeat, overdue = serve.HEARTBEAT_S, None
+    if engine.lockstep is not None:  # every collective bounded from here on (the others too)
+        from radixkv.apps.serve import ranks
+
+        timeout = getattr(args, "rank_timeout", RANK_TIMEOUT_S)
+        ranks.bound_collectives(engine, timeout)
+        heartbeat, overdue = ranks.heartbeat_for(timeout), timeout / 2
     template = getattr(args, "chat_template_text", None)
     if template is None:
         template = chat_template_of(getattr(args, "chat_template", None))
@@ -496,7 +524,9 @@ def build(args: argparse.Namespace):
         max_keep_alive=default,
         tenant_max_keep_alive=per_tenant,
     )
-    loop = serve.EngineLoop(engine, max_waiting=args.max_waiting)
+    loop = serve.EngineLoop(
+        engine, max_waiting=args.max_waiting, heartbeat_s=heartbeat, overdue_s=overdue
+    )
     if publisher is not None:
         if engine.kv.shared is not None:  # what the shared store holds, for routers
             publisher.announce_shared(engine.kv.shared)
@@ -568,12 +598,17 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     ranks = None
     stopping: dict[str, Any] = {"server": None, "why": None}
+    once = threading.Lock()
 
-    def stop_server(why: str, status: int = 1) -> None:
-        """Another rank exited, or the ranks parted: the server cannot step any more. While
-        loading, exits ``status`` at once (rank 0 waits in collectives the others left)."""
-        print(f"radixkv serve: {why}; the server stops", file=sys.stderr, flush=True)
-        stopping["why"] = why
+    def stop_server(why: str, status: int = 1, detail: str = "") -> None:
+        """Another rank exited, or the ranks parted: the server cannot step any more (the
+        first call says why; later ones, the same loss seen again, do nothing). While loading,
+        exits ``status`` at once (rank 0 waits in collectives the others left)."""
+        with once:
+            if stopping["why"] is not None:
+                return
+            stopping["why"] = why
+        print(f"radixkv serve: {why}; the server stops{detail}", file=sys.stderr, flush=True)
         server = stopping["server"]
         if server is None:
             assert ranks is not None
@@ -581,9 +616,18 @@ def run(args: argparse.Namespace) -> int:
             os._exit(status)
         server.should_exit = True
 
-    def lost(rank: int, status: int) -> None:
+    def lost(why: str, status: int) -> None:
         # A rank's usage error (it said which) is the command's: status 2, as rank 0's own.
-        stop_server(f"rank {rank} exited (status {status})", 2 if status == 2 else 1)
+        stop_server(why, 2 if status == 2 else 1)
+
+    def parted(error: BaseException) -> None:
+        from radixkv.engine.lockstep import PeerLostError
+
+        who = ranks.blame() if ranks is not None and isinstance(error, PeerLostError) else None
+        if who is None:
+            stop_server(f"the tensor-parallel ranks parted: {error}")
+        else:
+            stop_server(who, detail=f" (the tensor-parallel ranks parted: {error})")
 
     if world > 1:
         from radixkv.apps.serve import ranks as tp
@@ -597,7 +641,7 @@ def run(args: argparse.Namespace) -> int:
         if ranks is not None:
             ranks.kill()
         raise
-    loop.on_fatal.append(lambda e: stop_server(f"the tensor-parallel ranks parted: {e}"))
+    loop.on_fatal.append(parted)
     if config.tool_call_parser is not None and not app.state.renders_tools:
         print(
             "radixkv serve: the chat template does not render tools: a request with tools "

@@ -10,11 +10,17 @@ its own pool of its heads' KV; ranks 1 to N-1 then follow rank 0's steps
 
 Failures. A rank that exits before rank 0 closes it (a crash, an out-of-memory kill) stops the
 server: while loading, rank 0 exits at once with status 1, naming the rank; once serving, the
-requests in flight fail, the server stops taking requests and exits 1. An idle rank 0 steps
-an empty step every :data:`radixkv.apps.serve.app.HEARTBEAT_S` seconds, so a lost rank is found
-without a request. Ranks 1 to N-1 ignore SIGINT and SIGTERM (a Ctrl-C, or a service manager's
-SIGTERM, reaches the whole process group: rank 0 drains and then closes them) and die with
-rank 0 (``PR_SET_PDEATHSIG`` on Linux), so none outlives it.
+requests in flight fail, the server stops taking requests and exits 1. A rank that stops
+answering (stopped by SIGSTOP, hung) is found by the collectives' timeout: once the engines are
+made, every collective of every rank is given up after ``--rank-timeout`` seconds
+(:func:`bound_collectives`), and the server stops the same way; :meth:`Ranks.blame` names the
+rank that was lost (the ranks that gave up waiting for it exit with :data:`LOST_PEER`, which
+blames another). An idle rank 0 steps an empty step at least every
+:data:`radixkv.apps.serve.app.HEARTBEAT_S` seconds (more often under a shorter timeout:
+:func:`heartbeat_for`), so a lost rank is found without a request and an idle one never times
+out. Ranks 1 to N-1 ignore SIGINT and SIGTERM (a Ctrl-C, or a service manager's SIGTERM,
+reaches the whole process group: rank 0 drains and then closes them) and die with rank 0
+(``PR_SET_PDEATHSIG`` on Linux), so none outlives it.
 """
 
 from __future__ import annotations
@@ -30,11 +36,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 from radixkv.apps.common.args import UsageError
 
 #: Seconds rank 0 gives the other ranks to exit once it closed the engine, before killing them.
 EXIT_WAIT_S = 30.0
+#: ``--rank-timeout``'s default: seconds a collective of the ranks may wait for the others once
+#: serving (the model loads under torch's own timeout).
+RANK_TIMEOUT_S = 30.0
+#: The exit status of a rank 1..N-1 that gave up on another (a collective failed or timed
+#: out): it was not the rank lost, so :meth:`Ranks.blame` looks further.
+LOST_PEER = 3
+#: Seconds :meth:`Ranks.blame` waits for the lost rank to show (its process to exit or be seen
+#: stopped, the others to give up on it).
+BLAME_WAIT_S = 2.0
 
 
 def free_port() -> int:
@@ -82,6 +99,56 @@ def check_model(args: argparse.Namespace) -> None:
     )
 
 
+def heartbeat_for(timeout: float) -> float:
+    """Seconds between an idle rank 0's empty steps under a collectives' ``timeout``: the
+    server's heartbeat, or a third of the timeout when that is shorter, so that the other
+    ranks, waiting for rank 0's next step, always get one in time."""
+    from radixkv.apps.serve.app import HEARTBEAT_S
+
+    return min(HEARTBEAT_S, timeout / 3)
+
+
+def bound_collectives(engine: Any, seconds: float) -> None:
+    """Every collective ``engine``'s rank runs from now on (the lockstep's, the model's, on every
+    group they use) is given up after ``seconds``: the collective raises, and the engine a
+    :class:`radixkv.engine.lockstep.PeerLostError`. Called by every rank once its engine is
+    made: loading, where ranks may lag each other by minutes, keeps torch's timeout."""
+    import torch.distributed as dist
+
+    lock = engine.lockstep
+    groups = {id(g): g for g in (dist.group.WORLD, lock.group, lock.cpu_group) if g is not None}
+    set_timeout = getattr(dist, "set_timeout", None)  # older torch: a private name
+    if set_timeout is None:
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:  # pragma: no cover - an older torch still
+        print(
+            f"radixkv serve: torch {torch_version()} cannot change a process group's timeout: "
+            f"--rank-timeout {seconds:g} is not applied (a newer torch applies it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    for group in groups.values():
+        set_timeout(timedelta(seconds=seconds), group)
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): its state in ``/proc`` (Linux;
+    False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # pid (comm) state ...: comm may hold spaces and parentheses
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 class Ranks:
     """Ranks 1 to N-1 of ``radixkv serve --tensor-parallel-size N``, as processes; this
     process is made rank 0 (its environment)."""
@@ -113,20 +180,50 @@ class Ranks:
             self.kill()
             raise
 
-    def watch(self, on_lost: Callable[[int, int], None]) -> None:
-        """Calls ``on_lost(rank, status)`` (on a thread of its own) when a rank exits before
-        :attr:`closing` is set."""
+    def watch(self, on_lost: Callable[[str, int], None]) -> None:
+        """Calls ``on_lost(why, status)`` (on a thread of its own) when a rank exits before
+        :attr:`closing` is set: ``why`` names the rank lost (:meth:`blame`), ``status`` is the
+        exit status of the rank that exited."""
 
         def run() -> None:
             while not self.closing.is_set():
                 for rank, proc in enumerate(self.procs, start=1):
                     status = proc.poll()
                     if status is not None and not self.closing.is_set():
-                        on_lost(rank, status)
+                        why = self.blame() if status == LOST_PEER else None
+                        on_lost(why or f"rank {rank} exited (status {status})", status)
                         return
                 self.closing.wait(0.2)
 
         threading.Thread(target=run, name="radixkv-ranks", daemon=True).start()
+
+    def blame(self, wait: float = BLAME_WAIT_S) -> str | None:
+        """Which rank was lost, once the ranks parted (a collective failed or timed out), in
+        words; None if it cannot be told within ``wait`` seconds. The first found of: a rank
+        that exited by itself (any status but :data:`LOST_PEER`); a rank whose process is
+        stopped; the one rank still running once every other gave up waiting
+        (:data:`LOST_PEER`); rank 0 when all of them gave up."""
+        deadline = time.monotonic() + wait
+        while True:
+            statuses = [proc.poll() for proc in self.procs]
+            for rank, status in enumerate(statuses, start=1):
+                if status is not None and status != LOST_PEER:
+                    return f"rank {rank} exited (status {status})"
+            for rank, (proc, status) in enumerate(zip(self.procs, statuses), start=1):
+                if status is None and _stopped(proc.pid):
+                    return (
+                        f"rank {rank} stopped answering: its process (pid {proc.pid}) is stopped "
+                        "(SIGSTOP, or a debugger)"
+                    )
+            running = [r for r, status in enumerate(statuses, start=1) if status is None]
+            if time.monotonic() >= deadline or not running:
+                break
+            time.sleep(0.05)
+        if not running:
+            return "rank 0 was lost: every other rank gave up waiting for it"
+        if len(running) == 1 and len(self.procs) > 1:
+            return f"rank {running[0]} stopped answering (every other rank gave up waiting for it)"
+        return None
 
     def wait(self, timeout: float = EXIT_WAIT_S) -> bool:
         """Waits up to ``timeout`` seconds for every rank to exit, kills those left; returns
@@ -191,9 +288,14 @@ def main() -> int:
         print(f"radixkv serve (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
     import radixkv
+    from radixkv.engine.lockstep import PeerLostError
 
+    bound_collectives(engine, getattr(args, "rank_timeout", RANK_TIMEOUT_S))
     try:
         engine.follow()
+    except PeerLostError as e:  # another rank was lost (rank 0 names it)
+        print(f"radixkv serve (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return LOST_PEER
     except radixkv.Error as e:  # the ranks parted (rank 0 says so too)
         print(f"radixkv serve (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 1
