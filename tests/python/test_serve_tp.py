@@ -303,6 +303,25 @@ def test_a_rank_lost_outside_the_forward_pass_ends_the_stream_with_an_error():
             proc.wait()
 
 
+def test_a_server_whose_stderr_has_no_reader_still_stops_when_it_loses_a_rank():
+    """Its parent gone (stderr a pipe nobody reads): the line saying why it stops fails to
+    print (EPIPE), which ended the engine thread before the server was told to stop, and it ran
+    on with its engine dead. It exits 1, and leaves no rank behind."""
+    port = free_port()
+    proc = serve_process.start(port, *OPTIONS, threads=3, timeout=300, new_session=True)
+    try:
+        ranks = {_rank_of(pid): pid for pid in serve_process.children(proc.pid)}
+        proc.stderr.close()
+        os.kill(ranks[1], signal.SIGKILL)
+        assert proc.wait(60) == 1
+        time.sleep(0.5)
+        assert _ranks_started_by(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 #: ``--rank-timeout`` of the stopped-rank test: seconds a collective may wait.
 RANK_TIMEOUT_S = 8
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -608,7 +609,8 @@ def run(args: argparse.Namespace) -> int:
             if stopping["why"] is not None:
                 return
             stopping["why"] = why
-        print(f"radixkv serve: {why}; the server stops{detail}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # stderr gone (its reader exited): stop all the same
+            print(f"radixkv serve: {why}; the server stops{detail}", file=sys.stderr, flush=True)
         server = stopping["server"]
         if server is None:
             assert ranks is not None

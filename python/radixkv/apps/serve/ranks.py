@@ -294,18 +294,26 @@ def main() -> int:
     try:
         engine.follow()
     except PeerLostError as e:  # another rank was lost (rank 0 names it)
-        print(f"radixkv serve (rank {rank}): {e}", file=sys.stderr, flush=True)
+        _say(f"radixkv serve (rank {rank}): {e}")
         return LOST_PEER
     except radixkv.Error as e:  # the ranks parted (rank 0 says so too)
-        print(f"radixkv serve (rank {rank}): {e}", file=sys.stderr, flush=True)
+        _say(f"radixkv serve (rank {rank}): {e}")
         return 1
     return 0
 
 
+def _say(line: str) -> None:
+    """``line`` on stderr, if it is still there (its reader may have exited with rank 0): the
+    exit status says the rest."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
 if __name__ == "__main__":
     status = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
     # No teardown of the process group: gloo's, destroyed while the other ranks exit, can
     # abort the process from a background thread.
     os._exit(status)
