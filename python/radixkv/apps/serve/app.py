@@ -58,7 +58,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps.serve import content_parts, request_fields, structured, tool_calls
+from radixkv.apps.serve import (
+    content_parts,
+    messages,
+    prompt_cache,
+    request_fields,
+    responses,
+    structured,
+    tool_calls,
+)
 from radixkv.apps.serve.token_bytes import token_bytes
 from radixkv.engine import DivergedError
 from radixkv.tenancy import tenant_namespace
@@ -358,6 +366,9 @@ class ChatBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # OpenAI's prompt caching fields (radixkv.apps.serve.prompt_cache)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: prompt_cache.Retention | None = None
 
 
 class CompletionBody(_Body):
@@ -418,6 +429,10 @@ class ServerConfig:
     tool_call_parser: str | None = "hermes"
     max_keep_alive: float = MAX_KEEP_ALIVE
     tenant_max_keep_alive: dict[str, float] = field(default_factory=dict)
+    #: ``--max-stored-responses``, ``--max-stored-response-bytes``: the bounds of the stored
+    #: responses of ``/v1/responses`` (:class:`radixkv.apps.serve.responses.Store`).
+    max_stored_responses: int = 10_000
+    max_stored_response_bytes: int = 256 * 2**20
 
 
 def namespace_of(tenant_header: str | None, tenant: str | None, salt: str | None) -> str | None:
@@ -510,6 +525,7 @@ def create_app(
         if config.api_key is None or request.url.path in config.open_paths:
             return
         given = credentials.credentials if credentials is not None else None
+        given = given or request.headers.get("x-api-key")  # Anthropic's clients send this
         if given is None or not _key_matches(given, config.api_key):
             raise HTTPException(
                 401,
@@ -640,6 +656,9 @@ def create_app(
         bad = _text_error(body) or _refusal(body, chat=True)
         if bad is not None:
             return bad
+        held = prompt_cache.apply(body, request, config)
+        if held is not None:
+            return _error(400, held, "prompt_cache_retention")
         # OpenAI's default tool_choice is "auto" when tools are sent: calls parsed out of text
         auto = bool(body.tools) and body.tool_choice in (None, "auto")
         parser, warnings = None, []
@@ -1084,6 +1103,10 @@ def create_app(
                 await asyncio.shield(loop.call(lambda: loop.cancel(pending)))
             raise
 
+    # The agent APIs turn their requests into chat requests through the chat handler.
+    app.state.chat, app.state.chat_body = chat, ChatBody
+    responses.register(app, loop, config, registry)
+    messages.register(app, loop, tokenizer, config)
     return app
 
 
