@@ -8,6 +8,7 @@ stored responses at most)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -228,7 +229,7 @@ def test_an_agents_sdk_agent_runs_through_responses(url):
     steps = asyncio.run(run())
     assert len(steps) >= 2 and ran, "a tool ran and its result went back to the model"
     assert any(item.type == "function_call" for item in steps[0].output)
-    for before, step in zip(steps, steps[1:]):
+    for before, step in itertools.pairwise(steps):
         cached = step.usage.input_tokens_details.cached_tokens
         assert cached >= before.usage.input_tokens, (cached, before.usage)
 
