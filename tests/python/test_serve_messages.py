@@ -3,7 +3,7 @@ official ``anthropic`` client: a ``cache_control`` breakpoint keeps the prompt's
 the exact token where its block ends through pressure that evicts everything else, for its TTL
 and not after; the usage fields add up to the prompt; errors are Anthropic's and name the
 field; ``x-api-key`` is the server's ``--api-key``; the stream parses with the SDK's helper.
-One server for the module: a key, a pool of 1024 pages, retention bounded to a few seconds."""
+One server for the module: a key, a pool of 400 pages, retention bounded to a few seconds."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from radixkv.hf._load import _converted, smollm2_path  # noqa: E402
 from test_serve import free_port  # noqa: E402
 
 KEY = "sk-test"
-PAGES = 1024
+PAGES = 400
 #: --max-keep-alive: the bound a breakpoint's TTL ("5m") is cut to, so that the test sees it end
-TTL = 15.0
+TTL = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +78,10 @@ def notes_end() -> int:
 
 def pressure(url, seed: int) -> None:
     """Unrelated prompts of more tokens than the pool holds, each cached after the last."""
-    chat = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-    for k in range(4):
-        words = " ".join(f"w{seed}x{k}y{j}" for j in range(90))
-        chat.completions.create(
+    api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    for k in range(3):
+        words = " ".join(f"w{seed}x{k}y{j}" for j in range(40))
+        api.chat.completions.create(
             model="m", messages=[{"role": "user", "content": words}], max_tokens=1
         )
 
