@@ -449,7 +449,7 @@ async def _events(
     stop reason and usage), ``message_stop``."""
     sse = chat_bridge.sse
     start_usage = {"input_tokens": 0, "output_tokens": 0}
-    message = {
+    message: dict[str, Any] = {
         "id": mid,
         "type": "message",
         "role": "assistant",
@@ -479,7 +479,7 @@ async def _events(
                     if not text_open:
                         index += 1
                         text_open = True
-                        block = {"type": "text", "text": ""}
+                        block: dict[str, Any] = {"type": "text", "text": ""}
                         yield sse(
                             "content_block_start",
                             {"type": "content_block_start", "index": index, "content_block": block},
@@ -497,7 +497,12 @@ async def _events(
                         text_open = False
                     index += 1
                     fn = call["function"]
-                    block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
+                    block = {
+                        "type": "tool_use",
+                        "id": call["id"],
+                        "name": fn["name"],
+                        "input": {},
+                    }
                     yield sse(
                         "content_block_start",
                         {"type": "content_block_start", "index": index, "content_block": block},

@@ -244,7 +244,7 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
                 f"tools.{i}.type",
                 f"only function tools are supported, got {kind!r}",
             )
-        fn = {"name": _field(tool, "name", f"tools.{i}")}
+        fn: dict[str, Any] = {"name": _field(tool, "name", f"tools.{i}")}
         if tool.get("description") is not None:
             fn["description"] = tool["description"]
         fn["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
