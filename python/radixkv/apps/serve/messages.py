@@ -222,6 +222,8 @@ class Converter:
             if not isinstance(schema, dict):
                 raise BadRequest(f"{w}.input_schema", "must be a JSON schema")
             about = tool.get("description") or ""
+            if not isinstance(about, str):
+                raise BadRequest(f"{w}.description", f"must be a string, got {about!r}")
             fn = {"name": name, "description": about, "parameters": schema}
             plain.append({"type": "function", "function": fn})
             marked_fn = {**fn, "description": about + self.mark(tool, w)}
@@ -241,8 +243,10 @@ def tool_choice(given: Any) -> tuple[Any, bool | None]:
     ``parallel_tool_calls``."""
     if given is None:
         return None, None
-    kind = given.get("type") if isinstance(given, dict) else None
-    parallel = None if not given.get("disable_parallel_tool_use") else False  # type: ignore[union-attr]
+    if not isinstance(given, dict):
+        raise BadRequest("tool_choice", f"must be an object, got {given!r}")
+    kind = given.get("type")
+    parallel = False if given.get("disable_parallel_tool_use") else None
     if kind == "auto":
         return "auto", parallel
     if kind == "any":

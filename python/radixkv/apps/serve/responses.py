@@ -264,7 +264,9 @@ def chat_tool_choice(choice: Any) -> Any:
 
 def response_format(text: Any) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format``."""
-    fmt = (text or {}).get("format") if isinstance(text, dict) else None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None and not isinstance(fmt, dict):
+        raise BadRequest("text.format", f"must be an object, got {fmt!r}")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
