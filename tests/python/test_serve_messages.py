@@ -238,3 +238,19 @@ def test_a_tool_use_round_trip(url):
         prior.input_tokens + prior.cache_read_input_tokens + prior.cache_creation_input_tokens
     )
     assert after.usage.cache_read_input_tokens >= prior_input, after.usage
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"tools": [{**WEATHER, "description": 1}]}, "tools.0.description"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
+        ({"system": 3}, "system"),
+    ],
+)
+def test_a_malformed_field_is_a_400_naming_it(url, extra, field):
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    r = httpx.post(url + "/v1/messages", headers={"x-api-key": KEY}, json={**body, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(field + ":"), r.json()

@@ -124,6 +124,20 @@ def test_a_malformed_item_is_a_400_naming_its_field(url, item, field):
     assert e.value.body["param"] == field and field in e.value.body["message"]
 
 
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"text": {"format": "json"}}, "text.format"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"background": True}, "background"),
+        ({"instructions": 3}, "instructions"),
+    ],
+)
+def test_a_malformed_field_is_a_400_naming_it(url, extra, field):
+    r = httpx.post(url + "/v1/responses", json={"input": "Hi", **extra}, headers={TENANT: "a"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 YES_NO = {
     "type": "json_schema",
     "name": "answer",
