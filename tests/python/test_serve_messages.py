@@ -172,10 +172,16 @@ def test_max_tokens_is_required(url):
 
 
 def test_x_api_key_is_the_servers_key(url):
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as e:
         client(url, key="wrong").messages.create(
             model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
         )
+    assert e.value.body["type"] == "error", "Anthropic's error object"
+    assert e.value.body["error"]["type"] == "authentication_error"
+    r = httpx.post(url + "/v1/messages", headers={"x-api-key": KEY}, content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url + "/v1/messages", headers={"x-api-key": KEY}, json=[1])
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
 
 
 def test_the_stream_parses_with_the_sdks_helper(url):

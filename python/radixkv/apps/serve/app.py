@@ -566,8 +566,13 @@ def create_app(
         where = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = ".".join(where) or None
         msg = err.get("msg", "invalid request")
+        anthropic = request.url.path == "/v1/messages"  # Anthropic's error object there
         if err.get("type") == "json_invalid":
+            if anthropic:
+                return messages.error(400, f"the body is not valid JSON: {msg}")
             return _error(400, f"the body is not valid JSON: {msg}")
+        if anthropic:
+            return messages.error(400, f"{param}: {msg}" if param else msg)
         return _error(400, f"{param}: {msg}" if param else msg, param)
 
     @app.exception_handler(HTTPException)
@@ -577,6 +582,8 @@ def create_app(
         message = str(exc.detail)
         if message == "There was an error parsing the body":
             message = "the body could not be read: it must be JSON in UTF-8"
+        if request.url.path == "/v1/messages":  # Anthropic's error object there
+            return messages.error(exc.status_code, message)
         return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
