@@ -95,6 +95,20 @@ def test_a_response_id_is_its_tenants_alone(url):
         a.responses.retrieve(r.id)
 
 
+def test_a_chain_is_stored_turn_by_turn(url):
+    """Each stored response holds its own turn and a link to the one before: the chain is
+    rebuilt from the links, and one whose earlier response was deleted cannot go on."""
+    c = client(url, "links")
+    first = c.responses.create(input="Name a colour.", **GREEDY)
+    second = c.responses.create(input="Another.", previous_response_id=first.id, **GREEDY)
+    third = c.responses.create(input="And one more.", previous_response_id=second.id, **GREEDY)
+    assert third.usage.input_tokens_details.cached_tokens >= second.usage.total_tokens - 1
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(input="Go on.", previous_response_id=third.id, **GREEDY)
+    assert "previous_response_id" in str(e.value)
+
+
 def test_the_store_keeps_the_newest_within_its_bound(url):
     c = client(url, "bound")
     ids = [c.responses.create(input=f"Say {k}.", **GREEDY).id for k in range(STORED + 1)]

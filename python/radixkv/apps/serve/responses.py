@@ -8,9 +8,9 @@ and ``tool_choice`` as chat's, ``max_output_tokens`` as ``max_tokens``, ``text.f
 ``response_format``. The reply comes back as output items (a ``message``, ``function_call``
 items), ``usage.input_tokens_details.cached_tokens`` the prefix cache's hit.
 
-``previous_response_id`` continues a stored response: the server keeps each response's
-conversation (``store``, default true) in a :class:`Store` bounded in count and bytes (the
-oldest dropped first, counted in ``radixkv_responses_dropped_total``) and per tenant (a
+``previous_response_id`` continues a stored response: the server keeps each response's turn
+and the id it continued (``store``, default true) in a :class:`Store` bounded in count and
+bytes (the oldest dropped first, counted in ``radixkv_responses_dropped_total``) and per tenant (a
 response id of another tenant is a 404, for ``GET``, ``DELETE`` and chaining alike). The chain
 is rendered whole again, so the KV of every earlier turn is the cached prefix of the next;
 it stays cached with the retention the request asks for (``keep_alive``,
@@ -70,11 +70,12 @@ REFUSED = {
 
 @dataclass
 class Stored:
-    """One stored response: its owner (tenant), the chat messages of its conversation (its
-    input after the chain it continued, its output; never its ``instructions``) and the
-    response object ``GET`` answers."""
+    """One stored response: its owner (tenant), the response it continued (None: none), its
+    own turn's chat messages (its ``input`` and its output; never its ``instructions``), the
+    response object ``GET`` answers, and its size in bytes of JSON."""
 
     tenant: str | None
+    previous: str | None
     messages: list[dict[str, Any]]
     response: dict[str, Any]
     size: int
@@ -82,7 +83,9 @@ class Stored:
 
 class Store:
     """Stored responses by id, bounded by count and bytes (the least recently stored dropped
-    first); thread-safe."""
+    first); thread-safe. Each holds its own turn and the id of the response it continued, so
+    that a chain of ``n`` turns is stored in ``O(n)`` bytes; a chain one of whose responses was
+    dropped or deleted cannot be continued."""
 
     def __init__(self, max_count: int = 10_000, max_bytes: int = 256 * 2**20) -> None:
         self.max_count = max_count
@@ -93,10 +96,12 @@ class Store:
         #: Responses dropped to stay within the bounds (not those deleted).
         self.dropped = 0
 
-    def put(self, rid: str, tenant: str | None, messages: list, response: dict) -> None:
+    def put(
+        self, rid: str, tenant: str | None, previous: str | None, messages: list, response: dict
+    ) -> None:
         size = len(json.dumps(messages)) + len(json.dumps(response))
         with self._lock:
-            self._items[rid] = Stored(tenant, messages, response, size)
+            self._items[rid] = Stored(tenant, previous, messages, response, size)
             self.bytes += size
             while self._items and (
                 len(self._items) > self.max_count or self.bytes > self.max_bytes
@@ -110,6 +115,20 @@ class Store:
         with self._lock:
             item = self._items.get(rid)
         return item if item is not None and item.tenant == tenant else None
+
+    def chain(self, rid: str, tenant: str | None) -> list[dict[str, Any]] | None:
+        """The chat messages of the conversation that ends with response ``rid`` of
+        ``tenant``, oldest first (None: it, or a response before it, is not stored)."""
+        turns = []
+        with self._lock:
+            at: str | None = rid
+            while at is not None:
+                item = self._items.get(at)
+                if item is None or item.tenant != tenant:
+                    return None
+                turns.append(item.messages)
+                at = item.previous
+        return [m for turn in reversed(turns) for m in turn]
 
     def delete(self, rid: str, tenant: str | None) -> bool:
         with self._lock:
@@ -412,19 +431,20 @@ def register(app: FastAPI, loop: Any, config: Any, registry: Any = None) -> Stor
         history: list[dict[str, Any]] = []
         previous = body.get("previous_response_id")
         if previous is not None:
-            stored = store.get(previous, tenant) if isinstance(previous, str) else None
-            if stored is None:
+            chain = store.chain(previous, tenant) if isinstance(previous, str) else None
+            if chain is None:
                 return error(
                     404,
-                    f"previous_response_id: no stored response {previous!r}",
+                    f"previous_response_id: no stored response {previous!r} (or one before it "
+                    "in its chain was deleted or dropped)",
                     "previous_response_id",
                 )
-            history = stored.messages
+            history = chain
         try:
             if "input" not in body:
                 raise BadRequest("input", "is required")
-            conversation = history + input_messages(body["input"])
-            fields = chat_fields(body, conversation)
+            turn = input_messages(body["input"])
+            fields = chat_fields(body, history + turn)
             stream = body.get("stream") is True
             if stream:
                 fields["stream"] = True
@@ -442,8 +462,8 @@ def register(app: FastAPI, loop: Any, config: Any, registry: Any = None) -> Stor
 
         def save(response: dict[str, Any]) -> None:
             if keep:
-                messages = conversation + output_messages(response["output"])
-                store.put(rid, tenant, messages, response)
+                messages = turn + output_messages(response["output"])
+                store.put(rid, tenant, previous, messages, response)
 
         if isinstance(outcome, dict):
             response = _skeleton(rid, body, model, "completed")
