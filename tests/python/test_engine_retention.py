@@ -82,3 +82,28 @@ def test_retention_arguments_are_checked_up_front():
     assert not eng.has_work
     with pytest.raises(ValueError, match=r"keep_alive|retain"):
         radixkv.Session(eng, keep_alive=-5)
+
+
+def test_retain_prefix_holds_exactly_a_prefix_through_traffic():
+    """``Engine.retain_prefix``: a prefix shorter than the request that computed it (a cache
+    breakpoint inside a prompt) stays cached through traffic that evicts everything else,
+    the request's tail past it does not; releasing it gives it back to LRU."""
+    rng = np.random.default_rng(7)
+    eng = radixkv.Engine(MODEL, MODEL.make_kv_cache(radixkv.RadixCache(100)), token_budget=256)
+    prompt = ids(rng, 61)
+    eng.generate([prompt], max_new_tokens=2, release=True)
+    cut = 37  # any token, not a page boundary of anything
+    retention, held = eng.retain_prefix(prompt[:cut], 600.0)
+    assert retention is not None and held == cut
+    for _ in range(6):
+        eng.generate([ids(rng, 60)], max_new_tokens=2, release=True)
+    assert eng.cache.match_prefix(prompt, None) == cut, "the prefix, and not a token more"
+    assert eng.cache.stats.forced_evictions == 0
+    [again] = eng.generate([prompt], max_new_tokens=2, release=True)
+    assert again.output == dense_greedy(MODEL, prompt, 2), "the retained KV is the prompt's"
+    assert eng.release_retention(retention)
+    for _ in range(6):
+        eng.generate([ids(rng, 60)], max_new_tokens=2, release=True)
+    assert eng.cache.match_prefix(prompt, None) < cut, "released, LRU evicts it"
+    assert eng.retain_prefix(ids(rng, 5), 600.0) == (None, 0), "nothing cached: no retention"
+    eng.cache.check()

@@ -338,6 +338,8 @@ class Engine:
             self.cache.reset()
         elif kind == "unretain":
             self.cache.release_retention(*args)
+        elif kind == "retain":
+            self._retain(*args)
         else:
             raise radixkv.Error(f"rank {self.rank}: unknown call {kind!r} from rank 0")
 
@@ -951,6 +953,56 @@ class Engine:
         live = self.cache.release_retention(retention)
         self._record(("unretain", retention))
         return live
+
+    def retain_prefix(
+        self,
+        tokens: Seq[int] | np.ndarray,
+        seconds: float,
+        namespace: str | bytes | None = None,
+        cache_priority: int = 0,
+    ) -> tuple[int | None, int]:
+        """Retains the cached prefix of ``tokens`` in ``namespace`` for ``seconds`` (see
+        SEMANTICS.md, "Eviction classes and retention"), however much longer the requests that
+        computed it were: a cache breakpoint that ends inside a prompt. Returns ``(retention,
+        retained)``: the retention's id (None when nothing is cached or prefix caching is off)
+        and how many tokens it holds, ``len(tokens)`` when all of them are cached (rounded
+        down to whole pages).
+
+        The prefix is admitted one token longer than itself (an admission computes at least
+        its last token) and finished at once, without a step: it counts in the cache's
+        queries and hits as the admission it is. Between steps: with a group, on rank 0, and
+        the other ranks retain theirs before the next step."""
+        self._lead("retain_prefix")
+        arr = np.asarray(tokens, dtype=np.int64)
+        keep = self._check_keep(seconds, cache_priority)
+        if keep is None or len(arr) == 0 or not self.prefix_caching:
+            return None, 0
+        now = time.monotonic() - self._t0  # the retention runs from now, not the last step
+        self._record(("clock", now))
+        self._tick(now)
+        self._record(("retain", arr, keep, namespace))
+        return self._retain(arr, keep, namespace)
+
+    def _retain(
+        self, arr: np.ndarray, keep: tuple[float, int], namespace: str | bytes | None
+    ) -> tuple[int | None, int]:
+        """:meth:`retain_prefix` on this rank's cache."""
+        # one more token: num_cached is at most num_tokens - 1; cut to what is cached, so that
+        # the admission allocates (and frees) one page, never the uncached rest
+        cached = int(self.cache.match_prefix(np.append(arr, arr[-1]), namespace))
+        if cached == 0:
+            return None, 0
+        probe = np.append(arr[:cached], arr[cached - 1])
+        try:
+            req = self.cache.admit(probe, namespace)
+        except radixkv.OutOfPages:  # no page left for the probe's last token
+            return None, 0
+        held = int(req.num_cached)
+        if held == 0:
+            self.cache.abort(req)
+            return None, 0
+        retention = self.cache.finish(req, retain=keep[0], priority=keep[1])
+        return retention, held
 
     def _step_once(self) -> list[Result]:
         st = self.stats

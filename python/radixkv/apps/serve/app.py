@@ -58,7 +58,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 import radixkv
-from radixkv.apps.serve import chat_prompt, request_fields, structured, tool_calls
+from radixkv.apps.serve import (
+    chat_prompt,
+    messages,
+    prompt_cache,
+    request_fields,
+    responses,
+    structured,
+    tool_calls,
+)
 from radixkv.apps.serve.token_bytes import token_bytes
 from radixkv.engine import DivergedError, StreamEvent
 from radixkv.tenancy import tenant_namespace
@@ -406,6 +414,9 @@ class ChatBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # OpenAI's prompt caching fields (radixkv.apps.serve.prompt_cache)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: prompt_cache.Retention | None = None
 
 
 class CompletionBody(_Body):
@@ -485,6 +496,10 @@ class ServerConfig:
     tool_call_parser: str | None = "hermes"
     max_keep_alive: float = MAX_KEEP_ALIVE
     tenant_max_keep_alive: dict[str, float] = field(default_factory=dict)
+    #: ``--max-stored-responses``, ``--max-stored-response-bytes``: the bounds of the stored
+    #: responses of ``/v1/responses`` (:class:`radixkv.apps.serve.responses.Store`).
+    max_stored_responses: int = 10_000
+    max_stored_response_bytes: int = 256 * 2**20
 
 
 def namespace_of(tenant_header: str | None, tenant: str | None, salt: str | None) -> str | None:
@@ -578,6 +593,7 @@ def create_app(
         if config.api_key is None or request.url.path in config.open_paths:
             return
         given = credentials.credentials if credentials is not None else None
+        given = given or request.headers.get("x-api-key")  # Anthropic's clients send this
         if given is None or not _key_matches(given, config.api_key):
             raise HTTPException(
                 401,
@@ -618,8 +634,13 @@ def create_app(
         where = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = ".".join(where) or None
         msg = err.get("msg", "invalid request")
+        anthropic = request.url.path == "/v1/messages"  # Anthropic's error object there
         if err.get("type") == "json_invalid":
+            if anthropic:
+                return messages.error(400, f"the body is not valid JSON: {msg}")
             return _error(400, f"the body is not valid JSON: {msg}")
+        if anthropic:
+            return messages.error(400, f"{param}: {msg}" if param else msg)
         return _error(400, f"{param}: {msg}" if param else msg, param)
 
     @app.exception_handler(HTTPException)
@@ -629,6 +650,8 @@ def create_app(
         message = str(exc.detail)
         if message == "There was an error parsing the body":
             message = "the body could not be read: it must be JSON in UTF-8"
+        if request.url.path == "/v1/messages":  # Anthropic's error object there
+            return messages.error(exc.status_code, message)
         return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(DivergedError)
@@ -737,6 +760,9 @@ def create_app(
         bad = _text_error(body) or _refusal(body, chat=True)
         if bad is not None:
             return bad
+        held = prompt_cache.apply(body, request, config)
+        if held is not None:
+            return _error(400, held, "prompt_cache_retention")
         # OpenAI's default tool_choice is "auto" when tools are sent: calls parsed out of text
         auto = bool(body.tools) and body.tool_choice in (None, "auto")
         parser, warnings = None, []
@@ -1171,6 +1197,10 @@ def create_app(
                 await asyncio.shield(loop.call(lambda: loop.cancel(pending)))
             raise
 
+    # The agent APIs turn their requests into chat requests through the chat handler.
+    app.state.chat, app.state.chat_body = chat, ChatBody
+    responses.register(app, loop, config, registry)
+    messages.register(app, loop, tokenizer, config)
     return app
 
 

@@ -206,6 +206,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{MAX_KEEP_ALIVE:g})",
     )
     p.add_argument(
+        "--max-stored-responses",
+        type=positive_int,
+        default=10_000,
+        metavar="N",
+        help="stored responses (/v1/responses, for previous_response_id) kept at most; the "
+        "oldest are dropped first (default: 10000)",
+    )
+    p.add_argument(
+        "--max-stored-response-bytes",
+        type=positive_int,
+        default=256 * 2**20,
+        metavar="BYTES",
+        help="bytes of stored responses (as JSON) kept at most (default: 268435456, 256 MiB)",
+    )
+    p.add_argument(
         "--kv-events",
         default=None,
         metavar="ENDPOINT",
@@ -524,6 +539,8 @@ def build(args: argparse.Namespace):
         tool_call_parser=_parser_of(getattr(args, "tool_call_parser", "hermes")),
         max_keep_alive=default,
         tenant_max_keep_alive=per_tenant,
+        max_stored_responses=getattr(args, "max_stored_responses", 10_000),
+        max_stored_response_bytes=getattr(args, "max_stored_response_bytes", 256 * 2**20),
     )
     loop = serve.EngineLoop(
         engine, max_waiting=args.max_waiting, heartbeat_s=heartbeat, overdue_s=overdue
