@@ -17,8 +17,9 @@ vLLM reports it), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometh
 ``POST /flush_cache`` (SGLang's; vLLM's ``/reset_prefix_cache``).
 A request's cache namespace is its tenant (the configured tenant header) and its
 ``cache_salt`` (vLLM's field) together: a salt subdivides a tenant's namespace and never leaves
-it, so tenants never share KV (:func:`namespace_of`). A request without a ``seed`` samples with
-a fresh one; ``keep_alive`` is bounded by the server (``--max-keep-alive``, per tenant).
+it, so tenants never share KV (:func:`radixkv.apps.serve.prompt_cache.namespace_of`). A
+request without a ``seed`` samples with a fresh one; ``keep_alive`` is bounded by the server
+(``--max-keep-alive``, per tenant).
 ``n > 1`` choices branch from one prefilled prompt.
 ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with ``tool_choice``
 ``"required"`` or a named function constrain the reply to a grammar, a tool call returned as
@@ -69,7 +70,6 @@ from radixkv.apps.serve import (
 )
 from radixkv.apps.serve.token_bytes import token_bytes
 from radixkv.engine import DivergedError, StreamEvent
-from radixkv.tenancy import tenant_namespace
 
 # ---- the engine thread ------------------------------------------------------------------------
 
@@ -502,17 +502,6 @@ class ServerConfig:
     max_stored_response_bytes: int = 256 * 2**20
 
 
-def namespace_of(tenant_header: str | None, tenant: str | None, salt: str | None) -> str | None:
-    """A request's cache namespace: with a tenant header configured, its tenant (the header's
-    value, None when absent) and its ``cache_salt`` together, so that a salt only subdivides
-    its tenant's namespace; without one, the salt alone. Built by
-    :func:`radixkv.tenancy.tenant_namespace`, so that no salt sent to a server of either
-    configuration names another tenant's namespace on a server of the other (replicas sharing
-    a store may be configured differently). None (the shared namespace) when there is
-    neither."""
-    return tenant_namespace(tenant if tenant_header else None, salt, tenants=bool(tenant_header))
-
-
 def _key_matches(given: str, key: str) -> bool:
     """Whether the bearer token ``given`` (as the HTTP layer decoded it: each byte of the
     header one latin-1 character) is ``key`` (``--api-key``, sent as its UTF-8 bytes), in
@@ -915,7 +904,7 @@ def create_app(
         if any(not s for s in stops):
             return _error(400, "stop: stop strings must not be empty", "stop")
         tenant = request.headers.get(config.tenant_header) if config.tenant_header else None
-        namespace = namespace_of(config.tenant_header, tenant, body.cache_salt)
+        namespace = prompt_cache.namespace_of(config.tenant_header, tenant, body.cache_salt)
         bound = config.tenant_max_keep_alive.get(tenant or "", config.max_keep_alive)
         if body.keep_alive > bound:
             who = f"tenant {tenant!r}" if tenant in config.tenant_max_keep_alive else "a request"

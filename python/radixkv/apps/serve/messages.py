@@ -401,9 +401,7 @@ def register(app: FastAPI, loop: Any, tokenizer: Any, config: Any) -> None:
             ends, prompt = points
             if len(prompt) != chat_usage.get("prompt_tokens"):
                 return 0  # not the prompt the chat handler rendered: no breakpoint is placed
-            from radixkv.apps.serve.app import namespace_of
-
-            ns = namespace_of(config.tenant_header, tenant, body.get("cache_salt"))
+            ns = prompt_cache.namespace_of(config.tenant_header, tenant, body.get("cache_salt"))
             bound = prompt_cache.keep_alive_bound(tenant, config)
             eng = loop.engine
             for end, point in zip(ends, conv.breakpoints):

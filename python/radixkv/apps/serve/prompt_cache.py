@@ -4,6 +4,8 @@
   request without ``keep_alive`` gets; ``"24h"`` is a ``keep_alive`` of 24 hours, which the
   server's bound on ``keep_alive`` (``--max-keep-alive``, per tenant) applies to: past it, a
   400 naming the field (the server never keeps less than it was asked without saying so).
+- The namespace a request's prompt is cached in (:func:`namespace_of`): its tenant and its
+  ``cache_salt``, so that requests share KV by their prefix and namespace alone.
 - ``prompt_cache_key``: a routing hint OpenAI's router uses to send requests that share a prefix
   to one machine. radixkv accepts it and never makes it a cache namespace (that would let a
   key cross tenants): requests share KV by their prefix and namespace alone.
@@ -11,10 +13,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:  # pragma: no cover
-    from radixkv.apps.serve.app import ServerConfig
+from radixkv.tenancy import tenant_namespace
+
+# ``config`` below: the server's ``radixkv.apps.serve.app.ServerConfig`` (not imported: the app
+# imports this module).
 
 #: ``prompt_cache_retention``'s values.
 Retention = Literal["in_memory", "24h"]
@@ -23,18 +27,18 @@ Retention = Literal["in_memory", "24h"]
 EXTENDED_S = 24 * 3600.0
 
 
-def keep_alive_bound(tenant: str | None, config: ServerConfig) -> float:
+def keep_alive_bound(tenant: str | None, config: Any) -> float:
     """The most seconds of retention a request of ``tenant`` may ask for (``--max-keep-alive``)."""
     return config.tenant_max_keep_alive.get(tenant or "", config.max_keep_alive)
 
 
-def tenant_of(request: Any, config: ServerConfig) -> str | None:
+def tenant_of(request: Any, config: Any) -> str | None:
     """The request's tenant: its tenant header's value (None: no header configured, or none
     sent)."""
     return request.headers.get(config.tenant_header) if config.tenant_header else None
 
 
-def apply(body: Any, request: Any, config: ServerConfig) -> str | None:
+def apply(body: Any, request: Any, config: Any) -> str | None:
     """Sets ``body.keep_alive`` from ``body.prompt_cache_retention``; the message of a 400 when
     the server's bound refuses it."""
     if body.prompt_cache_retention != "24h":
@@ -48,3 +52,14 @@ def apply(body: Any, request: Any, config: ServerConfig) -> str | None:
         )
     body.keep_alive = max(body.keep_alive, EXTENDED_S)
     return None
+
+
+def namespace_of(tenant_header: str | None, tenant: str | None, salt: str | None) -> str | None:
+    """A request's cache namespace: with a tenant header configured, its tenant (the header's
+    value, None when absent) and its ``cache_salt`` together, so that a salt only subdivides
+    its tenant's namespace; without one, the salt alone. Built by
+    :func:`radixkv.tenancy.tenant_namespace`, so that no salt sent to a server of either
+    configuration names another tenant's namespace on a server of the other (replicas sharing
+    a store may be configured differently). None (the shared namespace) when there is
+    neither."""
+    return tenant_namespace(tenant if tenant_header else None, salt, tenants=bool(tenant_header))
