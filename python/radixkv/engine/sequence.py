@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import radixkv
     from radixkv.engine.detok import Detokenizer
     from radixkv.engine.grammar import GrammarState
+    from radixkv.engine.speculative import DraftState
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,10 @@ class Sequence:
     retain: float = 0.0
     cache_class: int = 0
     retention: int | None = None
+    #: Speculative decoding: the draft tokens this step computes after its token (set by the
+    #: engine, cut by the batcher; empty: none), and its drafter's state.
+    draft: list[int] = field(default_factory=list, repr=False)
+    spec: DraftState | None = field(default=None, repr=False)
 
     @property
     def target(self) -> np.ndarray:

@@ -1,0 +1,197 @@
+"""Speculative decoding without a draft model: what a request guesses it will generate next.
+
+Each step, a running request that decodes may carry up to ``K`` *draft* tokens. The batcher
+plans its last sampled token and the drafts as one chunk; one forward pass scores all ``K + 1``
+positions, and the engine keeps the drafts the target model agrees with plus one token of its
+own (:func:`radixkv.engine.sampling.verify_draft`). Guessing costs no model: the drafts are
+copied from what is already known.
+
+```text
+  target:   [ prompt ...................... | out_0 ... out_n ]
+  step:                                       [ out_n  d_1 d_2 ... d_K ]   one chunk, K + 1 rows
+  kept:                                       [ out_n  d_1 .. d_a ] + t    a drafts accepted, t new
+  given back:                                               d_a+1 .. d_K   (cache.truncate)
+```
+
+Drafters (vLLM's ``method`` names):
+
+- ``"ngram"`` (prompt lookup): the longest n-gram (``prompt_lookup_max`` down to
+  ``prompt_lookup_min`` tokens) ending the request's tokens that occurred before in them; the
+  tokens that followed its most recent occurrence are the draft. Code edits and tool output
+  copy their context, so their replies repeat it.
+- ``"suffix"``: first what the prefix cache holds after the request's tokens in its namespace
+  (:meth:`radixkv.RadixCache.continuation`: an earlier reply to the same prompt, a retried
+  request, a sibling branch that ran ahead), then, when the cache holds nothing there, the
+  request's own longest repeated suffix (as ``"ngram"``). The walk starts at the request's own
+  namespace's root, so a draft never carries another namespace's tokens.
+
+Adaptive length, per request: after a step that accepted every draft the next draft may be
+``K`` long again; after one that accepted ``a < k`` the next is ``a + 1`` long; after
+:data:`MISSES_TO_PAUSE` steps in a row that accepted none, the request stops drafting for a
+number of steps that doubles each time (up to :data:`MAX_PAUSE`), so text that nothing predicts
+decodes as it would without speculation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+import radixkv
+from radixkv.engine.sequence import Sequence
+
+#: The drafters, by vLLM's ``method`` names.
+METHODS = ("ngram", "suffix")
+#: The keys of a speculative config (vLLM's ``speculative_config``), with their defaults.
+DEFAULTS: dict[str, object] = {
+    "method": None,
+    "num_speculative_tokens": None,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 4,
+}
+#: The most draft tokens a step may carry per request.
+MAX_SPECULATIVE_TOKENS = 64
+#: Steps in a row that accepted no draft before a request pauses drafting.
+MISSES_TO_PAUSE = 2
+#: The longest pause (steps) of a request whose drafts keep failing.
+MAX_PAUSE = 64
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """A checked speculative config: the drafter ``method``, ``num_speculative_tokens`` (K, the
+    most drafts a step verifies per request) and the n-gram lengths prompt lookup tries."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def of(cls, value: object) -> SpecConfig | None:
+        """``value`` (None, a :class:`SpecConfig`, a mapping with vLLM's keys, or that mapping
+        as a JSON string) checked; ``ValueError`` naming the bad key or value."""
+        if value is None or isinstance(value, SpecConfig):
+            return value
+        if isinstance(value, (str, bytes)):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                "speculative must be None or a dict of vLLM's speculative_config keys "
+                f"{sorted(DEFAULTS)}, got {value!r} ({type(value).__name__})"
+            )
+        unknown = sorted(str(k) for k in value if k not in DEFAULTS)
+        if unknown:
+            raise ValueError(
+                f"speculative config has unknown keys {unknown}; it takes {sorted(DEFAULTS)}"
+            )
+        got = {**DEFAULTS, **value}
+        method = got["method"]
+        if method not in METHODS:
+            raise ValueError(
+                f"speculative method must be one of {list(METHODS)} (drafts without a draft "
+                f"model), got {method!r}"
+            )
+        k = _int(got["num_speculative_tokens"], "num_speculative_tokens", 1)
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {k}"
+            )
+        lo = _int(got["prompt_lookup_min"], "prompt_lookup_min", 1)
+        hi = _int(got["prompt_lookup_max"], "prompt_lookup_max", 1)
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min ({lo}) must be at most prompt_lookup_max ({hi})")
+        return cls(str(method), k, lo, hi)
+
+    def as_dict(self) -> dict[str, object]:
+        """vLLM's keys and this config's values."""
+        return {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_min": self.prompt_lookup_min,
+            "prompt_lookup_max": self.prompt_lookup_max,
+        }
+
+
+def _int(value: object, name: str, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return int(value)
+
+
+@dataclass
+class DraftState:
+    """One request's drafting: its next draft's length, misses in a row, and the steps left
+    in its pause."""
+
+    k: int
+    misses: int = 0
+    pause: int = 0
+    pauses: int = 0
+
+
+class Drafter:
+    """Proposes each decoding request's draft for the next step (see the module docstring)."""
+
+    def __init__(self, config: SpecConfig, cache: radixkv.Cache) -> None:
+        self.config = config
+        self.cache = cache
+        self.from_cache = config.method == "suffix"
+
+    def propose(self, seq: Sequence, room: int) -> list[int]:
+        """Up to ``min(room, the request's draft length)`` draft tokens for ``seq`` (empty
+        while it pauses)."""
+        state = seq.spec
+        if state is None:
+            state = seq.spec = DraftState(self.config.num_speculative_tokens)
+        if state.pause > 0:
+            state.pause -= 1
+            return []
+        k = min(state.k, room)
+        if k <= 0:
+            return []
+        tokens = seq.target
+        if self.from_cache:
+            cont = self.cache.continuation(tokens, k, namespace=seq.cache_namespace)
+            if len(cont):
+                return cont.tolist()
+        return prompt_lookup(
+            tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        )
+
+    def accepted(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Adapts ``seq``'s next draft to a step that accepted ``accepted`` of ``drafted``."""
+        state = seq.spec
+        assert state is not None
+        full = self.config.num_speculative_tokens
+        if accepted == drafted:
+            state.k, state.misses, state.pauses = full, 0, 0
+            return
+        state.k = accepted + 1
+        state.misses = 0 if accepted else state.misses + 1
+        if state.misses >= MISSES_TO_PAUSE:
+            state.pause = min(2**state.pauses, MAX_PAUSE)
+            state.pauses += 1
+            state.misses, state.k = 0, full
+
+
+def prompt_lookup(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
+    """Prompt lookup: for ``n`` from ``hi`` down to ``lo``, the last ``n`` tokens of ``tokens``
+    looked up earlier in ``tokens``; the up to ``k`` tokens after their most recent earlier
+    occurrence (empty when none occurs)."""
+    size = len(tokens)
+    for n in range(min(hi, size - 1), lo - 1, -1):
+        # Windows starting at 0 .. size - n - 1: each is followed by at least one token.
+        windows = sliding_window_view(tokens[: size - 1], n)
+        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
