@@ -148,9 +148,7 @@ class Drafter:
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Up to ``min(room, the request's draft length)`` draft tokens for ``seq`` (empty
         while it pauses)."""
-        state = seq.spec
-        if state is None:
-            state = seq.spec = DraftState(self.config.num_speculative_tokens)
+        state = self._state(seq)
         if state.pause > 0:
             state.pause -= 1
             return []
@@ -166,10 +164,14 @@ class Drafter:
             tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max
         )
 
+    def _state(self, seq: Sequence) -> DraftState:
+        if seq.spec is None:
+            seq.spec = DraftState(self.config.num_speculative_tokens)
+        return seq.spec
+
     def accepted(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Adapts ``seq``'s next draft to a step that accepted ``accepted`` of ``drafted``."""
-        state = seq.spec
-        assert state is not None
+        state = self._state(seq)
         full = self.config.num_speculative_tokens
         if accepted == drafted:
             state.k, state.misses, state.pauses = full, 0, 0
