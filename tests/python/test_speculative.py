@@ -292,3 +292,54 @@ def test_prompt_lookup_takes_the_longest_most_recent_match():
     assert prompt_lookup(t, 3, 1, 3) == [4, 5, 7]
     assert prompt_lookup(t, 3, 3, 3) == []
     assert prompt_lookup(np.array([5], dtype=np.uint32), 3, 1, 4) == []
+
+
+# ---- the real model -----------------------------------------------------------------------
+
+CODE = """def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+"""
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("transformers")
+    import radixkv.hf
+    from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path
+
+    if smollm2_path() is None:
+        pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}")
+    return radixkv.hf.load("smollm2")
+
+
+def test_the_real_model_edits_code_as_plain_decoding_does(smollm2):
+    """SmolLM2 copies a file it is asked to edit: greedy text, logprobs and a stop string's cut
+    are plain decoding's, with both drafters, and most of the reply comes from drafts."""
+    import radixkv.hf
+
+    model, tok = smollm2
+    text = f"Here is geometry.py:\n\n{CODE}\nRename width to w. Reply with the whole file only."
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+    )
+    prompt = list(getattr(prompt, "input_ids", prompt))
+    params = dict(max_new_tokens=40, logprobs=True, stop_strings=["perimeter"])
+    runs = {}
+    for method in (None, "ngram", "suffix"):
+        spec = None if method is None else {"method": method, "num_speculative_tokens": 6}
+        eng = radixkv.hf.engine(model, radixkv.RadixCache(1024), tokenizer=tok, speculative=spec)
+        (r,) = eng.generate([prompt], **params)
+        eng.cache.check()
+        runs[method] = r, eng.stats
+    plain = runs[None][0]
+    assert plain.finish_reason == "stop" and "perimeter" not in plain.text
+    for method in ("ngram", "suffix"):
+        r, st = runs[method]
+        assert r.output == plain.output and r.text == plain.text
+        assert r.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
+        assert st.spec_accepted_tokens >= len(r.output) // 4, (method, st)
+        assert st.steps < runs[None][1].steps

@@ -85,8 +85,9 @@ from radixkv.engine.sampling import (
     verify_draft,
 )
 from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent
-from radixkv.engine.speculative import Drafter, SpecConfig
+from radixkv.engine.speculative import Drafter
 from radixkv.kv.kv_cache import KVCache
+from radixkv.spec_config import SpecConfig
 
 
 @dataclass

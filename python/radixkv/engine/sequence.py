@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     import radixkv
     from radixkv.engine.detok import Detokenizer
     from radixkv.engine.grammar import GrammarState
-    from radixkv.engine.speculative import DraftState
 
 
 @dataclass(frozen=True)
@@ -81,6 +80,18 @@ class Sampling:
 
 #: Every knob off.
 OFF = Sampling()
+
+
+@dataclass
+class DraftState:
+    """One request's speculative drafting (:mod:`radixkv.engine.speculative`): its next
+    draft's length, its drafts in a row that had none accepted, the steps left in its pause
+    and the pauses so far (each twice as long as the one before)."""
+
+    k: int
+    misses: int = 0
+    pause: int = 0
+    pauses: int = 0
 
 
 class Status(enum.Enum):

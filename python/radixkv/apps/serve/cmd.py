@@ -420,8 +420,8 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
 
 def speculative_config(text: str) -> Any:
     """An argparse ``type``: ``--speculative-config``'s JSON checked
-    (:class:`radixkv.engine.speculative.SpecConfig`)."""
-    from radixkv.engine.speculative import SpecConfig
+    (:class:`radixkv.spec_config.SpecConfig`)."""
+    from radixkv.spec_config import SpecConfig
 
     try:
         return SpecConfig.of(text)
