@@ -1,7 +1,7 @@
 """bench_speculative: decode speed with and without speculative decoding, in one run, on the real
 model (SmolLM2-135M-Instruct, float32, CPU), on three agent turns.
 
-    .venv/bin/python benches/bench_speculative.py [--quick] [--threads K] [--repeats R]
+    .venv/bin/python benches/bench_speculative.py [--quick] [--threads K] [--repeats R] [--tokens N]
 
 1. A code edit: the reply copies a file from the prompt with one change (prompt lookup,
    ``"ngram"``, drafts from the prompt; ``"suffix"`` too).
@@ -106,13 +106,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few seconds' worth (smoke runs)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each, medians (default 3)")
+    ap.add_argument("--tokens", type=int, default=160, help="tokens per turn at most (160)")
     args = ap.parse_args()
     if smollm2_path() is None:
         print(f"bench_speculative: skipped: the real model is not installed: {SMOLLM2_INSTALL}")
         return
     torch.set_num_threads(args.threads)
     model, tok = radixkv.hf.load("smollm2")
-    n, repeats = (8, 1) if args.quick else (200, args.repeats)
+    n, repeats = (8, 1) if args.quick else (args.tokens, args.repeats)
     turns = {k: TURNS[k] for k in ("code edit", "retried turn")} if args.quick else TURNS
     print(
         f"Greedy decode, up to {n} tokens, {repeats} runs each (medians), "
