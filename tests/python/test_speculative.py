@@ -305,6 +305,14 @@ def perimeter(width, height):
 """
 
 
+#: A small JSON object, for a grammar request (with llguidance installed).
+SHAPE = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}},
+    "required": ["name"],
+}
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     pytest.importorskip("transformers")
@@ -318,8 +326,13 @@ def smollm2():
 
 def test_the_real_model_edits_code_as_plain_decoding_does(smollm2):
     """SmolLM2 copies a file it is asked to edit: greedy text, logprobs and a stop string's cut
-    are plain decoding's, with both drafters, and most of the reply comes from drafts."""
+    are plain decoding's, with both drafters, and a good part of the reply comes from drafts; a
+    grammar request batched beside it gets plain decoding's output too."""
+    import importlib.util
+
     import radixkv.hf
+
+    grammar = importlib.util.find_spec("llguidance") is not None
 
     model, tok = smollm2
     text = f"Here is geometry.py:\n\n{CODE}\nRename width to w. Reply with the whole file only."
@@ -332,14 +345,46 @@ def test_the_real_model_edits_code_as_plain_decoding_does(smollm2):
     for method in (None, "ngram", "suffix"):
         spec = None if method is None else {"method": method, "num_speculative_tokens": 6}
         eng = radixkv.hf.engine(model, radixkv.RadixCache(1024), tokenizer=tok, speculative=spec)
-        (r,) = eng.generate([prompt], **params)
+        edit = eng.submit(prompt, **params)
+        # Beside it, a request with a grammar (decoded without drafts, as without speculation).
+        shaped = eng.submit(prompt, max_new_tokens=12, grammar=SHAPE) if grammar else None
+        r = eng.run([edit])[0]
         eng.cache.check()
-        runs[method] = r, eng.stats
+        runs[method] = r, eng.stats, shaped and eng.run([shaped])[0].output
     plain = runs[None][0]
     assert plain.finish_reason == "stop" and "perimeter" not in plain.text
     for method in ("ngram", "suffix"):
-        r, st = runs[method]
+        r, st, shaped_output = runs[method]
+        assert shaped_output == runs[None][2]
         assert r.output == plain.output and r.text == plain.text
         assert r.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
         assert st.spec_accepted_tokens >= len(r.output) // 4, (method, st)
         assert st.steps < runs[None][1].steps
+
+
+def test_draft_length_adapts_and_pauses_while_nothing_is_accepted():
+    from radixkv.engine.sequence import Sequence
+    from radixkv.engine.speculative import MAX_PAUSE, MISSES_TO_PAUSE, Drafter
+
+    config = SpecConfig("ngram", 4)
+    drafter = Drafter(config, radixkv.RadixCache(16))
+    seq = Sequence(id=0, prompt=np.array([1, 2, 3, 4, 5, 1, 2], dtype=np.uint32), max_new_tokens=9)
+    assert drafter.propose(seq, 4) == [3, 4, 5, 1]
+    drafter.accepted(seq, 4, 1)  # one accepted: the next draft is two long
+    assert drafter.propose(seq, 4) == [3, 4]
+    drafter.accepted(seq, 2, 2)  # all accepted: back to K
+    assert drafter.propose(seq, 4) == [3, 4, 5, 1]
+    pauses = []
+    for _ in range(8):
+        for _ in range(MISSES_TO_PAUSE):
+            drafter.accepted(seq, 4, 0)
+        paused = 0
+        while not drafter.propose(seq, 4):
+            paused += 1
+        pauses.append(paused)
+    # Each pause twice as long as the one before, up to the bound.
+    assert pauses == [min(2**i, MAX_PAUSE) for i in range(8)]
+    drafter.accepted(seq, 4, 4)
+    for _ in range(MISSES_TO_PAUSE - 1):
+        drafter.accepted(seq, 4, 0)
+    assert drafter.propose(seq, 4), "a hit ends the run of misses"

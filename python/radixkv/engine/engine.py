@@ -44,6 +44,13 @@ per sampled token on the thread that runs :meth:`Engine.step` (the final one wit
 that request alone with ``finish_reason="error"`` and the exception in ``Result.error``; it is
 not called again for that request. :meth:`Engine.stream` yields one request's events.
 
+Speculative decoding (``speculative=``, :mod:`radixkv.engine.speculative`): before each step
+the drafter gives every decoding request a draft; the batcher plans it after the request's
+token as one chunk; the model returns the logits of each row of that chunk; the drafts equal to
+what the row gives (:func:`radixkv.engine.sampling.verify_draft`) and one token of the model's
+own are recorded as sampled tokens one by one, and only those are committed (the rest given
+back: ``KVCache.settle``).
+
 Tensor parallelism (``group=``): one engine per rank, each over its shard of the model
 (:meth:`radixkv.models.CausalLM.shard`) and its own ``KVCache``. Rank 0 takes the calls and
 steps; the other ranks call :meth:`Engine.follow`, which replays rank 0's calls (broadcast at
@@ -1030,12 +1037,12 @@ class Engine:
             t2 = time.perf_counter()
             graphs = self.graphs
             logits = graphs.run(step) if graphs and graphs.fits(step) else self.model(step)
-            drafts = None
+            drafts: dict[int, torch.Tensor] | None = None
             if spans is None:
                 self.kv.commit(step)
             else:  # drafts are committed once verified (_settle)
-                last, drafts = spans
-                drafts = {b: logits[a:z] for b, (a, z) in drafts.items()}
+                last, rows = spans
+                drafts = {b: logits[a:z] for b, (a, z) in rows.items()}
                 logits = logits[last]
                 counts = [s.num_computed if s.draft else s.num_tokens for s in batch]
                 self.kv.commit(step, counts)
