@@ -29,9 +29,11 @@ Adaptive length, per request (:meth:`Drafter.accepted`): a request's first draft
 :data:`FIRST_DRAFT` tokens long; a draft accepted whole makes the next one twice as long (up to
 ``K``); one accepted in part (``a`` of its tokens) makes the next ``a + 1`` long; one of which
 nothing was accepted pauses the request's drafting for a number of steps that doubles each time
-(up to :data:`MAX_PAUSE`), after which it tries a short draft again. So text that nothing
-predicts decodes at about plain speed, and a reply the cache holds is drafted ``K`` tokens a
-step after a few steps.
+(up to :data:`MAX_PAUSE`), after which it tries a short draft again; during a pause only strong
+evidence drafts (what the cache holds after the request's tokens, or an n-gram of
+``prompt_lookup_max`` tokens seen before: a reply that starts copying after some prose). So text
+that nothing predicts decodes at about plain speed, and a reply the cache holds is drafted ``K``
+tokens a step after a few steps.
 """
 
 from __future__ import annotations
@@ -68,9 +70,9 @@ class Drafter:
         """Up to ``min(room, the request's draft length)`` draft tokens for ``seq`` (empty
         while it pauses)."""
         state = self._state(seq)
-        if state.pause > 0:
+        paused = state.pause > 0
+        if paused:
             state.pause -= 1
-            return []
         k = min(state.k, room)
         if k <= 0:
             return []
@@ -79,9 +81,10 @@ class Drafter:
             cont = self.cache.continuation(tokens, k, namespace=seq.cache_namespace)
             if len(cont):
                 return cont.tolist()
-        return prompt_lookup(
-            tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max
-        )
+        # A pause gives way to strong evidence only: the cache's continuation above, or an
+        # n-gram of prompt_lookup_max tokens seen before (the reply started copying).
+        hi = self.config.prompt_lookup_max
+        return prompt_lookup(tokens, k, hi if paused else self.config.prompt_lookup_min, hi)
 
     def _state(self, seq: Sequence) -> DraftState:
         if seq.spec is None:
