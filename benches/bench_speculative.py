@@ -13,7 +13,8 @@ model (SmolLM2-135M-Instruct, float32, CPU), on three agent turns.
 Each turn is one greedy request (``stop`` at the model's end of sequence); its prefill step and
 first token are not timed, then decode tokens/s = tokens after the first / seconds. Plain and
 speculative runs alternate, ``--repeats`` times each, medians printed with their ratio, the
-accepted draft tokens per step that carried a draft, and the share of drafted tokens accepted.
+accepted draft tokens per step that carried a draft, the share of drafted tokens accepted, and the
+decode steps (forward passes) each took, which no other load on the machine changes.
 The outputs of the two are asserted equal. Benchmarks are not tests: nothing asserts a time.
 Skipped (exit 0) without the real model or transformers.
 """
@@ -93,7 +94,8 @@ def decode(model, tok, prompt, n: int, method: str | None, retried: bool):
     eng = radixkv.hf.engine(model, radixkv.RadixCache(8192), tokenizer=tok, speculative=spec)
     if retried:
         eng.generate([prompt], max_new_tokens=n, release=True)
-    before = (eng.stats.spec_drafts, eng.stats.spec_accepted_tokens, eng.stats.spec_draft_tokens)
+    st = eng.stats
+    before = (st.spec_drafts, st.spec_accepted_tokens, st.spec_draft_tokens, st.steps)
     seq_id = eng.submit(prompt, n)
     while not eng.result(seq_id).output:  # the prefill and the first token, untimed
         eng.step()
@@ -102,10 +104,8 @@ def decode(model, tok, prompt, n: int, method: str | None, retried: bool):
         eng.step()
     dt = clock() - t
     r = eng.result(seq_id)
-    st = eng.stats
-    after = (st.spec_drafts, st.spec_accepted_tokens, st.spec_draft_tokens)
-    drafts, accepted, drafted = (a - b for a, b in zip(after, before))
-    return r.output, (len(r.output) - 1) / dt, (drafts, accepted, drafted)
+    after = (st.spec_drafts, st.spec_accepted_tokens, st.spec_draft_tokens, st.steps)
+    return r.output, (len(r.output) - 1) / dt, tuple(a - b for a, b in zip(after, before))
 
 
 def main() -> None:
@@ -139,20 +139,21 @@ def main() -> None:
     for name, (method, text) in turns.items():
         prompt = chat(tok, text)
         retried = name == "retried turn"
-        plain, spec, stats = [], [], (0, 0, 0)
+        plain, spec, stats, base = [], [], (0, 0, 0, 0), (0, 0, 0, 0)
         for _ in range(repeats):
-            out_p, rate_p, _ = decode(model, tok, prompt, n, None, retried)
+            out_p, rate_p, base = decode(model, tok, prompt, n, None, retried)
             out_s, rate_s, stats = decode(model, tok, prompt, n, method, retried)
             assert out_s == out_p, f"{name}: speculative output differs from plain decoding"
             plain.append(rate_p)
             spec.append(rate_s)
         p, s = statistics.median(plain), statistics.median(spec)
-        drafts, accepted, drafted = stats
+        drafts, accepted, drafted, steps = stats
         rows.append(
             [
                 name,
                 method,
                 str(len(out_p)),
+                f"{base[3]} / {steps}",
                 f"{p:.1f}",
                 f"{s:.1f}",
                 f"{s / p:.2f}x",
@@ -165,6 +166,7 @@ def main() -> None:
             "turn",
             "method",
             "tokens",
+            "steps plain / spec",
             "plain tok/s",
             "spec tok/s",
             "spec / plain",
