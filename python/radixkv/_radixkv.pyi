@@ -188,6 +188,19 @@ class Cache:
         first (as ``commit`` checks it, requests distinct), all or nothing."""
 
     def fork(self, req: Request) -> Request: ...
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Gives back ``req``'s tokens past ``num_tokens`` (from its ``num_computed`` to its
+        ``num_tokens``) and frees the pages only they used: the draft tokens a speculative step
+        rejected, never computed nor published. ``ValueError`` with a window group."""
+
+    def continuation(
+        self, tokens: _Tokens, max_tokens: int, namespace: _Namespace = None
+    ) -> npt.NDArray[np.uint32]:
+        """Up to ``max_tokens`` tokens cached after ``tokens`` in ``namespace`` (never another
+        namespace's): the continuation of the cached sequence ``tokens`` begins, the most
+        recently used where several are (empty where none, and always for a ``BlockCache``).
+        Changes nothing, LRU order included."""
+
     def finish(
         self, req: Request, *, retain: float = 0.0, priority: int | None = None
     ) -> int | None:

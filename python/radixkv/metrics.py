@@ -648,6 +648,40 @@ class CacheCollector(Collector):
                 self._generated + sampled if live else None,
             ),
             *histograms,
+            *self._spec_families(live),
+        ]
+
+    def _spec_families(self, live: bool) -> list[Any]:
+        """Speculative decoding's counters, as vLLM's ``vllm:spec_decode_*`` (an engine made
+        with ``speculative=`` only)."""
+        if getattr(self.engine, "speculative", None) is None:
+            return []
+        st = self.engine.stats if live else None
+        per_pos = CounterMetricFamily(
+            "radixkv_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by their position in the draft, as vLLM's.",
+            labels=[*self._names, "position"],
+        )
+        if st is not None:
+            for j, n in enumerate(list(st.spec_accepted_per_pos)):
+                per_pos.add_metric([*self._values, str(j)], n)
+        return [
+            self._counter(
+                "radixkv_spec_decode_num_drafts",
+                "Drafts verified (one per request and step that carried one), as vLLM's.",
+                None if st is None else st.spec_drafts,
+            ),
+            self._counter(
+                "radixkv_spec_decode_num_draft_tokens",
+                "Draft tokens verified, as vLLM's.",
+                None if st is None else st.spec_draft_tokens,
+            ),
+            self._counter(
+                "radixkv_spec_decode_num_accepted_tokens",
+                "Draft tokens accepted, as vLLM's.",
+                None if st is None else st.spec_accepted_tokens,
+            ),
+            per_pos,
         ]
 
 

@@ -620,6 +620,12 @@ impl Index for BlockIndex {
         }
     }
 
+    fn free_private(&mut self, pages: &[PageId]) {
+        for &page in pages.iter().rev() {
+            self.unpin(page); // allocated with a refcount of 1 and never hashed: freed
+        }
+    }
+
     fn evict(&mut self, num_pages: usize) -> usize {
         let mut done = 0;
         while done < num_pages {

@@ -97,6 +97,13 @@ pub trait Index: Send + std::fmt::Debug {
     fn publish(&mut self, r: &mut Request<Self::Ext>, upto: usize);
     /// Drops a closed request's pins and frees its pages that the index does not hold.
     fn release(&mut self, r: &Request<Self::Ext>);
+    /// Frees `pages`, which a live request allocated, never published, and gives back.
+    fn free_private(&mut self, pages: &[PageId]);
+    /// Up to `max` tokens cached after `tokens` in `namespace` (see
+    /// [`crate::PrefixCache::continuation`]); none by default.
+    fn continuation(&self, _tokens: &[u32], _namespace: &Namespace, _max: usize) -> Vec<u32> {
+        Vec::new()
+    }
     /// Evicts up to `num_pages` evictable pages in eviction order; returns how many.
     fn evict(&mut self, num_pages: usize) -> usize;
     /// Drops every evictable device page (offloading nothing) and every host page; returns how

@@ -39,6 +39,15 @@ pub trait PrefixCache: Send {
     fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<()>;
     /// Marks `tokens[..num_computed]` as written and publishes the full pages this completes.
     fn commit(&mut self, id: RequestId, num_computed: usize) -> Result<()>;
+    /// Gives back the tokens of `id` past `num_tokens` (which must be at least its
+    /// `num_computed`: nothing computed or published is dropped) and frees the pages they alone
+    /// used: the draft tokens a speculative step rejected. Refused with a window group.
+    fn truncate(&mut self, id: RequestId, num_tokens: usize) -> Result<()>;
+    /// Up to `max` tokens the cache holds after `tokens` in `namespace` (never another's): the
+    /// continuation of the cached sequence that `tokens` is a prefix of, the most recently used
+    /// where several are. Read-only, LRU order included; empty where nothing is cached after
+    /// `tokens` (and always with a block index, which keeps no order between pages).
+    fn continuation(&self, tokens: &[u32], namespace: &Namespace, max: usize) -> Vec<u32>;
     /// A new request with the same tokens and namespace sharing the computed full pages of `id`.
     ///
     /// Commits publish computed full pages at once, so admitting `id`'s tokens again finds them
@@ -470,6 +479,34 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.index.publish(r, num_computed / p * p);
         Self::advance_window(&mut self.window, r, p, self.index.events());
         Ok(())
+    }
+
+    fn truncate(&mut self, id: RequestId, num_tokens: usize) -> Result<()> {
+        if self.window.on() {
+            return Err(invalid(
+                "truncate: a cache with a window group cannot give tokens back (its window pages \
+                 follow the request's length)"
+                    .to_string(),
+            ));
+        }
+        let p = self.index.page_size();
+        let r = self.requests.get_mut(id)?;
+        if num_tokens < r.num_computed || num_tokens > r.tokens.len() {
+            return Err(invalid(format!(
+                "truncate: num_tokens must be from num_computed ({}) to num_tokens ({}), got \
+                 {num_tokens}",
+                r.num_computed,
+                r.tokens.len()
+            )));
+        }
+        r.tokens.truncate(num_tokens);
+        let tail = r.pages.split_off(num_tokens.div_ceil(p));
+        self.index.free_private(&tail);
+        Ok(())
+    }
+
+    fn continuation(&self, tokens: &[u32], namespace: &Namespace, max: usize) -> Vec<u32> {
+        self.index.continuation(tokens, namespace, max)
     }
 
     fn finish(&mut self, id: RequestId) -> Result<()> {

@@ -188,6 +188,39 @@ impl PyCache {
         slf.get().with(slf.py(), false, |c| c.commit(id, n))
     }
 
+    /// Gives back ``req``'s tokens past ``num_tokens`` (from its ``num_computed`` to its
+    /// ``num_tokens``) and frees the pages only they used: the draft tokens a speculative step
+    /// rejected, never computed nor published. ``ValueError`` with a window group.
+    fn truncate(
+        slf: &Bound<'_, Self>,
+        req: &Bound<'_, PyRequest>,
+        num_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = req.get().id; // another cache's id is refused by the core
+        let n = convert::count("num_tokens", num_tokens)?;
+        slf.get().with(slf.py(), false, |c| c.truncate(id, n))
+    }
+
+    /// Up to ``max_tokens`` tokens cached after ``tokens`` in ``namespace`` (never another
+    /// namespace's): the continuation of the cached sequence ``tokens`` begins, the most recently
+    /// used where several are (uint32; empty where none, and always for a ``BlockCache``).
+    /// Changes nothing, LRU order included.
+    #[pyo3(signature = (tokens, max_tokens, namespace=None))]
+    fn continuation<'py>(
+        slf: &Bound<'py, Self>,
+        tokens: &Bound<'py, PyAny>,
+        max_tokens: &Bound<'py, PyAny>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let toks = convert::tokens("tokens", tokens)?;
+        let max = convert::count("max_tokens", max_tokens)?;
+        let ns = convert::namespace(namespace)?;
+        let out = slf.get().with(slf.py(), toks.len() >= LONG, |c| {
+            Ok(c.continuation(&toks, &ns, max))
+        })?;
+        Ok(PyArray1::from_vec(slf.py(), out))
+    }
+
     /// Extends ``requests[i]`` by ``tokens[i]`` in order, in one call, and stops before the first
     /// request the pool cannot supply; returns how many were extended (that one and the rest are
     /// unchanged). A closed, foreign or repeated request, bad tokens or lengths that differ raise

@@ -38,6 +38,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
 mod check;
+mod continuation;
 mod disk;
 mod evict;
 mod freeset;
@@ -634,6 +635,14 @@ impl Index for RadixIndex {
         self.free.insert_all(&r.ext.dups);
         self.free
             .insert_all(&r.pages[r.published / self.page_size..]);
+    }
+
+    fn free_private(&mut self, pages: &[PageId]) {
+        self.free.insert_all(pages);
+    }
+
+    fn continuation(&self, tokens: &[u32], namespace: &Namespace, max: usize) -> Vec<u32> {
+        self.continue_after(tokens, namespace, max)
     }
 
     /// Frees up to `want` device pages from the least recently used leaves, to the host tier

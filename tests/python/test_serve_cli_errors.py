@@ -107,3 +107,33 @@ def test_serve_imports_no_other_subcommand():
     assert_user_error(proc, "serve: argument --port", "99999")
     listed = radixkv("--help")
     assert listed.returncode == 0 and all(name in listed.stdout for name in cli.COMMANDS)
+
+
+def test_a_bad_speculative_config():
+    flag = "serve: argument --speculative-config"
+    serve_error("--speculative-config", "{method: ngram}", needles=(flag, "not valid JSON"))
+    serve_error(
+        "--speculative-config",
+        '{"method": "eagle", "num_speculative_tokens": 4}',
+        needles=(flag, "method", "'eagle'"),
+    )
+    serve_error(
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 0}',
+        needles=(flag, "num_speculative_tokens", ">= 1", "0"),
+    )
+    good = '{"method": "ngram", "num_speculative_tokens": 4}'
+    serve_error(
+        "-tp",
+        "2",
+        "--speculative-config",
+        good,
+        needles=("--tensor-parallel-size 2 with --speculative-config", "not supported"),
+    )
+    serve_error(
+        "--window-pages",
+        "8",
+        "--speculative-config",
+        good,
+        needles=("--speculative-config with --window-pages", "not supported"),
+    )

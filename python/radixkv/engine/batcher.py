@@ -22,6 +22,9 @@ held contexts so that their branches can enter.
 
 Between steps every running sequence's request is fully computed (``num_computed ==
 num_tokens``) and shorter than its target, so it grows by at least one token when scheduled.
+A decoding sequence may grow by its ``draft`` too (speculative decoding, set by the engine before
+the step): appended after its token in the same chunk, cut to the budget, and dropped first when
+the pool is short; the engine gives back the drafts it rejects (``cache.truncate``).
 
 Failing cache calls: a cache or scheduler call made for one sequence (``extend``, ``finish``,
 ``abort``, ``Scheduler.add``) that raises one of :data:`CALL_ERRORS` ends that sequence alone
@@ -237,7 +240,12 @@ class Batcher:
             )
             if not plan:
                 return
-            chunks = [seq.tokens(seq.num_tokens, n) for seq, n in plan]
+            chunks = [
+                seq.tokens(seq.num_tokens, n)
+                if not seq.draft
+                else [*seq.tokens(seq.num_tokens, n - len(seq.draft)), *seq.draft]
+                for seq, n in plan
+            ]
             failed = False
             try:
                 done = self.cache.extend_many([seq.req for seq, _ in plan], chunks)
@@ -251,6 +259,12 @@ class Batcher:
                 continue
             if done == len(plan):
                 return
+            if any(seq.draft for seq, _ in plan[done:]):
+                # The pool is short: drafts are the first to go (a plain decode step needs
+                # less), before any sequence is preempted for them.
+                for seq, _ in plan[done:]:
+                    seq.draft = []
+                continue
             # The pool is short: the newest running sequence outside the batch makes room.
             self._preempt(self.running[-1])
 
@@ -274,18 +288,23 @@ class Batcher:
         seqs: list[Sequence], budget: int, room: int, chunk: int | None = None
     ) -> list[tuple[Sequence, int]]:
         """``(sequence, tokens to append)`` for the first of ``seqs`` that fit; ``chunk``
-        caps one sequence's tokens (a window pool's ``window_chunk``)."""
+        caps one sequence's tokens (a window pool's ``window_chunk``). A decoding sequence's
+        ``draft`` (speculative decoding) comes after its token, cut to what the budget leaves."""
         plan = []
         for seq in seqs:
             if len(plan) >= room or budget <= 0:
                 break
             n = min(seq.target_len - seq.num_tokens, budget, chunk or budget)
+            if seq.draft:
+                seq.draft = seq.draft[: budget - n] if n == 1 else []
+                n += len(seq.draft)
             plan.append((seq, n))
             budget -= n
         return plan
 
     def _start(self, seq: Sequence, req: radixkv.Request) -> None:
         seq.req, seq.status = req, Status.RUNNING
+        seq.draft = []  # an admission computes the target, never a draft
         if seq.admitted_at is None:
             seq.admitted_at = time.perf_counter()
         seq.num_tokens, seq.num_computed = req.num_tokens, req.num_computed

@@ -44,6 +44,13 @@ per sampled token on the thread that runs :meth:`Engine.step` (the final one wit
 that request alone with ``finish_reason="error"`` and the exception in ``Result.error``; it is
 not called again for that request. :meth:`Engine.stream` yields one request's events.
 
+Speculative decoding (``speculative=``, :mod:`radixkv.engine.speculative`): before each step
+the drafter gives every decoding request a draft; the batcher plans it after the request's
+token as one chunk; the model returns the logits of each row of that chunk; the drafts equal to
+what the row gives (:func:`radixkv.engine.sampling.verify_draft`) and one token of the model's
+own are recorded as sampled tokens one by one, and only those are committed (the rest given
+back: ``KVCache.settle``).
+
 Tensor parallelism (``group=``): one engine per rank, each over its shard of the model
 (:meth:`radixkv.models.CausalLM.shard`) and its own ``KVCache``. Rank 0 takes the calls and
 steps; the other ranks call :meth:`Engine.follow`, which replays rank 0's calls (broadcast at
@@ -76,9 +83,18 @@ from radixkv.engine.detok import CONTEXT_TOKENS, Detokenizer
 from radixkv.engine.grammar import Compiler, Grammar, apply_masks, compiler_for, fill_masks
 from radixkv.engine.graphs import DecodeGraphs, why_not
 from radixkv.engine.lockstep import LeaderClosedError, Lockstep, check_same_config
-from radixkv.engine.sampling import OFF, Sampling, check_sampling, sample_tokens, to_token_array
+from radixkv.engine.sampling import (
+    OFF,
+    Sampling,
+    check_sampling,
+    sample_tokens,
+    to_token_array,
+    verify_draft,
+)
 from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent
+from radixkv.engine.speculative import Drafter
 from radixkv.kv.kv_cache import KVCache
+from radixkv.spec_config import SpecConfig
 
 
 @dataclass
@@ -107,6 +123,14 @@ class EngineStats:
     #: Shared tier: prompt tokens installed from the shared store (fetched off the step), apart
     #: from the disk's (``disk_s`` holds the time both took on the engine's thread).
     shared_tokens: int = 0
+    #: Speculative decoding (vLLM's meanings): drafts verified (one per request and step that
+    #: carried one), draft tokens verified, draft tokens accepted, and accepted tokens by
+    #: position in the draft (``spec_accepted_per_pos[j]``: drafts whose token ``j`` was
+    #: accepted).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -163,6 +187,17 @@ class Engine:
     demands them (``ValueError`` saying why where they cannot run; on the CPU the same
     static-buffer steps run without a graph, for tests), ``False`` keeps every step eager.
     Tokens are the same either way.
+
+    ``speculative``: speculative decoding without a draft model (:mod:`radixkv.engine.speculative`),
+    a dict of vLLM's ``speculative_config`` keys: ``method`` (``"ngram"``: prompt lookup over the
+    request's tokens; ``"suffix"``: what the prefix cache holds after them in the request's
+    namespace, then prompt lookup), ``num_speculative_tokens`` (K >= 1, the most drafts a step
+    verifies per request), ``prompt_lookup_min`` and ``prompt_lookup_max`` (default 1 and 4).
+    Greedy outputs are the same as without it, token for token; sampled ones keep their
+    distribution (rejection sampling with the request's own generator: a seed repeats, but
+    draws other tokens than without speculation). Requests with ``grammar=`` decode without
+    drafts. Refused (``ValueError``) under tensor parallelism and with a window group.
+    ``None`` (the default): off.
     """
 
     #: Steps in a row that may compute nothing and end no request while requests are pending
@@ -189,7 +224,19 @@ class Engine:
         tokenizer: object | None = None,
         stop_tokens: Iterable[int] = (),
         cuda_graphs: bool | None = None,
+        speculative: Mapping | SpecConfig | None = None,
     ) -> None:
+        spec = SpecConfig.of(speculative)
+        if spec is not None and group is not None:
+            raise ValueError(
+                "speculative= cannot run tensor-parallel yet (the ranks would need rank 0's "
+                "drafts replayed): pass speculative=None with group="
+            )
+        if spec is not None and kv.cache.window:
+            raise ValueError(
+                "speculative= needs a cache without a window group (rejected drafts are given "
+                "back, which a window pool cannot do yet): pass speculative=None"
+            )
         if cuda_graphs is not None and not isinstance(cuda_graphs, (bool, np.bool_)):
             raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
@@ -236,6 +283,11 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self.release_hooks: list[Callable[[list[Sequence]], None]] = []
         self.stats = EngineStats()
+        #: The drafter of speculative decoding (``speculative=``), or None.
+        self.speculative: SpecConfig | None = spec
+        self.drafter: Drafter | None = None if spec is None else Drafter(spec, kv.cache)
+        if spec is not None:
+            self.stats.spec_accepted_per_pos = [0] * spec.num_speculative_tokens
         #: The cache's clock is seconds since this engine was made, advanced at every step
         #: once a request asked for retention.
         self._t0 = time.monotonic()
@@ -1008,6 +1060,8 @@ class Engine:
         st = self.stats
         ended = self.batcher.num_ended
         t0 = time.perf_counter()
+        if self.drafter is not None:
+            self._propose()
         batch = self.batcher.next_batch()
         t1 = time.perf_counter()
         st.schedule_s += t1 - t0
@@ -1031,10 +1085,19 @@ class Engine:
             if lock is not None:
                 lock.forward_begins()
             step = self.kv.plan([s.req for s in batch])
+            spans = self._draft_rows(batch, step) if self.drafter is not None else None
             t2 = time.perf_counter()
             graphs = self.graphs
             logits = graphs.run(step) if graphs and graphs.fits(step) else self.model(step)
-            self.kv.commit(step)
+            drafts: dict[int, torch.Tensor] | None = None
+            if spans is None:
+                self.kv.commit(step)
+            else:  # drafts are committed once verified (_settle)
+                last, rows = spans
+                drafts = {b: logits[a:z] for b, (a, z) in rows.items()}
+                logits = logits[last]
+                counts = [s.num_computed if s.draft else s.num_tokens for s in batch]
+                self.kv.commit(step, counts)
         except Exception as e:  # the batch's requests fail with it
             failed = self._with_failed(self._fail(batch, e))
             if lock is not None:  # raises DivergedError unless the others are past the model
@@ -1048,7 +1111,7 @@ class Engine:
         if lock is not None:
             lock.forward_ends()
         t3 = time.perf_counter()
-        finished = self._with_failed(self._sample(batch, logits))
+        finished = self._with_failed(self._sample(batch, logits, drafts))
         if self._sampled is not None:
             self.lockstep.check_sampled(self._sampled)  # type: ignore[union-attr]
         t4 = time.perf_counter()
@@ -1063,30 +1126,43 @@ class Engine:
         )
         return finished
 
-    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[Result]:
-        """Accounts the committed tokens, samples where a target is computed, ends sequences."""
+    def _sample(
+        self,
+        batch: list[Sequence],
+        logits: torch.Tensor,
+        drafts: dict[int, torch.Tensor] | None = None,
+    ) -> list[Result]:
+        """Accounts the committed tokens, samples where a target is computed, ends sequences.
+        ``drafts``: the logits of each batch row that carried a draft, at its token and at
+        each draft token (``logits`` holds each row's last)."""
         ready = []
         for b, seq in enumerate(batch):
             q = seq.num_tokens - seq.num_computed
-            seq.num_computed = seq.num_tokens  # what kv.commit just recorded
             seq.total_computed_tokens += q
             if seq.first_token_at is None:
                 seq.computed_tokens += q
+            if seq.draft:  # its drafts are committed or given back once verified (_settle)
+                seq.num_tokens -= len(seq.draft)
+            seq.num_computed = seq.num_tokens  # what kv.commit just recorded
             if seq.num_tokens == seq.target_len:
                 ready.append(b)
         if not ready:
             return []
         seqs = [batch[b] for b in ready]
         refused: dict[int, Exception] = {}
+        verified: dict[int, tuple[list, list]] = {}
         try:
-            constrained = any(s.grammar is not None for s in seqs)
-            # Every row sampled, in order (a decode step), none masked in place: the logits as
-            # they are, not a copy.
-            full = len(ready) == logits.shape[0] and not constrained
-            rows = logits if full else logits[ready]
-            if constrained:
-                refused = self._mask(rows, seqs)
-            tokens, lps = sample_tokens(rows, seqs)
+            if drafts is not None:
+                tokens, lps, refused, verified = self._verify(logits, ready, seqs, drafts)
+            else:
+                constrained = any(s.grammar is not None for s in seqs)
+                # Every row sampled, in order (a decode step), none masked in place: the
+                # logits as they are, not a copy.
+                full = len(ready) == logits.shape[0] and not constrained
+                rows = logits if full else logits[ready]
+                if constrained:
+                    refused = self._mask(rows, seqs)
+                tokens, lps = sample_tokens(rows, seqs)
         except Exception as e:  # logits of the wrong shape, say
             return self._fail(seqs, e)
         for k, error in refused.items():
@@ -1125,6 +1201,10 @@ class Engine:
                 # before the first step, the sampled one (or its retokenization) and the
                 # tokens it forces after it (jump-forward).
                 items: list[tuple[int, float | None, bool]] = [(tok, lp, False)]
+                tops: list | None = None
+                if k in verified:  # the drafts it accepted and the target's own token
+                    items = [(t, p, False) for t, p in verified[k][0]]
+                    tops = verified[k][1]
                 if seq.grammar is not None:
                     try:
                         items = self._grammar_tokens(seq, tok, lp)
@@ -1134,6 +1214,8 @@ class Engine:
                 ends = False
                 for j, (tok, lp, forced) in enumerate(items):
                     last, delta = tok, ""
+                    if tops is not None:
+                        seq.last_top = tops[j]
                     seq.record_token(tok, now)
                     if forced:
                         seq.forced_tokens += 1
@@ -1165,6 +1247,12 @@ class Engine:
                     ):
                         late.append((seq, tok, lp, ""))
                         break
+                if seq.draft:
+                    try:
+                        self._settle(seq)
+                    except Exception as e:  # the cache refused: this request ends with it
+                        finished.extend(self._fail([seq], e))
+                        continue
                 if not ends:
                     continue
             try:
@@ -1187,6 +1275,111 @@ class Engine:
         if bug is not None:
             raise bug
         return finished
+
+    # ---- speculative decoding ----------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Sets the draft of every running sequence that decodes next (none for the others, for
+        a grammar's, and for one whose next token is its last)."""
+        drafter = self.drafter
+        assert drafter is not None
+        k = drafter.config.num_speculative_tokens
+        for seq in self.batcher.running:
+            seq.draft = []
+            room = min(k, seq.remaining_new_tokens - 1)
+            if (
+                room > 0
+                and seq.grammar is None
+                and seq.num_computed == seq.num_tokens == seq.target_len - 1
+            ):
+                seq.draft = drafter.propose(seq, room)
+
+    def _draft_rows(
+        self, batch: list[Sequence], step
+    ) -> tuple[list[int], dict[int, tuple[int, int]]] | None:
+        """With a draft in ``batch``: makes the model return the logits of every row of a
+        drafting sequence's chunk (its token and each draft) besides each other sequence's
+        last row (``step.last_token_index``, which the models gather), and returns where each
+        batch row's last logits are and each drafting row's span, in the logits. None without
+        a draft."""
+        if not any(s.draft for s in batch):
+            return None
+        rows: list[int] = []
+        last: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        end = 0
+        for b, (seq, q) in enumerate(zip(batch, step.q_len_list)):
+            end += q
+            k = len(seq.draft)
+            if k:
+                spans[b] = (len(rows), len(rows) + k + 1)
+                rows.extend(range(end - k - 1, end))
+            else:
+                rows.append(end - 1)
+            last.append(len(rows) - 1)
+        step.last_token_index = torch.tensor(rows, dtype=torch.long, device=step.kv.device)
+        return last, spans
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        ready: list[int],
+        seqs: list[Sequence],
+        drafts: dict[int, torch.Tensor],
+    ) -> tuple[list, list | None, dict[int, Exception], dict[int, tuple[list, list]]]:
+        """:meth:`_sample`'s sampling in a step with drafts: the rows without a draft as usual,
+        each drafting one through :func:`verify_draft` (its first kept token in ``tokens``,
+        every kept token and its alternatives in ``verified``, by row)."""
+        tokens: list = [None] * len(seqs)
+        lps: list | None = None
+        refused: dict[int, Exception] = {}
+        verified: dict[int, tuple[list, list]] = {}
+        plain = [k for k, s in enumerate(seqs) if not s.draft]
+        if plain:
+            pseqs = [seqs[k] for k in plain]
+            rows = logits[[ready[k] for k in plain]]
+            if any(s.grammar is not None for s in pseqs):
+                refused = {plain[i]: e for i, e in self._mask(rows, pseqs).items()}
+            toks, plps = sample_tokens(rows, pseqs)
+            for i, k in enumerate(plain):
+                tokens[k] = toks[i]
+            if plps is not None:
+                lps = [None] * len(seqs)
+                for i, k in enumerate(plain):
+                    lps[k] = plps[i]
+        st = self.stats
+        drafter = self.drafter
+        assert drafter is not None
+        for k, seq in enumerate(seqs):
+            if not seq.draft:
+                continue
+            try:
+                items, tops, accepted = verify_draft(drafts[ready[k]], seq, seq.draft)
+            except Exception as e:  # reported on the row's request
+                tokens[k] = e
+                continue
+            tokens[k] = items[0][0]
+            if items[0][1] is not None:
+                lps = lps or [None] * len(seqs)
+                lps[k] = items[0][1]
+            verified[k] = (items, tops)
+            st.spec_drafts += 1
+            st.spec_draft_tokens += len(seq.draft)
+            st.spec_accepted_tokens += accepted
+            for j in range(accepted):
+                st.spec_accepted_per_pos[j] += 1
+            drafter.accepted(seq, len(seq.draft), accepted)
+        return tokens, lps, refused, verified
+
+    def _settle(self, seq: Sequence) -> None:
+        """After a speculative step recorded ``seq``'s tokens: its request keeps the KV of
+        every token but the last of its target (the verified drafts, never a token past a stop
+        or past what it kept), and gives back the rest of the chunk."""
+        assert seq.req is not None
+        n = seq.target_len - 1
+        self.kv.settle(seq.req, n)
+        seq.num_tokens = seq.num_computed = n
+        seq.draft = []
 
     def _mask(self, rows: torch.Tensor, seqs: list[Sequence]) -> dict[int, Exception]:
         """Applies the token mask of every constrained row of ``rows`` (the logits of

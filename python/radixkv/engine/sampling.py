@@ -46,6 +46,7 @@ __all__ = [
     "check_sampling",
     "sample_tokens",
     "to_token_array",
+    "verify_draft",
 ]
 
 #: The most ``top_logprobs`` a request may ask for (OpenAI's bound, and vLLM's default).
@@ -279,21 +280,34 @@ def prompt_ids(seq: Sequence) -> torch.Tensor:
     return seq.prompt_ids
 
 
-def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int, float | None]:
+def sample_row(
+    row: torch.Tensor,
+    seq: Sequence,
+    greedy_token: int,
+    output: Seq[int] | None = None,
+    draft: int | None = None,
+) -> tuple[int, float | None]:
     """The token (and its logprob when ``seq`` asks for them) of one row of float logits, with
-    every knob of ``seq``; ``greedy_token``: the argmax of the raw row."""
+    every knob of ``seq``; ``greedy_token``: the argmax of the raw row. ``output``: the output
+    the penalties count (default ``seq.output``). ``draft``: a draft token to verify at this
+    row: a sampled row accepts it with its probability under the row's distribution, else draws
+    from that distribution without it (:func:`verify_draft`); a greedy row takes its argmax
+    as always (the caller compares)."""
     sp = seq.sampling or OFF
     raw = row
     if sp.logit_bias:
         row = apply_logit_bias(row, sp)
     if sp.penalized:
-        row = apply_penalties(row, prompt_ids(seq), seq.output, sp)
+        row = apply_penalties(row, prompt_ids(seq), seq.output if output is None else output, sp)
     if seq.temperature > 0:
         row = row / seq.temperature
         if sp.filtered:
             row = filter_logits(row, sp)
         probs = torch.softmax(row, dim=-1)
-        tok = int(torch.multinomial(probs, 1, generator=generator_of(seq)))
+        if draft is None:
+            tok = int(torch.multinomial(probs, 1, generator=generator_of(seq)))
+        else:
+            tok = _accept_or_resample(probs, draft, generator_of(seq))
     else:
         tok = int(row.argmax()) if sp.penalized or sp.logit_bias else greedy_token
     if not sp.logprobs:
@@ -303,6 +317,59 @@ def sample_row(row: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int
         values, ids = torch.topk(logp, sp.top_logprobs)
         seq.last_top = list(zip(ids.tolist(), values.tolist()))
     return tok, float(logp[tok])
+
+
+def _accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generator) -> int:
+    """Rejection sampling of a point-mass draft (Leviathan et al.): ``draft`` with probability
+    ``probs[draft]``, else a draw from ``probs`` without it, renormalized. The token's
+    distribution is ``probs`` exactly: ``P(x) = p(x)`` for the draft, and ``(1 - p(d)) * p(x) /
+    (1 - p(d)) = p(x)`` for every other ``x``."""
+    p = float(probs[draft])
+    if float(torch.rand((), generator=generator)) < p:
+        return draft
+    rest = probs.clone()
+    rest[draft] = 0.0
+    return int(torch.multinomial(rest, 1, generator=generator))
+
+
+def verify_draft(
+    rows: torch.Tensor, seq: Sequence, draft: Seq[int]
+) -> tuple[list[tuple[int, float | None]], list[list[tuple[int, float]] | None], int]:
+    """The tokens ``seq`` keeps of one speculative step: ``rows`` (``[len(draft) + 1,
+    vocab]``) are the logits after its last token and after each draft token. Row ``j`` gives
+    the token at draft position ``j`` exactly as a decode step would (every knob of the request,
+    the penalties counting the tokens kept before it): greedy, its argmax, which accepts the
+    draft where they are equal; sampled, rejection sampling with the request's own generator
+    (:func:`_accept_or_resample`). The first token that differs from its draft (or the token
+    after the last draft) ends the list; so does a stop token or the request's length.
+
+    Returns ``(token, logprob)`` per kept token, each token's ``top_logprobs`` alternatives
+    (None where not asked), and how many drafts were accepted. A row holding NaN raises
+    ``ValueError``."""
+    best, nan_rows = greedy_rows(rows)
+    plain = seq.sampling is None
+    output = list(seq.output)
+    items: list[tuple[int, float | None]] = []
+    tops: list[list[tuple[int, float]] | None] = []
+    room = seq.remaining_new_tokens
+    accepted = 0
+    for j in range(len(draft) + 1):
+        if j in nan_rows:
+            raise ValueError(f"the model's logits for request {seq.id} hold NaN")
+        d = draft[j] if j < len(draft) else None
+        if plain and seq.temperature == 0:
+            tok, lp = best[j], None
+        else:
+            tok, lp = sample_row(rows[j].float().cpu(), seq, best[j], output, d)
+        items.append((tok, lp))
+        tops.append(seq.last_top)
+        if d is None or tok != d:
+            break
+        accepted += 1
+        output.append(tok)
+        if tok in seq.stop or len(items) >= room:
+            break
+    return items, tops, accepted
 
 
 def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -82,6 +82,18 @@ class Sampling:
 OFF = Sampling()
 
 
+@dataclass
+class DraftState:
+    """One request's speculative drafting (:mod:`radixkv.engine.speculative`): its next
+    draft's length, its drafts in a row that had none accepted, the steps left in its pause
+    and the pauses so far (each twice as long as the one before)."""
+
+    k: int
+    misses: int = 0
+    pause: int = 0
+    pauses: int = 0
+
+
 class Status(enum.Enum):
     """Where a sequence is in its life."""
 
@@ -238,6 +250,10 @@ class Sequence:
     retain: float = 0.0
     cache_class: int = 0
     retention: int | None = None
+    #: Speculative decoding: the draft tokens this step computes after its token (set by the
+    #: engine, cut by the batcher; empty: none), and its drafter's state.
+    draft: list[int] = field(default_factory=list, repr=False)
+    spec: DraftState | None = field(default=None, repr=False)
 
     @property
     def target(self) -> np.ndarray:

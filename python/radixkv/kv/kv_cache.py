@@ -805,21 +805,35 @@ class KVCache:
             events = self._apply_copies(overlap=True)[1]
         return Step(self, requests, plan, copy_events=events)
 
-    def commit(self, step: Step) -> None:
+    def commit(self, step: Step, num_computed: list[int] | None = None) -> None:
         """Marks the KV of every token planned in ``step`` as written (publishing full pages).
         One call into Rust for the whole step (``commit_many``: all requests or none). A stale
         step (committed already, or a request changed since it was planned) raises
-        :class:`radixkv.StaleStepError` and commits nothing."""
+        :class:`radixkv.StaleStepError` and commits nothing. ``num_computed``: each request's
+        count to commit instead of all it planned (a speculative step commits a request's
+        drafts once they are verified: :meth:`settle`)."""
         if step.kv is not self:
             raise ValueError("step was planned by another KVCache")
         step.check_current()
+        counts = step.kv_len_list if num_computed is None else num_computed
         if self.shared is None:
-            self.cache.commit_many(step.requests, step.kv_len_list)
+            self.cache.commit_many(step.requests, counts)
             return
         starts = [r.num_computed for r in step.requests]
-        self.cache.commit_many(step.requests, step.kv_len_list)
+        self.cache.commit_many(step.requests, counts)
         # The pages this step completed go to the shared store, behind the request.
-        self.shared.publish(step.requests, starts, step.kv_len_list)
+        self.shared.publish(step.requests, starts, counts)
+
+    def settle(self, req: radixkv.Request, num_computed: int) -> None:
+        """After a speculative step: commits ``req`` up to ``num_computed`` tokens (its verified
+        ones; publishing the full pages they complete, to the shared tier too) and gives back
+        the rest of what the step planned (``cache.truncate``: the rejected drafts, whose slots
+        the next step writes again)."""
+        start = req.num_computed
+        self.cache.commit(req, num_computed)
+        if self.shared is not None:
+            self.shared.publish([req], [start], [num_computed])
+        self.cache.truncate(req, num_computed)
 
     def __repr__(self) -> str:
         return (

@@ -188,6 +188,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "caching on)",
     )
     p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        metavar="JSON",
+        help="speculative decoding without a draft model, vLLM's flag and keys: "
+        '\'{"method": "ngram" | "suffix", "num_speculative_tokens": K}\' (and '
+        "prompt_lookup_min/max); ngram drafts from the request's own tokens, suffix first "
+        "from what the cache holds after them in the request's namespace (an earlier reply, "
+        "a retried request); greedy text is unchanged (default: off)",
+    )
+    p.add_argument(
         "--tenant-header",
         default=None,
         metavar="NAME",
@@ -370,6 +381,11 @@ def check_before_loading(args: argparse.Namespace) -> None:
             "directory or a .gguf file"
         )
     args.chat_template_text = chat_template_of(getattr(args, "chat_template", None))
+    if getattr(args, "speculative_config", None) and getattr(args, "window_pages", 0):
+        raise UsageError(
+            "--speculative-config with --window-pages is not supported in this version: a "
+            "window pool cannot give rejected drafts back"
+        )
     check_tensor_parallel(args)
     check_cache_dir(args)
     if args.device is not None:
@@ -427,6 +443,7 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
     for option, why in (
         ("cache_dir", "each rank would read and write a directory of its own"),
         ("shared_store", "each rank's pages would need keys of their own"),
+        ("speculative_config", "the ranks would need rank 0's drafts replayed"),
     ):
         if getattr(args, option, None):
             raise UsageError(
@@ -451,6 +468,17 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
             f"{flag}: one CUDA device per rank is needed, this machine has "
             f"{torch.cuda.device_count()}"
         )
+
+
+def speculative_config(text: str) -> Any:
+    """An argparse ``type``: ``--speculative-config``'s JSON checked
+    (:class:`radixkv.spec_config.SpecConfig`)."""
+    from radixkv.spec_config import SpecConfig
+
+    try:
+        return SpecConfig.of(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def keep_alive_bound(text: str) -> tuple[str | None, float]:

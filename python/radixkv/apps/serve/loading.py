@@ -114,6 +114,7 @@ def make_engine(args: argparse.Namespace, on_cache=None):
             tokenizer=tokenizer,
             disk_dir=getattr(args, "cache_dir", None),
             on_mismatch=getattr(args, "on_cache_mismatch", "error"),
+            speculative=getattr(args, "speculative_config", None),
             **shared,
             # The ranks compare their sampled tokens every step (an all-gather of three
             # integers): a rank that sampled otherwise stops the server, not garbles replies.
