@@ -107,3 +107,29 @@ def test_retain_prefix_holds_exactly_a_prefix_through_traffic():
     assert eng.cache.match_prefix(prompt, None) < cut, "released, LRU evicts it"
     assert eng.retain_prefix(ids(rng, 5), 600.0) == (None, 0), "nothing cached: no retention"
     eng.cache.check()
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((["a", "b"], 5.0), "tokens must be a 1-D sequence of ints"),
+        (([[1, 2]], 5.0), r"tokens must be a 1-D sequence of ints, got shape \(1, 2\)"),
+        (([-1, 3], 5.0), "tokens holds token id -1, outside the vocabulary"),
+        (([1, 10**6], 5.0), "tokens holds token id 1000000, outside the vocabulary"),
+        (([1, 2], 5.0, 3), "namespace must be None, a str or bytes, got 3"),
+        (([1, 2], -1.0), r"seconds must be seconds >= 0 \(or math.inf\), got -1.0"),
+        (([1, 2], "5"), r"seconds must be seconds \(a number >= 0\), got '5'"),
+        (([1, 2], 5.0, None, 99), r"cache_priority must be an eviction class in \[0, 3\]"),
+    ],
+)
+def test_retain_prefix_refuses_bad_arguments_by_name_and_changes_nothing(args, match):
+    rng = np.random.default_rng(8)
+    eng = radixkv.Engine(MODEL, MODEL.make_kv_cache(radixkv.RadixCache(100)), token_budget=256)
+    prompt = ids(rng, 30)
+    eng.generate([prompt], max_new_tokens=2, release=True)
+    before = (eng.cache.state_digest(), eng.cache.stats.used_pages, eng.cache.stats.retentions)
+    with pytest.raises(ValueError, match=match):
+        eng.retain_prefix(*args)
+    after = (eng.cache.state_digest(), eng.cache.stats.used_pages, eng.cache.stats.retentions)
+    assert after == before and after[1] == 0, "nothing pinned, nothing changed"
+    eng.cache.check()

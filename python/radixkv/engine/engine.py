@@ -583,13 +583,14 @@ class Engine:
             params = dataclasses.replace(params, retain=keep[0], cache_class=keep[1])
         return arr, params
 
-    def _check_keep(self, retain, cache_priority) -> tuple[float, int] | None:
-        """``retain`` and ``cache_priority`` checked (None: both off)."""
+    def _check_keep(self, retain, cache_priority, name: str = "retain") -> tuple[float, int] | None:
+        """``retain`` (the argument ``name``) and ``cache_priority`` checked (None: both
+        off)."""
         if isinstance(retain, bool) or not isinstance(retain, (int, float, np.number)):
-            raise ValueError(f"retain must be seconds (a number >= 0), got {retain!r}")
+            raise ValueError(f"{name} must be seconds (a number >= 0), got {retain!r}")
         retain = float(retain)
         if math.isnan(retain) or retain < 0:
-            raise ValueError(f"retain must be seconds >= 0 (or math.inf), got {retain}")
+            raise ValueError(f"{name} must be seconds >= 0 (or math.inf), got {retain}")
         cls = _as_int(
             cache_priority,
             "cache_priority",
@@ -1025,8 +1026,10 @@ class Engine:
         queries and hits as the admission it is. Between steps: with a group, on rank 0, and
         the other ranks retain theirs before the next step."""
         self._lead("retain_prefix")
-        arr = np.asarray(tokens, dtype=np.int64)
-        keep = self._check_keep(seconds, cache_priority)
+        # every argument checked before anything is recorded for the other ranks or ticked
+        arr = to_token_array(tokens, "tokens", self.vocab_size, allow_empty=True)
+        _check_namespace(namespace)
+        keep = self._check_keep(seconds, cache_priority, "seconds")
         if keep is None or len(arr) == 0 or not self.prefix_caching:
             return None, 0
         now = time.monotonic() - self._t0  # the retention runs from now, not the last step
@@ -1678,6 +1681,15 @@ def _as_int(value, name: str, lo: int, hi: int, what: str) -> int:
     return v
 
 
+def _check_namespace(namespace) -> None:
+    """``ValueError`` naming ``namespace`` unless it is None, a str or bytes."""
+    if namespace is not None and not isinstance(namespace, (str, bytes)):
+        raise ValueError(
+            f"namespace must be None, a str or bytes, got {namespace!r} "
+            f"({type(namespace).__name__})"
+        )
+
+
 def _check_params(
     max_new_tokens,
     temperature,
@@ -1717,11 +1729,7 @@ def _check_params(
     stops = frozenset(
         _as_int(tok, name, 0, vocab_size - 1, f"token ids in [0, {vocab_size})") for tok in stop
     )
-    if namespace is not None and not isinstance(namespace, (str, bytes)):
-        raise ValueError(
-            f"namespace must be None, a str or bytes, got {namespace!r} "
-            f"({type(namespace).__name__})"
-        )
+    _check_namespace(namespace)
     what = "an int in [0, 2**63)"
     if num_seeds > 1:
         what = f"an int in [0, 2**63 - {num_seeds}] (branch i uses seed + i)"
