@@ -353,12 +353,17 @@ def test_the_real_model_edits_code_as_plain_decoding_does(smollm2):
         shaped = eng.submit(prompt, max_new_tokens=12, grammar=SHAPE) if grammar else None
         r = eng.run([edit])[0]
         eng.cache.check()
-        runs[method] = r, eng.stats, shaped and eng.run([shaped])[0].output
+        # What the index holds after the tokens the client received (the last one sampled,
+        # never computed): nothing, so no accepted draft past the stop string was published.
+        seen = np.asarray([*prompt, *r.output[:-1]], dtype=np.uint32)
+        held = eng.cache.continuation(seen, 8).tolist()
+        runs[method] = r, eng.stats, shaped and eng.run([shaped])[0].output, held
     plain = runs[None][0]
     assert plain.finish_reason == "stop" and "perimeter" not in plain.text
     for method in ("ngram", "suffix"):
-        r, st, shaped_output = runs[method]
+        r, st, shaped_output, held = runs[method]
         assert shaped_output == runs[None][2]
+        assert held == runs[None][3] == [], (method, held)
         assert r.output == plain.output and r.text == plain.text
         assert r.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
         assert st.spec_accepted_tokens >= len(r.output) // 4, (method, st)
