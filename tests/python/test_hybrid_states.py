@@ -260,6 +260,34 @@ def test_recognised_states_are_the_shapes_the_cache_holds(model):
             assert (tuple(rec.shape[1:]), rec.dtype) == (layer.recurrent.shape, torch.float32)
 
 
+def test_recognised_dtypes_in_a_bf16_model(family):
+    """The conv state is kept in the model's dtype, the recurrent state in float32."""
+    model = build(family).to(torch.bfloat16)
+    cache = _prefill(model, prompt()[:, :PREFIX])
+    for layer in _hybrid.recurrent_layers(model):
+        held = cache.layers[layer.layer]
+        assert held.conv_states[0].dtype == layer.conv.dtype == torch.bfloat16
+        if layer.recurrent is not None:
+            assert held.recurrent_states[0].dtype == layer.recurrent.dtype == torch.float32
+
+
+def test_a_batch_reads_into_and_restores_from_the_slots_named(family, model):
+    ids = torch.cat([prompt(seed=4), prompt(seed=5)])
+    layers = _hybrid.recurrent_layers(model)
+    pool = StatePool(_hybrid.state_specs(model), 4)
+    cache = _prefill(model, ids[:, :PREFIX])
+    _hybrid_cache.read_states(cache, layers, pool, [3, 1])
+    kv = _kv(cache)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[:, PREFIX:]
+        # Rows swapped: row 0 restores slot 1 (the second prompt's state) and row 1 slot 3.
+        swapped = [(i, k.flip(0), v.flip(0)) for i, k, v in kv]
+        restored = _hybrid_cache.restore_cache(model, layers, pool, [1, 3], PREFIX, swapped)
+        got = _hybrid_cache.forward_suffix(model, restored, ids.flip(0)[:, PREFIX:], PREFIX, layers)
+    err = (got - full.flip(0)).abs().max().item()
+    assert err <= 4 * TOLERANCE[family], f"max |logit error| {err:.3g}"
+
+
 def test_a_suffix_from_a_restored_slot_matches_the_full_forward(family, model):
     ids = prompt()
     pool, kv = _snapshot(model, ids)
@@ -354,6 +382,27 @@ def test_a_stepwise_suffix_longer_than_a_piece_is_exact(family, model, monkeypat
         full = model(input_ids=ids).logits[:, PREFIX:]
     err = (_suffix_logits(model, pool, 0, kv, ids) - full).abs().max().item()
     assert err <= TOLERANCE[family]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5"], indirect=True)
+def test_bad_restores_and_reads_are_refused_naming_the_value(model):
+    ids = prompt()
+    pool, kv = _snapshot(model, ids)
+    layers = _hybrid.recurrent_layers(model)
+    with pytest.raises(ValueError, match="num_tokens must be a positive int, got 0"):
+        _hybrid_cache.restore_cache(model, layers, pool, [0], 0, kv)
+    with pytest.raises(ValueError, match=f"KV holds {PREFIX} tokens, not {PREFIX + 1}"):
+        _hybrid_cache.restore_cache(model, layers, pool, [0], PREFIX + 1, kv)
+    with pytest.raises(IndexError, match="slot 4 is outside"):
+        _hybrid_cache.restore_cache(model, layers, pool, [4], PREFIX, kv)
+    before = pool.tensor(layers[0].layer, "conv").clone()
+    with pytest.raises(ValueError, match=r"expected \(2, "):
+        _hybrid_cache.read_states(_prefill(model, ids), layers, pool, [0, 1])
+    with pytest.raises(ValueError, match="no conv state for layer"):
+        _hybrid_cache.read_states(transformers.DynamicCache(config=model.config), layers, pool, [0])
+    with pytest.raises(ValueError, match="not a recurrent layer's cache"):
+        _hybrid_cache.read_states(transformers.DynamicCache(), layers, pool, [0])
+    assert torch.equal(pool.tensor(layers[0].layer, "conv"), before)
 
 
 def test_the_engine_refuses_a_hybrid_saying_what_is_missing(model):

@@ -41,7 +41,8 @@ STEPWISE_TOKENS = 64
 
 
 def _linear(cache: Any, layer: RecurrentLayer) -> Any:
-    cache_layer = cache.layers[layer.layer]
+    held = getattr(cache, "layers", ())
+    cache_layer = held[layer.layer] if layer.layer < len(held) else None
     if not isinstance(cache_layer, LinearAttentionCacheLayerMixin):
         raise ValueError(
             f"layer {layer.layer} of the cache is a {type(cache_layer).__name__}, not a "
