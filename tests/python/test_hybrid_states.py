@@ -393,6 +393,8 @@ def test_bad_restores_and_reads_are_refused_naming_the_value(model):
         _hybrid_cache.restore_cache(model, layers, pool, [0], 0, kv)
     with pytest.raises(ValueError, match=f"KV holds {PREFIX} tokens, not {PREFIX + 1}"):
         _hybrid_cache.restore_cache(model, layers, pool, [0], PREFIX + 1, kv)
+    with pytest.raises(ValueError, match="kv names layer 0, which is not an attention layer"):
+        _hybrid_cache.restore_cache(model, layers, pool, [0], PREFIX, [(0, *kv[0][1:])])
     with pytest.raises(IndexError, match="slot 4 is outside"):
         _hybrid_cache.restore_cache(model, layers, pool, [4], PREFIX, kv)
     before = pool.tensor(layers[0].layer, "conv").clone()

@@ -20,7 +20,10 @@ transformers' own past-recording mode with ``recurrent_states_to_keep = T``: the
 steps every token of the suffix through its single-token update from the cached state, inside one
 forward (the attention and MLP layers still run the suffix at once). That keeps ``T`` copies of
 each such layer's state until the forward ends, so the suffix is run in pieces of at most
-:data:`STEPWISE_TOKENS` tokens.
+:data:`STEPWISE_TOKENS` tokens. Measured on one CPU thread (a 4-layer Jamba, hidden 256, 64 cached
+tokens): 0.9x, 1.15x and 1.24x the time of the inexact multi-token forward for suffixes of 16, 64
+and 256 tokens, where one model forward a token costs 5.6x, 13x and 20x. On a GPU with
+``mamba_ssm``'s fused scan the stepped path gives up that kernel for these layers (not measured).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
-from radixkv.hf._hybrid import RecurrentLayer, family
+from radixkv.hf._hybrid import ATTENTION_LAYER_TYPES, RecurrentLayer, family
 from radixkv.kv.state_pool import Slots, StatePool
 
 #: The most tokens one forward steps through a stepwise family's module (see the module doc).
@@ -97,7 +100,10 @@ def restore_cache(
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
     idx = pool.slots(slots)
+    types = list(model.config.layer_types)
     for layer_index, keys, values in kv:
+        if not 0 <= layer_index < len(types) or types[layer_index] not in ATTENTION_LAYER_TYPES:
+            raise ValueError(f"kv names layer {layer_index}, which is not an attention layer")
         if keys.shape[-2] != num_tokens or values.shape[-2] != num_tokens:
             raise ValueError(
                 f"layer {layer_index}'s KV holds {keys.shape[-2]} tokens, not {num_tokens}"
@@ -122,7 +128,8 @@ def restore_cache(
         cache_layer.has_previous_state[0] = True
         cache_layer.cumulative_length_linear.fill_(num_tokens)
     for layer_index, keys, values in kv:
-        cache.layers[layer_index].update(keys.to(device), values.to(device))
+        attention: Any = cache.layers[layer_index]
+        attention.update(keys.to(device), values.to(device))
     return cache
 
 
