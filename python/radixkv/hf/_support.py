@@ -27,6 +27,7 @@ import torch
 import transformers
 from transformers import AttentionInterface
 
+from radixkv.hf import _hybrid
 from radixkv.kv.kv_cache import DTYPES
 
 #: The name radixkv's attention function is registered under in transformers.
@@ -335,6 +336,21 @@ def rope_types(model: Any) -> set[str]:
     return found
 
 
+def _hybrid_note(model: Any) -> str:
+    """What radixkv knows of a hybrid ``model``'s recurrent layers and what it still lacks to
+    serve them, as the tail of check_model's refusal; empty for a model with none."""
+    if not _hybrid.is_hybrid(model):
+        return ""
+    try:
+        known = _hybrid.describe(model)
+    except ValueError as e:
+        return f"; {e}"
+    return (
+        f"; recognised as {known}, but radixkv.hf.engine does not hold recurrent state yet "
+        "(the state pool and the index's snapshots are not wired into the engine)"
+    )
+
+
 def check_model(model: Any) -> ModelSpec:
     """The :class:`ModelSpec` of ``model``, a transformers causal LM every layer of which uses
     causal self-attention, full or through a sliding window (softcapped or with sinks as Gemma
@@ -366,7 +382,7 @@ def check_model(model: Any) -> ModelSpec:
             raise ValueError(
                 f"{name} has {', '.join(repr(t) for t in other)} layers (config.layer_types): "
                 "radixkv.hf serves full and sliding-window causal attention layers only "
-                f"({', '.join(SERVED_LAYER_TYPES)})"
+                f"({', '.join(SERVED_LAYER_TYPES)}){_hybrid_note(model)}"
             )
     window = getattr(config, "sliding_window", None)
     windowed = bool(
