@@ -1,4 +1,4 @@
-"""Random operation sequences against the pure-Python reference models (tests/reference.py).
+"""Random operation sequences against the pure-Python reference models (support/reference.py).
 
 Each state machine drives a real cache and its reference model side by side through every
 operation (admit, extend, commit, fork, finish, abort, match_prefix, evict, reset, misuse of a

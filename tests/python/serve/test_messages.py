@@ -21,8 +21,10 @@ from radixkv.hf._load import _converted, smollm2_path  # noqa: E402
 
 KEY = "sk-test"
 PAGES = 400
-#: --max-keep-alive: the bound a breakpoint's TTL ("5m") is cut to, so that the test sees it end
-TTL = 30.0
+#: --max-keep-alive: the bound a breakpoint's TTL ("5m") is cut to, so that the test sees it end.
+#: The breakpoint test waits it out; the pressure it must outlast takes about 2 s here (the test
+#: fails, saying so, if the pressure ever outlasts it).
+TTL = 10.0
 
 
 @pytest.fixture(scope="module")
