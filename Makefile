@@ -56,8 +56,8 @@ test-python: $(EXT)
 # The oldest Python pyproject.toml claims (requires-python), without torch: the abi3 wheel built
 # once, installed into a throwaway venv of that Python with requirements-dev.txt less torch and
 # the lint tools, then every Python test; a test module or test that imports torch is skipped
-# ("needs torch", tests/python/no_torch.py), any other failure fails. Skipped, with a line
-# saying so, where that Python is missing (python3.10 on PATH, or a pyenv 3.10).
+# ("needs torch", tests/python/support/no_torch.py), any other failure fails. Skipped, with a
+# line saying so, where that Python is missing (python3.10 on PATH, or a pyenv 3.10).
 OLDEST       := 3.10
 OLDEST_DIR   := target/oldest
 OLDEST_WHEEL := $(OLDEST_DIR)/wheels/.built
@@ -84,7 +84,7 @@ test-oldest:
 	$(OLDEST_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check \
 	    $(OLDEST_DIR)/wheels/radixkv-*.whl $$(grep -vE '^\s*(#|$$|torch\b|transformers\b|accelerate\b|ruff\b|mypy\b|fastapi\b|uvicorn\b|openai\b|gguf\b|pyyaml\b|ziglang\b)' requirements-dev.txt); \
 	cd $(OLDEST_DIR) && venv/bin/python -c 'import sys, radixkv; assert "torch" not in sys.modules; print(sys.version, radixkv.__file__)'; \
-	cd $(CURDIR) && PYTHONPATH=tests/python $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
+	cd $(CURDIR) && PYTHONPATH=tests/python/support $(OLDEST_DIR)/venv/bin/python -m pytest -q -p no_torch -p no:cacheprovider -rs tests/python
 
 # The built wheel as a user installs it (tests/wheel, which test-python does not collect): a fresh
 # venv (no system site-packages) that sees only the installed packages of the closure of what the

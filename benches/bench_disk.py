@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "python"))
+sys.path.insert(0, str(ROOT / "tests" / "python" / "support"))
 sys.path.insert(0, str(ROOT / "benches"))
 
 import numpy as np  # noqa: E402
@@ -100,7 +100,7 @@ def turn(port: int, messages: list[dict], max_tokens: int) -> tuple[str, float, 
 
 def restart(args, work: Path) -> None:
     from bench_serve import system_prompt, tool_output
-    from test_serve import free_port
+    from serve_process import free_port
 
     turns, tools, lines, max_tokens = (1, 4, 4, 4) if args.quick else (3, 12, 12, 12)
     messages = [

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python" / "support"))
 
 import torch
 
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if smollm2_path() is None:
         print(f"bench_serve: skipped: the real model is not installed: {SMOLLM2_INSTALL}")
         return 0
-    from test_serve import Server
+    from serve_thread import Server
 
     torch.set_num_threads(args.threads)
     sessions, turns, max_tokens, tool_lines, tools, repeats = (

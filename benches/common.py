@@ -7,8 +7,8 @@ pays, PyO3 boundary included. Every figure is the median of several repeats of a
 warm-up, with the garbage collector off and the process pinned to one core when the OS allows.
 Each figure is set against baselines measured in the same run:
 
-- ``ref``: the pure-Python reference models (``tests/python/reference.py``) doing the same work,
-  as a speed-up (``ref / radixkv``). Skipped with a note when the module is missing.
+- ``ref``: the pure-Python reference models (``tests/python/support/reference.py``) doing the
+  same work, as a speed-up (``ref / radixkv``). Skipped with a note when the module is missing.
 - ``no cache``: the same loop with nothing cached (a miss: every page allocated and freed), or
   with the cache reset before every admission for the traces, as a ratio (``radixkv / no cache``).
 - ``core`` (only with ``--core-from-criterion``): the Rust core alone, read from the last
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MOONCAKE = ROOT / "benches" / "data" / "mooncake_conversation_trace.jsonl.gz"
 MOONCAKE_BLOCK = 512  # tokens per hash id of the trace
 CRITERION = ROOT / "target" / "criterion"
-REFERENCE = ROOT / "tests" / "python" / "reference.py"
+REFERENCE = ROOT / "tests" / "python" / "support" / "reference.py"
 
 CLOCKS = {"wall": time.perf_counter_ns, "thread": time.thread_time_ns}
 
@@ -386,7 +386,7 @@ class Targets:
 
 
 def load_reference() -> Any:
-    """``tests/python/reference.py``, or None (with a note) when it is missing or does not
+    """``tests/python/support/reference.py``, or None (with a note) when it is missing or does not
     import."""
     path = REFERENCE
     if not path.exists():

@@ -71,9 +71,9 @@ step() {
     } >>"$OUTDIR/summary.txt"
 }
 
-CUDA_TESTS="tests/triton tests/python/test_attention.py tests/python/test_attention_backends.py
-    tests/python/test_attention_choice.py tests/python/test_host_tier.py
-    tests/python/test_hf_engine.py tests/python/test_model_cache.py"
+CUDA_TESTS="tests/triton tests/python/kv/test_attention.py tests/python/kv/test_attention_backends.py
+    tests/python/kv/test_attention_choice.py tests/python/kv/test_host_tier.py
+    tests/python/hf/test_hf_engine.py tests/python/models/test_paged_forward.py"
 if [ "$DRY" -eq 0 ]; then
     # shellcheck disable=SC2086
     step cuda_tests 300 "$PY" -m pytest -q -m cuda $CUDA_TESTS

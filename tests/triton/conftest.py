@@ -5,28 +5,11 @@ process of their own). Without either, every test here is skipped, saying how to
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-# The shared helpers of the torch-layer tests (tiny_model, test_attention, hf_models).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-
-
-def _device() -> str | None:
-    import torch
-
-    from radixkv.kv.backends.choice import interpreted
-
-    if interpreted():
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    return None
-
-
-DEVICE = _device()
+from triton_device import DEVICE
 
 
 def pytest_collection_modifyitems(config, items):

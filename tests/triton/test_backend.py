@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE
 
 import radixkv
 from test_attention import HEADS, scenario
 from test_attention_backends import windowed_decode
 from tiny_model import CACHES, dense_greedy, ids, tiny_model
+from triton_device import DEVICE
 
 pytestmark = pytest.mark.cuda
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE
 
 import radixkv
 from radixkv.engine.graphs import buckets
 from tiny_model import dense_greedy, ids, tiny_model
+from triton_device import DEVICE
 
 pytestmark = pytest.mark.cuda
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE
+
+from triton_device import DEVICE
 
 pytestmark = pytest.mark.cuda
 

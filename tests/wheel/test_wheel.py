@@ -21,9 +21,10 @@ Two choices of the set-up, and why:
   Python 3.12's venvs come without it.
 - The converted model is read from this process's model cache (``$RADIXKV_MODEL_CACHE``, which
   the Makefile sets, or ``~/.cache/radixkv/models``), so the GGUF file is converted at most once
-  (a conversion writes about 500 MB): ``tests/python/test_extras.py`` runs that conversion with
-  only an extra's packages. A cached model would hide a ``[serve]`` that lacks what reading the
-  GGUF file needs (``GGUF_NEEDS``: gguf, accelerate), so the venv is asked for those by name.
+  (a conversion writes about 500 MB): ``tests/python/project/test_extras.py`` runs that
+  conversion with only an extra's packages. A cached model would hide a ``[serve]`` that lacks
+  what reading the GGUF file needs (``GGUF_NEEDS``: gguf, accelerate), so the venv is asked for
+  those by name.
 
 What it does not cover: packages that no installed distribution of this machine provides (the
 closure would lack them and pip would fail here, where a user's pip would fetch them), and
@@ -41,8 +42,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))  # the shared helpers
 
 WHEEL = os.environ.get("RADIXKV_WHEEL", "")
 if not WHEEL:
@@ -65,7 +64,7 @@ from radixkv.hf._load import (  # noqa: E402
     model_cache_dir,
     smollm2_path,
 )
-from test_serve import free_port  # noqa: E402
+from serve_process import free_port  # noqa: E402
 
 if smollm2_path() is None:
     pytest.skip(f"the real model is not installed: {SMOLLM2_INSTALL}", allow_module_level=True)

@@ -1,0 +1,273 @@
+"""OpenAI's Responses API through the real ``radixkv serve`` on the real model, driven by the
+official ``openai`` client (``client.responses``, its stream helper) and an ``openai-agents``
+agent: a conversation chained by ``previous_response_id`` reuses the cache turn by turn and
+says what chat completions say for it whole; stored responses are per tenant and bounded;
+malformed items are 400s naming the field. One server for the module (a tenant header, three
+stored responses at most)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+import serve_process  # noqa: E402
+
+openai = serve_process.needs_real_server()
+
+TENANT = "X-Tenant"
+STORED = 3
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    args = ["--num-pages", "2048", "--served-model-name", "m", "--tenant-header", TENANT]
+    return served(*args, "--max-stored-responses", str(STORED)).url
+
+
+def client(url, tenant="a"):
+    return openai.OpenAI(
+        base_url=url + "/v1",
+        api_key="none",
+        max_retries=0,
+        default_headers={TENANT: tenant},
+    )
+
+
+GREEDY = dict(model="m", temperature=0, max_output_tokens=8)
+TURNS = ["Name a fruit.", "Name another one.", "And a vegetable?", "Which is the sweetest?"]
+
+
+def test_a_chain_by_previous_response_id_is_the_cached_conversation(url):
+    """Four turns by ``previous_response_id``: each later turn finds the previous turn's
+    prompt and output cached (all but its last sampled token, whose KV no step computed), and
+    each reply is the one chat completions gives the whole conversation (greedy)."""
+    c = client(url, "chain")
+    previous, prior_total, messages = None, None, []
+    for turn, text in enumerate(TURNS):
+        r = c.responses.create(input=text, previous_response_id=previous, **GREEDY)
+        assert r.status in ("completed", "incomplete") and r.output_text
+        messages.append({"role": "user", "content": text})
+        whole = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=8)
+        assert r.output_text == whole.choices[0].message.content, turn
+        assert r.usage.input_tokens == whole.usage.prompt_tokens, "the same prompt"
+        if prior_total is not None:
+            cached = r.usage.input_tokens_details.cached_tokens
+            assert cached >= prior_total - 1, (turn, cached, prior_total)
+        messages.append({"role": "assistant", "content": r.output_text})
+        previous, prior_total = r.id, r.usage.total_tokens
+
+
+def test_instructions_are_this_responses_only(url):
+    c = client(url, "instr")
+    first = c.responses.create(input="Hi.", instructions="Answer in French.", **GREEDY)
+    second = c.responses.create(input="Bye.", previous_response_id=first.id, **GREEDY)
+    conversation = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Bye."},
+    ]
+    whole = c.chat.completions.create(model="m", messages=conversation, max_tokens=8)
+    assert second.usage.input_tokens == whole.usage.prompt_tokens, "no system message carried"
+
+
+def test_a_response_id_is_its_tenants_alone(url):
+    a, b = client(url, "tenant-a"), client(url, "tenant-b")
+    r = a.responses.create(input="Hello.", **GREEDY)
+    assert a.responses.retrieve(r.id).output_text == r.output_text
+    with pytest.raises(openai.NotFoundError):
+        b.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        b.responses.create(input="Go on.", previous_response_id=r.id, **GREEDY)
+    assert "previous_response_id" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.delete(r.id)
+    a.responses.delete(r.id)  # its own tenant's
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(r.id)
+
+
+def test_a_chain_is_stored_turn_by_turn(url):
+    """Each stored response holds its own turn and a link to the one before: the chain is
+    rebuilt from the links, and one whose earlier response was deleted cannot go on."""
+    c = client(url, "links")
+    first = c.responses.create(input="Name a colour.", **GREEDY)
+    second = c.responses.create(input="Another.", previous_response_id=first.id, **GREEDY)
+    third = c.responses.create(input="And one more.", previous_response_id=second.id, **GREEDY)
+    assert third.usage.input_tokens_details.cached_tokens >= second.usage.total_tokens - 1
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(input="Go on.", previous_response_id=third.id, **GREEDY)
+    assert "previous_response_id" in str(e.value)
+
+
+def test_the_store_keeps_the_newest_within_its_bound(url):
+    c = client(url, "bound")
+    ids = [c.responses.create(input=f"Say {k}.", **GREEDY).id for k in range(STORED + 1)]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(ids[0])
+    assert c.responses.retrieve(ids[-1]).id == ids[-1]
+    metrics = httpx.get(url + "/metrics").text
+    dropped = [
+        ln for ln in metrics.splitlines() if ln.startswith("radixkv_responses_dropped_total")
+    ]
+    assert dropped and float(dropped[0].split()[-1]) >= 1, metrics[-2000:]
+
+
+@pytest.mark.parametrize(
+    "item, field",
+    [
+        ({"type": "function_call", "name": "f", "arguments": "{}"}, "input.0.call_id"),
+        ({"type": "function_call_output", "output": "x"}, "input.0.call_id"),
+        ({"role": "robot", "content": "x"}, "input.0.role"),
+        ({"role": "user", "content": [{"type": "input_image"}]}, "input.0.content.0.type"),
+        ({"type": "web_search_call"}, "input.0.type"),
+    ],
+)
+def test_a_malformed_item_is_a_400_naming_its_field(url, item, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).responses.create(input=[item], **GREEDY)
+    assert e.value.body["param"] == field and field in e.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"text": {"format": "json"}}, "text.format"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"background": True}, "background"),
+        ({"instructions": 3}, "instructions"),
+    ],
+)
+def test_a_malformed_field_is_a_400_naming_it(url, extra, field):
+    r = httpx.post(url + "/v1/responses", json={"input": "Hi", **extra}, headers={TENANT: "a"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+YES_NO = {
+    "type": "json_schema",
+    "name": "answer",
+    "schema": {
+        "type": "object",
+        "properties": {"yes": {"type": "boolean"}},
+        "required": ["yes"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+def test_the_stream_parses_with_the_sdks_helper(url):
+    c = client(url, "stream")
+    ask = dict(model="m", temperature=0, max_output_tokens=16, text={"format": YES_NO})
+    whole = c.responses.create(input="Is the sky blue? Answer in JSON.", **ask)
+    with c.responses.stream(input="Is the sky blue? Answer in JSON.", **ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    assert final.output_text == whole.output_text and "yes" in json.loads(final.output_text)
+    assert final.usage.input_tokens_details.cached_tokens > 0, "the same prompt again"
+    assert c.responses.retrieve(final.id).output_text == final.output_text
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_a_function_call_round_trip_streamed(url):
+    c = client(url, "tools")
+    ask = dict(model="m", temperature=0, max_output_tokens=32, tools=[WEATHER])
+    stream = c.responses.create(
+        input="Weather in Paris?", tool_choice="required", stream=True, **ask
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    done = events[-1].response
+    [call] = [item for item in done.output if item.type == "function_call"]
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    after = c.responses.create(input=[result], previous_response_id=done.id, **ask)
+    assert (
+        after.output and after.usage.input_tokens_details.cached_tokens >= done.usage.input_tokens
+    )
+
+
+def test_an_agents_sdk_agent_runs_through_responses(url):
+    """An ``openai-agents`` agent with two function tools on the real model: its first step
+    must call a tool (``tool_choice="required"``; SmolLM2 calls them poorly unforced), the SDK
+    runs it and sends the result back, every later step finds the steps before cached, and
+    the run ends (an answer, or the turn limit)."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    ran: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        ran.append(f"weather {city}")
+        return "Sunny, 21 C"
+
+    @agents.function_tool
+    def get_time(city: str) -> str:
+        """The local time in a city."""
+        ran.append(f"time {city}")
+        return "14:00"
+
+    api = openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key="none", max_retries=0, default_headers={TENANT: "agent"}
+    )
+    agent = agents.Agent(
+        name="assistant",
+        instructions="Answer with the tools' results.",
+        tools=[get_weather, get_time],
+        model=agents.OpenAIResponsesModel(model="m", openai_client=api),
+        # a reply cut by max_tokens is "incomplete", which the SDK raises for: replies end
+        # at the first full stop instead (radixkv's stop, sent as an extra)
+        model_settings=agents.ModelSettings(
+            tool_choice="required", temperature=0, max_tokens=64, extra_body={"stop": ["."]}
+        ),
+    )
+
+    async def run():
+        try:
+            result = await agents.Runner.run(agent, "Weather in Paris?", max_turns=3)
+        except agents.MaxTurnsExceeded as e:
+            return e.run_data.raw_responses
+        return result.raw_responses
+
+    steps = asyncio.run(run())
+    assert len(steps) >= 2 and ran, "a tool ran and its result went back to the model"
+    assert any(item.type == "function_call" for item in steps[0].output)
+    for before, step in itertools.pairwise(steps):
+        cached = step.usage.input_tokens_details.cached_tokens
+        assert cached >= before.usage.input_tokens, (cached, before.usage)
+
+
+def test_prompt_cache_fields_of_chat_completions(url):
+    c = client(url)
+    ask = dict(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    r = c.chat.completions.create(
+        **ask, extra_body={"prompt_cache_key": "k1", "prompt_cache_retention": "in_memory"}
+    )
+    assert r.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as e:  # 24 h is past --max-keep-alive's 300 s
+        c.chat.completions.create(**ask, extra_body={"prompt_cache_retention": "24h"})
+    assert e.value.body["param"] == "prompt_cache_retention" and "300" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**ask, extra_body={"prompt_cache_retention": "forever"})
+    assert e.value.body["param"] == "prompt_cache_retention"
