@@ -72,8 +72,9 @@ class Tiles:
 #: within the target's shared memory, with 16-byte async copies for half types (and wgmma for
 #: sm_90's prefill). fp32 (exactness runs) takes 8 warps and 16-row tiles: 4 warps spill at
 #: head dim 128 (decode 232 bytes a thread on sm_90, prefill 9-11 KB with 64-row tiles).
-#: sm_80's half prefill takes 8 warps from head dim 128 (4 spill), and 32-key blocks at 256
-#: (69 KB of shared memory, within sm_86/89's 99 KB too); its fp32 prefill 4 warps up to 128.
+#: sm_80's half prefill takes 8 warps (4 spill), and 32-key blocks at 256 (69 KB of shared
+#: memory, within sm_86/89's 99 KB too); its fp32 prefill 4 warps up to 128. sm_100's half
+#: decode takes 3 stages up to head dim 64.
 CONFIGS: dict[tuple[int, int, int], tuple[Tiles, Tiles]] = {}
 
 #: The architectures of :data:`CONFIGS` (compute capability x 10).
@@ -86,7 +87,10 @@ for _arch in ARCHS:
     for _d in _FP32:
         CONFIGS[_arch, 16, _d] = _HALF[_d]
         CONFIGS[_arch, 32, _d] = _FP32[_d]
-CONFIGS[80, 16, 128] = (Tiles(64, 4, 2), Tiles(64, 8, 2, 64))
+for _d in (16, 32, 64, 128):  # sm_80 half prefill: 4 warps spill (16 bytes at 64, 48 at 128)
+    CONFIGS[80, 16, _d] = (_HALF[_d][0], Tiles(64, 8, 2, 64))
+    if _d <= 64:  # sm_100 half decode: 2 stages spill 8 bytes at head dim 64
+        CONFIGS[100, 16, _d] = (Tiles(64, 4, 3), _HALF[_d][1])
 CONFIGS[80, 16, 256] = (Tiles(32, 4, 2), Tiles(32, 8, 2, 64))
 for _d in (16, 32, 64, 128):  # sm_80 fp32 prefill: 8 warps spill 8 bytes at head dim 128
     CONFIGS[80, 32, _d] = (_FP32[_d][0], Tiles(32, 4, 1, 16))
