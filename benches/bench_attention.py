@@ -5,14 +5,17 @@ For each case (decode, and prefill over a cached prefix) at 8 requests x 2,048 k
 write, metadata prepared once per step as in serving, attention) over pages scattered through
 the pool. Each figure is a ratio to ``scaled_dot_product_attention`` on the same K/V held in
 one contiguous ``[B, Hkv, L, D]`` tensor, measured in the same run (lower is better; the
-baseline ms is printed). 8 query / 2 KV heads, head dim 64 by default (``--heads 32/8/128`` for
-Llama-3-8B's); flex and Triton are compiled (warmed up) before timing. Each row also gives the
-rate of the first of triton / the fastest backend: decode in GB/s of K/V read, prefill over a
-prefix in TFLOPS (4 * heads * head dim per query-key pair it sees). Targets: decode <= 1.3x on
-CPU fp32 and <= 1.1x on a GPU; prefill over a prefix <= 1.1x; on an H200 in bf16 the Triton
-kernels at >= 2.5 TB/s decoding 32 requests x 544 keys and >= 250 TFLOPS on prefill over a
-cached prefix (Llama-3-8B heads). Triton runs on CUDA (on the CPU only under
-``TRITON_INTERPRET=1``, where its figures say nothing).
+baseline ms is printed). On CUDA each time is the median of ``--repeat`` rounds of ``--calls``
+calls back to back between two CUDA events (a kernel's time, not one launch's host latency);
+on the CPU, of ``--repeat`` calls on the host clock. 8 query / 2 KV heads, head dim 64 by
+default (``--heads 32/8/128`` for Llama-3-8B's); flex and Triton are compiled (warmed up)
+before timing. Each row also gives the rate of the first of triton / the fastest backend:
+decode in GB/s of K/V read, prefill over a prefix in TFLOPS (4 * heads * head dim per
+query-key pair it sees). Targets: decode <= 1.3x on CPU fp32 and <= 1.1x on a GPU; prefill
+over a prefix <= 1.1x; on an H200 in bf16 the Triton kernels at >= 2.5 TB/s decoding 32
+requests x 544 keys and >= 250 TFLOPS on prefill over a cached prefix (Llama-3-8B heads).
+Triton runs on CUDA (on the CPU only under ``TRITON_INTERPRET=1``, where its figures say
+nothing).
 """
 
 from __future__ import annotations
@@ -31,16 +34,30 @@ from radixkv.kv import backends
 HEADS = (8, 2, 64)  # query heads, KV heads, head dim; --heads sets them
 
 
-def timeit(fn, repeat: int, device: str) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs after one warm-up."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+def timeit(fn, repeat: int, device: str, calls: int = 1) -> float:
+    """Median seconds of one call of ``fn``. On CUDA: ``repeat`` rounds of ``calls`` calls
+    back to back between two CUDA events (the host never waits inside a round, so a round is the
+    device's time, not the launch latency of one call), after one warm-up call; elsewhere,
+    ``repeat`` calls each timed on the host clock."""
+    if device.startswith("cuda"):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(max(repeat, 3)):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+        return statistics.median(times)
     fn()
-    sync()
     times = []
     for _ in range(max(repeat, 3)):
         start = time.perf_counter()
         fn()
-        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -55,7 +72,7 @@ def work(batch, length, q_len, dtype):
     return kv_bytes, 4 * pairs * hq * d
 
 
-def case(batch, length, q_len, dtype, device, names, repeat, page_size):
+def case(batch, length, q_len, dtype, device, names, repeat, page_size, calls=1):
     """One row: the baseline seconds and each backend's (seconds, ratio, groups ran)."""
     HQ, HKV, D = HEADS
     rng = np.random.default_rng(0)
@@ -99,7 +116,7 @@ def case(batch, length, q_len, dtype, device, names, repeat, page_size):
     def base():
         F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
 
-    t_base = timeit(base, repeat, device)
+    t_base = timeit(base, repeat, device, calls)
     ratios = {}
     for name, kv in kvs.items():
 
@@ -107,7 +124,7 @@ def case(batch, length, q_len, dtype, device, names, repeat, page_size):
             # What serving pays per step and layer: planning is per step, shared by layers.
             steps[name].attention(0, q, k, k)
 
-        sec = timeit(run, repeat, device)
+        sec = timeit(run, repeat, device, calls)
         ratios[name] = (sec, sec / t_base, steps[name].backends)
     for r in reqs:
         cache.finish(r)
@@ -136,7 +153,10 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--prefill", type=int, default=128, help="new tokens per request (prefill)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=5, help="rounds timed (the median is kept)")
+    p.add_argument(
+        "--calls", type=int, default=20, help="back-to-back calls a round, on CUDA (CUDA events)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--backends", default=None, help="comma-separated (default: all available)")
@@ -173,8 +193,9 @@ def main() -> None:
             for kind, q_len in (("decode", 1), ("prefill+prefix", args.prefill)):
                 q_len = min(q_len, length // 2)
                 t_base, ratios = case(
-                    batch, length, q_len, dtype, args.device, names, args.repeat, args.page_size
-                )
+                    batch, length, q_len, dtype, args.device, names, args.repeat,
+                    args.page_size, args.calls,
+                )  # fmt: skip
                 cells = []
                 for n in names:
                     _, ratio, ran = ratios[n]

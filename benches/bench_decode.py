@@ -13,11 +13,17 @@ The ratio is given of each method's best run (a shared machine's noise only ever
 2-core machine ``generate``'s own steps at 8 requests varied by 1.4x within one run) and of the
 medians; the target is read on the best runs. ``generate`` uses transformers' static cache on
 CUDA (a preallocated contiguous cache, its fastest decode) and its default dynamic cache on the
-CPU. The engine runs without prefix caching (nothing is shared between the prompts anyway), one
-pool sized for the batch. Printed per batch size: both rates (best runs), their ratios, the
-share of the engine's decode time spent outside the model's forward (planning, packing,
-sampling, commit, Python), and whether the tokens equal ``generate``'s. The last line is the
-target (>= 1.0x ``generate`` at every batch size) and whether it holds.
+CPU. The engine runs without prefix caching (nothing is shared between the prompts anyway): one
+engine per batch size, its pool sized for the batch, warmed up by one untimed run of the same
+shape (which compiles the kernels and, on CUDA, captures the batch's decode graph) and kept for
+the timed runs, so that no capture or compile lands in a rate. The forward is timed with CUDA
+events (never a host sync, and nothing recorded while a graph is being captured). Printed per
+batch size: both rates (best runs), their ratios, the share of the engine's decode time spent
+outside the model's forward or graph replay (planning, packing, sampling, commit, Python),
+whether the tokens equal ``generate``'s, and the engine's graph counters over the timed runs
+(captured / replayed / eager steps). The last lines are the graph counters of all engines and
+the target (>= 1.0x ``generate`` at every batch size) and whether it holds; on CUDA a capture
+that failed, or timed decode steps that replayed no graph, make it short whatever the rates.
 """
 
 from __future__ import annotations
@@ -37,32 +43,70 @@ except ImportError as e:  # an install without the [hf] extra: nothing to measur
     print(f"bench_decode: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
+import graph_counters
 from common import at_least_one, positive_ints, table
 
 
 class ForwardClock:
-    """Seconds spent in the model's forward (the top-level call), accumulated."""
+    """Seconds spent in the model's forward (the top-level call) and in the engine's graph
+    replays, accumulated. On CUDA each span is a pair of events recorded on the stream (no host
+    sync; read by :meth:`read`, after the run's own sync); a forward that runs while a graph
+    is being captured records nothing (an event there would join the graph)."""
 
-    def __init__(self, model: Any, device: str) -> None:
-        self.seconds = 0.0
-        self._device = device
+    def __init__(self, model: Any, eng: Any, device: str) -> None:
+        self._cuda = device.startswith("cuda")
+        self._spans: list[tuple[Any, Any]] = []
+        self._depth = 0
+        self._t: Any = None
         self._handles = [
             model.register_forward_pre_hook(self._start),
             model.register_forward_hook(self._stop),
         ]
-        self._t = 0.0
+        self._graphs = getattr(eng, "graphs", None)
+        if self._graphs is not None:
+            run = self._graphs.run
+
+            def timed(step: Any) -> Any:
+                self._start()
+                try:
+                    return run(step)
+                finally:
+                    self._stop()
+
+            self._graphs.run = timed
+
+    def _now(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     def _start(self, *_: Any) -> None:
-        sync(self._device)
-        self._t = time.perf_counter()
+        self._depth += 1
+        if self._depth == 1 and not (self._cuda and torch.cuda.is_current_stream_capturing()):
+            self._t = self._now()
 
     def _stop(self, *_: Any) -> None:
-        sync(self._device)
-        self.seconds += time.perf_counter() - self._t
+        self._depth -= 1
+        if self._depth == 0 and self._t is not None:
+            if not (self._cuda and torch.cuda.is_current_stream_capturing()):
+                self._spans.append((self._t, self._now()))
+            self._t = None
+
+    def read(self) -> float:
+        """Seconds of the spans since the last read (the caller has waited for the device)."""
+        spans, self._spans = self._spans, []
+        if self._cuda:
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return sum(b - a for a, b in spans)
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        if self._graphs is not None:
+            del self._graphs.run  # the instance attribute: the class's method again
+            self._graphs = None
 
 
 def run_generate(model: Any, prompts: torch.Tensor, new: int, static: bool) -> torch.Tensor:
@@ -76,19 +120,22 @@ def run_generate(model: Any, prompts: torch.Tensor, new: int, static: bool) -> t
     return out[:, prompts.shape[1] :]
 
 
-def run_engine(model: Any, prompts: torch.Tensor, new: int, page: int) -> list[list[int]]:
-    b, p = prompts.shape
-    pages = b * (-(-(p + new) // page)) + 8
-    eng = radixkv.hf.engine(
+def make_engine(model: Any, b: int, prompt: int, new: int, page: int) -> Any:
+    """One engine for ``b`` requests of ``prompt`` + ``new`` tokens, kept for every run."""
+    pages = b * (-(-(prompt + new) // page)) + 8
+    return radixkv.hf.engine(
         model,
         radixkv.RadixCache(pages, page_size=page),
-        token_budget=max(b * p, 256),
+        token_budget=max(b * prompt, 256),
         max_batch=b,
         prefix_caching=False,
         stop_tokens=(),
     )
+
+
+def run_engine(eng: Any, prompts: torch.Tensor, new: int) -> list[list[int]]:
     rows = prompts.cpu().numpy()
-    ids = [eng.submit(rows[i], max_new_tokens=new) for i in range(b)]
+    ids = [eng.submit(row, max_new_tokens=new) for row in rows]
     results = {r.id: r for r in eng.run(ids, release=True)}
     return [list(results[i].output) for i in ids]
 
@@ -122,14 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     warm = torch.randint(0, vocab, (2, 8), generator=gen).to(args.device)
     run_generate(model, warm, 2, static)
-    run_engine(model, warm, 2, args.page_size)
 
-    rows, ratios = [], []
+    rows, ratios, counts, timed_replays = [], [], [], []
     for b in batches:
         prompts = torch.randint(0, vocab, (b, args.prompt), generator=gen).to(args.device)
         rates: dict[str, list[float]] = {"generate": [], "engine": []}
         outside: list[float] = []
         outs: dict[str, Any] = {}
+        eng = make_engine(model, b, args.prompt, args.new, args.page_size)
+        # Warm-up of this shape: compiles, and captures the batch's graph, before any timer.
+        warm = torch.randint(0, vocab, (b, args.prompt), generator=gen).to(args.device)
+        run_engine(eng, warm, args.new)
+        before = graph_counters.counters([eng])
         for _ in range(args.repeat):
             t1, _ = timed(
                 lambda prompts=prompts: run_generate(model, prompts, 1, static), args.device
@@ -138,18 +189,17 @@ def main(argv: list[str] | None = None) -> int:
                 lambda prompts=prompts: run_generate(model, prompts, args.new, static), args.device
             )
             rates["generate"].append(b * (args.new - 1) / max(tn - t1, 1e-9))
-            clock = ForwardClock(model, args.device)
+            clock = ForwardClock(model, eng, args.device)
             try:
                 t1, _ = timed(
-                    lambda prompts=prompts: run_engine(model, prompts, 1, args.page_size),
-                    args.device,
+                    lambda eng=eng, prompts=prompts: run_engine(eng, prompts, 1), args.device
                 )
-                f1, clock.seconds = clock.seconds, 0.0
+                f1 = clock.read()
                 tn, outs["engine"] = timed(
-                    lambda prompts=prompts: run_engine(model, prompts, args.new, args.page_size),
+                    lambda eng=eng, prompts=prompts: run_engine(eng, prompts, args.new),
                     args.device,
                 )
-                fn = clock.seconds
+                fn = clock.read()
             finally:
                 clock.close()
             rates["engine"].append(b * (args.new - 1) / max(tn - t1, 1e-9))
@@ -169,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{med:.2f}x",
                 f"{100 * statistics.median(outside):.1f}%",
                 f"{same}/{b}",
+                graph_cell(before, after := graph_counters.counters([eng])),
             ]
         )
+        timed_replays.append(after["replayed"] - before["replayed"])
+        counts.append(after)
+        del eng  # its pool and graphs: the next batch size's engine gets the memory
     table(
         [
             "requests",
@@ -180,16 +234,31 @@ def main(argv: list[str] | None = None) -> int:
             "(medians)",
             "engine outside forward",
             "tokens equal",
+            "graphs timed (captured/replayed/eager)",
         ],
         rows,
     )
+    c = graph_counters.total(counts)
+    print(graph_counters.line(c, args.device, "(all engines, warm-ups included)"))
     worst = min(ratios)
     verdict = "holds" if worst >= 1.0 else "short"
+    if not graph_counters.ok(c, args.device) or (
+        args.device.startswith("cuda") and min(timed_replays) == 0
+    ):
+        verdict = "short: CUDA graphs not captured and replayed, the rates are eager ones"
     print(
         f"target: decode tokens/s >= 1.0x model.generate at every batch size: worst "
         f"{worst:.2f}x ({verdict})"
     )
     return 0
+
+
+def graph_cell(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The graph counters of the timed runs of one engine: captured/replayed/eager (or off)."""
+    if after["on"] == 0:
+        return "off"
+    cell = "/".join(str(after[k] - before[k]) for k in ("captured", "replayed", "eager"))
+    return cell + (" FAILED" if after["failed"] else "")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import logging
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -46,6 +46,7 @@ except ImportError as e:  # an install without the [hf] extra: nothing to measur
     print(f"bench_hf: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
+import graph_counters
 from common import table
 
 
@@ -156,9 +157,13 @@ class Prefix:
 class EngineRun:
     """:func:`radixkv.hf.engine`: radixkv's engine and paged attention."""
 
+    #: Every engine made (their CUDA graph counters are printed at the end).
+    made: ClassVar[list[Any]] = []
+
     def __init__(self, model, args, tokens: int) -> None:
         cache = radixkv.RadixCache(tokens, page_size=1)
         self.eng, self.args = radixkv.hf.engine(model, cache, token_budget=tokens), args
+        EngineRun.made.append(self.eng)
 
     def turn(self, prompt: np.ndarray) -> tuple[float, list[int], int]:
         (r,) = self.eng.generate([prompt], max_new_tokens=self.args.reply, release=True)
@@ -334,11 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     for note in res["notes"]:
         print(note)
     if "engine" in runs:
+        graphs = graph_counters.counters(EngineRun.made)
+        print(graph_counters.line(graphs, args.device, "(the engine's decode steps)"))
         over = sum(runs["engine"]["ttft"][later]) / plain_sum / bound
+        verdict = "holds" if over <= 1.1 else "short"
+        if not graph_counters.ok(graphs, args.device):
+            verdict = "short: CUDA graphs not captured and replayed"
         print(
             f"target: engine TTFT of turns 2+ within 1.1x of the FLOP bound (summed TTFT over "
-            f"plain's, over the share of the FLOPs computed): {over:.2f}x "
-            f"({'holds' if over <= 1.1 else 'short'})"
+            f"plain's, over the share of the FLOPs computed): {over:.2f}x ({verdict})"
         )
     replies = runs["plain"]["out"]
     same = ", ".join(f"{k} {'yes' if runs[k]['out'] == replies else 'NO'}" for k in others)

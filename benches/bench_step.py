@@ -24,8 +24,9 @@ to end and split into:
 Each part is timed by a wrapper (about a microsecond a call; on CUDA each one synchronizes, so
 the figures are of a serialized, eager step). ``untimed ms`` is the step as the engine runs it,
 with no timer inside (the device waited for once before and once after the steps; on CUDA the
-decode steps replay CUDA graphs): the breakdown's ``step ms`` exceeds it by what the timers and
-the eager launches cost. ``outside forward`` is schedule + plan + commit +
+decode steps replay CUDA graphs, whose counters are printed after the table: a capture that
+failed makes the target line short): the breakdown's ``step ms`` exceeds it by what the timers
+and the eager launches cost. ``outside forward`` is schedule + plan + commit +
 sampling + other as a share of the step, the engine's own cost; the last line checks it against
 the target (under 3% of a step at 32 requests).
 """
@@ -49,6 +50,7 @@ except ImportError as e:  # an install without the [hf] extra: nothing to measur
     print(f"bench_step: skipped ({e}); pip install radixkv[hf]")
     sys.exit(0)
 
+import graph_counters
 from common import at_least_one, positive_ints, table
 
 PARTS = (
@@ -87,6 +89,11 @@ class Clock:
         return timed
 
 
+#: The engines whose steps were timed as they run (CUDA graphs where they can): their graph
+#: counters are printed at the end.
+ENGINES: list[Any] = []
+
+
 def running(model: Any, b: int, args: argparse.Namespace, cuda_graphs: bool | None) -> Any:
     """An engine with ``b`` requests past their prefill and one decode step."""
     page = 16
@@ -114,6 +121,7 @@ def measure(model: Any, b: int, args: argparse.Namespace) -> dict[str, float]:
     # The step as it runs (CUDA graphs where the engine uses them), no timer inside: one wait
     # for the device before and after.
     eng = running(model, b, args, None)
+    ENGINES.append(eng)
     clock = Clock(args.device)
     t = clock.now()
     for _ in range(args.steps):
@@ -223,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
             + [f"{100 * outside[b]:.2f}%"]
         )
     table(["requests", "untimed ms", "step ms", *PARTS, "outside forward"], rows)
+    graphs = graph_counters.counters(ENGINES)
+    print(graph_counters.line(graphs, args.device, "(the untimed column's engines)"))
     if 32 in outside:
         verdict = "holds" if outside[32] < 0.03 else "short"
+        if not graph_counters.ok(graphs, args.device):
+            verdict = "short: CUDA graphs not captured and replayed"
         print(
             f"target: the engine's own cost (outside the forward) under 3% of a step at 32 "
             f"requests: {100 * outside[32]:.2f}% ({verdict})"

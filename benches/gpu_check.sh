@@ -17,8 +17,11 @@
 #   4. decode tokens/s at 1-64 requests against model.generate with its static cache;
 #   5. the host tier's load bandwidth against recomputing the same context;
 #   6. where a decode step goes, part by part, at 1 and 32 requests (every part synchronized).
-# Then a summary: each step's exit status and its target lines ("target: ... (holds|short)"),
-# written to $GPU_CHECK_OUT/summary.txt (default target/gpu_check/) beside every step's log.
+# Then a summary: each step's exit status, its CUDA graph counters ("graphs: captured N,
+# replayed M, ... (ok)" or "(NOT captured and replayed: eager figures)") and its target lines
+# ("target: ... (holds|short)"; a failed capture makes them short), written to
+# $GPU_CHECK_OUT/summary.txt (default target/gpu_check/) beside every step's log; its last line
+# says whether every engine's graphs were captured and replayed.
 #
 # --dry-run: the same steps on the CPU with tiny shapes (the tests collected, not run), so that
 # CI proves the script and every command in it still work. Figures of a dry run say nothing.
@@ -67,7 +70,7 @@ step() {
     [ "$rc" -eq 0 ] || failed=1
     {
         echo "$name: exit $rc$([ "$rc" -eq 124 ] && echo ' (over its time limit)') in $(($(date +%s) - t0)) s"
-        grep -E '^target:' "$OUTDIR/$name.log" | sed 's/^/    /'
+        grep -E '^(graphs|target)[ :]' "$OUTDIR/$name.log" | sed 's/^/    /'
     } >>"$OUTDIR/summary.txt"
 }
 
@@ -105,7 +108,24 @@ else
         --dtype bfloat16
 fi
 
-echo "took $(($(date +%s) - start)) s" >>"$OUTDIR/summary.txt"
+# Graphs: every bench that ran engines on CUDA printed a "graphs ...:" line; any that is not
+# "(ok)" means its decode figures are eager ones.
+{
+    total=$(cat "$OUTDIR"/*.log | grep -cE '^graphs[ :]')
+    bad=$(grep -hE '^graphs[ :]' "$OUTDIR"/*.log | grep -c 'NOT captured')
+    if [ "$DRY" -eq 1 ]; then
+        echo "graphs: not captured on the CPU (dry run); $total graph counter lines printed"
+    elif [ "${total:-0}" -eq 0 ]; then
+        echo "graphs: NO bench printed graph counters: nothing shows the graphs ran"
+        failed=1
+    elif [ "$bad" -gt 0 ]; then
+        echo "graphs: NOT captured and replayed in $bad of $total benches' engines (their figures are eager)"
+        failed=1
+    else
+        echo "graphs: captured and replayed in all $total benches' engines"
+    fi
+    echo "took $(($(date +%s) - start)) s"
+} >>"$OUTDIR/summary.txt"
 echo "=== summary ($OUTDIR/summary.txt)"
 cat "$OUTDIR/summary.txt"
 exit "$failed"

@@ -153,6 +153,7 @@ def test_softcaps_and_sinks():
     sinks = torch.linspace(-1, 1, 8, device=DEVICE)
     for kw in ({"softcap": 2.0}, {"sinks": sinks}, {"window": 6, "softcap": 3.0, "sinks": sinks}):
         check(Pool([50, 45, 5], [1, 1, 1], 16, 8, 2, 32), splits=4, **kw)
+        check(Pool([50, 45, 5], [1, 1, 1], 16, 8, 2, 32), splits=1, **kw)  # no merge
         check(Pool([50, 45, 5], [20, 1, 5], 16, 8, 2, 32), **kw)
 
 
@@ -165,6 +166,55 @@ def test_padded_decode_rows_are_zero_and_touch_nothing():
     got = pool.run(pool.d**-0.5, splits=2)
     assert got[1].abs().max() == 0
     torch.testing.assert_close(got[[0, 2]], want[[0, 2]], atol=0, rtol=0)
+
+
+def test_prefill_blocks_before_the_diagonal_unmasked():
+    """Long cached prefixes (several key blocks before each tile's first token, read without a
+    mask) and tiles whose diagonal falls inside a block, beside a short request and a decode
+    row."""
+    check(Pool([200, 150, 1], [70, 3, 1], 16, 8, 2, 32))
+    check(Pool([200, 150, 1], [70, 3, 1], 1, 8, 2, 32))
+
+
+def test_decode_splits_follow_the_key_count():
+    """A request's key blocks are spread over as many splits as it has blocks, up to the bound
+    (no floor of a few hundred keys a split), each split whole blocks: the others are left
+    empty (a log-sum-exp of -inf), and the output is exact."""
+    tk = kernels()
+    pool = Pool([130, 20, 300], [1, 1, 1], 16, 8, 2, 32)
+    block = tk.decode_config(tk.arch_of(torch.device(DEVICE)), pool.dtype, pool.d).block_n
+    splits = 4
+    o = torch.empty((3, 8, splits, 32), dtype=torch.float32, device=DEVICE)
+    lse = torch.empty((3, 8, splits), dtype=torch.float32, device=DEVICE)
+    scale = pool.d**-0.5
+    got = tk.paged_decode(
+        pool.q, pool.k, pool.v, pool.block_table, pool.seq_lens, scale, pool.p,
+        splits=splits, scratch=(o, lse),
+    )  # fmt: skip
+    torch.testing.assert_close(got.double(), pool.reference(scale), atol=1e-5, rtol=0)
+    for b, n in enumerate(pool.lens):
+        blocks = -(-n // block)
+        per = -(-blocks // min(blocks, splits))  # blocks a split
+        used = -(-blocks // per)
+        assert lse[b].isfinite().sum(-1).tolist() == [used] * 8, (n, lse[b])
+
+
+def test_decode_merges_more_splits_than_one_merge_block():
+    """More splits than the merge kernel reads at a time: every chunk counts."""
+    tk = kernels()
+    assert tk.MERGE_BLOCK < 32
+    check(Pool([1100, 5], [1, 1], 16, 8, 2, 32), splits=32, min_split=None)
+
+
+def test_split_bound_grows_past_32_for_few_kv_heads():
+    """Few requests x KV heads get more splits than 32 (the device kept busy), many get one."""
+    tk = kernels()
+    assert tk.split_bound(1, 8, 132) == 64  # 2 x 132 programs over 8 KV heads
+    assert tk.split_bound(1, 1, 132) == tk.MAX_SPLITS
+    assert tk.split_bound(64, 8, 132) == 1
+    for b in (1, 2, 3, 8, 33, 64, 256):
+        s = tk.split_bound(b, 8, 108)
+        assert s & (s - 1) == 0 and 1 <= s <= tk.MAX_SPLITS
 
 
 def test_splits_are_a_grid_bound_fixed_by_the_batch():
@@ -188,5 +238,5 @@ def test_half_precision(dtype):
 @pytest.mark.parametrize("p", [1, 16])
 def test_llama_sized(p):
     """Llama-3-8B's heads (32 over 8, head dim 128) at a few hundred keys."""
-    check(Pool([300, 129, 1], [1, 1, 1], p, 32, 8, 128), splits=4, min_split=64)
+    check(Pool([300, 129, 1], [1, 1, 1], p, 32, 8, 128), splits=4, min_split=None)
     check(Pool([300, 129, 1], [64, 1, 1], p, 32, 8, 128))

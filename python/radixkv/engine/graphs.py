@@ -82,6 +82,9 @@ class DecodeGraphs:
         self.replays = 0
         self.eager = 0
         self.captures = 0
+        #: Steps that replayed a captured graph (``replays`` also counts the steps that
+        #: captured one, or failed to, and the CPU's static steps).
+        self.graph_replays = 0
         #: Why a capture failed (every step eager since), or None.
         self.failed: str | None = None
 
@@ -128,6 +131,7 @@ class DecodeGraphs:
         if graph is None:
             return self._capture(bucket, static)[:b]
         graph.replay()
+        self.graph_replays += 1
         return self._logits[bucket][:b]
 
     def _capture(self, bucket: int, static: StaticDecodeStep) -> torch.Tensor:

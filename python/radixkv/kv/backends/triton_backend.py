@@ -6,7 +6,9 @@ decode row is a request with one new token) runs the prefill kernel, one launch 
 group. Windows, softcaps and sinks are kernel flags, so every layer of Gemma 2/3, gpt-oss,
 Mistral and Qwen2 over the full pool runs here. Per step the backend builds only the prefill
 tiles (from the plan's host arrays, one host-to-device copy); per layer it launches one or two
-kernels and allocates nothing but the output.
+kernels and allocates nothing but the output. Tile sizes, warps and stages are the kernels'
+table entry for the device's architecture, the pool's dtype and head dim
+(:data:`.triton_kernels.CONFIGS`, checked ahead of time for sm_80/90/100), fixed for the pool.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class TritonBackend:
 
         self.kv = kv
         self.kernels = triton_kernels
+        arch = triton_kernels.arch_of(kv.device)
+        #: The prefill tiles' rows of this pool (its table entry's ``block_m``).
+        self.prefill_rows = triton_kernels.prefill_config(arch, kv.dtype, kv.head_dim).block_m
         #: Split-KV scratch of the last decode shape (partial outputs and log-sum-exps),
         #: reused by every layer and step of that shape.
         self._scratch: tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -59,7 +64,7 @@ class TritonBackend:
         got = tiles.get(group)
         if got is None:
             max_q = int(g.q_len.max()) if g.max_q_len is None else g.max_q_len
-            block_q = self.kernels.prefill_block_q(group, max_q)
+            block_q = self.kernels.prefill_block_q(group, max_q, self.prefill_rows)
             req, q0 = self.kernels.prefill_tiles(g.q_len.tolist(), block_q)
             both = torch.from_numpy(np.asarray([req, q0], dtype=np.int32)).to(self.kv.device)
             got = tiles[group] = ((both[0], both[1]), block_q)
@@ -149,8 +154,8 @@ class TritonBackend:
         one = torch.ones(1, dtype=torch.int32, device=dev)
         qo = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         tiles = (torch.zeros(1, dtype=torch.int32, device=dev),) * 2
-        for max_q in (1, 64):  # both tile sizes
-            block_q = tk.prefill_block_q(group, max_q)
+        for max_q in (1, self.prefill_rows):  # both tile sizes
+            block_q = tk.prefill_block_q(group, max_q, self.prefill_rows)
             out = torch.empty_like(q)
             # One key at slot 0 of a scratch copy: the pool itself is never written.
             k0 = torch.zeros((kv.page_size, kv.num_kv_heads, d), dtype=kv.dtype, device=dev)

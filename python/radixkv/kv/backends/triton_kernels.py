@@ -9,7 +9,8 @@ and nothing is shaped by the longest request:
    grid (B, Hkv, SPLITS)       program (b, h, s) reads keys [lo_s, hi_s) of request b, KV head h,
                                with h's G query heads packed as the rows of one 16-row tile
    -> partial out [B, Hq, SPLITS, D] and log-sum-exp [B, Hq, SPLITS] in fp32
-   grid (B, Hq)                merges the splits (and a sink logit per head) by log-sum-exp
+   grid (B, Hq)                merges the splits (and a sink logit per head) by log-sum-exp,
+                               16 splits at a time (SPLITS = 1: the output directly, no merge)
 
  prefill and mixed steps (decode rows are one-token requests):
    grid (tiles, Hkv)           tile = up to BLOCK_Q new tokens of one request x G query heads;
@@ -18,9 +19,17 @@ and nothing is shaped by the longest request:
 ```
 
 The split count of a decode launch is a grid bound fixed by the batch size; each request
-uses as many of them as its own length fills (``MIN_SPLIT`` keys at least), decided in the
+uses as many of them as its own length fills (one key block each at least), decided in the
 kernel from ``seq_lens``: no host sync, and the grid of a batch size never changes (what a
-CUDA graph needs).
+CUDA graph needs). A launch of one split writes the output itself: no merge launch.
+
+Tile sizes, warps and pipeline stages come from :data:`CONFIGS`, one entry per GPU
+architecture, precision and head dim, chosen ahead of time: every entry compiles for its
+target without spilling registers to local memory and within the target's shared memory
+(``tests/triton/aot.py`` compiles each launch for sm_80, sm_90 and sm_100 and reads its
+resources; no autotuning at run time, which a CUDA graph capture could not hold). The key loops
+mask only the blocks that need it: decode its last block; prefill the blocks from the tile's
+diagonal on (every key before its first token is seen by all its rows).
 
 fp32 inputs use ``input_precision="ieee"`` (Triton's default, TF32, is not exact). Under
 Triton's interpreter (``TRITON_INTERPRET=1``, kernels on CPU tensors) a bf16/fp16 ``tl.dot`` is
@@ -30,6 +39,7 @@ wrong (triton issue 11584): there the operands are cast to fp32 first.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,10 +47,82 @@ import triton.language as tl
 
 from radixkv.kv.backends.choice import interpreted
 
-#: Fewest keys a decode split reads before the kernel uses another split for a request.
-MIN_SPLIT = 256
-#: Most splits of a decode launch.
-MAX_SPLITS = 32
+#: Most splits of a decode launch (when few requests x KV heads leave the device idle).
+MAX_SPLITS = 128
+#: Splits the merge kernel reads at a time.
+MERGE_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A kernel's launch config: ``block_n`` keys a loop step, ``num_warps``, ``num_stages``
+    (software-pipelined K/V blocks in flight) and, for prefill, ``block_m`` query rows a tile
+    (a KV head's query heads x new tokens; 16 when every request has few new tokens)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_m: int = 16
+
+
+#: (architecture, bits of the pool's dtype, head dim padded to a power of two) -> (decode,
+#: prefill) tiles, for any group of query heads per KV head up to 16 (a tile's rows are fixed:
+#: 16 for decode, ``block_m`` for prefill). Chosen from the AOT resource check
+#: (``tests/triton/aot.py --sweep``): the largest tiles that compile with no local memory and
+#: within the target's shared memory, with 16-byte async copies for half types (and wgmma for
+#: sm_90's prefill). fp32 (exactness runs) takes 8 warps and 16-row tiles: 4 warps spill at
+#: head dim 128 (decode 232 bytes a thread on sm_90, prefill 9-11 KB with 64-row tiles).
+#: sm_80's half prefill takes 8 warps (4 spill), and 32-key blocks at 256 (69 KB of shared
+#: memory, within sm_86/89's 99 KB too); its fp32 prefill 4 warps up to 128. sm_100's half
+#: decode takes 3 stages up to head dim 64.
+CONFIGS: dict[tuple[int, int, int], tuple[Tiles, Tiles]] = {}
+
+#: The architectures of :data:`CONFIGS` (compute capability x 10).
+ARCHS = (80, 90, 100)
+
+_HALF = {d: (Tiles(64, 4, 2), Tiles(64, 4, 2, 64)) for d in (16, 32, 64, 128)}
+_HALF[256] = (Tiles(32, 4, 2), Tiles(32, 4, 2, 64))
+_FP32 = {d: (Tiles(32, 8, 1), Tiles(32, 8, 1, 16)) for d in (16, 32, 64, 128, 256)}
+for _arch in ARCHS:
+    for _d in _FP32:
+        CONFIGS[_arch, 16, _d] = _HALF[_d]
+        CONFIGS[_arch, 32, _d] = _FP32[_d]
+for _d in (16, 32, 64, 128):  # sm_80 half prefill: 4 warps spill (16 bytes at 64, 48 at 128)
+    CONFIGS[80, 16, _d] = (_HALF[_d][0], Tiles(64, 8, 2, 64))
+    if _d <= 64:  # sm_100 half decode: 2 stages spill 8 bytes at head dim 64
+        CONFIGS[100, 16, _d] = (Tiles(64, 4, 3), _HALF[_d][1])
+CONFIGS[80, 16, 256] = (Tiles(32, 4, 2), Tiles(32, 8, 2, 64))
+for _d in (16, 32, 64, 128):  # sm_80 fp32 prefill: 8 warps spill 8 bytes at head dim 128
+    CONFIGS[80, 32, _d] = (_FP32[_d][0], Tiles(32, 4, 1, 16))
+
+
+def arch_of(device: torch.device) -> int:
+    """The :data:`ARCHS` entry for ``device``: its compute capability's family (Hopper 90,
+    Blackwell 100, anything older 80); under Triton's interpreter 90, whose tile sizes the
+    exactness tests then run."""
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    cc = 10 * major + minor
+    return 100 if cc >= 100 else 90 if cc >= 90 else 80
+
+
+def _config(kind: int, arch: int, dtype: torch.dtype, head_dim: int) -> Tiles:
+    """The table's entry; head dims past 256 take 256's (not checked ahead of time)."""
+    if arch not in ARCHS:
+        raise ValueError(f"no Triton attention configs for architecture {arch}: have {ARCHS}")
+    bits = 32 if dtype == torch.float32 else 16
+    return CONFIGS[arch, bits, min(max(16, _pow2(head_dim)), 256)][kind]
+
+
+def decode_config(arch: int, dtype: torch.dtype, head_dim: int) -> Tiles:
+    """The decode tiles of :data:`CONFIGS` for a pool of ``dtype`` and ``head_dim``."""
+    return _config(0, arch, dtype, head_dim)
+
+
+def prefill_config(arch: int, dtype: torch.dtype, head_dim: int) -> Tiles:
+    """The prefill tiles of :data:`CONFIGS` for a pool of ``dtype`` and ``head_dim``."""
+    return _config(1, arch, dtype, head_dim)
 
 
 @triton.jit
@@ -68,19 +150,33 @@ def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr)
 def _load_kv(
     K, V, BT_ROW, j, jm, kh, d, dmask,
     stride_ks, stride_kh, stride_vs, stride_vh,
-    P: tl.constexpr, UPCAST: tl.constexpr,
+    P: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
-    """Keys ``j`` (masked by ``jm``) of KV head ``kh`` of the request whose page-table row
-    starts at ``BT_ROW``: ``[N, BLOCK_D]`` K and V blocks read where the pool holds them."""
-    page = tl.load(BT_ROW + j // P, mask=jm, other=0)
+    """Keys ``j`` of KV head ``kh`` of the request whose page-table row starts at ``BT_ROW``:
+    ``[N, BLOCK_D]`` K and V blocks read where the pool holds them. ``MASKED``: only the keys
+    where ``jm`` holds are read (the others are 0); ``EVEN_D``: the head dim fills the block
+    (no mask across it)."""
+    if MASKED:
+        page = tl.load(BT_ROW + j // P, mask=jm, other=0)
+    else:
+        page = tl.load(BT_ROW + j // P)
     slot = page.to(tl.int64) * P + j % P
-    kv_mask = jm[:, None] & dmask[None, :]
-    k = tl.load(
-        K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=kv_mask, other=0.0
-    )
-    v = tl.load(
-        V + slot[:, None] * stride_vs + kh * stride_vh + d[None, :], mask=kv_mask, other=0.0
-    )
+    k_ptr = K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :]
+    v_ptr = V + slot[:, None] * stride_vs + kh * stride_vh + d[None, :]
+    if MASKED:
+        if EVEN_D:
+            k = tl.load(k_ptr, mask=jm[:, None], other=0.0)
+            v = tl.load(v_ptr, mask=jm[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr, mask=jm[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(v_ptr, mask=jm[:, None] & dmask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptr)
+            v = tl.load(v_ptr)
+        else:
+            k = tl.load(k_ptr, mask=dmask[None, :], other=0.0)
+            v = tl.load(v_ptr, mask=dmask[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -105,6 +201,20 @@ def _online(m, lsum, acc, sc, v, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _finish(m, lsum, acc, SINKS, heads, hmask, HAS_SINKS: tl.constexpr):
+    """The normalized output of rows whose online softmax ended at ``m``, ``lsum``, ``acc``,
+    with each row's head's sink logit joining the softmax (a row with no keys and no sink
+    gives 0)."""
+    if HAS_SINKS:
+        sink = tl.load(SINKS + heads, mask=hmask, other=0.0).to(tl.float32)
+        mx = tl.maximum(m, sink)
+        a = tl.exp(m - mx)
+        lsum = lsum * a + tl.exp(sink - mx)
+        acc = acc * a[:, None]
+    return acc / tl.where(lsum == 0.0, 1.0, lsum)[:, None]
+
+
+@triton.jit(do_not_specialize=["window", "min_split", "splits"])
 def _decode_split(
     Q,
     K,
@@ -113,6 +223,8 @@ def _decode_split(
     SEQ,
     O_PART,
     LSE_PART,
+    SINKS,
+    OUT,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -125,19 +237,23 @@ def _decode_split(
     stride_os,
     stride_lb,
     stride_lh,
+    stride_outb,
+    stride_outh,
     scale,
     softcap,
     window,
     min_split,
+    splits,
     G: tl.constexpr,
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     P: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -149,11 +265,12 @@ def _decode_split(
     if HAS_WINDOW:
         start = tl.maximum(n - window, 0)
     span = n - start
-    # This request's splits: as many as hold min_split keys each, at most SPLITS.
-    used = tl.minimum(tl.maximum(tl.cdiv(span, min_split), 1), SPLITS)
+    # This request's splits: as many as hold min_split keys each, at most `splits`.
+    used = tl.minimum(tl.maximum(tl.cdiv(span, min_split), 1), splits)
     per = tl.cdiv(tl.cdiv(span, used), BLOCK_N) * BLOCK_N
     lo = start + s * per
     hi = tl.minimum(lo + per, n)
+    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # blocks wholly inside [lo, hi)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kh * G + rows
@@ -171,25 +288,40 @@ def _decode_split(
     lsum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    for j0 in range(lo, hi, BLOCK_N):
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    for j0 in range(lo, full, BLOCK_N):
+        j = j0 + offs
+        k, v = _load_kv(
+            K, V, bt_row, j, j < hi, kh, d, dmask,
+            stride_ks, stride_kh, stride_vs, stride_vh, P, UPCAST, False, BLOCK_D == D,
+        )  # fmt: skip
+        sc = _scores(q, k, scale, softcap, HAS_SOFTCAP, IEEE)
+        m, lsum, acc = _online(m, lsum, acc, sc, v, IEEE)
+    for j0 in range(full, hi, BLOCK_N):  # the last, partial block (at most one)
         j = j0 + offs
         jm = j < hi
         k, v = _load_kv(
-            K, V, BT + b.to(tl.int64) * stride_bt, j, jm, kh, d, dmask,
-            stride_ks, stride_kh, stride_vs, stride_vh, P, UPCAST,
+            K, V, bt_row, j, jm, kh, d, dmask,
+            stride_ks, stride_kh, stride_vs, stride_vh, P, UPCAST, True, BLOCK_D == D,
         )  # fmt: skip
         sc = _scores(q, k, scale, softcap, HAS_SOFTCAP, IEEE)
         sc = tl.where(jm[None, :], sc, float("-inf"))
         m, lsum, acc = _online(m, lsum, acc, sc, v, IEEE)
-    empty = lsum == 0.0  # a split past this request's keys
-    out = acc / tl.where(empty, 1.0, lsum)[:, None]
-    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, lsum)))
-    o_ptr = O_PART + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + s * stride_os
-    tl.store(o_ptr + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
-    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + heads * stride_lh + s, lse, mask=hmask)
+    omask = hmask[:, None] & dmask[None, :]
+    if DIRECT:  # one split: this program's output is the answer
+        out = _finish(m, lsum, acc, SINKS, heads, hmask, HAS_SINKS)
+        o_ptr = OUT + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh + d[None, :]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=omask)
+    else:
+        empty = lsum == 0.0  # a split past this request's keys
+        out = acc / tl.where(empty, 1.0, lsum)[:, None]
+        lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, lsum)))
+        o_ptr = O_PART + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + s * stride_os
+        tl.store(o_ptr + d[None, :], out, mask=omask)
+        tl.store(LSE_PART + b.to(tl.int64) * stride_lb + heads * stride_lh + s, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _decode_merge(
     O_PART,
     LSE_PART,
@@ -202,37 +334,50 @@ def _decode_merge(
     stride_lh,
     stride_outb,
     stride_outh,
+    splits,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.arange(0, SPLITS)
+    sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    lse = tl.load(LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh + sp)
-    mx = tl.max(lse, 0)
+    lse_row = LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh
+    o_row = O_PART + b.to(tl.int64) * stride_ob + h * stride_oh
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        lse = tl.load(lse_row + s0 + sp, mask=s0 + sp < splits, other=float("-inf"))
+        top = tl.maximum(top, lse)
+    mx = tl.max(top, 0)
     if HAS_SINKS:
         sink = tl.load(SINKS + h).to(tl.float32)
         mx = tl.maximum(mx, sink)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # a padded row (no keys): its output is 0
-    w = tl.exp(lse - mx)  # 0 for an empty split (lse = -inf)
-    o = tl.load(
-        O_PART + b.to(tl.int64) * stride_ob + h * stride_oh + sp[:, None] * stride_os + d[None, :],
-        mask=dmask[None, :],
-        other=0.0,
-    )
-    den = tl.sum(w, 0)
+    den = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        smask = s0 + sp < splits
+        lse = tl.load(lse_row + s0 + sp, mask=smask, other=float("-inf"))
+        w = tl.exp(lse - mx)  # 0 for an empty split (lse = -inf)
+        o = tl.load(
+            o_row + (s0 + sp)[:, None] * stride_os + d[None, :],
+            mask=smask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(o * w[:, None], 0)
+        den += w
+    total = tl.sum(den, 0)
     if HAS_SINKS:
-        den += tl.exp(sink - mx)
-    out = tl.sum(o * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
+        total += tl.exp(sink - mx)
+    out = acc / tl.where(total == 0.0, 1.0, total)
     o_ptr = OUT + b.to(tl.int64) * stride_outb + h * stride_outh + d
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill(
     Q,
     K,
@@ -300,18 +445,33 @@ def _prefill(
     last = tl.minimum(i0 + BLOCK_Q, q_len) - 1  # the tile's last token
     hi = ctx + last + 1
     lo = 0
+    # Keys [lo, full) are seen by every row of the tile (they precede its first token): no
+    # mask. With a window each row starts elsewhere: every block is masked.
+    full = lo
     if HAS_WINDOW:
         lo = tl.maximum(ctx + i0 - window + 1, 0)
+        full = lo
+    else:
+        full = (ctx + i0 + 1) // BLOCK_N * BLOCK_N
     m = tl.full([BLOCK_Q * GP], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_Q * GP], tl.float32)
     acc = tl.zeros([BLOCK_Q * GP, BLOCK_D], tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    for j0 in range(lo, hi, BLOCK_N):
+    bt_row = BT + b * stride_bt
+    for j0 in range(lo, full, BLOCK_N):
+        j = j0 + offs
+        k, v = _load_kv(
+            K, V, bt_row, j, j < hi, kh, d, dmask,
+            stride_ks, stride_kh, stride_vs, stride_vh, P, UPCAST, False, BLOCK_D == D,
+        )  # fmt: skip
+        sc = _scores(q, k, scale, softcap, HAS_SOFTCAP, IEEE)
+        m, lsum, acc = _online(m, lsum, acc, sc, v, IEEE)
+    for j0 in range(full, hi, BLOCK_N):  # from the tile's diagonal on: causal
         j = j0 + offs
         jm = j < hi
         k, v = _load_kv(
-            K, V, BT + b * stride_bt, j, jm, kh, d, dmask,
-            stride_ks, stride_kh, stride_vs, stride_vh, P, UPCAST,
+            K, V, bt_row, j, jm, kh, d, dmask,
+            stride_ks, stride_kh, stride_vs, stride_vh, P, UPCAST, True, BLOCK_D == D,
         )  # fmt: skip
         sc = _scores(q, k, scale, softcap, HAS_SOFTCAP, IEEE)
         seen = jm[None, :] & (j[None, :] <= pos[:, None])
@@ -319,13 +479,7 @@ def _prefill(
             seen = seen & (j[None, :] > pos[:, None] - window)
         sc = tl.where(seen, sc, float("-inf"))
         m, lsum, acc = _online(m, lsum, acc, sc, v, IEEE)
-    if HAS_SINKS:
-        sink = tl.load(SINKS + head, mask=rmask, other=0.0).to(tl.float32)
-        mx = tl.maximum(m, sink)
-        scale_acc = tl.exp(m - mx)
-        lsum = lsum * scale_acc + tl.exp(sink - mx)
-        acc = acc * scale_acc[:, None]
-    out = acc / tl.where(lsum == 0.0, 1.0, lsum)[:, None]
+    out = _finish(m, lsum, acc, SINKS, head, rmask, HAS_SINKS)
     o_ptr = OUT + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=qmask)
 
@@ -341,13 +495,6 @@ def _flags(dtype: torch.dtype) -> tuple[bool, bool]:
     return dtype == torch.float32 or upcast, upcast
 
 
-def _stages(dtype: torch.dtype, d: int) -> int:
-    """Software-pipelining stages of the key loop: two K/V blocks in flight for half types,
-    one for fp32 at large head dims (fp32 blocks of 64 keys x 256 would overflow shared
-    memory with more)."""
-    return 2 if dtype != torch.float32 or d <= 64 else 1
-
-
 def _check_last(*xs: torch.Tensor) -> None:
     for x in xs:
         if x.stride(-1) != 1:
@@ -359,16 +506,22 @@ def _multiprocessors(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
+def split_bound(batch: int, num_kv_heads: int, multiprocessors: int) -> int:
+    """Splits for ``batch`` requests over ``num_kv_heads`` on a device of ``multiprocessors``:
+    enough programs to fill it twice over, a power of two, at most ``MAX_SPLITS`` (one request
+    of few KV heads gets many; a large batch one)."""
+    want = -(-2 * multiprocessors // max(batch * num_kv_heads, 1))
+    return min(_pow2(want), MAX_SPLITS)
+
+
 def decode_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """The split bound of a decode launch of ``batch`` requests: enough programs to fill the
-    device twice over (a power of two, at most ``MAX_SPLITS``); 1 off CUDA. Depends on the
-    batch size and the pool's shape only, so a batch size always gets the same grid."""
+    """The split bound of a decode launch of ``batch`` requests (:func:`split_bound` of the
+    device; 1 off CUDA). Depends on the batch size and the pool's shape only, so a batch size
+    always gets the same grid."""
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _multiprocessors(index)
-    want = -(-2 * sms // max(batch * num_kv_heads, 1))
-    return min(_pow2(want), MAX_SPLITS)
+    return split_bound(batch, num_kv_heads, _multiprocessors(index))
 
 
 def paged_decode(
@@ -384,16 +537,21 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     splits: int | None = None,
-    min_split: int = MIN_SPLIT,
+    min_split: int | None = None,
     out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: Tiles | None = None,
+    arch: int | None = None,
 ) -> torch.Tensor:
     """One query per request over its paged keys: ``q`` ``[B, Hq, D]``, pools ``[S, Hkv, D]``,
     ``block_table`` ``[B, W]`` int32, ``seq_lens`` ``[B]`` (request ``b``'s query sits at
     position ``seq_lens[b] - 1`` and sees keys ``0..seq_lens[b]``, or the last ``window`` of
     them). ``sinks``: one logit per query head joining the softmax. ``splits`` bounds the
-    split-KV grid (default :func:`decode_splits`); ``scratch``, the partial output and
-    log-sum-exp buffers (``[B, Hq, splits, D]`` and ``[B, Hq, splits]`` fp32) to reuse."""
+    split-KV grid (default :func:`decode_splits`); a request uses as many as hold
+    ``min_split`` keys each (default one key block). ``scratch``, the partial output and
+    log-sum-exp buffers (``[B, Hq, splits, D]`` and ``[B, Hq, splits]`` fp32) to reuse; one
+    split needs none. ``config``: the tiles (default :func:`decode_config` of ``arch``, by
+    default the device's: :func:`arch_of`)."""
     b, hq, d = q.shape
     hkv = k_pool.shape[1]
     g = hq // hkv
@@ -401,15 +559,21 @@ def paged_decode(
     if splits is None:
         splits = decode_splits(b, hkv, q.device)
     splits = _pow2(splits)
+    if config is None:
+        config = decode_config(arch_of(q.device) if arch is None else arch, q.dtype, d)
     if out is None:
         out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
-    if scratch is None:
+    direct = splits == 1
+    if direct:
+        o_part = lse = out  # unread: the split kernel writes the output itself
+    elif scratch is None:
         o_part = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     else:
         o_part, lse = scratch
     ieee, upcast = _flags(q.dtype)
     block_d = max(16, _pow2(d))
+    sink_arg = sinks if sinks is not None else seq_lens
     _decode_split[(b, hkv, splits)](
         q,
         k_pool,
@@ -418,6 +582,8 @@ def paged_decode(
         seq_lens,
         o_part,
         lse,
+        sink_arg,
+        out,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -430,27 +596,34 @@ def paged_decode(
         o_part.stride(2),
         lse.stride(0),
         lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         float(scale),
         float(softcap or 1.0),
         int(window or 0),
-        int(min_split),
+        int(min_split or config.block_n),
+        splits,
         G=g,
         BLOCK_H=max(16, _pow2(g)),
         D=d,
         BLOCK_D=block_d,
         P=page_size,
-        BLOCK_N=64 if d <= 128 else 32,
-        SPLITS=splits,
+        BLOCK_N=config.block_n,
+        DIRECT=direct,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         IEEE=ieee,
         UPCAST=upcast,
-        num_stages=_stages(q.dtype, d),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
+    if direct:
+        return out
     _decode_merge[(b, hq)](
         o_part,
         lse,
-        sinks if sinks is not None else lse,
+        sink_arg,
         out,
         o_part.stride(0),
         o_part.stride(1),
@@ -459,9 +632,10 @@ def paged_decode(
         lse.stride(1),
         out.stride(0),
         out.stride(1),
+        splits,
         D=d,
         BLOCK_D=block_d,
-        SPLITS=splits,
+        BLOCK_S=MERGE_BLOCK,
         HAS_SINKS=sinks is not None,
     )
     return out
@@ -479,11 +653,11 @@ def prefill_tiles(q_len: list[int] | tuple[int, ...], block_q: int) -> tuple[lis
     return req, q0
 
 
-def prefill_block_q(num_heads_per_kv: int, max_q_len: int) -> int:
-    """New tokens per prefill tile: 64 query rows (16 when every request has few new tokens),
-    a KV head's query heads packed beside each token."""
+def prefill_block_q(num_heads_per_kv: int, max_q_len: int, rows: int = 64) -> int:
+    """New tokens per prefill tile: ``rows`` query rows (the config's ``block_m``; 16 when
+    every request has few new tokens), a KV head's query heads packed beside each token."""
     gp = _pow2(num_heads_per_kv)
-    rows = 64 if max_q_len * gp >= 64 else 16
+    rows = rows if max_q_len * gp >= rows else 16
     return max(1, rows // gp)
 
 
@@ -503,17 +677,22 @@ def paged_prefill(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    config: Tiles | None = None,
+    arch: int | None = None,
 ) -> torch.Tensor:
     """Packed new tokens over their requests' paged keys: ``q`` ``[T, Hq, D]``, request ``b``'s
     tokens at rows ``qo_indptr[b]..qo_indptr[b+1]``, the last of its ``seq_lens[b]`` keys (its
     new tokens' K/V already in the pool); token ``i`` of ``n`` new ones sits at position
     ``seq_lens[b] - n + i`` and sees keys up to it (bottom-right causal, or the last ``window``).
     Decode rows are requests with one new token. ``tiles``: the device tensors of
-    :func:`prefill_tiles` for ``block_q``."""
+    :func:`prefill_tiles` for ``block_q``. ``config``: the key block, warps and stages (default
+    :func:`prefill_config` of ``arch``, by default the device's: :func:`arch_of`)."""
     t, hq, d = q.shape
     hkv = k_pool.shape[1]
     g = hq // hkv
     _check_last(q, k_pool, v_pool)
+    if config is None:
+        config = prefill_config(arch_of(q.device) if arch is None else arch, q.dtype, d)
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     tile_req, tile_q0 = tiles
@@ -550,13 +729,14 @@ def paged_prefill(
         D=d,
         BLOCK_D=max(16, _pow2(d)),
         P=page_size,
-        BLOCK_N=64 if d <= 128 else 32,
+        BLOCK_N=config.block_n,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         IEEE=ieee,
         UPCAST=upcast,
-        num_stages=_stages(q.dtype, d),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
