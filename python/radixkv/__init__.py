@@ -65,6 +65,7 @@ _LAZY = {
     "Session": "radixkv.engine",
     "StreamEvent": "radixkv.engine",
     "Grammar": "radixkv.engine",
+    "RequestParams": "radixkv.engine",
     "models": "radixkv.models",
     # Modules with optional dependencies: radixkv[metrics], radixkv[events]; doctor needs none.
     "metrics": "radixkv.metrics",
@@ -112,7 +113,16 @@ __all__ = [
     "tenant_namespace",
 ]
 if _extras.available("torch"):
-    __all__ += ["Engine", "Grammar", "KVCache", "Session", "Step", "StreamEvent", "models"]
+    __all__ += [
+        "Engine",
+        "Grammar",
+        "KVCache",
+        "RequestParams",
+        "Session",
+        "Step",
+        "StreamEvent",
+        "models",
+    ]
 
 
 def _usable(name: str) -> bool:

@@ -45,11 +45,14 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import radixkv
 from radixkv.engine.defaults import DEFAULT_POLICY
 from radixkv.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from radixkv.engine.fetch import TierFetch
 
 #: Namespace prefix of the private namespaces used when prefix caching is off.
 NO_CACHE_NAMESPACE = "radixkv.no-cache"
@@ -74,6 +77,7 @@ class Batcher:
         prefix_caching: bool = True,
         policy: str = DEFAULT_POLICY,
         max_wait: int = 256,
+        fetch: TierFetch | None = None,
     ) -> None:
         self.cache = cache
         self.scheduler = radixkv.Scheduler(cache, policy=policy, max_wait=max_wait)
@@ -90,13 +94,12 @@ class Batcher:
         self.num_ended = 0
         self._unclosed: list[radixkv.Request] = []  # requests whose abort raised
         self._waiting: dict[int, Sequence] = {}  # scheduler id -> sequence
-        #: Called with each sequence at the head of the queue before an admission (the
-        #: engine's read-back from a disk tier); None: nothing.
-        self.prefetch: Callable[[Sequence], object] | None = None
-        #: Called with each sequence about to be queued, and again at every step while it is
-        #: held back: True keeps it out of the scheduler for now (the engine's: its pages are
-        #: being fetched from a shared tier); None: nothing is held back.
-        self.fetching: Callable[[Sequence], bool] | None = None
+        #: Brings a waiting sequence's pages back from the KV tiers (:mod:`radixkv.engine.fetch`):
+        #: when it is submitted, and at the head of the queue before an admission; with a
+        #: shared tier, a sequence whose fetch is out is held back from the scheduler. None:
+        #: no tier (or prefix caching off).
+        self.fetch = fetch
+        self._holds_back = fetch is not None and fetch.holds_back
         #: Sequences held back from the scheduler: sequence id -> (sequence, queued again).
         self._held_back: dict[int, tuple[Sequence, bool]] = {}
         self._sid: dict[int, int] = {}  # sequence id -> scheduler id
@@ -111,17 +114,25 @@ class Batcher:
         is queued)."""
         self.scheduler.check_fits(num_tokens, max_new_tokens, name)
 
+    def submit(self, seq: Sequence) -> None:
+        """Queues a new sequence (:meth:`queue`), its pages on disk read back at once (and
+        again, for what went back while it waited, when it reaches the head of the queue);
+        with a shared tier :meth:`queue` started their fetch."""
+        self.queue(seq)
+        if self.fetch is not None and not self._holds_back:
+            self.fetch(seq)
+
     def queue(self, seq: Sequence, again: bool = False) -> None:
         """Queues ``seq``'s whole target in the scheduler (``again``: after a preemption, with
         its priority raised by one so that it goes ahead of new arrivals of its priority), or
-        holds it back while :attr:`fetching` says so (queued by a later step's
-        :meth:`next_batch`)."""
+        holds it back while its pages are fetched from a shared tier (:attr:`fetch`; queued
+        by a later step's :meth:`next_batch`)."""
         if self.prefix_caching:
             seq.cache_namespace = seq.namespace
         else:
             seq.cache_namespace = f"{NO_CACHE_NAMESPACE}.{next(self._private)}"
         # A preempted sequence is queued at once (it just held its pages; nothing to wait for).
-        if self.fetching is not None and not again and self.fetching(seq):
+        if self._holds_back and not again and self.fetch(seq):  # type: ignore[misc]
             seq.status = Status.WAITING
             self._held_back[seq.id] = (seq, again)
             return
@@ -149,7 +160,7 @@ class Batcher:
 
     @property
     def num_held_back(self) -> int:
-        """Sequences held back from the scheduler (see :attr:`fetching`)."""
+        """Sequences held back from the scheduler while their pages are fetched."""
         return len(self._held_back)
 
     @property
@@ -158,10 +169,10 @@ class Batcher:
         return bool(self.running or self.held or self._waiting or self._held_back)
 
     def _queue_held_back(self) -> None:
-        """Queues the held-back sequences :attr:`fetching` lets go now (one the scheduler refuses
-        fails)."""
+        """Queues the held-back sequences whose fetch is no longer out (one the scheduler
+        refuses fails)."""
         for seq, again in list(self._held_back.values()):
-            if self.fetching is not None and self.fetching(seq):
+            if self.fetch is not None and self.fetch(seq):
                 continue
             del self._held_back[seq.id]
             try:
@@ -193,6 +204,24 @@ class Batcher:
             raise
         return batch
 
+    def committed(self, batch: list[Sequence]) -> list[int]:
+        """After the forward pass of ``batch`` and its ``kv.commit``: each sequence's counters
+        advance by what the step computed (its drafts aside: they are committed or given back
+        once verified, ``KVCache.settle``); returns the rows whose whole target is now
+        computed, whose logits are sampled."""
+        ready = []
+        for b, seq in enumerate(batch):
+            q = seq.num_tokens - seq.num_computed
+            seq.total_computed_tokens += q
+            if seq.first_token_at is None:
+                seq.computed_tokens += q
+            if seq.draft:
+                seq.num_tokens -= len(seq.draft)
+            seq.num_computed = seq.num_tokens  # what kv.commit just recorded
+            if seq.num_tokens == seq.target_len:
+                ready.append(b)
+        return ready
+
     def take_failed(self) -> list[Sequence]:
         """The sequences :meth:`fail` ended since the last call (each reported once)."""
         failed, self.failed = self.failed, []
@@ -204,12 +233,12 @@ class Batcher:
         room = self.max_batch - len(batch)
         if room <= 0 or budget <= 0 or not self._waiting:
             return
-        if self.prefetch is not None:
+        if self.fetch is not None:
             # The queue's head, up to the budget, gets what of it went to disk while it waited
             # read back first, so that the ranking and the admission see it as host hits.
             left = budget
             for seq in list(self._waiting.values()):
-                self.prefetch(seq)
+                self.fetch(seq)
                 left -= len(seq.target)
                 if left <= 0:
                     break

@@ -63,11 +63,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
 import itertools
-import math
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -76,21 +73,30 @@ import numpy as np
 import torch
 
 import radixkv
-from radixkv.engine.batcher import PRIORITY_MAX, Batcher
+from radixkv.engine.batcher import Batcher
 from radixkv.engine.chat import render as render_chat
 from radixkv.engine.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_POLICY
 from radixkv.engine.detok import CONTEXT_TOKENS, Detokenizer
-from radixkv.engine.grammar import Compiler, Grammar, apply_masks, compiler_for, fill_masks
+from radixkv.engine.fetch import TierFetch
+from radixkv.engine.grammar import Compiler, Grammar, compiler_for
 from radixkv.engine.graphs import DecodeGraphs, why_not
-from radixkv.engine.lockstep import LeaderClosedError, Lockstep, check_same_config
-from radixkv.engine.sampling import (
-    OFF,
-    Sampling,
-    check_sampling,
-    sample_tokens,
-    to_token_array,
-    verify_draft,
+from radixkv.engine.lockstep import Lockstep, check_same_config
+from radixkv.engine.outcome import Outcome, mask, notify_end
+from radixkv.engine.params import (
+    MIN_TEMPERATURE as MIN_TEMPERATURE,  # re-exported: where it was
 )
+from radixkv.engine.params import (
+    RequestParams,
+    check_keep,
+    check_logit_bias,
+    check_namespace,
+    check_seeds,
+    check_stop,
+    defaults,
+    field_names,
+)
+from radixkv.engine.replay import Replay
+from radixkv.engine.sampling import OFF, sample_tokens, to_token_array, verify_draft
 from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent
 from radixkv.engine.speculative import Drafter
 from radixkv.kv.kv_cache import KVCache
@@ -268,21 +274,20 @@ class Engine:
         self.tokenizer = tokenizer
         #: What a request stops at when its ``stop`` is left out (None): the model's
         #: end-of-sequence ids for ``radixkv.hf.engine``; ``stop=()`` stops at nothing.
-        self.stop_tokens = _check_params(
-            0, 0.0, stop_tokens, None, 0, 0, self.vocab_size, name="stop_tokens"
-        ).stop
+        self.stop_tokens = check_stop(stop_tokens, self.vocab_size, "stop_tokens")
+        self.stats = EngineStats()
+        tiers = kv.disk is not None or kv.shared is not None
         self.batcher = Batcher(
-            kv.cache, token_budget, max_batch, self.prefix_caching, policy, max_wait
+            kv.cache,
+            token_budget,
+            max_batch,
+            self.prefix_caching,
+            policy,
+            max_wait,
+            fetch=TierFetch(kv, self.stats) if tiers and self.prefix_caching else None,
         )
-        if (kv.disk is not None or kv.shared is not None) and self.prefix_caching:
-            self.batcher.prefetch = self._prefetch
-            if kv.shared is not None:
-                # A request whose pages are being fetched from the shared tier waits out of
-                # the scheduler (up to kv.shared.hold_s) so that its admission finds them.
-                self.batcher.fetching = self._prefetch
         self.sequences: dict[int, Sequence] = {}
         self.release_hooks: list[Callable[[list[Sequence]], None]] = []
-        self.stats = EngineStats()
         #: The drafter of speculative decoding (``speculative=``), or None.
         self.speculative: SpecConfig | None = spec
         self.drafter: Drafter | None = None if spec is None else Drafter(spec, kv.cache)
@@ -294,12 +299,8 @@ class Engine:
         self._retaining = False
         self._ids = itertools.count()
         self._stalled_steps = 0  # steps in a row without progress
-        #: With a group: the collectives; calls rank 0 took since its last step; whether
-        #: rank 0 closed; the error that stopped the lockstep, raised again by later calls.
+        #: With a group: the collectives (:mod:`radixkv.engine.lockstep`).
         self.lockstep: Lockstep | None = None
-        self._calls: list[tuple] = []
-        self._closed = False
-        self._broken: radixkv.Error | None = None
         self._sampled: list[tuple[int, int]] | None = None
         if group is not None and kv.shared is not None:
             raise ValueError(
@@ -343,57 +344,38 @@ class Engine:
                     "cache state digest": kv.cache.state_digest(),
                 },
             )
+        #: Rank 0's record of its calls, the other ranks' replay (:mod:`radixkv.engine.replay`).
+        self.replay = Replay(self.lockstep, self._handlers())
 
     # ---- tensor parallelism -----------------------------------------------------------------
 
     @property
     def rank(self) -> int:
         """This engine's rank in its group (0 without one)."""
-        return 0 if self.lockstep is None else self.lockstep.rank
+        return self.replay.rank
 
     def _lead(self, what: str) -> None:
         """Refuses ``what`` (a call that changes the engine) on ranks other than 0, after
-        :meth:`close`, and once the ranks diverged."""
-        if self._broken is not None:
-            raise self._broken
-        if self.lockstep is None:
-            return
-        if self.lockstep.rank != 0:
-            raise radixkv.Error(
-                f"Engine.{what} is taken by rank 0 only; rank {self.lockstep.rank} replays rank "
-                "0's calls in Engine.follow()"
-            )
-        if self._closed:
-            raise radixkv.Error(f"Engine.{what}: this engine is closed (Engine.close())")
+        :meth:`close`, and once the ranks diverged (:meth:`Replay.lead`)."""
+        self.replay.lead(what)
 
     def _record(self, call: tuple) -> None:
         """Rank 0: keeps ``call`` for the broadcast of the next step."""
-        if self.lockstep is not None:
-            self._calls.append(call)
+        self.replay.record(call)
 
-    def _replay(self, call: tuple) -> None:
-        """Other ranks: applies one of rank 0's calls exactly as rank 0 did."""
-        kind, *args = call
-        if kind == "submit":
-            self._register(*args)
-        elif kind == "branch":
-            self._branch(*args)
-        elif kind == "cancel":
-            self._cancel(*args)
-        elif kind == "release":
-            self._drop([self._get(i) for i in args[0]])
-        elif kind == "end":
-            self._end(*args)
-        elif kind == "clock":
-            self._tick(*args)
-        elif kind == "reset":
-            self.cache.reset()
-        elif kind == "unretain":
-            self.cache.release_retention(*args)
-        elif kind == "retain":
-            self._retain(*args)
-        else:
-            raise radixkv.Error(f"rank {self.rank}: unknown call {kind!r} from rank 0")
+    def _handlers(self) -> dict[str, Callable[..., object]]:
+        """What each call rank 0 records does when another rank replays it."""
+        return {
+            "submit": self._register,
+            "branch": self._branch,
+            "cancel": self._cancel,
+            "release": lambda ids: self._drop([self._get(i) for i in ids]),
+            "end": self._end,
+            "clock": self._tick,
+            "reset": lambda: self.cache.reset(),
+            "unretain": lambda retention: self.cache.release_retention(retention),
+            "retain": self._retain,
+        }
 
     def follow(self) -> int:
         """Ranks other than 0: replays rank 0's calls and steps in lockstep with it until rank
@@ -401,61 +383,14 @@ class Engine:
         gives what rank 0's does. Raises ``radixkv.Error`` when the ranks diverge or a rank's
         step fails (rank 0 raises it too; see :mod:`radixkv.engine.lockstep`), and
         ``LeaderClosedError`` at once once rank 0 closed."""
-        if self.lockstep is None or self.lockstep.rank == 0:
-            raise radixkv.Error("Engine.follow is for ranks other than 0 of an engine's group")
-        if self._broken is not None:
-            raise self._broken
-        if self._closed:
-            raise LeaderClosedError(
-                f"Engine.follow on rank {self.rank}: rank 0 closed this engine (Engine.close()), "
-                "it sends no more steps"
-            )
-        steps = 0
-        try:
-            while True:
-                calls, close = self.lockstep.receive()
-                for call in calls:
-                    self._replay(call)
-                if close:
-                    self._closed = True
-                    self.lockstep.check_close()
-                    return steps
-                self._step_once()
-                steps += 1
-        except BaseException as e:
-            err = self._leave(e)
-            if err is e:
-                raise
-            raise err from e
+        return self.replay.follow(self._step_once)
 
     def close(self) -> None:
         """Rank 0: sends the calls taken since the last step (a release, say) and ends the other
         ranks' :meth:`follow`, whose last check it waits for (``DivergedError`` if a rank's
         last forward pass failed alone); the engine takes no more calls. A no-op without a
         group, on other ranks, and when closed already."""
-        if self.lockstep is None or self._closed:
-            return
-        self._closed = True
-        if self.lockstep.rank == 0 and self._broken is None:
-            calls, self._calls = self._calls, []
-            try:
-                self.lockstep.send(calls, close=True)
-                self.lockstep.check_close()
-            except BaseException as e:
-                err = self._leave(e)
-                if err is e:
-                    raise
-                raise err from e
-
-    def _leave(self, error: BaseException) -> BaseException:
-        """With a group: ``error`` left this rank's step, ``follow`` or ``close``. The lockstep
-        ends on every rank (:meth:`Lockstep.abandon`: the others raise ``DivergedError``) and
-        later calls raise it; returns what to raise (``error`` itself when it is the lockstep's
-        error, or not an ``Exception``: an interrupt)."""
-        assert self.lockstep is not None
-        err = self.lockstep.abandon(error)
-        self._broken = err
-        return error if err is error or not isinstance(error, Exception) else err
+        self.replay.close()
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -483,140 +418,60 @@ class Engine:
         grammar: Grammar | dict | None = None,
         retain: float = 0.0,
         cache_priority: int = 0,
+        params: RequestParams | None = None,
     ) -> int:
-        """Queues one request; returns its id. ``temperature=0`` is greedy; generation ends at a
-        token of ``stop`` (kept in the output; left out, the engine's ``stop_tokens``, which
-        ``radixkv.hf.engine`` sets to the model's end-of-sequence ids; ``()`` for none) or after
-        ``max_new_tokens`` (0: prefill only; default 16, the same for every method that takes
-        it, Session's too; why: :data:`radixkv.engine.defaults.DEFAULT_MAX_NEW_TOKENS`).
-        Higher ``priority`` is admitted first. Raises ``ValueError`` for bad arguments and for a
-        request the pool could never hold (prompt and output together, but the last token).
+        """Queues one request; returns its id. ``params``: a :class:`RequestParams`, every knob
+        of a request documented and checked there; or its fields as these arguments (the same
+        names and defaults), from which one is built, not both (``TypeError``). Raises
+        ``ValueError`` for a bad argument (naming it; nothing is registered) and for a request
+        the pool could never hold (prompt and output together, but the last token).
 
-        Sampling knobs (all off by default; see :mod:`radixkv.engine.sampling`): ``top_p`` in
-        (0, 1], ``top_k`` (0: off), ``min_p`` in [0, 1), ``repetition_penalty`` > 0 (1: off;
-        over prompt and output), ``presence_penalty`` and ``frequency_penalty`` in [-2, 2]
-        (over the output). ``logprobs``: fill ``Result.logprobs``; ``top_logprobs=k`` (0-20, with
-        ``logprobs``): also ``Result.top_logprobs`` and each event's, the ``k`` most likely
-        tokens at each position. ``logit_bias``: OpenAI's, a mapping of token id to a bias in
-        [-100, 100] added to that token's logit before sampling (and before the penalties):
-        -100 all but bans the token, 100 all but forces it. ``stop_strings``: end the
-        request as soon as its text holds one (needs ``Engine(tokenizer=...)``; the text is cut
-        before it). ``on_token``: called with a :class:`StreamEvent` per token and at the end,
-        on the thread that steps the engine (see the module docstring).
-
-        ``grammar``: structured output (needs ``Engine(tokenizer=...)`` and llguidance, the
-        ``grammar`` extra): a :class:`radixkv.engine.grammar.Grammar` (a JSON schema, a regex,
-        a Lark grammar, any JSON) or a dict (a JSON schema); every token sampled is one the
-        grammar allows, the request stops with ``finish_reason="stop"`` once the grammar is
-        complete, and the tokens it forces are appended at once (:attr:`jump_forward`). A
-        grammar that does not compile is a ``ValueError`` naming the problem; a request whose
-        grammar leaves no token of the vocabulary ends with ``finish_reason="error"``.
-
-        What outlives the request in the prefix cache (see SEMANTICS.md,
-        "Eviction classes and retention"): ``retain``, seconds its prompt and output stay
-        cached while anything else can be evicted (an agent waiting on a tool; ``math.inf``:
-        until ``cache.release_retention(result.retention)``), and ``cache_priority``, the
-        eviction class its pages are raised to (0 .. ``radixkv.EVICTION_CLASSES - 1``, 0 evicted
-        first). The engine advances the cache's clock in seconds at every step."""
+        In short: ``temperature=0`` is greedy; generation ends at a token of ``stop`` (left
+        out, the engine's ``stop_tokens``), at one of ``stop_strings`` in the text (needs
+        ``Engine(tokenizer=...)``) or after ``max_new_tokens``; higher ``priority`` is
+        admitted first; ``on_token`` gets a :class:`StreamEvent` per token and at the end, on
+        the thread that steps the engine (see the module docstring); ``grammar`` constrains
+        the output (the tokens it forces are appended at once: :attr:`jump_forward`; a request
+        whose grammar leaves no token of the vocabulary ends with ``finish_reason="error"``);
+        ``retain`` and ``cache_priority`` say what outlives the request in the prefix cache
+        (the engine advances the cache's clock in seconds at every step)."""
         self._lead("submit")
-        arr, params = self._check_submit(
-            prompt,
-            max_new_tokens,
-            temperature,
-            stop,
-            namespace,
-            seed,
-            priority,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            logprobs=logprobs,
-            stop_strings=stop_strings,
-            top_logprobs=top_logprobs,
-            logit_bias=logit_bias,
-            on_token=on_token,
-            grammar=grammar,
-            retain=retain,
-            cache_priority=cache_priority,
-        )
-        seq_id = self._register(arr, params, on_token).id
-        self._record(("submit", arr, params))
+        knobs = {n: v for n, v in locals().items() if n in _FIELDS}
+        arr, checked, on_token = self._check_submit(prompt, RequestParams.of(params, **knobs))
+        seq_id = self._register(arr, checked, on_token).id
+        self._record(("submit", arr, checked))
         return seq_id
 
     def _check_submit(
-        self,
-        prompt,
-        max_new_tokens,
-        temperature,
-        stop,
-        namespace,
-        seed,
-        priority,
-        name="prompt",
-        on_token=None,
-        grammar=None,
-        retain=0.0,
-        cache_priority=0,
-        **knobs,
-    ) -> tuple[np.ndarray, _Params]:
-        """Everything :meth:`submit` checks, registering nothing (``knobs``: its sampling
-        keywords)."""
-        keep = self._check_keep(retain, cache_priority)
+        self, prompt, params: RequestParams, name: str = "prompt"
+    ) -> tuple[np.ndarray, RequestParams, Callable[[StreamEvent], object] | None]:
+        """Everything :meth:`submit` checks beyond what ``params`` checked itself, registering
+        nothing: the prompt, then :meth:`_resolve`; returns the prompt's array, the resolved
+        params and the request's ``on_token``."""
         arr = to_token_array(prompt, name, self.vocab_size)
-        sampling = self._check_knobs(on_token, knobs)
-        params = _check_params(
-            max_new_tokens,
-            temperature,
-            self.stop_tokens if stop is None else stop,
-            namespace,
-            seed,
-            priority,
-            self.vocab_size,
-            sampling=sampling,
-            grammar=self._check_grammar(grammar),
-        )
-        self.batcher.check_fits(name, len(arr), params.max_new_tokens)
-        if keep is not None:
-            params = dataclasses.replace(params, retain=keep[0], cache_class=keep[1])
-        return arr, params
+        checked = self._resolve(params)
+        self.batcher.check_fits(name, len(arr), checked.max_new_tokens)
+        return arr, checked, params.on_token
 
-    def _check_keep(self, retain, cache_priority, name: str = "retain") -> tuple[float, int] | None:
-        """``retain`` (the argument ``name``) and ``cache_priority`` checked (None: both
-        off)."""
-        if isinstance(retain, bool) or not isinstance(retain, (int, float, np.number)):
-            raise ValueError(f"{name} must be seconds (a number >= 0), got {retain!r}")
-        retain = float(retain)
-        if math.isnan(retain) or retain < 0:
-            raise ValueError(f"{name} must be seconds >= 0 (or math.inf), got {retain}")
-        cls = _as_int(
-            cache_priority,
-            "cache_priority",
-            0,
-            radixkv.EVICTION_CLASSES - 1,
-            f"an eviction class in [0, {radixkv.EVICTION_CLASSES - 1}]",
-        )
-        if retain == 0 and cls == 0:
-            return None
-        if retain > 0:
-            self._retaining = True
-        return retain, cls
-
-    def _check_knobs(self, on_token, knobs: dict) -> Sampling:
-        """The sampling keywords of :meth:`submit` checked (``on_token`` too)."""
-        if on_token is not None and not callable(on_token):
-            raise ValueError(
-                f"on_token must be None or callable, got {on_token!r} ({type(on_token).__name__})"
-            )
-        sampling = check_sampling(**knobs, vocab_size=self.vocab_size)
-        if sampling.stop_strings and self.tokenizer is None:
+    def _resolve(self, params: RequestParams, num_seeds: int = 1) -> RequestParams:
+        """``params`` checked against this engine (token ids against its vocabulary, what needs
+        its tokenizer, the seeds of ``num_seeds`` branches, the grammar compiled) and resolved
+        as every rank replays it: ``stop`` the engine's ``stop_tokens`` when None, ``grammar``
+        a :class:`Grammar`, no ``on_token`` (rank 0 keeps the callback)."""
+        if params.stop_strings and self.tokenizer is None:
             raise ValueError(
                 "stop_strings need a tokenizer to decode the output: make the engine with "
                 "Engine(..., tokenizer=...) or radixkv.hf.engine(..., tokenizer=...)"
             )
-        return sampling
+        if params.logit_bias:
+            check_logit_bias(dict(params.logit_bias), self.vocab_size)
+        stop = self.stop_tokens if params.stop is None else check_stop(params.stop, self.vocab_size)
+        if num_seeds > 1:
+            check_seeds(params.seed, num_seeds)
+        grammar = self._check_grammar(params.grammar)
+        if params.retain > 0:
+            self._retaining = True
+        return dataclasses.replace(params, stop=stop, grammar=grammar, on_token=None)
 
     def _check_grammar(self, grammar) -> Grammar | None:
         """``grammar`` of :meth:`submit` checked and compiled (the compiled copy cached)."""
@@ -641,22 +496,17 @@ class Engine:
     def _register(
         self,
         prompt: np.ndarray,
-        params: _Params,
+        params: RequestParams,
         on_token: Callable[[StreamEvent], object] | None = None,
     ) -> Sequence:
         """Registers and queues one checked request (``on_token``: rank 0's callback)."""
         seq = self._new(prompt, params)
         seq.on_token = on_token
         try:
-            self.batcher.queue(seq)
+            self.batcher.submit(seq)
         except BaseException:
             del self.sequences[seq.id]
             raise
-        if self.batcher.prefetch is not None and self.batcher.fetching is None:
-            # Its pages on disk come back at once (and again, for what went back while it
-            # waited, when it reaches the head of the queue); with a shared tier the
-            # batcher's fetching check did so while queueing it.
-            self._prefetch(seq)
         return seq
 
     def branch(
@@ -669,29 +519,17 @@ class Engine:
         namespace: str | bytes | None = None,
         seed: int = 0,
         *,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logprobs: bool = False,
-        stop_strings: Iterable[str] = (),
-        top_logprobs: int = 0,
-        logit_bias: Mapping[int, float] | None = None,
-        on_token: Callable[[StreamEvent], object] | None = None,
-        grammar: Grammar | dict | None = None,
-        retain: float = 0.0,
-        cache_priority: int = 0,
+        params: RequestParams | None = None,
+        **knobs,
     ) -> list[int]:
         """N branches (sub-agents, samples) from one context: branch ``i`` is the request
         ``context + suffixes[i]`` (an empty suffix samples from the context itself), with seed
         ``seed + i``. The context is computed once and held; the branches are then admitted
         and find every full page of it cached. Returns the branch ids. Checks every branch
-        (as :meth:`submit` does) before queueing anything. The sampling keywords are
-        :meth:`submit`'s, for every branch; ``on_token`` gets every branch's events (each
-        event's ``id`` is its branch's); ``grammar`` constrains every branch (each its own
-        matcher), not the context."""
+        (as :meth:`submit` does) before queueing anything. ``params`` (or the keyword options
+        of :class:`RequestParams`, :meth:`submit`'s) hold for every branch; ``on_token`` gets
+        every branch's events (each event's ``id`` is its branch's); ``grammar`` constrains
+        every branch (each its own matcher), not the context; ``priority`` must be 0."""
         self._lead("branch")
         ctx = to_token_array(context, "context", self.vocab_size)
         if isinstance(suffixes, (str, bytes, bytearray, np.ndarray, torch.Tensor)) or not (
@@ -703,57 +541,42 @@ class Engine:
         suffixes = list(suffixes)
         if len(suffixes) == 0:
             raise ValueError("suffixes must hold at least one branch, got none")
-        sampling = self._check_knobs(
-            on_token,
-            dict(
-                top_p=top_p,
-                top_k=top_k,
-                min_p=min_p,
-                repetition_penalty=repetition_penalty,
-                presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty,
-                logprobs=logprobs,
-                stop_strings=stop_strings,
-                top_logprobs=top_logprobs,
-                logit_bias=logit_bias,
-            ),
+        given = RequestParams.of(
+            params,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop=stop,
+            namespace=namespace,
+            seed=seed,
+            **knobs,
         )
-        params = _check_params(
-            max_new_tokens,
-            temperature,
-            self.stop_tokens if stop is None else stop,
-            namespace,
-            seed,
-            0,
-            self.vocab_size,
-            num_seeds=len(suffixes),
-            sampling=sampling,
-            grammar=self._check_grammar(grammar),
-        )
+        if given.priority != 0:
+            raise ValueError(
+                f"priority={given.priority}: branches are queued once their context is "
+                "computed, at priority 0; pass priority=0"
+            )
+        checked = self._resolve(given, len(suffixes))
         prompts = []
         for i, s in enumerate(suffixes):
             part = to_token_array(s, f"suffixes[{i}]", self.vocab_size, allow_empty=True)
             prompts.append(np.concatenate([ctx, part]))
-            self.batcher.check_fits(f"branch {i}", len(prompts[-1]), params.max_new_tokens)
-        keep = self._check_keep(retain, cache_priority)  # each branch's, as submit's
-        if keep is not None:
-            params = dataclasses.replace(params, retain=keep[0], cache_class=keep[1])
-        ids = self._branch(ctx, prompts, params, on_token)
-        self._record(("branch", ctx, prompts, params))
+            self.batcher.check_fits(f"branch {i}", len(prompts[-1]), checked.max_new_tokens)
+        ids = self._branch(ctx, prompts, checked, given.on_token)
+        self._record(("branch", ctx, prompts, checked))
         return ids
 
     def _branch(
         self,
         ctx: np.ndarray,
         prompts: list[np.ndarray],
-        params: _Params,
+        params: RequestParams,
         on_token: Callable[[StreamEvent], object] | None = None,
     ) -> list[int]:
         """Registers the checked branches of :meth:`branch` (``on_token``: rank 0's callback,
         for each branch); returns their ids."""
         parent = None
         if self.prefix_caching:
-            ctx_params = _Params(0, 0.0, frozenset(), params.namespace, params.seed, 0)
+            ctx_params = RequestParams(0, stop=(), namespace=params.namespace, seed=params.seed)
             parent = self._register(ctx, ctx_params)
         ids = []
         for i, prompt in enumerate(prompts):
@@ -781,7 +604,7 @@ class Engine:
         if seq.done:
             return False
         self.batcher.finish(seq, "cancelled")
-        self._notify_end(seq)
+        notify_end(seq)
         return True
 
     def result(self, seq_id: int) -> Result:
@@ -819,16 +642,22 @@ class Engine:
         return results
 
     def generate(
-        self, prompts: Seq[Seq[int] | np.ndarray], release: bool = False, **params
+        self,
+        prompts: Seq[Seq[int] | np.ndarray],
+        release: bool = False,
+        *,
+        params: RequestParams | None = None,
+        **knobs,
     ) -> list[Result]:
-        """Submits every prompt with ``params`` (as :meth:`submit`) and runs them to the end
-        (``release``: as :meth:`run`). Every prompt is checked before any is queued."""
+        """Submits every prompt with ``params`` (or the keyword options of
+        :class:`RequestParams`, as :meth:`submit`) and runs them to the end (``release``: as
+        :meth:`run`). Every prompt is checked before any is queued."""
         self._lead("generate")
-        full = _submit_defaults(params)
-        checked = [self._check_submit(p, **full) for p in prompts]
+        given = RequestParams.of(params, **knobs)
+        checked = [self._check_submit(p, given) for p in prompts]
         ids = []
-        for arr, ps in checked:
-            ids.append(self._register(arr, ps, full["on_token"]).id)
+        for arr, ps, on_token in checked:
+            ids.append(self._register(arr, ps, on_token).id)
             self._record(("submit", arr, ps))
         return self.run(ids, release=release)
 
@@ -841,16 +670,18 @@ class Engine:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
-        **params,
+        params: RequestParams | None = None,
+        **knobs,
     ) -> str:
         """The reply to OpenAI-style ``messages`` (``[{"role": "user", "content": ...}]``), as
         text: the prompt is rendered by the tokenizer's chat template (:mod:`radixkv.engine.chat`:
         ``tools``, ``chat_template`` and ``chat_template_kwargs`` go to it, as ``radixkv serve``
-        renders a request), run to the end with ``params`` (:meth:`submit`'s: ``max_new_tokens``,
-        ``temperature``, ``namespace``, ...) and released. Needs ``Engine(tokenizer=...)``
-        (``radixkv.hf.engine(..., tokenizer=tok)``); a request that failed raises its error. The
-        prompt's prefix is cached like any other, so a conversation sent again turn after turn
-        is served from the cache; :meth:`Session.send` with messages keeps the conversation."""
+        renders a request), run to the end with ``params`` (a :class:`RequestParams`, or its
+        keyword options: ``max_new_tokens``, ``temperature``, ``namespace``, ...) and released.
+        Needs ``Engine(tokenizer=...)`` (``radixkv.hf.engine(..., tokenizer=tok)``); a request
+        that failed raises its error. The prompt's prefix is cached like any other, so a
+        conversation sent again turn after turn is served from the cache; :meth:`Session.send`
+        with messages keeps the conversation."""
         prompt = render_chat(
             self.tokenizer,
             messages,
@@ -860,13 +691,17 @@ class Engine:
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
         )
-        (result,) = self.generate([prompt], release=True, **params)
+        (result,) = self.generate([prompt], release=True, params=params, **knobs)
         if result.error is not None:
             raise result.error
         return result.text
 
     def stream(
-        self, prompt: Seq[int] | np.ndarray | torch.Tensor, **params
+        self,
+        prompt: Seq[int] | np.ndarray | torch.Tensor,
+        *,
+        params: RequestParams | None = None,
+        **knobs,
     ) -> Iterator[StreamEvent]:
         """Submits ``prompt`` with ``params`` (as :meth:`submit`, but ``on_token``) and returns
         an iterator of its :class:`StreamEvent`: it steps the engine (every other request
@@ -875,10 +710,11 @@ class Engine:
         cancels the request. The request stays readable (``result(event.id)``) until released.
         """
         self._lead("stream")
-        if "on_token" in params:
+        given = RequestParams.of(params, **knobs)
+        if "on_token" in knobs or given.on_token is not None:
             raise TypeError("stream() takes no on_token: it yields the events itself")
         events: collections.deque[StreamEvent] = collections.deque()
-        seq_id = self.submit(prompt, on_token=events.append, **params)
+        seq_id = self.submit(prompt, params=dataclasses.replace(given, on_token=events.append))
         return self._stream(self.sequences[seq_id], events)
 
     def _stream(self, seq: Sequence, events: collections.deque) -> Iterator[StreamEvent]:
@@ -893,7 +729,7 @@ class Engine:
                     return
                 self.step()
         finally:
-            if not seq.done and self.sequences.get(seq.id) is seq and self._broken is None:
+            if not seq.done and self.sequences.get(seq.id) is seq and self.replay.broken is None:
                 self.cancel(seq.id)
 
     def release(self, ids: Iterable[int]) -> None:
@@ -946,43 +782,7 @@ class Engine:
             self._tick(now)
         if self.lockstep is None:
             return self._step_once()
-        try:
-            t = time.perf_counter()
-            calls, self._calls = self._calls, []
-            self.lockstep.send(calls)
-            self.lockstep.send_s += time.perf_counter() - t
-            return self._step_once()
-        except BaseException as e:
-            err = self._leave(e)
-            if err is e:
-                raise
-            raise err from e
-
-    def _prefetch(self, seq: Sequence) -> bool:
-        """Reads back from the disk tier the pages of ``seq`` (waiting, about to be ranked for
-        admission) that memory lacks, and installs what the shared tier fetched of them or
-        starts that fetch (on its own thread: the step never waits on the store): its
-        admission finds them as hits. Returns whether a shared fetch for it is still out (the
-        batcher then holds it back). The shared tier never raises for its store (it counts
-        failures itself)."""
-        t = time.perf_counter()
-        out = False
-        try:
-            disk, shared, out = self.kv.fetch(seq.target, seq.cache_namespace)
-            self.stats.disk_tokens += disk
-            self.stats.shared_tokens += shared
-        except (OSError, RuntimeError) as e:
-            # A disk that fails to read costs the hit, not the request: its tokens are
-            # computed (the cache confirmed nothing it did not read).
-            self.stats.disk_errors += 1
-            if self.stats.disk_errors == 1:
-                warnings.warn(
-                    f"reading the disk tier failed ({e}); requests compute what it held",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        self.stats.disk_s += time.perf_counter() - t
-        return out
+        return self.replay.step(self._step_once)
 
     def _check_step(self, batch: list[Sequence]) -> None:
         """With a group: the ranks compare their batch (and every ``digest_every`` steps their
@@ -1028,10 +828,12 @@ class Engine:
         self._lead("retain_prefix")
         # every argument checked before anything is recorded for the other ranks or ticked
         arr = to_token_array(tokens, "tokens", self.vocab_size, allow_empty=True)
-        _check_namespace(namespace)
-        keep = self._check_keep(seconds, cache_priority, "seconds")
-        if keep is None or len(arr) == 0 or not self.prefix_caching:
+        check_namespace(namespace)
+        keep = check_keep(seconds, cache_priority, "seconds")
+        if keep == (0.0, 0) or len(arr) == 0 or not self.prefix_caching:
             return None, 0
+        if keep[0] > 0:
+            self._retaining = True
         now = time.monotonic() - self._t0  # the retention runs from now, not the last step
         self._record(("clock", now))
         self._tick(now)
@@ -1138,17 +940,7 @@ class Engine:
         """Accounts the committed tokens, samples where a target is computed, ends sequences.
         ``drafts``: the logits of each batch row that carried a draft, at its token and at
         each draft token (``logits`` holds each row's last)."""
-        ready = []
-        for b, seq in enumerate(batch):
-            q = seq.num_tokens - seq.num_computed
-            seq.total_computed_tokens += q
-            if seq.first_token_at is None:
-                seq.computed_tokens += q
-            if seq.draft:  # its drafts are committed or given back once verified (_settle)
-                seq.num_tokens -= len(seq.draft)
-            seq.num_computed = seq.num_tokens  # what kv.commit just recorded
-            if seq.num_tokens == seq.target_len:
-                ready.append(b)
+        ready = self.batcher.committed(batch)
         if not ready:
             return []
         seqs = [batch[b] for b in ready]
@@ -1164,120 +956,13 @@ class Engine:
                 full = len(ready) == logits.shape[0] and not constrained
                 rows = logits if full else logits[ready]
                 if constrained:
-                    refused = self._mask(rows, seqs)
+                    refused = mask(self, rows, seqs)
                 tokens, lps = sample_tokens(rows, seqs)
         except Exception as e:  # logits of the wrong shape, say
             return self._fail(seqs, e)
         for k, error in refused.items():
             tokens[k] = error
-        now = time.perf_counter()
-        finished = []
-        bug: Exception | None = None
-        if self._sampled is not None:
-            self._sampled.extend(
-                (s.id, t if isinstance(t, int) else -1) for s, t in zip(seqs, tokens)
-            )
-        #: Rank 0: sequences its text or callback ends (a stop string, on_token raising),
-        #: which the other ranks learn from the next broadcast: ended after every other one,
-        #: so that every rank finishes requests in the same order.
-        late: list[tuple[Sequence, int, float | None, str]] = []
-        for k, (seq, tok) in enumerate(zip(seqs, tokens)):
-            if not isinstance(tok, Exception) and not 0 <= tok < self.vocab_size:
-                tok = ValueError(
-                    f"the model's logits gave token id {tok}, outside the "
-                    f"vocabulary [0, {self.vocab_size})"
-                )
-            if isinstance(tok, Exception):
-                finished.extend(self._fail([seq], tok))
-                continue
-            lp = None if lps is None else lps[k]
-            delta = ""
-            last: int | None = tok  # the token the final event carries
-            natural: str | None = "length"  # why every rank ends it (the others lack the text)
-            if seq.max_new_tokens == 0:
-                if seq.children:
-                    self.batcher.hold(seq)
-                    continue
-                seq.finish_reason, last = "length", None
-            else:
-                # The sampled token, or with a grammar what it appends: the tokens it forced
-                # before the first step, the sampled one (or its retokenization) and the
-                # tokens it forces after it (jump-forward).
-                items: list[tuple[int, float | None, bool]] = [(tok, lp, False)]
-                tops: list | None = None
-                if k in verified:  # the drafts it accepted and the target's own token
-                    items = [(t, p, False) for t, p in verified[k][0]]
-                    tops = verified[k][1]
-                if seq.grammar is not None:
-                    try:
-                        items = self._grammar_tokens(seq, tok, lp)
-                    except radixkv.Error as e:  # the grammar refused it: never seen
-                        finished.extend(self._fail([seq], e))
-                        continue
-                ends = False
-                for j, (tok, lp, forced) in enumerate(items):
-                    last, delta = tok, ""
-                    if tops is not None:
-                        seq.last_top = tops[j]
-                    seq.record_token(tok, now)
-                    if forced:
-                        seq.forced_tokens += 1
-                        self.stats.forced_tokens += 1
-                    if (
-                        j == len(items) - 1
-                        and seq.grammar is not None
-                        and seq.finish_reason != "stop"
-                        and seq.grammar.complete
-                    ):
-                        seq.finish_reason = "stop"  # the grammar is complete
-                    natural = seq.finish_reason
-                    if seq.logprobs is not None:
-                        seq.logprobs.append(lp)  # type: ignore[arg-type]
-                    if seq.top_logprobs is not None:
-                        seq.top_logprobs.append([] if forced else list(seq.last_top or []))
-                    if seq.detok is not None:
-                        delta = seq.detok.add(tok)
-                        if seq.detok.stopped:
-                            if seq.finish_reason is None:
-                                late.append((seq, tok, lp, delta))
-                                break
-                            seq.finish_reason = "stop"  # a stop string with the last token
-                    if seq.finish_reason is not None:
-                        ends = True
-                        break
-                    if seq.on_token is not None and not self._emit(
-                        seq, StreamEvent(seq.id, tok, delta, lp, None, _last_top(seq))
-                    ):
-                        late.append((seq, tok, lp, ""))
-                        break
-                if seq.draft:
-                    try:
-                        self._settle(seq)
-                    except Exception as e:  # the cache refused: this request ends with it
-                        finished.extend(self._fail([seq], e))
-                        continue
-                if not ends:
-                    continue
-            try:
-                self.batcher.finish(seq, seq.finish_reason)
-            except Exception as e:  # a bug: the request ended (with it); the rest go on
-                bug = bug or e
-            self._notify_end(seq, last, lp, delta)
-            if seq.finish_reason != natural:  # relabelled here: by a stop string, on_token
-                self._record(("end", seq.id, seq.finish_reason, _message(seq)))
-            finished.append(seq.result())
-        for seq, tok, lp, delta in late:
-            reason = "stop" if seq.error is None else "error"
-            try:
-                self.batcher.finish(seq, reason)
-            except Exception as e:  # as above
-                bug = bug or e
-            self._notify_end(seq, tok, lp, delta)
-            self._record(("end", seq.id, seq.finish_reason, _message(seq)))
-            finished.append(seq.result())
-        if bug is not None:
-            raise bug
-        return finished
+        return Outcome(self).apply(seqs, tokens, lps, verified)
 
     # ---- speculative decoding ----------------------------------------------------------------
 
@@ -1342,7 +1027,7 @@ class Engine:
             pseqs = [seqs[k] for k in plain]
             rows = logits[[ready[k] for k in plain]]
             if any(s.grammar is not None for s in pseqs):
-                refused = {plain[i]: e for i, e in self._mask(rows, pseqs).items()}
+                refused = {plain[i]: e for i, e in mask(self, rows, pseqs).items()}
             toks, plps = sample_tokens(rows, pseqs)
             for i, k in enumerate(plain):
                 tokens[k] = toks[i]
@@ -1384,96 +1069,6 @@ class Engine:
         seq.num_tokens = seq.num_computed = n
         seq.draft = []
 
-    def _mask(self, rows: torch.Tensor, seqs: list[Sequence]) -> dict[int, Exception]:
-        """Applies the token mask of every constrained row of ``rows`` (the logits of
-        ``seqs``) in one batched operation; returns the error of each row whose grammar
-        leaves no token (by row)."""
-        t = time.perf_counter()
-        idx = [k for k, s in enumerate(seqs) if s.grammar is not None]
-        states = [seqs[k].grammar for k in idx]
-        compiler = states[0].compiler  # type: ignore[union-attr]
-        mask = fill_masks(compiler, states)  # type: ignore[arg-type]
-        left = apply_masks(rows, idx, mask)
-        refused: dict[int, Exception] = {}
-        for k, state, ok in zip(idx, states, left):
-            error = state.error  # type: ignore[union-attr]
-            if error is not None or not ok:
-                why = (
-                    f"the grammar failed: {error}"
-                    if error is not None
-                    else (
-                        f"the grammar allows no token of the model's vocabulary [0, "
-                        f"{self.vocab_size}) after {len(seqs[k].output)} output tokens"
-                    )
-                )
-                refused[k] = radixkv.Error(f"request {seqs[k].id}: {why}")
-        self.stats.mask_s += time.perf_counter() - t
-        return refused
-
-    def _grammar_tokens(
-        self, seq: Sequence, tok: int, lp: float | None
-    ) -> list[tuple[int, float | None, bool]]:
-        """What ``seq`` appends for its sampled ``tok``, as ``(token, logprob, forced)``: the
-        tokens its grammar forced before its first step (reported now, with the first sampled
-        token), then ``tok`` and, with :attr:`jump_forward`, the tokens the grammar forces
-        after it (consumed by the matcher; where the tokenizer merges ``tok`` with them, the
-        merged tokens in its place, the first with ``tok``'s logprob). A forced token's
-        logprob is 0.0 (it is certain under the grammar). ``radixkv.Error`` if the grammar
-        refuses ``tok``."""
-        state = seq.grammar
-        assert state is not None
-        state.consume(tok)
-        sure = None if lp is None else 0.0
-        early: list[tuple[int, float | None, bool]] = []
-        if state.unannounced:  # the only output so far: taken out to be recorded again
-            n, state.unannounced = state.unannounced, 0
-            early = [(t, sure, True) for t in seq.output[-n:]]
-            del seq.output[-n:]
-            self.stats.jumps += 1
-        items = [(tok, lp, False)]
-        if self.jump_forward:
-            room = seq.remaining_new_tokens - len(early) - 1
-            forced, replaces = state.jump(tok, room, self.vocab_size)
-            if forced:
-                self.stats.jumps += 1
-                if replaces:
-                    items = [(forced[0], lp, False)]
-                    forced = forced[1:]
-                items += [(t, sure, True) for t in forced]
-        return early + items
-
-    def _emit(self, seq: Sequence, event: StreamEvent) -> bool:
-        """Calls ``seq.on_token(event)``; returns whether it did not raise. If it raised, the
-        exception is ``seq.error`` and the callback is dropped (the request is to end)."""
-        try:
-            seq.on_token(event)  # type: ignore[misc]
-        except Exception as e:
-            seq.on_token, seq.error = None, e
-            return False
-        return True
-
-    def _notify_end(
-        self, seq: Sequence, token: int | None = None, logprob: float | None = None, text=""
-    ) -> None:
-        """``seq`` ended: the rest of its text is decoded and its final event sent (with
-        ``token``, ``logprob`` and ``text`` when it ended on a sampled token), once. An
-        exception from it turns a request that ended normally into a failed one."""
-        if seq.detok is not None:
-            if seq.grammar is not None and seq.grammar.unannounced:  # forced, never reported
-                for t in seq.output[-seq.grammar.unannounced :]:
-                    text += seq.detok.add(t)
-                seq.grammar.unannounced = 0
-            text += seq.detok.finish()
-        callback, seq.on_token = seq.on_token, None
-        if callback is None:
-            return
-        try:
-            top = _last_top(seq) if token is not None else None
-            callback(StreamEvent(seq.id, token, text, logprob, seq.finish_reason, top))
-        except Exception as e:
-            if seq.finish_reason not in ("error", "cancelled"):
-                seq.finish_reason, seq.error = "error", e
-
     def _end(self, seq_id: int, reason: str, message: str | None) -> None:
         """Other ranks: rank 0 ended request ``seq_id`` in its last step for a reason only it
         knows (a stop string in its text, its ``on_token`` raising): it ends here too, as it
@@ -1495,7 +1090,7 @@ class Engine:
             if not seq.done:
                 seq.error = error
                 self.batcher.finish(seq, "error", abort=True)
-                self._notify_end(seq)
+                notify_end(seq)
                 out.append(seq.result())
         return out
 
@@ -1505,7 +1100,7 @@ class Engine:
         if not failed:
             return results
         for s in failed:
-            self._notify_end(s)
+            notify_end(s)
         return results + [s.result() for s in failed]
 
     def _stalled(self, progress: bool) -> list[Result]:
@@ -1570,7 +1165,7 @@ class Engine:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _new(self, prompt: np.ndarray, params: _Params) -> Sequence:
+    def _new(self, prompt: np.ndarray, params: RequestParams) -> Sequence:
         seq = Sequence(
             id=next(self._ids),
             prompt=prompt,
@@ -1581,7 +1176,7 @@ class Engine:
             seed=params.seed,
             priority=params.priority,
             retain=params.retain,
-            cache_class=params.cache_class,
+            cache_class=params.cache_priority,
         )
         sp = params.sampling
         if sp is not OFF:
@@ -1620,124 +1215,16 @@ def _check_kv_shape(model: torch.nn.Module, kv: KVCache) -> None:
         )
 
 
-def _message(seq: Sequence) -> str | None:
-    """What rank 0 tells the other ranks of ``seq``'s error (exceptions are not sent)."""
-    return None if seq.error is None else repr(seq.error)
-
-
 def _submit_defaults(params: dict) -> dict:
-    """``params`` of :meth:`Engine.generate` completed with :meth:`Engine.submit`'s defaults;
-    ``TypeError`` for a name ``submit`` does not take."""
-    sig = inspect.signature(Engine.submit)
-    names = [n for n in sig.parameters if n not in ("self", "prompt")]
-    unknown = sorted(set(params) - set(names))
+    """``params`` completed with the defaults of :class:`RequestParams` (what
+    :meth:`Engine.generate` submits); ``TypeError`` for a name it has no field for."""
+    unknown = sorted(set(params) - set(_FIELDS))
     if unknown:
-        raise TypeError(f"generate() got unknown parameters {unknown}; it takes {names}")
-    return {n: params.get(n, sig.parameters[n].default) for n in names}
+        raise TypeError(f"unknown parameters {unknown}; a request takes {list(_FIELDS)}")
+    return {**defaults(), **params}
 
 
+#: The fields of a request's parameters, the keyword options of :meth:`Engine.submit`.
+_FIELDS = field_names()
 #: Seconds a step with nothing to compute waits for a shared fetch of a held-back request.
 HELD_BACK_WAIT_S = 0.005
-#: ``max_new_tokens`` bound (exclusive): what the :class:`radixkv.Scheduler` takes.
-MAX_NEW_TOKENS_LIMIT = 2**32
-#: ``seed`` range: what ``torch.Generator.manual_seed`` takes without wrapping around.
-SEED_LIMIT = 2**63
-#: ``priority`` range of the :class:`radixkv.Scheduler` (a 32-bit signed integer).
-PRIORITY_MIN = -(2**31)
-
-
-@dataclass(frozen=True)
-class _Params:
-    """The checked generation parameters of one request (or of every branch of a call)."""
-
-    max_new_tokens: int
-    temperature: float
-    stop: frozenset[int]
-    namespace: str | bytes | None
-    seed: int
-    priority: int
-    #: The sampling knobs (picklable; the default: all off).
-    sampling: Sampling = OFF
-    #: Structured output (checked and compiled), or None.
-    grammar: Grammar | None = None
-    #: What the request's finish asks of the prefix cache (``retain=``, ``cache_priority=``).
-    retain: float = 0.0
-    cache_class: int = 0
-
-
-#: The lowest temperature sampled with: a temperature in ``(0, MIN_TEMPERATURE)`` is raised to
-#: it (vLLM's rule and bound), since dividing logits by less overflows to ``inf``.
-MIN_TEMPERATURE = 0.01
-
-
-def _as_int(value, name: str, lo: int, hi: int, what: str) -> int:
-    """``value`` as a Python int in ``[lo, hi]`` (ints and numpy integers; never ``bool``),
-    else ``ValueError`` naming ``name`` and the value."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
-    v = int(value)
-    if not lo <= v <= hi:
-        raise ValueError(f"{name} must be {what}, got {v}")
-    return v
-
-
-def _check_namespace(namespace) -> None:
-    """``ValueError`` naming ``namespace`` unless it is None, a str or bytes."""
-    if namespace is not None and not isinstance(namespace, (str, bytes)):
-        raise ValueError(
-            f"namespace must be None, a str or bytes, got {namespace!r} "
-            f"({type(namespace).__name__})"
-        )
-
-
-def _check_params(
-    max_new_tokens,
-    temperature,
-    stop,
-    namespace,
-    seed,
-    priority,
-    vocab_size: int,
-    num_seeds: int = 1,
-    sampling: Sampling = OFF,
-    name: str = "stop",
-    grammar: Grammar | None = None,
-) -> _Params:
-    """Checks every generation parameter of :meth:`Engine.submit` (``num_seeds``: the seeds
-    ``seed .. seed + num_seeds - 1`` a call uses must all be valid; ``sampling``: the knobs,
-    checked already) and returns them normalized; raises ``ValueError`` naming the first bad
-    one."""
-    n = _as_int(
-        max_new_tokens, "max_new_tokens", 0, MAX_NEW_TOKENS_LIMIT - 1, "an int in [0, 2**32)"
-    )
-    if isinstance(temperature, (bool, np.bool_)) or not isinstance(
-        temperature, (int, float, np.integer, np.floating)
-    ):
-        raise ValueError(
-            f"temperature must be a finite number >= 0, got {temperature!r} "
-            f"({type(temperature).__name__})"
-        )
-    t = float(temperature)
-    if not (math.isfinite(t) and t >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if 0 < t < MIN_TEMPERATURE:  # logits / 1e-300 overflow to inf: raised, as vLLM does
-        t = MIN_TEMPERATURE
-    if isinstance(stop, (str, bytes, bytearray)) or not isinstance(stop, Iterable):
-        raise ValueError(
-            f"{name} must be an iterable of token ids, got {stop!r} ({type(stop).__name__})"
-        )
-    stops = frozenset(
-        _as_int(tok, name, 0, vocab_size - 1, f"token ids in [0, {vocab_size})") for tok in stop
-    )
-    _check_namespace(namespace)
-    what = "an int in [0, 2**63)"
-    if num_seeds > 1:
-        what = f"an int in [0, 2**63 - {num_seeds}] (branch i uses seed + i)"
-    sd = _as_int(seed, "seed", 0, SEED_LIMIT - num_seeds, what)
-    pr = _as_int(priority, "priority", PRIORITY_MIN, PRIORITY_MAX, "an int in [-2**31, 2**31)")
-    return _Params(n, t, stops, namespace, sd, pr, sampling, grammar)
-
-
-def _last_top(seq: Sequence) -> list[tuple[int, float]] | None:
-    """The alternatives of ``seq``'s last output token (``top_logprobs``), else None."""
-    return seq.top_logprobs[-1] if seq.top_logprobs else None

@@ -30,12 +30,17 @@ largest of that same distribution, with their tokens (OpenAI's ``top_logprobs``,
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
 
+from radixkv.engine.params import (
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    check_logit_bias,
+    check_sampling,
+)
 from radixkv.engine.sequence import OFF, Sampling, Sequence
 
 __all__ = [
@@ -43,21 +48,12 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "OFF",
     "Sampling",
+    "check_logit_bias",
     "check_sampling",
     "sample_tokens",
     "to_token_array",
     "verify_draft",
 ]
-
-#: The most ``top_logprobs`` a request may ask for (OpenAI's bound, and vLLM's default).
-MAX_TOP_LOGPROBS = 20
-#: The largest ``logit_bias`` magnitude (OpenAI's bound).
-MAX_LOGIT_BIAS = 100.0
-#: The range of ``repetition_penalty``: a logit is divided (or multiplied) by it, so a value
-#: near 0 overflows to ``inf`` (1e-300 did) and a huge one to ``-inf``; 1e4 already bans every
-#: token seen.
-MIN_REPETITION_PENALTY = 0.01
-MAX_REPETITION_PENALTY = 1e4
 
 
 def to_token_array(
@@ -88,124 +84,6 @@ def to_token_array(
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
     return arr.astype(np.uint32, copy=False)
-
-
-def _number(value, name: str, what: str) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating)
-    ):
-        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return v
-
-
-def check_sampling(
-    top_p=1.0,
-    top_k=0,
-    min_p=0.0,
-    repetition_penalty=1.0,
-    presence_penalty=0.0,
-    frequency_penalty=0.0,
-    logprobs=False,
-    stop_strings=(),
-    top_logprobs=0,
-    logit_bias=None,
-    vocab_size: int | None = None,
-) -> Sampling:
-    """The knobs checked and normalized; ``ValueError`` naming the first bad one.
-    ``vocab_size``: the bound of ``logit_bias``'s token ids (None: not checked)."""
-    p = _number(top_p, "top_p", "a number in (0, 1]")
-    if not 0.0 < p <= 1.0:
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
-        raise ValueError(
-            f"top_k must be an int >= 0 (0: off), got {top_k!r} ({type(top_k).__name__})"
-        )
-    k = int(top_k)
-    if k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0: off), got {k}")
-    mp = _number(min_p, "min_p", "a number in [0, 1)")
-    if not 0.0 <= mp < 1.0:
-        raise ValueError(f"min_p must be a number in [0, 1), got {min_p!r}")
-    what = f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1: off)"
-    rp = _number(repetition_penalty, "repetition_penalty", what)
-    if not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
-        raise ValueError(f"repetition_penalty must be {what}, got {repetition_penalty!r}")
-    pens = []
-    for name, value in (
-        ("presence_penalty", presence_penalty),
-        ("frequency_penalty", frequency_penalty),
-    ):
-        v = _number(value, name, "a number in [-2, 2]")
-        if not -2.0 <= v <= 2.0:
-            raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        pens.append(v)
-    if not isinstance(logprobs, (bool, np.bool_)):
-        raise ValueError(f"logprobs must be a bool, got {logprobs!r} ({type(logprobs).__name__})")
-    if isinstance(stop_strings, (str, bytes, bytearray)) or not isinstance(stop_strings, Iterable):
-        raise ValueError(
-            f"stop_strings must be an iterable of non-empty str, got {stop_strings!r} "
-            f"({type(stop_strings).__name__})"
-        )
-    stops = tuple(stop_strings)
-    for s in stops:
-        if not isinstance(s, str) or not s:
-            raise ValueError(f"stop_strings must be an iterable of non-empty str, holds {s!r}")
-    stops = tuple(dict.fromkeys(stops))  # without repeats, in order
-    if (
-        isinstance(top_logprobs, (bool, np.bool_))
-        or not isinstance(top_logprobs, (int, np.integer))
-        or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS
-    ):
-        raise ValueError(
-            f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}"
-        )
-    if top_logprobs and not logprobs:
-        raise ValueError(f"top_logprobs={top_logprobs} needs logprobs=True")
-    sampling = Sampling(
-        p,
-        k,
-        mp,
-        rp,
-        pens[0],
-        pens[1],
-        bool(logprobs),
-        stops,
-        top_logprobs=int(top_logprobs),
-        logit_bias=check_logit_bias(logit_bias, vocab_size),
-    )
-    return OFF if sampling == OFF else sampling
-
-
-def check_logit_bias(logit_bias, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias`` (a mapping of token id to a bias in [-100, 100], or None) as
-    sorted ``(id, bias)`` pairs without the zero biases; ``ValueError`` naming the first bad id
-    or value (messages start with ``logit_bias``, which the server answers as the field)."""
-    if logit_bias is None:
-        return ()
-    if not isinstance(logit_bias, Mapping):
-        raise ValueError(
-            f"logit_bias must be a mapping of token id to bias, got {logit_bias!r} "
-            f"({type(logit_bias).__name__})"
-        )
-    pairs = {}
-    for tok, bias in logit_bias.items():
-        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
-            raise ValueError(
-                f"logit_bias keys must be token ids (ints), got {tok!r} ({type(tok).__name__})"
-            )
-        tok = int(tok)
-        if tok < 0 or (vocab_size is not None and tok >= vocab_size):
-            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise ValueError(f"logit_bias holds token id {tok}, outside the vocabulary {bound}")
-        what = f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
-        v = _number(bias, f"logit_bias of token {tok}", what)
-        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias of token {tok} must be {what}, got {bias!r}")
-        pairs[tok] = v
-    return tuple(sorted((t, v) for t, v in pairs.items() if v != 0.0))
 
 
 def apply_logit_bias(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -13,7 +13,8 @@ computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import dataclasses
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -22,9 +23,9 @@ from radixkv.engine.chat import is_messages
 from radixkv.engine.chat import render as render_chat
 from radixkv.engine.defaults import DEFAULT_MAX_NEW_TOKENS
 from radixkv.engine.engine import Engine
-from radixkv.engine.grammar import Grammar
+from radixkv.engine.params import RequestParams, check_keep, check_namespace
 from radixkv.engine.sampling import to_token_array
-from radixkv.engine.sequence import Result, StreamEvent
+from radixkv.engine.sequence import Result
 
 
 class Session:
@@ -52,12 +53,8 @@ class Session:
     ) -> None:
         if not isinstance(engine, Engine):
             raise ValueError(f"engine must be a radixkv.Engine, got {type(engine).__name__}")
-        if namespace is not None and not isinstance(namespace, (str, bytes)):
-            raise ValueError(
-                f"namespace must be None, a str or bytes, got {namespace!r} "
-                f"({type(namespace).__name__})"
-            )
-        engine._check_keep(keep_alive, cache_priority)  # the engine's own checks, up front
+        check_namespace(namespace)
+        check_keep(keep_alive, cache_priority, "keep_alive")
         self.engine = engine
         self.namespace = namespace
         self.keep_alive = float(keep_alive)
@@ -83,25 +80,17 @@ class Session:
         stop: Iterable[int] | None = None,
         seed: int = 0,
         *,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        logit_bias: Mapping[int, float] | None = None,
-        stop_strings: Iterable[str] = (),
-        on_token: Callable[[StreamEvent], object] | None = None,
-        grammar: Grammar | dict | None = None,
+        params: RequestParams | None = None,
+        **knobs,
     ) -> Result | str:
         """One turn: prompt = history + ``message``; runs it (and whatever else the engine has)
         until it finishes; history becomes prompt + reply (every token sampled, the one that
         completed a stop string included). Bad arguments raise ``ValueError`` before anything
         is queued; a turn whose step failed (or whose ``on_token`` raised) re-raises the
-        request's error (``Result.error``). Either way the history is unchanged. The keyword
-        arguments are :meth:`Engine.submit`'s.
+        request's error (``Result.error``). Either way the history is unchanged. ``params``:
+        a :class:`RequestParams`, or its fields as keyword options (:meth:`Engine.submit`'s);
+        the session sets ``namespace``, ``retain`` (its ``keep_alive``) and
+        ``cache_priority`` (``ValueError`` for another namespace or a retention of its own).
 
         ``message`` as OpenAI-style messages (``[{"role": "user", "content": "..."}]``, a list
         of dicts): a chat session. The conversation (:attr:`messages`) grows by them and the
@@ -110,6 +99,17 @@ class Session:
         the reply is returned as text and appended as the assistant's message (its
         :class:`Result` is ``results[-1]``). The earlier turns are found in the prefix cache as
         with token ids. A session holds token ids or messages, not both (``ValueError``)."""
+        given = self._params(
+            params,
+            knobs,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop=stop,
+            seed=seed,
+        )
+        given = dataclasses.replace(
+            given, retain=self.keep_alive, cache_priority=self.cache_priority
+        )
         conversation = None
         if is_messages(message):
             if self.messages is None and len(self.history):
@@ -121,28 +121,7 @@ class Session:
                 raise ValueError("this session is a chat: send messages, not token ids")
             extra = to_token_array(message, "message", self.engine.vocab_size, allow_empty=True)
             prompt = np.concatenate([self.history, extra])
-        seq_id = self.engine.submit(
-            prompt,
-            max_new_tokens,
-            temperature,
-            stop,
-            self.namespace,
-            seed,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            logit_bias=logit_bias,
-            stop_strings=stop_strings,
-            on_token=on_token,
-            grammar=grammar,
-            retain=self.keep_alive,
-            cache_priority=self.cache_priority,
-        )
+        seq_id = self.engine.submit(prompt, params=given)
         (result,) = self.engine.run([seq_id])
         if result.error is not None:
             raise result.error
@@ -171,47 +150,44 @@ class Session:
         stop: Iterable[int] | None = None,
         seed: int = 0,
         *,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        logit_bias: Mapping[int, float] | None = None,
-        stop_strings: Iterable[str] = (),
-        on_token: Callable[[StreamEvent], object] | None = None,
-        grammar: Grammar | dict | None = None,
+        params: RequestParams | None = None,
+        **knobs,
     ) -> list[Result]:
         """Sub-agents: branch ``i`` answers history + ``messages[i]``; all run concurrently from
         one computed copy of the history. The history is unchanged (append what you keep). A
-        branch whose step failed reports it in its result (``finish_reason="error"``). The
-        keyword arguments are :meth:`Engine.branch`'s."""
-        ids = self.engine.branch(
-            self.history,
-            messages,
-            max_new_tokens,
-            temperature,
-            stop,
-            self.namespace,
-            seed,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            logit_bias=logit_bias,
-            stop_strings=stop_strings,
-            on_token=on_token,
-            grammar=grammar,
-            # A finished sub-agent's own pages go before the trunk the session keeps using.
-            cache_priority=max(self.cache_priority - 1, 0),
+        branch whose step failed reports it in its result (``finish_reason="error"``).
+        ``params`` and the keyword options are :meth:`Engine.branch`'s; the session sets
+        ``namespace`` and ``cache_priority`` (one class below its own: a finished sub-agent's
+        own pages go before the trunk the session keeps using)."""
+        given = self._params(
+            params,
+            knobs,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop=stop,
+            seed=seed,
         )
+        given = dataclasses.replace(given, cache_priority=max(self.cache_priority - 1, 0))
+        ids = self.engine.branch(self.history, messages, params=given)
         return self.engine.run(ids)
+
+    def _params(self, params: RequestParams | None, knobs: dict, **positional) -> RequestParams:
+        """The turn's :class:`RequestParams` in this session's namespace; ``ValueError`` for
+        one that names another namespace or asks for a retention (the session's
+        ``keep_alive`` and ``cache_priority`` decide it)."""
+        given = RequestParams.of(params, **positional, **knobs)
+        if given.namespace is not None and given.namespace != self.namespace:
+            raise ValueError(
+                f"namespace {given.namespace!r} is not this session's ({self.namespace!r}): a "
+                "session's turns run in its namespace"
+            )
+        if given.retain != 0 or given.cache_priority != 0:
+            raise ValueError(
+                "a session's turns are retained by its keep_alive and cache_priority "
+                f"(Session(...)), got retain={given.retain} and "
+                f"cache_priority={given.cache_priority}"
+            )
+        return dataclasses.replace(given, namespace=self.namespace)
 
     def fork(self) -> Session:
         """A new session with the same history and namespace (their KV is shared in the cache)."""
