@@ -236,7 +236,7 @@ def test_a_corrupted_or_forged_page_is_recomputed_with_the_reply_unchanged(pool)
     (its checksum fails), the other is replaced by a forgery (well-formed, for the right key and
     setup, but its MAC made under another secret). B serves neither: it computes them, and its
     replies are a cold run's."""
-    from radixkv.kv.shared_tier import _HEADER_STRUCT, HEADER, _Codec
+    from radixkv.kv.tiers.shared import _HEADER_STRUCT, HEADER, _Codec
 
     store, a, b = pool
     client = store.client()

@@ -28,7 +28,7 @@ event per layer marks that layer's copies done, and ``Step.attention(layer, ...)
 before it touches the pool, so the attention of layer ``l`` overlaps the copies of later layers.
 
 With a disk tier as well (``disk_pages > 0``, ``KVCache(..., disk_dir=...)``) the log also holds
-``spill(h, s)`` and ``persist(d, s)``, performed through :mod:`radixkv.kv.disk_tier` (a log
+``spill(h, s)`` and ``persist(d, s)``, performed through :mod:`radixkv.kv.tiers.disk` (a log
 holding them is performed without that overlap).
 """
 
@@ -46,10 +46,10 @@ import torch
 import radixkv
 from radixkv.kv import backends as _backends
 from radixkv.kv import devices as _devices
-from radixkv.kv.disk_tier import DiskTier
-from radixkv.kv.mirror import DecodeMirror
-from radixkv.kv.shared_tier import SharedTier
+from radixkv.kv.backends.mirror import DecodeMirror
 from radixkv.kv.step import Step
+from radixkv.kv.tiers.disk import DiskTier
+from radixkv.kv.tiers.shared import SharedTier
 
 #: Element types the pool may hold.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -300,19 +300,19 @@ class KVCache:
     extended the request. Without a tier ``host_device`` must be ``None``.
 
     Disk tier: for a cache made with ``disk_pages > 0`` (behind a host tier), ``disk_dir`` (a
-    directory, created if missing) is required and gets the disk pool (:mod:`radixkv.kv.disk`:
-    one preallocated file, each page written with its block key and checksum). The copies the
+    directory, created if missing) is required and gets the disk pool (:mod:`.tiers.disk_pool`: one
+    preallocated file, each page written with its block key and checksum). The copies the
     index logs to disk are performed by :meth:`apply_copies` with the rest (pages copied out at
     once, written by a background thread); :meth:`prefetch` reads a prompt's pages back before
     it is admitted (the engine does it for every request), :meth:`save` makes the directory
     hold every page the cache holds, and a ``KVCache`` opened later on the directory restores
-    its index. ``fingerprint`` (e.g. :func:`radixkv.kv.disk_tier.model_fingerprint`) names
+    its index. ``fingerprint`` (e.g. :func:`radixkv.kv.tiers.disk.model_fingerprint`) names
     what the KV depends on beyond the pool's layout; a directory written under another one, or
-    another layout, raises :class:`radixkv.kv.disk.DiskMismatchError` (``on_mismatch="error"``)
-    or starts empty (``"reset"``). Without a disk tier ``disk_dir`` must be ``None``.
+    another layout, raises :class:`radixkv.kv.tiers.DiskMismatchError` (``on_mismatch="error"``) or
+    starts empty (``"reset"``). Without a disk tier ``disk_dir`` must be ``None``.
 
     Shared tier: ``shared_store`` (a store URL: ``redis://host:port``, ``unix:///path``) shares
-    pages with every replica on the same store (:mod:`radixkv.kv.shared_tier`): the pages each
+    pages with every replica on the same store (:mod:`radixkv.kv.tiers.shared`): the pages each
     step completes are sent in the background, and :meth:`prefetch` fetches a prompt's pages
     the local tiers lack. Pages are keyed and checked by ``fingerprint`` and the layout.
     ``shared_store_key`` (the operator's secret, 16 bytes or more) makes every page carry an
@@ -329,11 +329,11 @@ class KVCache:
     only, those of the full group on the other layers' only.
 
     Decode mirror: the SDPA backend keeps the running decode requests' keys contiguous across
-    steps (:mod:`radixkv.kv.mirror`), so a decode step copies one new row per request and layer
-    instead of gathering every key. ``decode_mirror`` caps its rows per full layer, for K and
-    for V (``None``: ``num_slots`` on the CPU, where the gather costs as much as the attention,
-    0 elsewhere; 0: off); it is exact either way, and holds at most ``2 * decode_mirror`` rows
-    per full layer beside the pool (``mirror.nbytes``).
+    steps (:mod:`radixkv.kv.backends.mirror`), so a decode step copies one new row per request
+    and layer instead of gathering every key. ``decode_mirror`` caps its rows per full layer,
+    for K and for V (``None``: ``num_slots`` on the CPU, where the gather costs as much as the
+    attention, 0 elsewhere; 0: off); it is exact either way, and holds at most
+    ``2 * decode_mirror`` rows per full layer beside the pool (``mirror.nbytes``).
 
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.
@@ -419,7 +419,7 @@ class KVCache:
             if self.device.type == "cuda":
                 self._copy_stream = torch.cuda.Stream(device=self.device)
         self._non_blocking = self.device.type == "cuda"
-        #: The disk tier's pool and copies (None without one; see :mod:`radixkv.kv.disk_tier`).
+        #: The disk tier's pool and copies (None without one; see :mod:`radixkv.kv.tiers.disk`).
         self.disk: DiskTier | None = None
         self.disk_pages = cache.disk_pages
         if disk_dir is None:
@@ -435,7 +435,7 @@ class KVCache:
             )
         else:
             self.disk = DiskTier(self, disk_dir, fingerprint, on_mismatch)
-        #: The shared tier (None without one; see :mod:`radixkv.kv.shared_tier`).
+        #: The shared tier (None without one; see :mod:`radixkv.kv.tiers.shared`).
         self.shared: SharedTier | None = None
         if shared_store is not None:
             try:
@@ -455,7 +455,7 @@ class KVCache:
             raise TypeError(f"decode_mirror must be an int, got {type(decode_mirror).__name__}")
         elif decode_mirror < 0:
             raise ValueError(f"decode_mirror must be >= 0 (0: off), got {decode_mirror}")
-        #: The SDPA backend's decode lanes (:mod:`radixkv.kv.mirror`).
+        #: The SDPA backend's decode lanes (:mod:`radixkv.kv.backends.mirror`).
         self.mirror = DecodeMirror(self, decode_mirror)
 
     def _backend(self, name: str) -> Any:
@@ -713,7 +713,7 @@ class KVCache:
     ) -> tuple[int, int, bool]:
         """Reads back from the disk tier the pages of ``tokens`` the device and host tiers
         lack, and installs what the shared tier fetched of them or starts that fetch (never
-        waiting on the store: :meth:`radixkv.kv.shared_tier.SharedTier.poll`). Returns
+        waiting on the store: :meth:`radixkv.kv.tiers.shared.SharedTier.poll`). Returns
         ``(tokens from disk, tokens from the shared tier, whether a shared fetch for them is
         still out)``: the engine holds such a request out of admission a little while, so
         that it finds them as hits. ``(0, 0, False)`` without those tiers."""
@@ -731,8 +731,8 @@ class KVCache:
         how many tokens came back from either. The shared tier's fetch runs on its own
         thread: ``wait_s`` is how long to wait for it (0: install what came back before, start
         the fetch otherwise). 0 without those tiers. See
-        :meth:`radixkv.kv.disk_tier.DiskTier.prefetch` and
-        :meth:`radixkv.kv.shared_tier.SharedTier.prefetch`."""
+        :meth:`radixkv.kv.tiers.disk.DiskTier.prefetch` and
+        :meth:`radixkv.kv.tiers.shared.SharedTier.prefetch`."""
         n = 0 if self.disk is None else self.disk.prefetch(tokens, namespace)
         if self.shared is not None:
             n += self.shared.prefetch(tokens, namespace, wait_s)
@@ -741,7 +741,7 @@ class KVCache:
     def save(self) -> int:
         """Saves the disk tier so that the next process opening ``disk_dir`` finds every page
         the cache holds now; returns how many pages it wrote. ``ValueError`` without a disk
-        tier. See :meth:`radixkv.kv.disk_tier.DiskTier.save`."""
+        tier. See :meth:`radixkv.kv.tiers.disk.DiskTier.save`."""
         if self.disk is None:
             raise ValueError("this KVCache has no disk tier (make it with disk_dir=...)")
         return self.disk.save()

@@ -53,7 +53,8 @@ class Pool(Protocol):
 
     @property
     def mirror(self) -> Any:
-        """The :class:`~radixkv.kv.mirror.DecodeMirror` of the full pool's decode groups."""
+        """The :class:`~radixkv.kv.backends.mirror.DecodeMirror` of the full pool's decode
+        groups."""
         ...
 
 

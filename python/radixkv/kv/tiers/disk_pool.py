@@ -398,7 +398,7 @@ def _shutdown(
 class DiskPool:
     """The disk tier's files in directory ``path`` (created if missing, parents too): a data file
     of ``num_pages`` slots holding pages of ``page_bytes``, and a manifest saved by :meth:`save`
-    (the layouts and the crash rules: see :mod:`radixkv.kv.disk`).
+    (the layouts and the crash rules: see :mod:`radixkv.kv.tiers.disk_pool`).
 
     ``fingerprint``: a JSON-serializable mapping of what the KV depends on (model config,
     weights digest, dtype, page size, KV layout...), stored in the manifest. At open a valid

@@ -2,9 +2,9 @@
 
 The index (``RadixCache``/``BlockCache`` with ``disk_pages``) decides which page goes to which
 disk slot and logs the copies; this object performs them between the ``KVCache``'s pools and a
-:class:`radixkv.kv.disk.DiskPool` (one preallocated file under ``disk_dir``), reads pages back
-for a prompt before it is admitted (:meth:`DiskTier.prefetch`), and saves the tier's index so
-that the next process finds the pages again (:meth:`DiskTier.save`, reopened by the next
+:class:`radixkv.kv.tiers.disk_pool.DiskPool` (one preallocated file under ``disk_dir``), reads
+pages back for a prompt before it is admitted (:meth:`DiskTier.prefetch`), and saves the tier's
+index so that the next process finds the pages again (:meth:`DiskTier.save`, reopened by the next
 ``KVCache(..., disk_dir=...)``).
 
 A page on disk is every layer's K and V of its ``page_size`` tokens, in this order::
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import radixkv
-from radixkv.kv.disk import DiskPool
+from radixkv.kv.tiers.disk_pool import DiskPool
 
 #: The layout of a page's bytes on disk, recorded in the directory's fingerprint.
 PAGE_LAYOUT = "layer-major: K[l] then V[l], each [page_size, num_kv_heads, head_dim]"
@@ -47,10 +47,10 @@ class DiskTier:
     """The disk pool of a ``KVCache`` and the copies between it and the pools.
 
     ``fingerprint``: what the KV depends on besides the pool's layout (the model's config, a
-    digest of its weights; :func:`radixkv.kv.disk_tier.model_fingerprint` computes one for a
+    digest of its weights; :func:`radixkv.kv.tiers.disk.model_fingerprint` computes one for a
     torch model). It is stored with the directory together with the layout (page size, layers,
     heads, head dim, dtype, format version); a directory written under another fingerprint is
-    refused (``on_mismatch="error"``, :class:`radixkv.kv.disk.DiskMismatchError` naming what
+    refused (``on_mismatch="error"``, :class:`radixkv.kv.tiers.DiskMismatchError` naming what
     differs) or started empty (``"reset"``).
     """
 
