@@ -203,7 +203,7 @@ def hit_vs_recompute(args, work: Path) -> None:
     import torch
 
     import radixkv.hf
-    from radixkv.kv.tiers.disk import model_fingerprint
+    from radixkv.kv.tiers.fingerprint import model_fingerprint
 
     torch.set_num_threads(args.threads)
     model, _ = radixkv.hf.load("smollm2")

@@ -128,7 +128,7 @@ def make_engine(model, pages: int, page_size: int, url: str | None):
     """An engine over a fresh ``RadixCache`` of ``pages`` pages, on the store ``url`` if any."""
     import radixkv
     from radixkv.kv.kv_cache import KVCache
-    from radixkv.kv.tiers.disk import model_fingerprint
+    from radixkv.kv.tiers.fingerprint import model_fingerprint
 
     layers, kv_heads, head_dim = model.kv_shape
     kv = KVCache(

@@ -19,7 +19,7 @@ import numpy as np
 
 import radixkv
 from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.tiers.disk import model_fingerprint
+from radixkv.kv.tiers.fingerprint import model_fingerprint
 from radixkv.kv.tiers.store import SharedStoreError, open_store
 from tiny_model import dense_greedy, ids, tiny_model
 

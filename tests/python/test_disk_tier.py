@@ -18,8 +18,8 @@ import torch
 
 import radixkv
 from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.tiers.disk import model_fingerprint
 from radixkv.kv.tiers.disk_pool import DiskMismatchError
+from radixkv.kv.tiers.fingerprint import model_fingerprint
 from test_host_tier import check_cached_kv
 from tiny_model import dense_greedy, ids, tiny_model
 

@@ -115,7 +115,7 @@ def make_kv_cache(
 ) -> KVCache:
     """A :class:`radixkv.KVCache` for ``cache`` shaped as ``spec`` says; a cache with a host
     tier gets its host pools in CPU memory, one with a disk tier its pool under ``disk_dir``
-    (``fingerprint``: the model's, see :func:`radixkv.kv.tiers.disk.model_fingerprint`);
+    (``fingerprint``: the model's, see :func:`radixkv.kv.tiers.fingerprint.model_fingerprint`);
     ``attention``: its backend (``KVCache(attention=...)``); ``shared_store`` and
     ``shared_store_key``: its shared tier (``KVCache(shared_store=...)``)."""
     if not isinstance(cache, radixkv.Cache):
@@ -295,7 +295,7 @@ def engine(
     ``tokenizer=`` gives results their text and makes ``stop_strings`` work.
 
     ``disk_dir``: for a ``cache`` made with ``disk_pages > 0``, the directory of its disk tier,
-    fingerprinted with the model (:func:`radixkv.kv.tiers.disk.model_fingerprint`: its config
+    fingerprinted with the model (:func:`radixkv.kv.tiers.fingerprint.model_fingerprint`: its config
     and a digest of its weights), so that pages saved by one process (``engine.kv.save()``) are
     hits for the next one over the same model and refused for another (``on_mismatch="error"``,
     or ``"reset"`` to start empty).
@@ -329,7 +329,7 @@ def engine(
                 "KVCache passed in brings its own tiers (KVCache(..., disk_dir=..., "
                 "shared_store=...))"
             )
-        from radixkv.kv.tiers.disk import model_fingerprint
+        from radixkv.kv.tiers.fingerprint import model_fingerprint
 
         kv = make_kv_cache(
             adapter.spec,

@@ -238,9 +238,9 @@ class CausalLM(nn.Module):
         for a shard (:meth:`shard`), for its slice of the KV heads. A cache with a host tier
         (``host_pages > 0``) gets its host pools on ``host_device``, the CPU by default; one
         with a disk tier (``disk_pages > 0``) its disk pool in ``disk_dir``, fingerprinted with
-        this model (:func:`radixkv.kv.tiers.disk.model_fingerprint`: config and weights)."""
+        this model (:func:`radixkv.kv.tiers.fingerprint.model_fingerprint`: config and weights)."""
         from radixkv.kv.kv_cache import KVCache
-        from radixkv.kv.tiers.disk import model_fingerprint
+        from radixkv.kv.tiers.fingerprint import model_fingerprint
 
         p = self.embed_tokens.weight
         layers, kv_heads, head_dim = self.kv_shape  # of a shard: its slice of the KV heads

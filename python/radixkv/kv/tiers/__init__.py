@@ -29,7 +29,7 @@ _LAZY = {
     "SharedStoreError": "store",
     "open_store": "store",
     "Breaker": "breaker",
-    "model_fingerprint": "disk",
+    "model_fingerprint": "fingerprint",
 }
 
 __all__ = sorted(_LAZY)

@@ -8,19 +8,9 @@ index, in one directory:
 - ``manifest.bin``: the index (which key lives in which slot), written only by
   :meth:`DiskPool.save`, and read at open so that the pages survive a restart.
 
-Slot ``s`` starts at byte ``s * slot_bytes`` (``slot_bytes = round_up(HEADER + page_bytes,
-4096)``, ``HEADER = 128``); a slot is a header, the payload, then zero padding:
-
-```text
-  offset  size         field
-  0       8            magic b"RKVPAGE1"
-  8       32           the page's key
-  40      32           checksum = _page_checksum(key + setup, payload)   (blake3)
-  72      8            payload length, u64 little-endian (= page_bytes)
-  80      32           setup: blake3 of the pool's fingerprint and layout
-  112     16           zeros
-  128     page_bytes   payload
-```
+Slot ``s`` starts at byte ``s * slot_bytes``: a page in the format of :mod:`.page` (a 128-byte
+header naming the page's key, a checksum and the pool's setup, then the payload), then zero
+padding up to ``slot_bytes`` (:func:`~.page.slot_bytes_for`).
 
 The manifest (all integers little-endian):
 
@@ -88,18 +78,21 @@ import numpy as np
 
 import radixkv
 from radixkv._radixkv import _page_checksum
+from radixkv.kv.tiers.page import (
+    CHECKSUM_BYTES,
+    HEADER,
+    HEADER_STRUCT,
+    KEY_BYTES,
+    PAGE_MAGIC,
+    check_key,
+    pack_header,
+    slot_bytes_for,
+    unpack_header,
+)
 
-#: Bytes of a slot's header (magic, key, checksum, payload length, zero padding).
-HEADER = 128
-#: Slots are whole multiples of this many bytes (so that a slot starts on a page boundary).
-ALIGN = 4096
-#: Bytes of a page key.
-KEY_BYTES = 32
-#: First bytes of every written slot.
-PAGE_MAGIC = b"RKVPAGE1"
 #: First bytes of the manifest.
 MANIFEST_MAGIC = b"RKVMANI1"
-#: Version of the layouts above, stored in the manifest.
+#: Version of the slot and manifest layouts, stored in the manifest.
 FORMAT = 1
 #: The key ``_page_checksum`` takes for the manifest's own checksum.
 MANIFEST_CHECKSUM_KEY = b"radixkv.manifest"
@@ -111,8 +104,6 @@ LOCK_FILE = "lock"
 #: What ``on_mismatch`` may be.
 ON_MISMATCH = ("error", "reset")
 
-_HEADER_STRUCT = struct.Struct("<8s32s32sQ32s")  # magic, key, checksum, length, setup
-_CHECKSUM_BYTES = 32
 #: Fields of the manifest's JSON header that fix the data file's layout.
 _LAYOUT_FIELDS = ("format", "num_pages", "page_bytes", "slot_bytes")
 _ABSENT = "<absent>"
@@ -221,13 +212,6 @@ def _remove_temporaries(path: str) -> None:
                     os.remove(entry.path)
 
 
-def slot_bytes_for(page_bytes: int) -> int:
-    """Bytes of one slot for pages of ``page_bytes``: ``HEADER + page_bytes`` rounded up to a
-    multiple of ``ALIGN`` (4096)."""
-    page_bytes = _positive("page_bytes", page_bytes)
-    return -(-(HEADER + page_bytes) // ALIGN) * ALIGN
-
-
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -274,15 +258,6 @@ def _diff_tree(
         g_text = _canonical(g) if k in given else _ABSENT
         if s_text != g_text:
             out[path] = (s_text, g_text)
-
-
-def _check_key(key: Any, name: str = "key") -> bytes:
-    if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise ValueError(f"{name} must be {KEY_BYTES} bytes, got {key!r}")
-    key = bytes(key)
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"{name} must be {KEY_BYTES} bytes, got {len(key)} bytes: {key!r}")
-    return key
 
 
 def _pwrite_all(fd: int, header: bytes, payload: np.ndarray, offset: int) -> int:
@@ -362,8 +337,7 @@ def _writer(
             if state.error is None:
                 try:
                     digest = _page_checksum(key + setup, payload)
-                    header = _HEADER_STRUCT.pack(PAGE_MAGIC, key, digest, page_bytes, setup)
-                    header += bytes(HEADER - len(header))
+                    header = pack_header(PAGE_MAGIC, key, digest, page_bytes, setup)
                     n = _pwrite_all(fd, header, payload, slot * slot_bytes)
                 except BaseException as e:  # kept, re-raised by the caller
                     with state.lock:
@@ -543,12 +517,12 @@ class DiskPool:
         (a key held by two slots keeps the first)."""
         n, sb = self.num_pages, self.slot_bytes
         found: dict[int, bytes] = {}
-        size = _HEADER_STRUCT.size
+        size = HEADER_STRUCT.size
         for slot in range(n):
             head = os.pread(fd, size, slot * sb)
             if len(head) < size:
                 break
-            magic, key, _, length, setup = _HEADER_STRUCT.unpack(head)
+            magic, key, _, length, setup = unpack_header(head)
             if magic == PAGE_MAGIC and setup == self.setup and length == self.page_bytes:
                 found[slot] = key
         keys: list[bytes] = []
@@ -635,11 +609,11 @@ class DiskPool:
     @staticmethod
     def _parse_manifest(data: bytes) -> str | tuple[dict[str, Any], bytes, np.ndarray]:
         """``(json header, keys, slots)`` of a manifest, or why it is damaged."""
-        if len(data) < len(MANIFEST_MAGIC) + 4 + 8 + _CHECKSUM_BYTES:
+        if len(data) < len(MANIFEST_MAGIC) + 4 + 8 + CHECKSUM_BYTES:
             return f"{len(data)} bytes, too short"
         if data[: len(MANIFEST_MAGIC)] != MANIFEST_MAGIC:
             return "bad magic"
-        body, digest = data[:-_CHECKSUM_BYTES], data[-_CHECKSUM_BYTES:]
+        body, digest = data[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
         if _page_checksum(MANIFEST_CHECKSUM_KEY, body) != digest:
             return "checksum mismatch"
         pos = len(MANIFEST_MAGIC)
@@ -839,7 +813,7 @@ class DiskPool:
             raise ValueError(
                 f"slot must be an int in [0, num_pages={self.num_pages}), got {slot!r}"
             )
-        key = _check_key(key)
+        key = check_key(key)
         if not isinstance(payload, np.ndarray):
             raise ValueError(
                 f"payload must be a numpy uint8 array of page_bytes={self.page_bytes}, got "
@@ -923,7 +897,7 @@ class DiskPool:
         end = off + HEADER + self.page_bytes
         if got < end:
             return None
-        magic, key, digest, length, setup = _HEADER_STRUCT.unpack_from(buf.data, off)
+        magic, key, digest, length, setup = unpack_header(buf.data, off)
         expected = keys[index * KEY_BYTES : (index + 1) * KEY_BYTES]
         if magic != PAGE_MAGIC or key != expected or length != self.page_bytes:
             return None
