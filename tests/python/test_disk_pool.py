@@ -28,6 +28,7 @@ import pytest
 import radixkv
 from radixkv._radixkv import _page_checksum
 from radixkv.kv.tiers import disk_pool as disk
+from radixkv.kv.tiers import page
 from radixkv.kv.tiers.disk_pool import DiskLockedError, DiskMismatchError, DiskPool, check_unlocked
 
 #: Pages of 3000 bytes: slots of round_up(128 + 3000, 4096) = 4096 bytes.
@@ -193,6 +194,24 @@ def test_write_save_reopen_reads_the_exact_bytes(tmp_path):
     finally:
         pool.close()
     assert "closed" in repr(pool)
+
+
+def test_the_page_format_module_reads_and_makes_the_slots_the_pool_writes(tmp_path):
+    filled(tmp_path, slots=[2, 5], save=False)
+    raw = (tmp_path / "pages.bin").read_bytes()
+    for s in (2, 5):
+        at = s * page.slot_bytes_for(PB)
+        magic, k, checksum, length, setup = page.unpack_header(raw, at)
+        assert (magic, k, length) == (page.PAGE_MAGIC, key(s), PB)
+        assert checksum == _page_checksum(k + setup, payload(k))
+        head = page.pack_header(magic, k, checksum, length, setup)
+        assert head == raw[at : at + page.HEADER] and head[page.HEADER_STRUCT.size :] == bytes(16)
+    assert page.slot_bytes_for(PB) == SB and page.slot_bytes_for(np.int64(1)) == page.ALIGN
+    for bad in (0, -1, 1.0, True, "8"):
+        with pytest.raises(ValueError, match=f"page_bytes must be a positive int, got {bad!r}"):
+            page.slot_bytes_for(bad)
+    with pytest.raises(ValueError, match="key must be 32 bytes, got 3 bytes"):
+        page.check_key(b"abc")
 
 
 def test_manifest_built_from_the_format_description_is_accepted(tmp_path):

@@ -35,7 +35,7 @@ from radixkv.hf._support import (
 )
 from radixkv.kv import devices
 from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.step import Step
+from radixkv.kv.step import StepLike
 
 
 class HFCausalLM(torch.nn.Module):
@@ -60,13 +60,13 @@ class HFCausalLM(torch.nn.Module):
         _probe(self)
 
     @torch.inference_mode()
-    def forward(self, step: Step, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, step: StepLike, all_logits: bool = False) -> torch.Tensor:
         """Float32 logits ``[B, vocab]`` of each request's last planned token, or ``[T, vocab]``
         of every planned token with ``all_logits``."""
         return self._forward(step, all_logits)
 
     def _forward(
-        self, step: Step, all_logits: bool = False, calls: list[tuple[int, int]] | None = None
+        self, step: StepLike, all_logits: bool = False, calls: list[tuple[int, int]] | None = None
     ) -> torch.Tensor:
         kwargs: dict[str, Any] = {
             STEP_KWARG: step,

@@ -13,7 +13,7 @@ from radixkv._extras import require_torch
 require_torch("radixkv.kv")
 
 from radixkv.kv.kv_cache import KVCache  # noqa: E402
-from radixkv.kv.step import Step  # noqa: E402
+from radixkv.kv.step import Step, StepLike  # noqa: E402
 from radixkv.kv.tiers import (  # noqa: E402
     DiskLockedError,
     DiskMismatchError,
@@ -29,6 +29,7 @@ __all__ = [
     "DiskMismatchError",
     "KVCache",
     "Step",
+    "StepLike",
     "check_unlocked",
     "model_fingerprint",
 ]

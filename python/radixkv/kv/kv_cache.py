@@ -259,7 +259,20 @@ class KVCache:
             raise ValueError("shared_store_key needs shared_store (the store's URL)")
         self._gather_k: torch.Tensor | None = None
         self._gather_v: torch.Tensor | None = None
-        self._backends: dict[str, Any] = {}
+        self._backends: dict[str, _backends.Backend] = {}
+        #: The backend names decode and prefill groups run: ``attention`` itself, or what
+        #: ``"auto"`` picks for this device and dtype (resolved here, once; flex serves decode
+        #: groups only, prefill through SDPA measured faster).
+        self._decode_name, self._prefill_name = (
+            (
+                _backends.auto_choice(device, self.dtype, True),
+                _backends.auto_choice(device, self.dtype, False),
+            )
+            if attention == "auto"
+            else (attention, attention)
+        )
+        if self._prefill_name == "flex":
+            self._prefill_name = "sdpa"
         if decode_mirror is None:  # the gather it saves costs as much as SDPA on the CPU only
             decode_mirror = self.num_slots if self.device.type == "cpu" else 0
         elif isinstance(decode_mirror, bool) or not isinstance(decode_mirror, int):
@@ -269,37 +282,36 @@ class KVCache:
         #: The SDPA backend's decode lanes (:mod:`radixkv.kv.backends.mirror`).
         self.mirror = DecodeMirror(self, decode_mirror)
 
-    def _backend(self, name: str) -> Any:
-        """The backend object ``name`` of this pool (made on first use)."""
+    def backend(self, name: str) -> _backends.Backend:
+        """This pool's backend object ``name`` (a key of
+        :data:`radixkv.kv.backends.BACKENDS`), made on first use and kept: what it builds for
+        a step, and what it compiled, serve every later step. ``ValueError`` for a name that is
+        not a backend (``"auto"`` is a choice among them: :meth:`backend_for`) or that cannot
+        run here, saying why."""
         obj = self._backends.get(name)
         if obj is None:
-            if name == "sdpa":
-                obj = _backends.SdpaBackend()
-            elif name == "flex":
-                obj = _backends.FlexBackend(self)
-            elif name == "triton":
-                obj = _backends.TritonBackend(self)
-            elif name == "varlen":
-                obj = _backends.VarlenBackend()
-            else:
-                obj = _backends.FlashInferBackend(self)
-            self._backends[name] = obj
+            make = _backends.BACKENDS.get(name) if isinstance(name, str) else None
+            if make is None:
+                raise ValueError(
+                    f"backend name must be one of {', '.join(map(repr, _backends.BACKENDS))}, "
+                    f"got {name!r}"
+                )
+            _backends.check_name(name, self.device)
+            obj = self._backends[name] = make(self)
         return obj
 
-    def backend_for(self, decode: bool, batch: int) -> Any:
-        """The backend serving a decode (or prefill) group of ``batch`` requests. ``"flex"``
-        serves decode only (prefill through SDPA measured faster); ``"auto"`` uses flex only for
-        batch buckets :meth:`warmup` compiled."""
-        name = self.attention
-        if name == "auto":
-            name = _backends.auto_choice(self.device, self.dtype, decode)
-            if name == "flex":
-                flex = self._backends.get("flex")
-                if flex is None or _backends.batch_bucket(batch) not in flex.compiled:
-                    name = "sdpa"
-        if name == "flex" and not decode:
-            name = "sdpa"
-        return self._backend(name)
+    def backend_for(self, decode: bool, batch: int) -> _backends.Backend:
+        """The backend serving a decode (or prefill) group of ``batch`` requests: the one
+        ``attention`` names, or the one ``"auto"`` picked when this pool was made. ``"flex"``
+        serves decode only (prefill through SDPA measured faster); ``"auto"`` uses flex only
+        for batch buckets :meth:`warmup` compiled."""
+        name = self._decode_name if decode else self._prefill_name
+        if name == "flex" and self.attention == "auto":
+            flex = self._backends.get("flex")
+            compiled = flex.compiled if isinstance(flex, _backends.FlexBackend) else ()
+            if _backends.batch_bucket(batch) not in compiled:
+                name = "sdpa"
+        return self.backend(name)
 
     def warmup(
         self,
@@ -335,15 +347,15 @@ class KVCache:
             or scale <= 0
         ):
             raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
-        name = self.attention
-        if name == "auto":
-            name = _backends.auto_choice(self.device, self.dtype, True)
+        name = self._decode_name
         if name == "triton":
             s = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
-            return self._backend("triton").warmup(heads, sizes, s)
+            triton = self.backend("triton")
+            assert isinstance(triton, _backends.TritonBackend)
+            return triton.warmup(heads, sizes, s)
         if name != "flex":
             return []
-        flex = self._backend("flex")
+        flex = self.backend("flex")
         done = []
         for bucket in sorted({_backends.batch_bucket(b) for b in sizes}):
             g = _backends.Group(

@@ -30,7 +30,7 @@ from radixkv.models.layers import (
 if TYPE_CHECKING:
     import radixkv
     from radixkv.kv.kv_cache import KVCache
-    from radixkv.kv.step import Step
+    from radixkv.kv.step import StepLike
 
 #: ``attend(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]`` for one layer.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -271,7 +271,7 @@ class CausalLM(nn.Module):
         return x
 
     @torch.inference_mode()
-    def forward(self, step: Step, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, step: StepLike, all_logits: bool = False) -> torch.Tensor:
         """Float32 logits ``[B, vocab]`` of each request's last planned token, or ``[T, vocab]``
         of every planned token with ``all_logits``. Writes the step's K/V into the pool."""
         attends = [

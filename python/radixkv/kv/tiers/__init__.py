@@ -2,11 +2,14 @@
 where they come back from. The index (``RadixCache``/``BlockCache``) decides which page moves
 where and logs the copies; each tier here performs its own.
 
+- :mod:`.host`: :class:`HostTier`, the host pools and the copies between them and the device's.
 - :mod:`.disk`: :class:`DiskTier`, the ``KVCache``'s side of the disk tier, over
-  :mod:`.disk_pool` (:class:`DiskPool`: the files, the manifest, the lock).
+  :mod:`.disk_pool` (:class:`DiskPool`: the data file, the manifest and the lock).
 - :mod:`.shared`: :class:`SharedTier`, pages shared by every replica on one store
   (:mod:`.store`: the stores; :mod:`.breaker`: the circuit breaker in front of one).
-- :mod:`.fingerprint`: what a page's KV depends on (:func:`model_fingerprint`).
+- :mod:`.page`: the page format (header and slot), :mod:`.payload`: a page's K/V as bytes, both
+  shared by the disk and shared tiers; :mod:`.fingerprint`: what a page's KV depends on
+  (:func:`model_fingerprint`).
 
 Importing this package loads none of them (and not torch): each name is imported on first use,
 so the disk pool's files and the stores can be used without the torch layer.
@@ -20,6 +23,7 @@ from typing import Any
 #: Public names and the module of this package each lives in (imported on first use).
 _LAZY = {
     "DiskTier": "disk",
+    "HostTier": "host",
     "DiskPool": "disk_pool",
     "DiskLockedError": "disk_pool",
     "DiskMismatchError": "disk_pool",
