@@ -214,6 +214,17 @@ def test_the_page_format_module_reads_and_makes_the_slots_the_pool_writes(tmp_pa
         page.check_key(b"abc")
 
 
+def test_the_paths_the_docs_named_still_lead_to_the_tiers(tmp_path):
+    import radixkv.kv
+    from radixkv.kv import tiers
+
+    assert radixkv.kv.disk.check_unlocked is check_unlocked is tiers.check_unlocked
+    assert radixkv.kv.disk.DiskPool is DiskPool is tiers.DiskPool
+    assert radixkv.kv.DiskMismatchError is DiskMismatchError
+    with open_pool(tmp_path), pytest.raises(DiskLockedError, match="is in use by process"):
+        radixkv.kv.check_unlocked(str(tmp_path))
+
+
 def test_manifest_built_from_the_format_description_is_accepted(tmp_path):
     filled(tmp_path, save=False)
     keys = key(3) + key(1)

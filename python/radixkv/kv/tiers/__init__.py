@@ -4,7 +4,8 @@ where and logs the copies; each tier here performs its own.
 
 - :mod:`.host`: :class:`HostTier`, the host pools and the copies between them and the device's.
 - :mod:`.disk`: :class:`DiskTier`, the ``KVCache``'s side of the disk tier, over
-  :mod:`.disk_pool` (:class:`DiskPool`: the data file, the manifest and the lock).
+  :mod:`.disk_pool` (:class:`DiskPool`: the data file and the manifest) and :mod:`.lock` (one
+  process a directory).
 - :mod:`.shared`: :class:`SharedTier`, pages shared by every replica on one store
   (:mod:`.store`: the stores; :mod:`.breaker`: the circuit breaker in front of one).
 - :mod:`.page`: the page format (header and slot), :mod:`.payload`: a page's K/V as bytes, both
@@ -25,9 +26,9 @@ _LAZY = {
     "DiskTier": "disk",
     "HostTier": "host",
     "DiskPool": "disk_pool",
-    "DiskLockedError": "disk_pool",
+    "DiskLockedError": "lock",
     "DiskMismatchError": "disk_pool",
-    "check_unlocked": "disk_pool",
+    "check_unlocked": "lock",
     "SharedTier": "shared",
     "SharedStore": "store",
     "SharedStoreError": "store",

@@ -44,7 +44,7 @@ Crash rules:
   ``lock`` file from open to close, and writes its holder (pid, host, time) into it; a second
   opener, in this process or another, is refused (:class:`DiskLockedError` naming the
   holder), so two processes never overwrite each other's slots or manifest. The lock ends with
-  the process, however it ends: a crashed holder leaves nothing to clean up.
+  the process, however it ends: a crashed holder leaves nothing to clean up (:mod:`.lock`).
 - Every page read is checked against the key the caller expects there, against the pool's
   setup (a page another model or layout wrote into this directory is not this pool's, whatever
   its key) and against its checksum (:meth:`DiskPool.read`): a page torn by a crash, overwritten
@@ -65,10 +65,8 @@ import json
 import os
 import queue
 import secrets
-import socket
 import struct
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -78,6 +76,10 @@ import numpy as np
 
 import radixkv
 from radixkv._radixkv import _page_checksum
+
+# DiskLockedError and check_unlocked: also named here, where they were before the lock had a
+# module of its own (radixkv.kv.disk.check_unlocked, in the docs).
+from radixkv.kv.tiers.lock import DiskLockedError, acquire, check_unlocked  # noqa: F401
 from radixkv.kv.tiers.page import (
     CHECKSUM_BYTES,
     HEADER,
@@ -100,7 +102,6 @@ MANIFEST_CHECKSUM_KEY = b"radixkv.manifest"
 DATA_FILE = "pages.bin"
 MANIFEST_FILE = "manifest.bin"
 MANIFEST_TMP = "manifest.bin.tmp"  # the prefix of each writer's own temporary manifest
-LOCK_FILE = "lock"
 #: What ``on_mismatch`` may be.
 ON_MISMATCH = ("error", "reset")
 
@@ -119,88 +120,6 @@ class DiskMismatchError(radixkv.Error):
     def __init__(self, message: str, differences: dict[str, tuple[Any, Any]]) -> None:
         super().__init__(message)
         self.differences = differences
-
-
-class DiskLockedError(radixkv.Error):
-    """The directory of a :class:`DiskPool` is open in another pool (of this process or
-    another): two writers would overwrite each other's slots and manifest. ``holder``: what
-    the holder wrote into the lock file (``pid``, ``host``, ``since``), empty if unknown."""
-
-    def __init__(self, message: str, holder: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.holder = holder
-
-
-def _lock(path: str) -> int:
-    """An open descriptor of ``path``'s lock file, holding its exclusive ``flock``, with this
-    process named in it; :class:`DiskLockedError` naming the holder when another has it."""
-    lock_path = os.path.join(path, LOCK_FILE)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - no flock on this platform: unguarded, as before
-        return fd
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        error = _locked(path, fd)
-        os.close(fd)
-        raise error from None
-    try:
-        me = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-    except OSError:  # the lock holds even where its note cannot be written
-        pass
-    return fd
-
-
-def _locked(path: str, fd: int) -> DiskLockedError:
-    """The error of ``path``'s lock file (open as ``fd``) held by another: its holder named."""
-    try:
-        holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
-    except (OSError, ValueError):
-        holder = {}
-    if not isinstance(holder, dict):
-        holder = {}
-    who = (
-        f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, open since "
-        f"{holder.get('since', '?')}"
-        if holder
-        else "another process"
-    )
-    return DiskLockedError(
-        f"the disk tier at {path!r} is in use by {who}: one directory serves one process "
-        "at a time (stop that one, or give this one another directory)",
-        holder,
-    )
-
-
-def check_unlocked(path: str) -> None:
-    """:class:`DiskLockedError` naming the holder if another pool holds ``path``'s lock now
-    (what opening a :class:`DiskPool` there would raise), for a caller that checks before it
-    spends time on what the pool needs (a server loading its model); nothing is created or
-    written, and the lock is not kept."""
-    try:
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
-    except OSError:  # no lock file (no directory yet): nobody holds it
-        return
-    try:
-        import fcntl
-
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise _locked(path, fd) from None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    except ImportError:  # pragma: no cover - no flock on this platform: unguarded
-        pass
-    finally:
-        os.close(fd)
 
 
 def _remove_temporaries(path: str) -> None:
@@ -439,7 +358,7 @@ class DiskPool:
         os.makedirs(self.path, exist_ok=True)
         self._data_path = os.path.join(self.path, DATA_FILE)
         self._manifest_path = os.path.join(self.path, MANIFEST_FILE)
-        lock_fd = _lock(self.path)
+        lock_fd = acquire(self.path)
         try:
             self._open(lock_fd, recover)
         except BaseException:
