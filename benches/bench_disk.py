@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benches"))
 import numpy as np  # noqa: E402
 
 from radixkv.hf._load import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
-from radixkv.kv.disk import DiskPool  # noqa: E402
+from radixkv.kv.tiers.disk_pool import DiskPool  # noqa: E402
 
 #: Stated, not measured: the GPU projection's numbers (section 3).
 GPU_FLOPS = 400e12  # H100/H200 bf16 dense at ~40% of its 989 TFLOP/s peak, a prefill's MFU
@@ -203,7 +203,7 @@ def hit_vs_recompute(args, work: Path) -> None:
     import torch
 
     import radixkv.hf
-    from radixkv.kv.disk_tier import model_fingerprint
+    from radixkv.kv.tiers.fingerprint import model_fingerprint
 
     torch.set_num_threads(args.threads)
     model, _ = radixkv.hf.load("smollm2")

@@ -89,7 +89,7 @@ KEY = b"bench_shared's secret, 32 bytes."
 
 
 def is_local(url: str) -> bool:
-    from radixkv.kv.shared_store import is_local as local
+    from radixkv.kv.tiers.store import is_local as local
 
     return local(url)
 
@@ -127,8 +127,8 @@ def random_model():
 def make_engine(model, pages: int, page_size: int, url: str | None):
     """An engine over a fresh ``RadixCache`` of ``pages`` pages, on the store ``url`` if any."""
     import radixkv
-    from radixkv.kv.disk_tier import model_fingerprint
     from radixkv.kv.kv_cache import KVCache
+    from radixkv.kv.tiers.fingerprint import model_fingerprint
 
     layers, kv_heads, head_dim = model.kv_shape
     kv = KVCache(

@@ -49,12 +49,12 @@ def buckets(max_batch: int) -> list[int]:
 
 def why_not(kv: Any) -> str | None:
     """Why decode steps over ``kv`` cannot run as graphs, or ``None`` when they can."""
-    if kv.attention not in ("triton", "auto"):
-        return f"its attention is {kv.attention!r}: graphs replay the Triton decode kernel"
-    if kv.attention == "auto":
-        name = kv.backend_for(True, 1).name
-        if name != "triton":
-            return f"attention='auto' runs {name!r} on {kv.device}, not Triton"
+    backend = kv.backend_for(True, 1)
+    if not backend.static_decode:
+        return (
+            f"its attention is {kv.attention!r}, whose decode steps run {backend.name!r} on "
+            f"{kv.device}: graphs replay the Triton decode kernel"
+        )
     if kv.window_layers:
         return "its window layers read a window pool of their own"
     return None

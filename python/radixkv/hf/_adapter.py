@@ -35,7 +35,7 @@ from radixkv.hf._support import (
 )
 from radixkv.kv import devices
 from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.step import Step
+from radixkv.kv.step import StepLike
 
 
 class HFCausalLM(torch.nn.Module):
@@ -60,13 +60,13 @@ class HFCausalLM(torch.nn.Module):
         _probe(self)
 
     @torch.inference_mode()
-    def forward(self, step: Step, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, step: StepLike, all_logits: bool = False) -> torch.Tensor:
         """Float32 logits ``[B, vocab]`` of each request's last planned token, or ``[T, vocab]``
         of every planned token with ``all_logits``."""
         return self._forward(step, all_logits)
 
     def _forward(
-        self, step: Step, all_logits: bool = False, calls: list[tuple[int, int]] | None = None
+        self, step: StepLike, all_logits: bool = False, calls: list[tuple[int, int]] | None = None
     ) -> torch.Tensor:
         kwargs: dict[str, Any] = {
             STEP_KWARG: step,
@@ -115,7 +115,7 @@ def make_kv_cache(
 ) -> KVCache:
     """A :class:`radixkv.KVCache` for ``cache`` shaped as ``spec`` says; a cache with a host
     tier gets its host pools in CPU memory, one with a disk tier its pool under ``disk_dir``
-    (``fingerprint``: the model's, see :func:`radixkv.kv.disk_tier.model_fingerprint`);
+    (``fingerprint``: the model's, see :func:`radixkv.kv.tiers.fingerprint.model_fingerprint`);
     ``attention``: its backend (``KVCache(attention=...)``); ``shared_store`` and
     ``shared_store_key``: its shared tier (``KVCache(shared_store=...)``)."""
     if not isinstance(cache, radixkv.Cache):
@@ -295,13 +295,13 @@ def engine(
     ``tokenizer=`` gives results their text and makes ``stop_strings`` work.
 
     ``disk_dir``: for a ``cache`` made with ``disk_pages > 0``, the directory of its disk tier,
-    fingerprinted with the model (:func:`radixkv.kv.disk_tier.model_fingerprint`: its config
+    fingerprinted with the model (:func:`radixkv.kv.tiers.fingerprint.model_fingerprint`: its config
     and a digest of its weights), so that pages saved by one process (``engine.kv.save()``) are
     hits for the next one over the same model and refused for another (``on_mismatch="error"``,
     or ``"reset"`` to start empty).
 
     ``shared_store``: a store URL (``redis://host:port``, ``unix:///path``) whose pages this
-    engine shares with every replica of the same model on it (:mod:`radixkv.kv.shared_tier`;
+    engine shares with every replica of the same model on it (:mod:`radixkv.kv.tiers.shared`;
     keyed by the model's fingerprint, as the disk tier is); ``shared_store_key``: the
     operator's secret, which every page's MAC is keyed with (required for a store that is not
     on a loopback address or a unix socket).
@@ -329,7 +329,7 @@ def engine(
                 "KVCache passed in brings its own tiers (KVCache(..., disk_dir=..., "
                 "shared_store=...))"
             )
-        from radixkv.kv.disk_tier import model_fingerprint
+        from radixkv.kv.tiers.fingerprint import model_fingerprint
 
         kv = make_kv_cache(
             adapter.spec,

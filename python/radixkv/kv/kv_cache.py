@@ -10,26 +10,13 @@ slots index. Slot ``s`` of layer ``l`` is row ``s`` of ``k[l]`` and ``v[l]``:
 
 With a host tier (a cache made with ``host_pages > 0``, and ``KVCache(..., host_device="cpu")``)
 the index moves cached pages between the device pools ``k``/``v`` and the host pools
-``host_k``/``host_v`` (same layout, ``host_pages * page_size`` rows); it only *logs* the copies
-(``cache.drain_copies()``), and this class performs them (:meth:`KVCache.apply_copies`, called by
-every :meth:`KVCache.plan`):
-
-```text
-  offload(d, h):  host_k[l][h*P:(h+1)*P] <- k[l][d*P:(d+1)*P]     (and V; every layer)
-  load(h, d):     k[l][d*P:(d+1)*P]      <- host_k[l][h*P:(h+1)*P]
-```
-
-With a window group (``window_layers``) the full copies touch the full layers only, and the
-window group's own host tier logs ``window_offload``/``window_load`` rows, performed the same way
-on the window layers' pools.
-
-On CUDA the copies run on a side stream that waits for the compute queued before them; one
-event per layer marks that layer's copies done, and ``Step.attention(layer, ...)`` waits for it
-before it touches the pool, so the attention of layer ``l`` overlaps the copies of later layers.
+``host_k``/``host_v`` and logs the copies; the :class:`~radixkv.kv.tiers.host.HostTier` performs
+them (:meth:`KVCache.apply_copies`, called by every :meth:`KVCache.plan`; on CUDA on a side
+stream that each layer's attention waits for).
 
 With a disk tier as well (``disk_pages > 0``, ``KVCache(..., disk_dir=...)``) the log also holds
-``spill(h, s)`` and ``persist(d, s)``, performed through :mod:`radixkv.kv.disk_tier` (a log
-holding them is performed without that overlap).
+``spill(h, s)`` and ``persist(d, s)``, performed through :mod:`radixkv.kv.tiers.disk` (a log
+holding them is performed without the side stream's overlap).
 """
 
 from __future__ import annotations
@@ -46,27 +33,21 @@ import torch
 import radixkv
 from radixkv.kv import backends as _backends
 from radixkv.kv import devices as _devices
-from radixkv.kv.disk_tier import DiskTier
-from radixkv.kv.mirror import DecodeMirror
-from radixkv.kv.shared_tier import SharedTier
+from radixkv.kv.backends.mirror import DecodeMirror
 from radixkv.kv.step import Step
+from radixkv.kv.tiers.disk import DiskTier
+from radixkv.kv.tiers.host import (
+    COPY_PERSIST,
+    COPY_SPILL,
+    HostTier,
+    check_host_device,
+    check_log,
+    copy_limits,
+)
+from radixkv.kv.tiers.shared import SharedTier
 
 #: Element types the pool may hold.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-#: Kinds of a row of ``cache.drain_copies()``, as the core defines them.
-COPY_OFFLOAD = radixkv.COPY_OFFLOAD
-COPY_LOAD = radixkv.COPY_LOAD
-COPY_SPILL = radixkv.COPY_SPILL
-COPY_PERSIST = radixkv.COPY_PERSIST
-COPY_WINDOW_OFFLOAD = radixkv.COPY_WINDOW_OFFLOAD
-COPY_WINDOW_LOAD = radixkv.COPY_WINDOW_LOAD
-
-#: One run of copies: ``(kind, segments)``, each segment ``(src_page, dst_page, num_pages)``
-#: copying ``num_pages`` consecutive pages. The segments of a run are independent of each other
-#: (no destination page twice), so they may be performed in any order; runs must be performed in
-#: order.
-CopyRun = tuple[int, list[tuple[int, int, int]]]
 
 
 def _positive(name: str, value: int) -> int:
@@ -80,127 +61,6 @@ def _check_dtype(dtype: torch.dtype) -> torch.dtype:
         names = ", ".join(str(d) for d in DTYPES)
         raise ValueError(f"dtype must be one of {names}, got {dtype!r}")
     return dtype
-
-
-def _limits(
-    num_pages: int, host_pages: int, window_pages: int = 0, window_host_pages: int = 0
-) -> dict[int, tuple[int, int]]:
-    """``kind -> (source pages, destination pages)`` of the copy kinds a pool of these tiers
-    performs (the window kinds only with a window host tier)."""
-    out = {COPY_OFFLOAD: (num_pages, host_pages), COPY_LOAD: (host_pages, num_pages)}
-    if window_host_pages:
-        out[COPY_WINDOW_OFFLOAD] = (window_pages, window_host_pages)
-        out[COPY_WINDOW_LOAD] = (window_host_pages, window_pages)
-    return out
-
-
-def _log_error(i: int, row: Any, limits: dict[int, tuple[int, int]], why: str = "") -> ValueError:
-    """The error for row ``i`` of a copy log (``why``: what is wrong besides the ranges)."""
-    num_pages, host_pages = limits[COPY_OFFLOAD]
-    more = ""
-    if COPY_WINDOW_OFFLOAD in limits:
-        wp, wh = limits[COPY_WINDOW_OFFLOAD]
-        more = (
-            f", kind {COPY_WINDOW_OFFLOAD} = window page < {wp} -> window host page < {wh}, "
-            f"kind {COPY_WINDOW_LOAD} = the other way"
-        )
-    return ValueError(
-        f"log row {i} = {list(row)} is not a copy ({why}kind {COPY_OFFLOAD} = offload "
-        f"device page < {num_pages} -> host page < {host_pages}, kind {COPY_LOAD} = load "
-        f"host page -> device page{more})"
-    )
-
-
-def _check_log(log: Any, limits: dict[int, tuple[int, int]]) -> np.ndarray:
-    """``log`` as checked int64 rows ``[N, 3]`` (see :func:`copy_runs` for what is refused);
-    ``limits`` as :func:`_limits` gives them."""
-    try:
-        rows = np.asarray(log)
-        if rows.dtype.kind not in "iu" and not isinstance(log, np.ndarray):
-            # Ints numpy cannot hold in int64 (or that it turned into floats): keep them exact.
-            rows = np.array(log, dtype=object)
-    except (ValueError, TypeError) as e:  # ragged rows
-        raise ValueError(f"log must be shaped [N, 3] (kind, src, dst): {e}") from None
-    if rows.ndim == 1 and rows.size == 0:
-        rows = rows.reshape(0, 3)  # [] or (): an empty log
-    if rows.ndim != 2 or rows.shape[1] != 3:
-        raise ValueError(f"log must be shaped [N, 3] (kind, src, dst), got {rows.shape}")
-    if len(rows) == 0:
-        return np.zeros((0, 3), np.int64)
-    if rows.dtype.kind in "iu":
-        wide = rows.astype(np.int64, copy=False)
-        if rows.dtype == np.uint64:  # ids past int64 would wrap to negative ones
-            too_big = np.asarray(rows > np.iinfo(np.int64).max).any(axis=1, keepdims=True)
-            wide = np.where(too_big, -1, wide)
-        kind, src, dst = wide[:, 0], wide[:, 1], wide[:, 2]
-        known = np.zeros(len(wide), dtype=bool)
-        src_limit = np.zeros(len(wide), dtype=np.int64)
-        dst_limit = np.zeros(len(wide), dtype=np.int64)
-        for k, (ls, ld) in limits.items():
-            this = kind == k
-            known |= this
-            src_limit[this], dst_limit[this] = ls, ld
-        bad = ~known | (src < 0) | (src >= src_limit) | (dst < 0) | (dst >= dst_limit)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise _log_error(i, rows[i].tolist(), limits)
-        return wide
-    # Not an integer array: only an object array of Python/numpy ints passes, row by row.
-    for i, row in enumerate(rows.tolist()):
-        for x in row:
-            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-                why = f"its values must be integers, got {x!r} ({type(x).__name__}); "
-                raise _log_error(i, row, limits, why)
-        k, s, d = (int(x) for x in row)
-        lim_s, lim_d = limits.get(k, (0, 0))
-        if not (0 <= s < lim_s and 0 <= d < lim_d):
-            raise _log_error(i, [k, s, d], limits)
-    return rows.astype(np.int64)
-
-
-def copy_runs(
-    log: np.ndarray,
-    num_pages: int,
-    host_pages: int,
-    window_pages: int = 0,
-    window_host_pages: int = 0,
-) -> list[CopyRun]:
-    """The copies of ``log`` (rows ``(kind, src, dst)`` as ``cache.drain_copies()`` returns
-    them) grouped for performing: consecutive rows of one kind form a run, and a run ends early
-    where a destination page it already wrote comes again (that second write must follow the
-    first). Within a run, a row whose source and destination both continue the previous row's
-    (``+1``) extends that row's segment: pages are contiguous slot ranges, so a segment is one
-    slice copy. Performing the runs in order, and each run's segments in any order, gives what
-    performing the rows one by one in log order gives.
-
-    ``ValueError`` for a ``log`` not shaped ``[N, 3]`` (an empty sequence is an empty log), and
-    naming the row for one that is not integers (floats are refused, not truncated), a kind
-    other than ``COPY_OFFLOAD``/``COPY_LOAD`` (and, with ``window_host_pages``,
-    ``COPY_WINDOW_OFFLOAD``/``COPY_WINDOW_LOAD`` between the ``window_pages`` window pages and
-    the window host pages), or a page id outside its tier (device ids ``0..num_pages``, host
-    ids ``0..host_pages``; however large): checked before anything is grouped.
-    """
-    rows = _check_log(log, _limits(num_pages, host_pages, window_pages, window_host_pages))
-    if len(rows) == 0:
-        return []
-    runs: list[tuple[int, list[list[int]]]] = []
-    segs: list[list[int]] = []
-    written: set[int] = set()
-    last_kind = -1
-    for k, s, d in rows.tolist():
-        if k != last_kind or d in written:
-            segs = [[s, d, 1]]
-            runs.append((k, segs))
-            written = set()
-            last_kind = k
-        else:
-            seg = segs[-1]
-            if s == seg[0] + seg[2] and d == seg[1] + seg[2]:
-                seg[2] += 1
-            else:
-                segs.append([s, d, 1])
-        written.add(d)
-    return [(k, [(s, d, n) for s, d, n in run]) for k, run in runs]
 
 
 def _window_layers(layers: Any, num_layers: int, cache: radixkv.Cache) -> frozenset[int]:
@@ -225,41 +85,6 @@ def _window_layers(layers: Any, num_layers: int, cache: radixkv.Cache) -> frozen
             f"{cache.window_pages}): pass window_layers, the layers that attend through it"
         )
     return frozenset(out)
-
-
-def _host_device(host_device: str | torch.device | None, host_pages: int) -> torch.device | None:
-    """The checked ``host_device`` of a ``KVCache`` over a cache with ``host_pages`` host pages."""
-    if host_device is None:
-        if host_pages:
-            raise ValueError(
-                f"the cache has a host tier (host_pages={host_pages}): pass host_device "
-                '(e.g. host_device="cpu") so the KVCache holds the host pool and performs the '
-                "copies between the tiers"
-            )
-        return None
-    if not host_pages:
-        raise ValueError(
-            f"host_device={host_device!r} needs a cache with a host tier, got one with "
-            "host_pages=0 (make it with host_pages > 0, or leave host_device=None)"
-        )
-    if not isinstance(host_device, (str, torch.device)):
-        raise TypeError(
-            f"host_device must be a str or torch.device, got {type(host_device).__name__}"
-        )
-    try:
-        dev = torch.device(host_device)
-    except RuntimeError as e:
-        raise ValueError(f"host_device={host_device!r} is not a torch device: {e}") from None
-    if dev.type != "cpu":
-        # The tier is host memory: "meta" has no storage to copy KV into (the first load of a
-        # plan would fail), and a pool on an accelerator is device memory, which the device
-        # pool itself would use better (more pages, no copies).
-        why = "a meta device has no storage" if dev.type == "meta" else "it is not host memory"
-        raise ValueError(
-            f"host_device={host_device!r} cannot hold the host tier ({why}): the host pool lives "
-            'in CPU memory, pass host_device="cpu"'
-        )
-    return dev
 
 
 _AUTO_SAID: set[str] = set()
@@ -300,19 +125,19 @@ class KVCache:
     extended the request. Without a tier ``host_device`` must be ``None``.
 
     Disk tier: for a cache made with ``disk_pages > 0`` (behind a host tier), ``disk_dir`` (a
-    directory, created if missing) is required and gets the disk pool (:mod:`radixkv.kv.disk`:
-    one preallocated file, each page written with its block key and checksum). The copies the
+    directory, created if missing) is required and gets the disk pool (:mod:`.tiers.disk_pool`: one
+    preallocated file, each page written with its block key and checksum). The copies the
     index logs to disk are performed by :meth:`apply_copies` with the rest (pages copied out at
     once, written by a background thread); :meth:`prefetch` reads a prompt's pages back before
     it is admitted (the engine does it for every request), :meth:`save` makes the directory
     hold every page the cache holds, and a ``KVCache`` opened later on the directory restores
-    its index. ``fingerprint`` (e.g. :func:`radixkv.kv.disk_tier.model_fingerprint`) names
+    its index. ``fingerprint`` (e.g. :func:`radixkv.kv.tiers.fingerprint.model_fingerprint`) names
     what the KV depends on beyond the pool's layout; a directory written under another one, or
-    another layout, raises :class:`radixkv.kv.disk.DiskMismatchError` (``on_mismatch="error"``)
-    or starts empty (``"reset"``). Without a disk tier ``disk_dir`` must be ``None``.
+    another layout, raises :class:`radixkv.kv.tiers.DiskMismatchError` (``on_mismatch="error"``) or
+    starts empty (``"reset"``). Without a disk tier ``disk_dir`` must be ``None``.
 
     Shared tier: ``shared_store`` (a store URL: ``redis://host:port``, ``unix:///path``) shares
-    pages with every replica on the same store (:mod:`radixkv.kv.shared_tier`): the pages each
+    pages with every replica on the same store (:mod:`radixkv.kv.tiers.shared`): the pages each
     step completes are sent in the background, and :meth:`prefetch` fetches a prompt's pages
     the local tiers lack. Pages are keyed and checked by ``fingerprint`` and the layout.
     ``shared_store_key`` (the operator's secret, 16 bytes or more) makes every page carry an
@@ -329,11 +154,11 @@ class KVCache:
     only, those of the full group on the other layers' only.
 
     Decode mirror: the SDPA backend keeps the running decode requests' keys contiguous across
-    steps (:mod:`radixkv.kv.mirror`), so a decode step copies one new row per request and layer
-    instead of gathering every key. ``decode_mirror`` caps its rows per full layer, for K and
-    for V (``None``: ``num_slots`` on the CPU, where the gather costs as much as the attention,
-    0 elsewhere; 0: off); it is exact either way, and holds at most ``2 * decode_mirror`` rows
-    per full layer beside the pool (``mirror.nbytes``).
+    steps (:mod:`radixkv.kv.backends.mirror`), so a decode step copies one new row per request
+    and layer instead of gathering every key. ``decode_mirror`` caps its rows per full layer,
+    for K and for V (``None``: ``num_slots`` on the CPU, where the gather costs as much as the
+    attention, 0 elsewhere; 0: off); it is exact either way, and holds at most
+    ``2 * decode_mirror`` rows per full layer beside the pool (``mirror.nbytes``).
 
     Safety rule: the KV in a slot is valid only while the cache keeps that slot's page pinned or
     published; a slot of a finished, unpublished page may be overwritten by the next admission.
@@ -367,7 +192,7 @@ class KVCache:
         if attention == "auto":
             _say_auto_reason(device)
         host_pages = cache.host_pages
-        host = _host_device(host_device, host_pages)
+        host = check_host_device(host_device, host_pages)
         self.attention = attention
         self.cache = cache
         # The cache these pools are sized and indexed for: only its requests may be planned.
@@ -396,30 +221,16 @@ class KVCache:
         self.host_pages = host_pages
         self.host_device = host
         self.num_host_slots = host_pages * self.page_size
-        self.host_k: list[torch.Tensor] = []
-        self.host_v: list[torch.Tensor] = []
-        self._copy_stream: Any = None  # torch.cuda.Stream of the copies (CUDA only)
-        self._last_event: Any = None  # torch.cuda.Event of copies not yet waited for
-        self._runs: list[CopyRun] = []  # drained copies not yet performed (after an error)
-        self._run_start = [0] * self.num_layers  # per layer: the first run not yet performed
-        self._pending_rows = 0
         #: Pages of the window group's host tier (0: none); window layers' host pools have
         #: ``window_host_pages * page_size`` rows.
         self.window_host_pages = cache.window_host_pages
-        #: The tiers' sizes, as :func:`copy_runs` takes them.
+        #: The tiers' sizes, as :func:`~radixkv.kv.tiers.host.copy_runs` takes them.
         self._tiers = (self.num_pages, host_pages, cache.window_pages, self.window_host_pages)
-        if host is not None:
-            hshape = (self.num_host_slots, self.num_kv_heads, self.head_dim)
-            whshape = (self.window_host_pages * self.page_size, self.num_kv_heads, self.head_dim)
-            pin = self.device.type == "cuda" and host.type == "cpu"
-            for layer in range(self.num_layers):
-                rows = whshape if layer in self.window_layers else hshape
-                for pools in (self.host_k, self.host_v):
-                    pools.append(torch.zeros(rows, dtype=dtype, device=host, pin_memory=pin))
-            if self.device.type == "cuda":
-                self._copy_stream = torch.cuda.Stream(device=self.device)
-        self._non_blocking = self.device.type == "cuda"
-        #: The disk tier's pool and copies (None without one; see :mod:`radixkv.kv.disk_tier`).
+        #: The host tier's pools and copies (None without one).
+        self.host: HostTier | None = None if host is None else HostTier(self, host)
+        self.host_k: list[torch.Tensor] = [] if self.host is None else self.host.k
+        self.host_v: list[torch.Tensor] = [] if self.host is None else self.host.v
+        #: The disk tier's pool and copies (None without one; see :mod:`radixkv.kv.tiers.disk`).
         self.disk: DiskTier | None = None
         self.disk_pages = cache.disk_pages
         if disk_dir is None:
@@ -435,7 +246,7 @@ class KVCache:
             )
         else:
             self.disk = DiskTier(self, disk_dir, fingerprint, on_mismatch)
-        #: The shared tier (None without one; see :mod:`radixkv.kv.shared_tier`).
+        #: The shared tier (None without one; see :mod:`radixkv.kv.tiers.shared`).
         self.shared: SharedTier | None = None
         if shared_store is not None:
             try:
@@ -448,47 +259,59 @@ class KVCache:
             raise ValueError("shared_store_key needs shared_store (the store's URL)")
         self._gather_k: torch.Tensor | None = None
         self._gather_v: torch.Tensor | None = None
-        self._backends: dict[str, Any] = {}
+        self._backends: dict[str, _backends.Backend] = {}
+        #: The backend names decode and prefill groups run: ``attention`` itself, or what
+        #: ``"auto"`` picks for this device and dtype (resolved here, once; flex serves decode
+        #: groups only, prefill through SDPA measured faster).
+        self._decode_name, self._prefill_name = (
+            (
+                _backends.auto_choice(device, self.dtype, True),
+                _backends.auto_choice(device, self.dtype, False),
+            )
+            if attention == "auto"
+            else (attention, attention)
+        )
+        if self._prefill_name == "flex":
+            self._prefill_name = "sdpa"
         if decode_mirror is None:  # the gather it saves costs as much as SDPA on the CPU only
             decode_mirror = self.num_slots if self.device.type == "cpu" else 0
         elif isinstance(decode_mirror, bool) or not isinstance(decode_mirror, int):
             raise TypeError(f"decode_mirror must be an int, got {type(decode_mirror).__name__}")
         elif decode_mirror < 0:
             raise ValueError(f"decode_mirror must be >= 0 (0: off), got {decode_mirror}")
-        #: The SDPA backend's decode lanes (:mod:`radixkv.kv.mirror`).
+        #: The SDPA backend's decode lanes (:mod:`radixkv.kv.backends.mirror`).
         self.mirror = DecodeMirror(self, decode_mirror)
 
-    def _backend(self, name: str) -> Any:
-        """The backend object ``name`` of this pool (made on first use)."""
+    def backend(self, name: str) -> _backends.Backend:
+        """This pool's backend object ``name`` (a key of
+        :data:`radixkv.kv.backends.BACKENDS`), made on first use and kept: what it builds for
+        a step, and what it compiled, serve every later step. ``ValueError`` for a name that is
+        not a backend (``"auto"`` is a choice among them: :meth:`backend_for`) or that cannot
+        run here, saying why."""
         obj = self._backends.get(name)
         if obj is None:
-            if name == "sdpa":
-                obj = _backends.SdpaBackend()
-            elif name == "flex":
-                obj = _backends.FlexBackend(self)
-            elif name == "triton":
-                obj = _backends.TritonBackend(self)
-            elif name == "varlen":
-                obj = _backends.VarlenBackend()
-            else:
-                obj = _backends.FlashInferBackend(self)
-            self._backends[name] = obj
+            make = _backends.BACKENDS.get(name) if isinstance(name, str) else None
+            if make is None:
+                raise ValueError(
+                    f"backend name must be one of {', '.join(map(repr, _backends.BACKENDS))}, "
+                    f"got {name!r}"
+                )
+            _backends.check_name(name, self.device)
+            obj = self._backends[name] = make(self)
         return obj
 
-    def backend_for(self, decode: bool, batch: int) -> Any:
-        """The backend serving a decode (or prefill) group of ``batch`` requests. ``"flex"``
-        serves decode only (prefill through SDPA measured faster); ``"auto"`` uses flex only for
-        batch buckets :meth:`warmup` compiled."""
-        name = self.attention
-        if name == "auto":
-            name = _backends.auto_choice(self.device, self.dtype, decode)
-            if name == "flex":
-                flex = self._backends.get("flex")
-                if flex is None or _backends.batch_bucket(batch) not in flex.compiled:
-                    name = "sdpa"
-        if name == "flex" and not decode:
-            name = "sdpa"
-        return self._backend(name)
+    def backend_for(self, decode: bool, batch: int) -> _backends.Backend:
+        """The backend serving a decode (or prefill) group of ``batch`` requests: the one
+        ``attention`` names, or the one ``"auto"`` picked when this pool was made. ``"flex"``
+        serves decode only (prefill through SDPA measured faster); ``"auto"`` uses flex only
+        for batch buckets :meth:`warmup` compiled."""
+        name = self._decode_name if decode else self._prefill_name
+        if name == "flex" and self.attention == "auto":
+            flex = self._backends.get("flex")
+            compiled = flex.compiled if isinstance(flex, _backends.FlexBackend) else ()
+            if _backends.batch_bucket(batch) not in compiled:
+                name = "sdpa"
+        return self.backend(name)
 
     def warmup(
         self,
@@ -524,15 +347,15 @@ class KVCache:
             or scale <= 0
         ):
             raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
-        name = self.attention
-        if name == "auto":
-            name = _backends.auto_choice(self.device, self.dtype, True)
+        name = self._decode_name
         if name == "triton":
             s = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
-            return self._backend("triton").warmup(heads, sizes, s)
+            triton = self.backend("triton")
+            assert isinstance(triton, _backends.TritonBackend)
+            return triton.warmup(heads, sizes, s)
         if name != "flex":
             return []
-        flex = self._backend("flex")
+        flex = self.backend("flex")
         done = []
         for bucket in sorted({_backends.batch_bucket(b) for b in sizes}):
             g = _backends.Group(
@@ -613,7 +436,7 @@ class KVCache:
     def host_nbytes(self) -> int:
         """Bytes held by the host pools ``host_k``/``host_v`` of every layer (0 without a host
         tier)."""
-        return sum(t.numel() * t.element_size() for t in (*self.host_k, *self.host_v))
+        return 0 if self.host is None else self.host.nbytes
 
     def apply_copies(self, log: np.ndarray | None = None) -> int:
         """Performs the copies between the tiers the index has logged (``cache.drain_copies()``),
@@ -632,7 +455,9 @@ class KVCache:
         ``[N, 3]`` or a row that is not integers or not a copy of this pool's tiers; see
         :func:`copy_runs`).
         """
-        if not self.host_pages and log is None:
+        if self.host is None:
+            if log is not None:  # checked all the same: any row is a copy to a missing tier
+                check_log(log, copy_limits(*self._tiers))
             return 0
         n, _ = self._apply_copies(overlap=False, log=log)
         return n
@@ -640,58 +465,24 @@ class KVCache:
     def _apply_copies(
         self, overlap: bool, log: np.ndarray | None = None
     ) -> tuple[int, list[Any] | None]:
-        """Drains the log (or takes ``log``) and performs every queued copy: ``(page copies
-        performed, events)``.
-
-        On CUDA: the side stream first waits for the current stream (an offload reads KV that
-        compute queued earlier wrote), performs layer by layer, and records one event per layer.
-        With ``overlap`` the events are returned for ``Step.attention`` to wait on, layer by
-        layer; otherwise (and whenever no copy was queued) the current stream waits for all
-        copies queued so far and ``None`` is returned."""
+        """Performs the logged copies (or ``log``): through the disk tier as well where there
+        is one and the log is the index's, else through the host tier alone
+        (:meth:`HostTier.perform`: ``(page copies performed, events)``)."""
+        assert self.host is not None  # callers check
         if log is None and self.disk is not None:
             return self._apply_with_disk(), None
-        if log is None:
-            log = self.cache.drain_copies()
-            if len(log):
-                self._runs.extend(copy_runs(log, *self._tiers))
-                self._pending_rows += len(log)
-        else:  # the caller's rows: checked whatever they are, an empty log included
-            rows = _check_log(log, _limits(*self._tiers))
-            if len(rows):
-                self._runs.extend(copy_runs(rows, *self._tiers))
-                self._pending_rows += len(rows)
-        events = None
-        done = 0
-        if self._runs:
-            stream = self._copy_stream
-            if stream is None:
-                self._perform_runs(None)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                events = [torch.cuda.Event() for _ in range(self.num_layers)]
-                with torch.cuda.stream(stream):
-                    self._perform_runs(events)
-                self._last_event = events[-1]
-            done = self._pending_rows
-            self._runs = []
-            self._run_start = [0] * self.num_layers
-            self._pending_rows = 0
-        if self._last_event is not None and (events is None or not overlap):
-            torch.cuda.current_stream(self.device).wait_event(self._last_event)
-            self._last_event = None
-            events = None
-        return done, events
+        return self.host.perform(overlap, log)
 
     def _apply_with_disk(self) -> int:
         """Drains the log with its disk keys and performs it in order, without overlap: each
-        stretch of tier copies as :meth:`_perform_runs` does, each stretch of disk copies through
+        stretch of tier copies through the :class:`HostTier`, each stretch of disk copies through
         the :class:`DiskTier` (pages copied out at once, written in the background)."""
-        assert self.disk is not None
+        assert self.disk is not None and self.host is not None
         rows, keys = self.cache.drain_copies(keys=True)
         rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
         done = 0
-        if self._runs:  # left by an earlier error
-            done += self._apply_copies(overlap=False, log=np.zeros((0, 3), np.int64))[0]
+        if self.host.pending:  # left by an earlier error
+            done += self.host.perform(log=np.zeros((0, 3), np.int64))[0]
         disk_row = (rows[:, 0] == COPY_SPILL) | (rows[:, 0] == COPY_PERSIST)
         k = 0  # disk keys used so far
         i = 0
@@ -704,7 +495,7 @@ class KVCache:
                 k += j - i
                 done += j - i
             else:
-                done += self._apply_copies(overlap=False, log=rows[i:j])[0]
+                done += self.host.perform(log=rows[i:j])[0]
             i = j
         return done
 
@@ -713,7 +504,7 @@ class KVCache:
     ) -> tuple[int, int, bool]:
         """Reads back from the disk tier the pages of ``tokens`` the device and host tiers
         lack, and installs what the shared tier fetched of them or starts that fetch (never
-        waiting on the store: :meth:`radixkv.kv.shared_tier.SharedTier.poll`). Returns
+        waiting on the store: :meth:`radixkv.kv.tiers.shared.SharedTier.poll`). Returns
         ``(tokens from disk, tokens from the shared tier, whether a shared fetch for them is
         still out)``: the engine holds such a request out of admission a little while, so
         that it finds them as hits. ``(0, 0, False)`` without those tiers."""
@@ -731,8 +522,8 @@ class KVCache:
         how many tokens came back from either. The shared tier's fetch runs on its own
         thread: ``wait_s`` is how long to wait for it (0: install what came back before, start
         the fetch otherwise). 0 without those tiers. See
-        :meth:`radixkv.kv.disk_tier.DiskTier.prefetch` and
-        :meth:`radixkv.kv.shared_tier.SharedTier.prefetch`."""
+        :meth:`radixkv.kv.tiers.disk.DiskTier.prefetch` and
+        :meth:`radixkv.kv.tiers.shared.SharedTier.prefetch`."""
         n = 0 if self.disk is None else self.disk.prefetch(tokens, namespace)
         if self.shared is not None:
             n += self.shared.prefetch(tokens, namespace, wait_s)
@@ -741,7 +532,7 @@ class KVCache:
     def save(self) -> int:
         """Saves the disk tier so that the next process opening ``disk_dir`` finds every page
         the cache holds now; returns how many pages it wrote. ``ValueError`` without a disk
-        tier. See :meth:`radixkv.kv.disk_tier.DiskTier.save`."""
+        tier. See :meth:`radixkv.kv.tiers.disk.DiskTier.save`."""
         if self.disk is None:
             raise ValueError("this KVCache has no disk tier (make it with disk_dir=...)")
         return self.disk.save()
@@ -754,39 +545,6 @@ class KVCache:
             self.disk.close()
         if self.shared is not None:
             self.shared.close()
-
-    def _perform_runs(self, events: list[Any] | None) -> None:
-        """Performs the queued runs, layer by layer (K then V of each segment), advancing
-        ``_run_start`` after each run so that an error leaves exactly the rest queued. Records
-        ``events[layer]`` after each layer's copies on the current (side) stream."""
-        ps = self.page_size
-        runs = self._runs
-        nb = self._non_blocking
-        for layer in range(self.num_layers):
-            dev_k, dev_v = self.k[layer], self.v[layer]
-            host_k, host_v = self.host_k[layer], self.host_v[layer]
-            # A window layer's pools take the window group's copies only, the others the rest.
-            down, up = (
-                (COPY_WINDOW_OFFLOAD, COPY_WINDOW_LOAD)
-                if layer in self.window_layers
-                else (COPY_OFFLOAD, COPY_LOAD)
-            )
-            for i in range(self._run_start[layer], len(runs)):
-                kind, segments = runs[i]
-                if kind == down:
-                    src_k, src_v, dst_k, dst_v = dev_k, dev_v, host_k, host_v
-                elif kind == up:
-                    src_k, src_v, dst_k, dst_v = host_k, host_v, dev_k, dev_v
-                else:
-                    self._run_start[layer] = i + 1
-                    continue
-                for src, dst, pages in segments:
-                    a, b, m = src * ps, dst * ps, pages * ps
-                    dst_k[b : b + m].copy_(src_k[a : a + m], non_blocking=nb)
-                    dst_v[b : b + m].copy_(src_v[a : a + m], non_blocking=nb)
-                self._run_start[layer] = i + 1
-            if events is not None:
-                events[layer].record()
 
     def plan(self, requests: Sequence[radixkv.Request]) -> Step:
         """Plans one forward pass over ``requests``: each request's tokens

@@ -82,10 +82,10 @@ class DecodeBuffers:
 
 
 class StaticDecodeStep:
-    """A decode step of ``bucket`` rows over :class:`DecodeBuffers`, with the interface a model
-    forward uses of a :class:`~radixkv.kv.step.Step` (``input_ids``, ``positions``,
-    ``is_decode``, ``last_token_index``, ``attention``). Made once per bucket; every call reads
-    what the buffers hold at that moment."""
+    """A decode step of ``bucket`` rows over :class:`DecodeBuffers`: a
+    :class:`~radixkv.kv.step.StepLike`, what a model forward uses of a step (``input_ids``,
+    ``positions``, ``is_decode``, ``last_token_index``, ``attention``). Made once per bucket;
+    every call reads what the buffers hold at that moment."""
 
     is_decode = True
 

@@ -26,7 +26,7 @@ import torch
 
 import radixkv
 from radixkv.kv import windowed as _windowed
-from radixkv.kv.backends import Group, slot_matrix
+from radixkv.kv.backends import Backend, Group, slot_matrix
 
 
 class Pool(Protocol):
@@ -47,13 +47,46 @@ class Pool(Protocol):
         """Scratch tensors of ``rows`` slot rows each for the gathered K and V."""
         ...
 
-    def backend_for(self, decode: bool, batch: int) -> Any:
+    def backend(self, name: str) -> Backend:
+        """The pool's backend object ``name`` (made on first use)."""
+        ...
+
+    def backend_for(self, decode: bool, batch: int) -> Backend:
         """The backend object serving a decode (or prefill) group of ``batch`` requests."""
         ...
 
     @property
     def mirror(self) -> Any:
-        """The :class:`~radixkv.kv.mirror.DecodeMirror` of the full pool's decode groups."""
+        """The :class:`~radixkv.kv.backends.mirror.DecodeMirror` of the full pool's decode
+        groups."""
+        ...
+
+
+class StepLike(Protocol):
+    """What a model's forward uses of a step: a planned :class:`Step`, or the
+    :class:`~radixkv.kv.static_step.StaticDecodeStep` that CUDA graphs replay. ``input_ids``
+    and ``positions`` are ``[T]``, ``last_token_index`` ``[B]`` (the row of each request's last
+    token); ``attention`` writes a layer's new K/V and attends (see :meth:`Step.attention`)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    last_token_index: torch.Tensor
+    num_tokens: int
+    is_decode: bool
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[T, Hq, D]``: each query attended to its request's keys, its own K/V written."""
         ...
 
 
@@ -135,10 +168,10 @@ class Step:
         self.backends = [backend.name for backend, _ in self._groups]
         # The window layers' page table and write slots (a cache with a window group only);
         # their groups are made on the first window layer's call.
-        self._window: tuple[Any, Group] | None = None
+        self._window: tuple[Backend, Group] | None = None
         # SDPA's groups over the full pool, for layers whose window, softcap or sinks a
         # group's backend does not take (made on the first such layer's call).
-        self._sdpa_groups: list[tuple[Any, Group]] | None = None
+        self._sdpa_groups: list[tuple[Backend, Group]] | None = None
         self._window_layers = getattr(kv, "window_layers", ())
         if self._window_layers:
             self.window_write_slots = torch.from_numpy(plan.window_write_slots).to(dev)
@@ -151,7 +184,7 @@ class Step:
         q_len: np.ndarray,
         block_table: torch.Tensor,
         sdpa_only: bool = False,
-    ) -> list[tuple[Any, Group]]:
+    ) -> list[tuple[Backend, Group]]:
         """Decode and prefill requests as one group, or two where their backends differ; each
         prepared by its backend (the SDPA backend for every group with ``sdpa_only``)."""
         kv = self.kv
@@ -162,7 +195,7 @@ class Step:
             decode = q_len == 1
             n_dec = int(decode.sum())
         if sdpa_only:
-            parts = [(kv._backend("sdpa"), np.arange(b))]
+            parts = [(kv.backend("sdpa"), np.arange(b))]
         elif 0 < n_dec < b:
             parts = [
                 (kv.backend_for(True, n_dec), np.flatnonzero(decode)),
@@ -350,7 +383,7 @@ class Step:
         backend, g = self._window
         return backend.attend(self, g, layer, q, k, v, scale, window, softcap, sinks)
 
-    def _window_group(self) -> tuple[Any, Group]:
+    def _window_group(self) -> tuple[Backend, Group]:
         """The group of the window layers: each request's window page table from page
         ``lo = max(0, c + 1 - window) // P`` on (``c`` its computed tokens: what its earliest
         query in this step reads first; the pages before are released), its key positions,
@@ -379,10 +412,9 @@ class Step:
             seq_lens=self.seq_lens - shift_t.to(self.seq_lens.dtype),
             is_decode=bool((q_len == 1).all()),
         )
-        # The Triton kernels read the window pool through this table as they read the full
-        # pool; every other backend hands the window layers to SDPA.
-        triton = any(b.name == "triton" for b, _ in self._groups)
-        backend = kv._backend("triton" if triton else "sdpa")
+        # A backend that reads the window pool through this table as it reads the full pool
+        # (Triton's kernels) serves the window layers; every other hands them to SDPA.
+        backend = next((b for b, _ in self._groups if b.window_pool), None) or kv.backend("sdpa")
         backend.prepare(self, g)
         return backend, g
 

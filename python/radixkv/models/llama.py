@@ -30,7 +30,7 @@ from radixkv.models.layers import (
 if TYPE_CHECKING:
     import radixkv
     from radixkv.kv.kv_cache import KVCache
-    from radixkv.kv.step import Step
+    from radixkv.kv.step import StepLike
 
 #: ``attend(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]`` for one layer.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -238,9 +238,9 @@ class CausalLM(nn.Module):
         for a shard (:meth:`shard`), for its slice of the KV heads. A cache with a host tier
         (``host_pages > 0``) gets its host pools on ``host_device``, the CPU by default; one
         with a disk tier (``disk_pages > 0``) its disk pool in ``disk_dir``, fingerprinted with
-        this model (:func:`radixkv.kv.disk_tier.model_fingerprint`: config and weights)."""
-        from radixkv.kv.disk_tier import model_fingerprint
+        this model (:func:`radixkv.kv.tiers.fingerprint.model_fingerprint`: config and weights)."""
         from radixkv.kv.kv_cache import KVCache
+        from radixkv.kv.tiers.fingerprint import model_fingerprint
 
         p = self.embed_tokens.weight
         layers, kv_heads, head_dim = self.kv_shape  # of a shard: its slice of the KV heads
@@ -271,7 +271,7 @@ class CausalLM(nn.Module):
         return x
 
     @torch.inference_mode()
-    def forward(self, step: Step, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, step: StepLike, all_logits: bool = False) -> torch.Tensor:
         """Float32 logits ``[B, vocab]`` of each request's last planned token, or ``[T, vocab]``
         of every planned token with ``all_logits``. Writes the step's K/V into the pool."""
         attends = [

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import radixkv
-from radixkv.kv.kv_cache import COPY_LOAD, COPY_OFFLOAD, KVCache, copy_runs
+from radixkv.kv.kv_cache import KVCache
+from radixkv.kv.tiers.host import COPY_LOAD, COPY_OFFLOAD, copy_runs
 from tiny_model import ids, tiny_model
 
 pytestmark = pytest.mark.robust
@@ -141,7 +142,7 @@ def test_apply_copies_checks_the_log(log, match):
         copy_runs(log, 8, 6)
     after = (*kv.k, *kv.v, *kv.host_k, *kv.host_v)
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing performed
-    assert kv._runs == [] and kv.apply_copies() == 0
+    assert kv.host.pending == 0 and kv.apply_copies() == 0
 
 
 def test_apply_copies_takes_any_exact_integer_log():

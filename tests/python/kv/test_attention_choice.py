@@ -149,3 +149,54 @@ def test_a_cuda_pool_serves_a_model_on_cuda_0():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         radixkv.hf.PrefixCache(model, kv)
+
+
+def test_every_backend_keeps_the_contract_under_its_name():
+    kv = radixkv.KVCache(radixkv.RadixCache(16, page_size=16), 1, 1, 16)
+    assert set(backends.BACKENDS) == set(backends.NAMES) - {"auto"}
+    for name, make in backends.BACKENDS.items():
+        backend = make(kv)
+        assert isinstance(backend, backends.Backend), name
+        assert backend.name == name
+        assert isinstance(backend.static_decode, bool) and isinstance(backend.window_pool, bool)
+    # What the callers ask the objects instead of comparing names: only Triton's kernels are
+    # what a CUDA graph replays, and read the window pool.
+    assert [n for n, b in backends.BACKENDS.items() if b.static_decode] == ["triton"]
+    assert [n for n, b in backends.BACKENDS.items() if b.window_pool] == ["triton"]
+
+
+def test_a_pool_makes_each_backend_once_and_names_a_bad_one():
+    kv = radixkv.KVCache(radixkv.RadixCache(16, page_size=4), 1, 1, 16, attention="sdpa")
+    sdpa = kv.backend("sdpa")
+    assert isinstance(sdpa, sdpa_backend.SdpaBackend) and kv.backend("sdpa") is sdpa
+    assert kv.backend_for(True, 3) is sdpa and kv.backend_for(False, 3) is sdpa
+    for bad in ("auto", "SDPA", "", None, 3):
+        with pytest.raises(ValueError, match=f"backend name must be one of .*got {bad!r}"):
+            kv.backend(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        kv.backend("varlen")  # CUDA only: refused here, saying which names are usable
+
+
+def test_auto_is_resolved_once_when_the_pool_is_made(monkeypatch):
+    kv = radixkv.KVCache(radixkv.RadixCache(16, page_size=4), 1, 1, 16)
+    picked = kv.backend_for(True, 1)
+    assert picked.name == backends.auto_choice(CPU, torch.float32, True)
+
+    def no_choice(*args):
+        raise AssertionError("auto re-resolved after the pool was made")
+
+    monkeypatch.setattr(backends, "auto_choice", no_choice)
+    req = kv.cache.admit([1, 2, 3])
+    step = kv.plan([req])
+    assert step.backends == [picked.name] and kv.backend_for(True, 8) is picked
+    assert kv.warmup(1, (1, 2)) == []  # SDPA compiles nothing; auto's choice not asked again
+
+
+def test_decode_graphs_ask_the_pools_decode_backend():
+    from radixkv.engine.graphs import why_not
+
+    for attention in ("auto", "sdpa"):
+        kv = radixkv.KVCache(radixkv.RadixCache(16, page_size=4), 1, 1, 16, attention=attention)
+        why = why_not(kv)
+        assert why is not None and f"its attention is {attention!r}" in why
+        assert f"decode steps run {kv.backend_for(True, 1).name!r} on cpu" in why

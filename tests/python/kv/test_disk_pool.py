@@ -1,4 +1,5 @@
-"""The disk tier's files (:class:`radixkv.kv.disk.DiskPool`), on real files under ``tmp_path``:
+"""The disk tier's files (:class:`radixkv.kv.tiers.disk_pool.DiskPool`), on real files under
+``tmp_path``:
 pages written, saved and read back after a reopen; every kind of damage (a flipped byte, a reused
 slot, a truncated data file, a truncated or flipped manifest, a leftover temporary manifest) read
 as bad pages or an empty pool, never as other bytes; a directory of another setup refused or
@@ -26,8 +27,9 @@ import pytest
 
 import radixkv
 from radixkv._radixkv import _page_checksum
-from radixkv.kv import disk
-from radixkv.kv.disk import DiskLockedError, DiskMismatchError, DiskPool, check_unlocked
+from radixkv.kv.tiers import disk_pool as disk
+from radixkv.kv.tiers import page
+from radixkv.kv.tiers.disk_pool import DiskLockedError, DiskMismatchError, DiskPool, check_unlocked
 
 #: Pages of 3000 bytes: slots of round_up(128 + 3000, 4096) = 4096 bytes.
 PB = 3000
@@ -36,8 +38,8 @@ N = 16
 FP = {"model": "tiny-llama", "dtype": "float16", "page_size": 16, "layout": "NHD"}
 
 #: Runs before a child's code: torch made unimportable, and ``radixkv.kv`` a bare package (its
-#: ``__init__`` imports the torch layer), so the child imports ``radixkv.kv.disk`` alone, fast,
-#: and proves that it needs no torch.
+#: ``__init__`` imports the torch layer), so the child imports ``radixkv.kv.tiers.disk_pool``
+#: alone, fast, and proves that it needs no torch.
 CHILD_PRELUDE = """
 import os, sys, types
 sys.modules["torch"] = None
@@ -192,6 +194,35 @@ def test_write_save_reopen_reads_the_exact_bytes(tmp_path):
     finally:
         pool.close()
     assert "closed" in repr(pool)
+
+
+def test_the_page_format_module_reads_and_makes_the_slots_the_pool_writes(tmp_path):
+    filled(tmp_path, slots=[2, 5], save=False)
+    raw = (tmp_path / "pages.bin").read_bytes()
+    for s in (2, 5):
+        at = s * page.slot_bytes_for(PB)
+        magic, k, checksum, length, setup = page.unpack_header(raw, at)
+        assert (magic, k, length) == (page.PAGE_MAGIC, key(s), PB)
+        assert checksum == _page_checksum(k + setup, payload(k))
+        head = page.pack_header(magic, k, checksum, length, setup)
+        assert head == raw[at : at + page.HEADER] and head[page.HEADER_STRUCT.size :] == bytes(16)
+    assert page.slot_bytes_for(PB) == SB and page.slot_bytes_for(np.int64(1)) == page.ALIGN
+    for bad in (0, -1, 1.0, True, "8"):
+        with pytest.raises(ValueError, match=f"page_bytes must be a positive int, got {bad!r}"):
+            page.slot_bytes_for(bad)
+    with pytest.raises(ValueError, match="key must be 32 bytes, got 3 bytes"):
+        page.check_key(b"abc")
+
+
+def test_the_paths_the_docs_named_still_lead_to_the_tiers(tmp_path):
+    import radixkv.kv
+    from radixkv.kv import tiers
+
+    assert radixkv.kv.disk.check_unlocked is check_unlocked is tiers.check_unlocked
+    assert radixkv.kv.disk.DiskPool is DiskPool is tiers.DiskPool
+    assert radixkv.kv.DiskMismatchError is DiskMismatchError
+    with open_pool(tmp_path), pytest.raises(DiskLockedError, match="is in use by process"):
+        radixkv.kv.check_unlocked(str(tmp_path))
 
 
 def test_manifest_built_from_the_format_description_is_accepted(tmp_path):
@@ -417,7 +448,7 @@ def test_a_second_opener_in_this_process_is_refused_naming_the_holder(tmp_path):
 def test_a_second_process_on_the_directory_is_refused_until_the_first_exits(tmp_path):
     filled(tmp_path)
     code = CHILD_PRELUDE + (
-        "from radixkv.kv.disk import DiskPool\n"
+        "from radixkv.kv.tiers.disk_pool import DiskPool\n"
         f"pool = DiskPool({str(tmp_path)!r}, {N}, {PB}, {FP!r}, recover=False)\n"
         "print('open', flush=True)\n"
         "sys.stdin.read()\n"
@@ -769,7 +800,7 @@ def test_an_unreported_worker_error_is_raised_by_close(tmp_path, monkeypatch):
 
 
 def test_disk_module_imports_without_torch():
-    code = CHILD_PRELUDE + "import radixkv.kv.disk as d\nprint(d.DiskPool.__name__)\n"
+    code = CHILD_PRELUDE + "import radixkv.kv.tiers.disk_pool as d\nprint(d.DiskPool.__name__)\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "DiskPool"
@@ -782,7 +813,7 @@ WRITER = (
     + """
 import hashlib, json
 import numpy as np
-from radixkv.kv.disk import DiskPool
+from radixkv.kv.tiers.disk_pool import DiskPool
 
 path, trial, num_pages, page_bytes, fp = sys.argv[1:6]
 trial, num_pages, page_bytes = int(trial), int(num_pages), int(page_bytes)

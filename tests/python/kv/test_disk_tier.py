@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import radixkv
-from radixkv.kv.disk import DiskMismatchError
-from radixkv.kv.disk_tier import model_fingerprint
 from radixkv.kv.kv_cache import KVCache
+from radixkv.kv.tiers.disk_pool import DiskMismatchError
+from radixkv.kv.tiers.fingerprint import model_fingerprint
 from test_host_tier import check_cached_kv
 from tiny_model import dense_greedy, ids, tiny_model
 

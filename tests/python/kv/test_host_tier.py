@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import radixkv
-from radixkv.kv.kv_cache import COPY_LOAD, COPY_OFFLOAD, KVCache, copy_runs
+from radixkv.kv.kv_cache import KVCache
+from radixkv.kv.tiers.host import COPY_LOAD, COPY_OFFLOAD, copy_runs
 from tiny_model import cuda, dense_greedy, ids, tiny_model
 
 MODEL = tiny_model(seed=7)

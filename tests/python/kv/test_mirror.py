@@ -1,4 +1,5 @@
-"""The SDPA backend's decode mirror (radixkv.kv.mirror) is exact: random walks of admissions,
+"""The SDPA backend's decode mirror (radixkv.kv.backends.mirror) is exact: random walks of
+admissions,
 hits, forks, decodes, multi-token extensions, uncommitted and out-of-order steps, run on twin
 caches with the mirror on, off, and squeezed by a small budget, give bitwise equal attention.
 Also: lanes stay packed, a request is still aborted when dropped, bad arguments are named."""

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 import radixkv
-from radixkv.kv import shared_tier
-from radixkv.kv.breaker import CLOSED, OPEN, Breaker
-from radixkv.kv.disk_tier import model_fingerprint, page_payload
 from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.shared_store import check_url, is_local, redact
-from radixkv.kv.shared_tier import HEADER
+from radixkv.kv.tiers import shared as shared_tier
+from radixkv.kv.tiers.breaker import CLOSED, OPEN, Breaker
+from radixkv.kv.tiers.fingerprint import model_fingerprint
+from radixkv.kv.tiers.page import HEADER
+from radixkv.kv.tiers.payload import page_payload
+from radixkv.kv.tiers.store import check_url, is_local, redact
 from redis_server import RedisServer, require
 from test_host_tier import check_cached_kv
 from tiny_model import dense_greedy, ids, tiny_model

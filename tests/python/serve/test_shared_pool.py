@@ -236,7 +236,8 @@ def test_a_corrupted_or_forged_page_is_recomputed_with_the_reply_unchanged(pool)
     (its checksum fails), the other is replaced by a forgery (well-formed, for the right key and
     setup, but its MAC made under another secret). B serves neither: it computes them, and its
     replies are a cold run's."""
-    from radixkv.kv.shared_tier import _HEADER_STRUCT, HEADER, _Codec
+    from radixkv.kv.tiers.page import HEADER, unpack_header
+    from radixkv.kv.tiers.shared import _Codec
 
     store, a, b = pool
     client = store.client()
@@ -253,7 +254,7 @@ def test_a_corrupted_or_forged_page_is_recomputed_with_the_reply_unchanged(pool)
             if tamper == "flip":
                 value[HEADER + 100] ^= 0x01
             else:
-                _, _, _, length, setup = _HEADER_STRUCT.unpack_from(bytes(value), 0)
+                _, _, _, length, setup = unpack_header(bytes(value))
                 forger = _Codec(b"not the operator's secret at all", setup, length)
                 value = bytearray(forger.encode(k, np.zeros(length, np.uint8)))
             client.set(k, bytes(value))

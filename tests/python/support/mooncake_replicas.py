@@ -18,9 +18,9 @@ import time
 import numpy as np
 
 import radixkv
-from radixkv.kv.disk_tier import model_fingerprint
 from radixkv.kv.kv_cache import KVCache
-from radixkv.kv.shared_store import SharedStoreError, open_store
+from radixkv.kv.tiers.fingerprint import model_fingerprint
+from radixkv.kv.tiers.store import SharedStoreError, open_store
 from tiny_model import dense_greedy, ids, tiny_model
 
 MODEL = tiny_model(seed=11)

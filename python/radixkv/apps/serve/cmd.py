@@ -425,7 +425,7 @@ def check_cache_dir(args: argparse.Namespace) -> None:
     path = getattr(args, "cache_dir", None)
     if not path:
         return
-    from radixkv.kv.disk import DiskLockedError, check_unlocked
+    from radixkv.kv.tiers.disk_pool import DiskLockedError, check_unlocked
 
     try:
         check_unlocked(os.fspath(path))  # the path as the disk tier opens it

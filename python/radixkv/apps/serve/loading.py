@@ -20,8 +20,8 @@ def shared_store_args(args: argparse.Namespace) -> dict[str, Any]:
         if key_file is not None:
             raise UsageError("--shared-store-key-file needs --shared-store")
         return {}
-    from radixkv.kv.shared_store import check_url, is_local, redact
-    from radixkv.kv.shared_tier import KEY_ENV, load_secret
+    from radixkv.kv.tiers.shared import KEY_ENV, load_secret
+    from radixkv.kv.tiers.store import check_url, is_local, redact
 
     try:
         check_url(url)

@@ -21,7 +21,11 @@ takes both kinds):
   ``block_table`` (CUDA, torch >= 2.15).
 - ``"flashinfer"`` (:mod:`.flashinfer_backend`): FlashInfer's paged wrappers, when the package
   is installed (CUDA only).
-- ``"auto"``: per device, dtype and group kind, the choice of :mod:`.choice`, in one place.
+- ``"auto"``: per device, dtype and group kind, the choice of :mod:`.choice`, in one place,
+  made once per pool when the ``KVCache`` is made.
+
+Each backend keeps the contract of :class:`~.base.Backend` (``name``, ``supports``, ``prepare``,
+``attend``); :data:`BACKENDS` names them.
 
 Every backend takes the sliding windows, softcaps and sinks of Gemma 2/3, gpt-oss, Mistral and
 Qwen2 layers it ``supports``; a layer whose extras a group's backend does not take runs that step
@@ -32,6 +36,10 @@ backend is Triton, through SDPA otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from radixkv.kv.backends.base import Backend
 from radixkv.kv.backends.choice import (
     NAMES,
     auto_choice,
@@ -54,10 +62,20 @@ from radixkv.kv.backends.sdpa_backend import (
 from radixkv.kv.backends.triton_backend import TritonBackend
 from radixkv.kv.backends.varlen_backend import VarlenBackend
 
+#: Every backend by its name in ``KVCache(attention=...)`` (all of ``NAMES`` but ``"auto"``, a
+#: choice among them), each made with the pool it serves: ``KVCache.backend(name)`` makes one
+#: per pool on first use.
+BACKENDS: dict[str, Callable[[Any], Backend]] = {
+    cls.name: cls
+    for cls in (SdpaBackend, TritonBackend, FlexBackend, VarlenBackend, FlashInferBackend)
+}
+
 __all__ = [
+    "BACKENDS",
     "MAX_FLEX_COMPILES",
     "NAMES",
     "_FLASH_CPU",
+    "Backend",
     "FlashInferBackend",
     "FlexBackend",
     "Group",

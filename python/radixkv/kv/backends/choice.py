@@ -8,12 +8,11 @@ place where the choice is made.
   where Triton is missing, FlashInfer where installed, then ``varlen`` where torch's
   ``varlen_attn`` takes ``block_table`` (torch >= 2.15), then SDPA with cuDNN excluded.
   :func:`auto_reason` says why Triton was not taken.
-- CPU: SDPA (decode over the :class:`~radixkv.kv.mirror.DecodeMirror`'s lanes, else the folded
-  gather). One layer's attention alone favours flex on fp32 decode (1.2x against 1.9x of SDPA
-  on contiguous KV at head dim 64), but a whole engine step does not (``bench_torch.py`` (d):
-  flex 0.40-0.48x against SDPA 0.90x of a contiguous-KV loop at 8 requests), because flex
-  rebuilds its block mask every step. The Triton interpreter is a test tool, never ``auto``'s
-  choice.
+- CPU: SDPA (decode over the :class:`~radixkv.kv.backends.mirror.DecodeMirror`'s lanes, else the
+  folded gather). One layer's attention alone favours flex on fp32 decode (1.2x against 1.9x of SDPA
+  on contiguous KV at head dim 64), but a whole engine step does not (``bench_torch.py`` (d): flex
+  0.40-0.48x against SDPA 0.90x of a contiguous-KV loop at 8 requests), because flex rebuilds its
+  block mask every step. The Triton interpreter is a test tool, never ``auto``'s choice.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ class FlashInferBackend:
     page indices go to the device in one copy (CUDA; ``pip install flashinfer-python``)."""
 
     name = "flashinfer"
+    static_decode = False
+    window_pool = False
 
     @staticmethod
     def supports(window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> bool:

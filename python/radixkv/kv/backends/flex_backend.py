@@ -88,6 +88,8 @@ class FlexBackend:
     """
 
     name = "flex"
+    static_decode = False
+    window_pool = False
 
     def supports(
         self, window: int | None, softcap: float | None, sinks: torch.Tensor | None

@@ -32,7 +32,7 @@ class Group:
     is_decode: bool
     state: Any = None
     #: Whether the group's keys are the full pool's, so a decode group may read them from the
-    #: pool's :class:`~radixkv.kv.mirror.DecodeMirror` (not the window layers' groups).
+    #: pool's :class:`~radixkv.kv.backends.mirror.DecodeMirror` (not the window layers' groups).
     mirror: bool = False
     #: Longest ``q_len`` and ``kv_len`` when known (the step's own, for a group of the whole
     #: step), else computed from them.

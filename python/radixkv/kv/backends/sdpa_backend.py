@@ -22,11 +22,16 @@ class SdpaBackend:
     against). Mask and slot matrix are built once per step and shared by every layer."""
 
     name = "sdpa"
+    static_decode = False
+    window_pool = False
 
     @staticmethod
     def supports(window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> bool:
         """Whether :meth:`attend` takes these (the reference takes them all)."""
         return True
+
+    def __init__(self, kv: Any = None) -> None:
+        self.kv = kv  # the pool it serves (each step names its own: ``step.kv``)
 
     def prepare(self, step: Step, g: Group) -> None:
         kv = step.kv

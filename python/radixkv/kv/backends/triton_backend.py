@@ -25,6 +25,8 @@ class TritonBackend:
     """Paged decode and prefill through Triton (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
+    static_decode = True
+    window_pool = True
 
     @staticmethod
     def supports(window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -13,12 +15,17 @@ class VarlenBackend:
     (CUDA; the pool is viewed as ``[num_pages, page_size, Hkv, D]``)."""
 
     name = "varlen"
+    static_decode = False
+    window_pool = False
 
     @staticmethod
     def supports(window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> bool:
         """Whether :meth:`attend` takes these: a sliding window (``window_size``), no softcap
         or sinks."""
         return softcap is None and sinks is None
+
+    def __init__(self, kv: Any = None) -> None:
+        self.kv = kv  # the pool it serves (each step names its own: ``step.kv``)
 
     def prepare(self, step: Step, g: Group) -> None:
         dev = step.kv.device

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixkv.kv.backends import slot_matrix
+from radixkv.kv.backends.group import slot_matrix
 
 #: Capacities grow in steps of this many rows (and by a quarter at least), so a request
 #: decoding one token a step regrows its buffers rarely.

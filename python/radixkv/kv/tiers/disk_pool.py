@@ -8,19 +8,9 @@ index, in one directory:
 - ``manifest.bin``: the index (which key lives in which slot), written only by
   :meth:`DiskPool.save`, and read at open so that the pages survive a restart.
 
-Slot ``s`` starts at byte ``s * slot_bytes`` (``slot_bytes = round_up(HEADER + page_bytes,
-4096)``, ``HEADER = 128``); a slot is a header, the payload, then zero padding:
-
-```text
-  offset  size         field
-  0       8            magic b"RKVPAGE1"
-  8       32           the page's key
-  40      32           checksum = _page_checksum(key + setup, payload)   (blake3)
-  72      8            payload length, u64 little-endian (= page_bytes)
-  80      32           setup: blake3 of the pool's fingerprint and layout
-  112     16           zeros
-  128     page_bytes   payload
-```
+Slot ``s`` starts at byte ``s * slot_bytes``: a page in the format of :mod:`.page` (a 128-byte
+header naming the page's key, a checksum and the pool's setup, then the payload), then zero
+padding up to ``slot_bytes`` (:func:`~.page.slot_bytes_for`).
 
 The manifest (all integers little-endian):
 
@@ -54,7 +44,7 @@ Crash rules:
   ``lock`` file from open to close, and writes its holder (pid, host, time) into it; a second
   opener, in this process or another, is refused (:class:`DiskLockedError` naming the
   holder), so two processes never overwrite each other's slots or manifest. The lock ends with
-  the process, however it ends: a crashed holder leaves nothing to clean up.
+  the process, however it ends: a crashed holder leaves nothing to clean up (:mod:`.lock`).
 - Every page read is checked against the key the caller expects there, against the pool's
   setup (a page another model or layout wrote into this directory is not this pool's, whatever
   its key) and against its checksum (:meth:`DiskPool.read`): a page torn by a crash, overwritten
@@ -75,10 +65,8 @@ import json
 import os
 import queue
 import secrets
-import socket
 import struct
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -89,17 +77,24 @@ import numpy as np
 import radixkv
 from radixkv._radixkv import _page_checksum
 
-#: Bytes of a slot's header (magic, key, checksum, payload length, zero padding).
-HEADER = 128
-#: Slots are whole multiples of this many bytes (so that a slot starts on a page boundary).
-ALIGN = 4096
-#: Bytes of a page key.
-KEY_BYTES = 32
-#: First bytes of every written slot.
-PAGE_MAGIC = b"RKVPAGE1"
+# DiskLockedError and check_unlocked: also named here, where they were before the lock had a
+# module of its own (radixkv.kv.disk.check_unlocked, in the docs).
+from radixkv.kv.tiers.lock import DiskLockedError, acquire, check_unlocked  # noqa: F401
+from radixkv.kv.tiers.page import (
+    CHECKSUM_BYTES,
+    HEADER,
+    HEADER_STRUCT,
+    KEY_BYTES,
+    PAGE_MAGIC,
+    check_key,
+    pack_header,
+    slot_bytes_for,
+    unpack_header,
+)
+
 #: First bytes of the manifest.
 MANIFEST_MAGIC = b"RKVMANI1"
-#: Version of the layouts above, stored in the manifest.
+#: Version of the slot and manifest layouts, stored in the manifest.
 FORMAT = 1
 #: The key ``_page_checksum`` takes for the manifest's own checksum.
 MANIFEST_CHECKSUM_KEY = b"radixkv.manifest"
@@ -107,12 +102,9 @@ MANIFEST_CHECKSUM_KEY = b"radixkv.manifest"
 DATA_FILE = "pages.bin"
 MANIFEST_FILE = "manifest.bin"
 MANIFEST_TMP = "manifest.bin.tmp"  # the prefix of each writer's own temporary manifest
-LOCK_FILE = "lock"
 #: What ``on_mismatch`` may be.
 ON_MISMATCH = ("error", "reset")
 
-_HEADER_STRUCT = struct.Struct("<8s32s32sQ32s")  # magic, key, checksum, length, setup
-_CHECKSUM_BYTES = 32
 #: Fields of the manifest's JSON header that fix the data file's layout.
 _LAYOUT_FIELDS = ("format", "num_pages", "page_bytes", "slot_bytes")
 _ABSENT = "<absent>"
@@ -130,88 +122,6 @@ class DiskMismatchError(radixkv.Error):
         self.differences = differences
 
 
-class DiskLockedError(radixkv.Error):
-    """The directory of a :class:`DiskPool` is open in another pool (of this process or
-    another): two writers would overwrite each other's slots and manifest. ``holder``: what
-    the holder wrote into the lock file (``pid``, ``host``, ``since``), empty if unknown."""
-
-    def __init__(self, message: str, holder: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.holder = holder
-
-
-def _lock(path: str) -> int:
-    """An open descriptor of ``path``'s lock file, holding its exclusive ``flock``, with this
-    process named in it; :class:`DiskLockedError` naming the holder when another has it."""
-    lock_path = os.path.join(path, LOCK_FILE)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - no flock on this platform: unguarded, as before
-        return fd
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        error = _locked(path, fd)
-        os.close(fd)
-        raise error from None
-    try:
-        me = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-    except OSError:  # the lock holds even where its note cannot be written
-        pass
-    return fd
-
-
-def _locked(path: str, fd: int) -> DiskLockedError:
-    """The error of ``path``'s lock file (open as ``fd``) held by another: its holder named."""
-    try:
-        holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
-    except (OSError, ValueError):
-        holder = {}
-    if not isinstance(holder, dict):
-        holder = {}
-    who = (
-        f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, open since "
-        f"{holder.get('since', '?')}"
-        if holder
-        else "another process"
-    )
-    return DiskLockedError(
-        f"the disk tier at {path!r} is in use by {who}: one directory serves one process "
-        "at a time (stop that one, or give this one another directory)",
-        holder,
-    )
-
-
-def check_unlocked(path: str) -> None:
-    """:class:`DiskLockedError` naming the holder if another pool holds ``path``'s lock now
-    (what opening a :class:`DiskPool` there would raise), for a caller that checks before it
-    spends time on what the pool needs (a server loading its model); nothing is created or
-    written, and the lock is not kept."""
-    try:
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
-    except OSError:  # no lock file (no directory yet): nobody holds it
-        return
-    try:
-        import fcntl
-
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise _locked(path, fd) from None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    except ImportError:  # pragma: no cover - no flock on this platform: unguarded
-        pass
-    finally:
-        os.close(fd)
-
-
 def _remove_temporaries(path: str) -> None:
     """Removes the temporary manifests writers left behind (the lock is held: none is live)."""
     with os.scandir(path) as entries:
@@ -219,13 +129,6 @@ def _remove_temporaries(path: str) -> None:
             if entry.name.startswith(MANIFEST_TMP):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(entry.path)
-
-
-def slot_bytes_for(page_bytes: int) -> int:
-    """Bytes of one slot for pages of ``page_bytes``: ``HEADER + page_bytes`` rounded up to a
-    multiple of ``ALIGN`` (4096)."""
-    page_bytes = _positive("page_bytes", page_bytes)
-    return -(-(HEADER + page_bytes) // ALIGN) * ALIGN
 
 
 def _positive(name: str, value: Any) -> int:
@@ -274,15 +177,6 @@ def _diff_tree(
         g_text = _canonical(g) if k in given else _ABSENT
         if s_text != g_text:
             out[path] = (s_text, g_text)
-
-
-def _check_key(key: Any, name: str = "key") -> bytes:
-    if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise ValueError(f"{name} must be {KEY_BYTES} bytes, got {key!r}")
-    key = bytes(key)
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"{name} must be {KEY_BYTES} bytes, got {len(key)} bytes: {key!r}")
-    return key
 
 
 def _pwrite_all(fd: int, header: bytes, payload: np.ndarray, offset: int) -> int:
@@ -362,8 +256,7 @@ def _writer(
             if state.error is None:
                 try:
                     digest = _page_checksum(key + setup, payload)
-                    header = _HEADER_STRUCT.pack(PAGE_MAGIC, key, digest, page_bytes, setup)
-                    header += bytes(HEADER - len(header))
+                    header = pack_header(PAGE_MAGIC, key, digest, page_bytes, setup)
                     n = _pwrite_all(fd, header, payload, slot * slot_bytes)
                 except BaseException as e:  # kept, re-raised by the caller
                     with state.lock:
@@ -398,7 +291,7 @@ def _shutdown(
 class DiskPool:
     """The disk tier's files in directory ``path`` (created if missing, parents too): a data file
     of ``num_pages`` slots holding pages of ``page_bytes``, and a manifest saved by :meth:`save`
-    (the layouts and the crash rules: see :mod:`radixkv.kv.disk`).
+    (the layouts and the crash rules: see :mod:`radixkv.kv.tiers.disk_pool`).
 
     ``fingerprint``: a JSON-serializable mapping of what the KV depends on (model config,
     weights digest, dtype, page size, KV layout...), stored in the manifest. At open a valid
@@ -465,7 +358,7 @@ class DiskPool:
         os.makedirs(self.path, exist_ok=True)
         self._data_path = os.path.join(self.path, DATA_FILE)
         self._manifest_path = os.path.join(self.path, MANIFEST_FILE)
-        lock_fd = _lock(self.path)
+        lock_fd = acquire(self.path)
         try:
             self._open(lock_fd, recover)
         except BaseException:
@@ -543,12 +436,12 @@ class DiskPool:
         (a key held by two slots keeps the first)."""
         n, sb = self.num_pages, self.slot_bytes
         found: dict[int, bytes] = {}
-        size = _HEADER_STRUCT.size
+        size = HEADER_STRUCT.size
         for slot in range(n):
             head = os.pread(fd, size, slot * sb)
             if len(head) < size:
                 break
-            magic, key, _, length, setup = _HEADER_STRUCT.unpack(head)
+            magic, key, _, length, setup = unpack_header(head)
             if magic == PAGE_MAGIC and setup == self.setup and length == self.page_bytes:
                 found[slot] = key
         keys: list[bytes] = []
@@ -635,11 +528,11 @@ class DiskPool:
     @staticmethod
     def _parse_manifest(data: bytes) -> str | tuple[dict[str, Any], bytes, np.ndarray]:
         """``(json header, keys, slots)`` of a manifest, or why it is damaged."""
-        if len(data) < len(MANIFEST_MAGIC) + 4 + 8 + _CHECKSUM_BYTES:
+        if len(data) < len(MANIFEST_MAGIC) + 4 + 8 + CHECKSUM_BYTES:
             return f"{len(data)} bytes, too short"
         if data[: len(MANIFEST_MAGIC)] != MANIFEST_MAGIC:
             return "bad magic"
-        body, digest = data[:-_CHECKSUM_BYTES], data[-_CHECKSUM_BYTES:]
+        body, digest = data[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
         if _page_checksum(MANIFEST_CHECKSUM_KEY, body) != digest:
             return "checksum mismatch"
         pos = len(MANIFEST_MAGIC)
@@ -839,7 +732,7 @@ class DiskPool:
             raise ValueError(
                 f"slot must be an int in [0, num_pages={self.num_pages}), got {slot!r}"
             )
-        key = _check_key(key)
+        key = check_key(key)
         if not isinstance(payload, np.ndarray):
             raise ValueError(
                 f"payload must be a numpy uint8 array of page_bytes={self.page_bytes}, got "
@@ -923,7 +816,7 @@ class DiskPool:
         end = off + HEADER + self.page_bytes
         if got < end:
             return None
-        magic, key, digest, length, setup = _HEADER_STRUCT.unpack_from(buf.data, off)
+        magic, key, digest, length, setup = unpack_header(buf.data, off)
         expected = keys[index * KEY_BYTES : (index + 1) * KEY_BYTES]
         if magic != PAGE_MAGIC or key != expected or length != self.page_bytes:
             return None

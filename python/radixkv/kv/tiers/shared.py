@@ -1,17 +1,17 @@
 """`SharedTier`: a ``KVCache``'s side of a KV pool shared by many replicas, on a store they all
-reach (Redis or Valkey; :mod:`radixkv.kv.shared_store`), so that a session routed to another
+reach (Redis or Valkey; :mod:`radixkv.kv.tiers.store`), so that a session routed to another
 replica, a restarted replica or a new one finds the pages some replica already computed.
 
 Why it looks like this. The disk tier already has what a shared pool needs, and this tier
 reuses it rather than inventing a second one:
 
 - **The same pages.** A value is the disk pool's slot: the 128-byte header (magic, the page's
-  key, a checksum, the payload length, the setup digest; :mod:`radixkv.kv.disk`) then the
-  payload in the disk tier's layout (``K[0] V[0] ... K[L-1] V[L-1]``,
-  :data:`radixkv.kv.disk_tier.PAGE_LAYOUT`), made and scattered by the same functions.
+  key, a checksum, the payload length, the setup digest; :mod:`.page`) then the payload in the
+  disk tier's layout (``K[0] V[0] ... K[L-1] V[L-1]``,
+  :data:`radixkv.kv.tiers.payload.PAGE_LAYOUT`), made and scattered by the same functions.
 - **The same validity.** The setup digest is the disk directory's fingerprint (the model's
-  config and weights digest, the pool's layout: :func:`radixkv.kv.disk_tier.layout_fingerprint`)
-  plus the MAC kind, and every page read back is checked against the key it is read for, the
+  config and weights digest, the pool's layout: :func:`.fingerprint.layout_fingerprint`) plus
+  the MAC kind, and every page read back is checked against the key it is read for, the
   setup and its checksum before anything is written into a pool. A page that fails is dropped
   from the store and recomputed, never served.
 - **The same keys.** The index's block keys are a content hash of the prefix (chained blake3 of
@@ -74,10 +74,11 @@ import numpy as np
 
 import radixkv
 from radixkv._radixkv import _page_checksum
-from radixkv.kv.breaker import Breaker
-from radixkv.kv.disk import _HEADER_STRUCT, HEADER
-from radixkv.kv.disk_tier import layout_fingerprint, page_payloads, scatter_payload
-from radixkv.kv.shared_store import SharedStore, SharedStoreError, open_store, redact
+from radixkv.kv.tiers.breaker import Breaker
+from radixkv.kv.tiers.fingerprint import layout_fingerprint
+from radixkv.kv.tiers.page import HEADER, pack_header, unpack_header
+from radixkv.kv.tiers.payload import page_payloads, scatter_payload
+from radixkv.kv.tiers.store import SharedStore, SharedStoreError, open_store, redact
 
 #: First bytes of a shared page's header (the disk pool's layout; another magic, since its
 #: checksum may be a MAC).
@@ -332,15 +333,14 @@ class _Codec:
 
     def encode(self, store_key: bytes, payload: np.ndarray) -> bytes:
         page_id = _page_checksum(b"radixkv.shared.key", store_key)
-        head = _HEADER_STRUCT.pack(
-            SHARED_MAGIC, page_id, self.checksum(page_id, payload), len(payload), self.setup
-        )
-        return head + bytes(HEADER - len(head)) + payload.tobytes()
+        digest = self.checksum(page_id, payload)
+        head = pack_header(SHARED_MAGIC, page_id, digest, len(payload), self.setup)
+        return head + payload.tobytes()
 
     def decode(self, store_key: bytes, value: bytes | None) -> np.ndarray | None:
         if value is None or len(value) != HEADER + self.page_bytes:
             return None
-        magic, page_id, digest, length, setup = _HEADER_STRUCT.unpack_from(value, 0)
+        magic, page_id, digest, length, setup = unpack_header(value)
         expected = _page_checksum(b"radixkv.shared.key", store_key)
         if magic != SHARED_MAGIC or page_id != expected or setup != self.setup:
             return None
@@ -417,14 +417,14 @@ def _walk(keys: list[bytes], state: _State, codec: _Codec, page_bytes: int) -> l
 
 class SharedTier:
     """The shared tier of a ``KVCache`` (``kv``) on the store ``url`` (see
-    :func:`radixkv.kv.shared_store.open_store`), or on ``store`` (any
-    :class:`radixkv.kv.shared_store.SharedStore`).
+    :func:`radixkv.kv.tiers.store.open_store`), or on ``store`` (any
+    :class:`radixkv.kv.tiers.store.SharedStore`).
 
     ``fingerprint``: what the KV depends on besides the pool's layout (the model's:
-    :func:`radixkv.kv.disk_tier.model_fingerprint`); pages are keyed and checked by it. ``key``:
-    the operator's secret (bytes or str, at least 16 bytes): pages carry an HMAC-SHA256 under
-    it; without one, a store that is not on a loopback address or a unix socket is refused
-    (``ValueError`` saying why). ``breaker``: the circuit breaker (default: open after one
+    :func:`radixkv.kv.tiers.fingerprint.model_fingerprint`); pages are keyed and checked by it.
+    ``key``: the operator's secret (bytes or str, at least 16 bytes): pages carry an HMAC-SHA256
+    under it; without one, a store that is not on a loopback address or a unix socket is
+    refused (``ValueError`` saying why). ``breaker``: the circuit breaker (default: open after one
     failure, for two seconds).
 
     Not for a cache with a window group (``ValueError``): a window layer's pool holds a

@@ -1,4 +1,4 @@
-"""The stores a shared KV tier (:mod:`radixkv.kv.shared_tier`) can sit on, behind one small
+"""The stores a shared KV tier (:mod:`radixkv.kv.tiers.shared`) can sit on, behind one small
 interface: :class:`SharedStore` (batched ``exists``, ``get``, ``put``, ``delete`` of byte values
 under byte keys). The tier builds pages and checks them; a store only moves bytes.
 
