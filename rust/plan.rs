@@ -143,6 +143,8 @@ mod tests {
             num_computed: 2,
             page_size: 2,
             window_pages: &[],
+            kv_matched: 0,
+            state_slot: None,
         };
         let b = RequestView {
             tokens: &[1, 2],
@@ -152,6 +154,8 @@ mod tests {
             num_computed: 1,
             page_size: 2,
             window_pages: &[],
+            kv_matched: 0,
+            state_slot: None,
         };
         let s = plan_step(&[a, b]).unwrap();
         assert_eq!(s.input_ids, vec![7, 8, 9, 2]);

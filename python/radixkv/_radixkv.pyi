@@ -138,6 +138,24 @@ class CacheStats:
     def window_offloaded_pages(self) -> int: ...
     @property
     def window_loaded_pages(self) -> int: ...
+    @property
+    def state_slots(self) -> int:
+        """State slots: snapshots of a hybrid model's recurrent state kept (0: none)."""
+    @property
+    def state_free_slots(self) -> int:
+        """State slots holding nothing."""
+    @property
+    def state_pinned_slots(self) -> int:
+        """State slots whose snapshot a live request's hit pins (not copied yet)."""
+    @property
+    def state_hit_tokens(self) -> int:
+        """Of ``hit_tokens``, those whose hit ended at a snapshot."""
+    @property
+    def taken_states(self) -> int:
+        """Snapshots taken so far (slots handed out by ``take_state``)."""
+    @property
+    def evicted_states(self) -> int:
+        """Snapshots evicted so far: for their slot, or with a page they needed."""
     def as_dict(self) -> dict[str, float]: ...
 
 @final
@@ -169,6 +187,14 @@ class Request:
     def closed(self) -> bool: ...
     @property
     def cache(self) -> Cache: ...
+    @property
+    def kv_matched(self) -> int:
+        """With ``state_slots``: tokens the KV match ran to at admission (``num_cached`` or
+        more: the hit ends at the last snapshot); ``num_cached`` without them."""
+    @property
+    def state_slot(self) -> int | None:
+        """With ``state_slots``: the slot of the snapshot the hit ended at, pinned until
+        ``cache.release_state(req)``; None with no hit, or once released."""
 
 @disjoint_base
 class Cache:
@@ -296,6 +322,19 @@ class Cache:
     def page_size(self) -> int: ...
     @property
     def metadata_bytes(self) -> int: ...
+    def take_state(self, req: Request, pos: int) -> int | None:
+        """With ``state_slots``: a slot for ``req``'s recurrent state at token ``pos`` (a
+        multiple of ``page_size``, at most ``num_tokens``), to copy the state into before the
+        ``commit`` that covers ``pos``; the snapshot is findable from the first ``commit`` or
+        ``finish`` that leaves its pages published, never before. None, changing nothing, when
+        every slot is pinned or pending, when ``req`` took one at ``pos`` already, or when that
+        prefix has a snapshot. ``ValueError`` naming ``pos``, or without state slots."""
+    def release_state(self, req: Request) -> bool:
+        """Unpins the snapshot ``req``'s hit ended at, once copied; False when none is
+        pinned. ``finish`` and ``abort`` unpin it too."""
+    def drain_freed_states(self) -> list[int]:
+        """State slots freed since the last call (evicted, dropped with a page, or never
+        published) and free still, each once, in the order freed."""
 
 @final
 class RadixCache(Cache):
@@ -311,6 +350,7 @@ class RadixCache(Cache):
         window: int = 0,
         window_pages: int = 0,
         window_host_pages: int | None = None,
+        state_slots: int = 0,
     ) -> RadixCache: ...
 
 @final
@@ -327,6 +367,7 @@ class BlockCache(Cache):
         window: int = 0,
         window_pages: int = 0,
         window_host_pages: int | None = None,
+        state_slots: int = 0,
     ) -> BlockCache: ...
 
 @final

@@ -113,6 +113,9 @@ pub struct BlockIndex {
     /// retained page.
     retained: Retentions<Vec<PageId>>,
     holders: std::collections::HashMap<PageId, Vec<u64>>,
+    /// The device pages evicted, offloaded or reset since the cache last drained them (recorded
+    /// only with state slots).
+    drops: crate::cache::states::Drops,
     /// Unit tests set this to give every page the same content key, so that the paths where
     /// several contents share a key run.
     #[cfg(test)]
@@ -329,6 +332,7 @@ impl BlockIndex {
     /// with room, else its hash is dropped.
     #[inline]
     fn evict_page(&mut self, d: PageId) {
+        self.drops.note(&[d]);
         if self.keep[d.index()] != 0 {
             self.forget_keep(d);
         }
@@ -420,6 +424,7 @@ impl Index for BlockIndex {
             keep,
             retained: Retentions::default(),
             holders: std::collections::HashMap::new(),
+            drops: Default::default(),
 
             #[cfg(test)]
             collide: false,
@@ -620,6 +625,14 @@ impl Index for BlockIndex {
         }
     }
 
+    fn found_pages(&self, found: &Found<Hits>, out: &mut Vec<PageId>) {
+        out.extend_from_slice(&found.at.pages);
+    }
+
+    fn drops(&mut self) -> &mut crate::cache::states::Drops {
+        &mut self.drops
+    }
+
     fn free_private(&mut self, pages: &[PageId]) {
         for &page in pages.iter().rev() {
             self.unpin(page); // allocated with a refcount of 1 and never hashed: freed
@@ -651,6 +664,7 @@ impl Index for BlockIndex {
         let mut done = 0;
         while let Some((page, _)) = self.pop_evictable() {
             self.forget_keep(page);
+            self.drops.note(&[page]);
             self.unhash(page);
             self.lists.push_front(FREE, page);
             done += 1;

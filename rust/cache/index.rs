@@ -104,6 +104,12 @@ pub trait Index: Send + std::fmt::Debug {
     fn continuation(&self, _tokens: &[u32], _namespace: &Namespace, _max: usize) -> Vec<u32> {
         Vec::new()
     }
+    /// Appends the device or host pages of what `lookup` found, in prefix order (changes
+    /// nothing).
+    fn found_pages(&self, found: &Found<Self::At>, out: &mut Vec<PageId>);
+    /// The log of device pages the index stopped caching (evicted, offloaded, reset), which a
+    /// cache with state slots turns on: every snapshot that needs such a page goes with it.
+    fn drops(&mut self) -> &mut crate::cache::states::Drops;
     /// Evicts up to `num_pages` evictable pages in eviction order; returns how many.
     fn evict(&mut self, num_pages: usize) -> usize;
     /// Drops every evictable device page (offloading nothing) and every host page; returns how

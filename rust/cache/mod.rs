@@ -16,6 +16,8 @@ pub(crate) mod disk;
 pub(crate) mod index;
 pub(crate) mod request;
 pub(crate) mod retention;
+mod state_ops;
+pub(crate) mod states;
 pub(crate) mod stats;
 pub(crate) mod tier;
 mod window;
@@ -162,6 +164,24 @@ pub trait PrefixCache: Send {
     /// Fills the empty disk tier with saved entries (as `disk_entries` gave them): the pages a
     /// directory holds from an earlier process. Checked first: errors change nothing.
     fn disk_restore(&mut self, entries: &[(BlockHash, u32)]) -> Result<()>;
+    /// With state slots: a slot for the recurrent state of live request `id` at token `pos` (a
+    /// page boundary, its tokens up to `pos` computed or about to be, before the commit that
+    /// covers them): a free slot, else the least recently used unpinned snapshot's. The owner
+    /// copies the state into it; the snapshot becomes findable at the request's first `commit`
+    /// or `finish` after which its pages up to `pos` are published (never before), and is freed
+    /// if the request closes before. `None`, changing nothing, when every slot is pinned or
+    /// pending, when the request took one at `pos` already, or when a snapshot of the same
+    /// prefix is published. Errors without state slots or for a `pos` off a page boundary or
+    /// past the request's tokens.
+    fn take_state(&mut self, id: RequestId, pos: usize) -> Result<Option<u32>>;
+    /// Unpins the snapshot request `id`'s admission hit ended at (the owner has copied it into
+    /// the request's own state); false when none is pinned. `finish` and `abort` do it too.
+    fn release_state(&mut self, id: RequestId) -> Result<bool>;
+    /// The state slots freed since the last call (their snapshot evicted, dropped with a page it
+    /// needed, or never published) and free still, each once.
+    fn drain_freed_states(&mut self) -> Vec<u32>;
+    /// The published snapshots: `(slot, prefix tokens, namespace)`, by slot.
+    fn state_snapshots(&self) -> Vec<(u32, Vec<u32>, Namespace)>;
     /// A snapshot of the counters.
     fn stats(&self) -> CacheStats;
     /// `stats().evicted_pages` alone, without building the snapshot (the scheduler reads it per
@@ -216,6 +236,8 @@ pub struct Cache<I: Index> {
     epoch: u64,
     /// The sliding-window layer group (no pages: none).
     window: window::Window,
+    /// The state slots (none: hybrid off).
+    states: states::States,
 }
 
 /// A prefetch from disk the owner is performing: read `slots[i]` (holding the page whose block
@@ -299,6 +321,7 @@ impl<I: Index> Cache<I> {
             next_fetch: 1,
             epoch: 0,
             window: window::Window::new(0, 0, page_size, 0).map_err(too_large)?,
+            states: states::States::default(),
         })
     }
 
@@ -351,7 +374,13 @@ impl<I: Index> Cache<I> {
     fn open(&mut self, tokens: Cow<'_, [u32]>, namespace: Namespace) -> Result<RequestId> {
         check_prompt(&tokens)?;
         let (p, n) = (self.index.page_size(), tokens.len());
-        let (found, keys, cut) = self.find(&tokens[..match_limit(n, p)], &namespace);
+        let (found, keys, cut, kv, hit) = if self.states.on() {
+            let (found, kv, hit) = self.find_state(&tokens[..match_limit(n, p)], &namespace);
+            (found, Vec::new(), 0, kv, hit)
+        } else {
+            let (found, keys, cut) = self.find(&tokens[..match_limit(n, p)], &namespace);
+            (found, keys, cut, 0, None)
+        };
         let (matched, host) = (found.matched, found.host);
         let needed = n.div_ceil(p) - matched / p;
         self.reserve(needed + host, found.evictable)?;
@@ -373,6 +402,16 @@ impl<I: Index> Cache<I> {
             self.counters.host_hit_tokens += (host * p) as u64;
         }
         self.counters.record_query(n, matched);
+        let mut refs = states::StateRefs::default();
+        if self.states.on() {
+            self.sweep_states();
+            if let Some(slot) = hit.filter(|_| matched > 0) {
+                self.states.pin(slot);
+                self.states.hit_tokens += matched as u64;
+                refs.hit = Some(slot);
+            }
+            refs.kv_matched = kv;
+        }
         let mut win = request::WindowPages::default();
         if self.window.on() {
             win = self
@@ -392,6 +431,7 @@ impl<I: Index> Cache<I> {
             published: matched,
             ext,
             win,
+            states: refs,
         }))
     }
 
@@ -403,6 +443,7 @@ impl<I: Index> Cache<I> {
             self.index.publish(&mut r, upto);
         }
         self.close_window(&mut r, publish);
+        self.close_states(&mut r, publish);
         self.index.release(&r);
         Ok(())
     }
@@ -468,6 +509,7 @@ impl<I: Index> PrefixCache for Cache<I> {
             self.window.grow(&mut r.win, r.pages.len(), log);
             Self::advance_window(&mut self.window, r, p, log);
         }
+        self.sweep_states();
         Ok(())
     }
 
@@ -478,6 +520,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         r.num_computed = num_computed;
         self.index.publish(r, num_computed / p * p);
         Self::advance_window(&mut self.window, r, p, self.index.events());
+        Self::publish_states(&mut self.states, &self.index, r);
         Ok(())
     }
 
@@ -502,6 +545,17 @@ impl<I: Index> PrefixCache for Cache<I> {
         r.tokens.truncate(num_tokens);
         let tail = r.pages.split_off(num_tokens.div_ceil(p));
         self.index.free_private(&tail);
+        let gone: Vec<u32> = r
+            .states
+            .pending
+            .iter()
+            .filter(|&&(pos, _)| pos > num_tokens)
+            .map(|&(_, s)| s)
+            .collect();
+        r.states.pending.retain(|&(pos, _)| pos <= num_tokens);
+        for slot in gone {
+            self.states.remove(slot);
+        }
         Ok(())
     }
 
@@ -542,6 +596,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         let until = (retain > 0.0).then_some(self.now + retain);
         let rid = self.index.retain(&r, class, until);
         self.close_window(&mut r, true);
+        self.close_states(&mut r, true);
         self.index.release(&r);
         Ok(rid)
     }
@@ -568,12 +623,16 @@ impl<I: Index> PrefixCache for Cache<I> {
     fn match_prefix(&self, tokens: &[u32], namespace: &Namespace) -> Result<usize> {
         check_prompt(tokens)?;
         let limit = match_limit(tokens.len(), self.index.page_size());
+        if self.states.on() {
+            return Ok(self.find_state(&tokens[..limit], namespace).0.matched);
+        }
         Ok(self.find(&tokens[..limit], namespace).0.matched)
     }
 
     fn evict(&mut self, num_pages: usize) -> usize {
         let done = self.index.evict(num_pages);
         self.counters.evicted_pages += done as u64;
+        self.sweep_states();
         done
     }
 
@@ -584,6 +643,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.index.tier_mut().disk.clear();
         let done = self.index.reset();
         self.counters.evicted_pages += done as u64;
+        self.sweep_states();
         self.window.reset(self.index.events());
         let done = done + (self.index.tier().dropped - host_before) as usize;
         // With no live request nothing is pinned: the index is empty now.
@@ -755,11 +815,38 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.counters.evicted_pages
     }
 
+    fn take_state(&mut self, id: RequestId, pos: usize) -> Result<Option<u32>> {
+        self.take_state_at(id, pos)
+    }
+
+    fn release_state(&mut self, id: RequestId) -> Result<bool> {
+        self.release_state_of(id)
+    }
+
+    fn drain_freed_states(&mut self) -> Vec<u32> {
+        self.states.drain_freed()
+    }
+
+    fn state_snapshots(&self) -> Vec<(u32, Vec<u32>, Namespace)> {
+        self.states
+            .published()
+            .map(|(s, t, ns)| (s, t.to_vec(), ns.clone()))
+            .collect()
+    }
+
     fn stats(&self) -> CacheStats {
         let (free, evictable) = (self.index.free_pages(), self.index.evictable_pages());
         let (retentions, forced_evictions, expired_retentions) = self.index.retention_counts();
         let tier = self.index.tier();
+        let (state_slots, state_free_slots, state_pinned_slots, state_hit_tokens, taken, evicted) =
+            self.states.counts();
         CacheStats {
+            state_slots,
+            state_free_slots,
+            state_pinned_slots,
+            state_hit_tokens,
+            taken_states: taken,
+            evicted_states: evicted,
             host_pages: tier.host_pages,
             host_free_pages: self.index.host_free_pages(),
             offloaded_pages: tier.offloaded,
@@ -805,6 +892,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         }
         self.index.check(&self.requests, self.num_pages)?;
         self.check_disk()?;
+        self.check_states()?;
         if self.window.on() {
             self.window.check(self.requests.iter().map(|r| {
                 let from = hold_from(r.num_computed, r.tokens.len(), p);
@@ -828,7 +916,10 @@ impl<I: Index> PrefixCache for Cache<I> {
     }
 
     fn metadata_bytes(&self) -> usize {
-        self.index.metadata_bytes() + self.index.tier().heap_bytes() + self.window.heap_bytes()
+        self.index.metadata_bytes()
+            + self.index.tier().heap_bytes()
+            + self.window.heap_bytes()
+            + self.states.heap_bytes()
     }
 
     fn page_size(&self) -> usize {
@@ -871,6 +962,10 @@ impl<I: Index> PrefixCache for Cache<I> {
         if self.window.on() {
             // Without a window group the digest is what it was before groups existed.
             self.window.digest(&mut d);
+        }
+        if self.states.on() {
+            // Without state slots the digest is what it was before them.
+            self.states.digest(&mut d);
         }
         d.word(self.index.free_pages() as u64);
         d.word(self.index.evictable_pages() as u64);

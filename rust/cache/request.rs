@@ -28,6 +28,12 @@ pub struct RequestView<'a> {
     /// With a window group: one window page per page, [`GONE`] where
     /// released (empty without one).
     pub window_pages: &'a [u32],
+    /// With state slots: tokens the KV match ran to at admission (`num_cached` or more: the hit
+    /// ends at the last snapshot, the KV may run further); `num_cached` without them.
+    pub kv_matched: usize,
+    /// With state slots: the slot of the snapshot the hit ended at, pinned until released
+    /// (`None`: no hit, or released).
+    pub state_slot: Option<u32>,
 }
 
 impl RequestView<'_> {
@@ -101,6 +107,8 @@ pub struct Request<X> {
     pub ext: X,
     /// The request's window pages (empty without a window group).
     pub win: WindowPages,
+    /// The request's state-slot pins and pending snapshots (empty without state slots).
+    pub states: crate::cache::states::StateRefs,
 }
 
 impl<X> Request<X> {
@@ -114,6 +122,8 @@ impl<X> Request<X> {
             num_computed: self.num_computed,
             page_size,
             window_pages: &self.win.pages,
+            kv_matched: self.states.kv_matched.max(self.num_cached),
+            state_slot: self.states.hit,
         }
     }
 }
@@ -224,6 +234,7 @@ mod tests {
             published: 0,
             ext: (),
             win: Default::default(),
+            states: Default::default(),
         }
     }
 

@@ -76,6 +76,18 @@ pub struct CacheStats {
     pub window_offloaded_pages: u64,
     /// Window pages moved back from it so far (each for a hit).
     pub window_loaded_pages: u64,
+    /// State slots: snapshots of a hybrid model's recurrent state the cache keeps (0: none).
+    pub state_slots: usize,
+    /// State slots holding nothing.
+    pub state_free_slots: usize,
+    /// State slots whose snapshot a live request's hit pins (not copied yet).
+    pub state_pinned_slots: usize,
+    /// Of `hit_tokens`, those whose hit ended at a snapshot (all of them with state slots).
+    pub state_hit_tokens: u64,
+    /// Snapshots taken so far (slots handed out by `take_state`).
+    pub taken_states: u64,
+    /// Snapshots evicted so far: for their slot, or with a page they needed.
+    pub evicted_states: u64,
 }
 
 impl CacheStats {

@@ -650,6 +650,43 @@ impl PyCache {
             s.used_pages
         ))
     }
+
+    // State slots (hybrid models' recurrent-state snapshots), kept together for the merge.
+
+    /// With ``state_slots``: a state slot for ``req``'s recurrent state at token ``pos`` (a
+    /// multiple of ``page_size``, at most ``num_tokens``; its tokens up to ``pos`` computed, the
+    /// commit that covers them still to come). Copy the state into the slot, then ``commit``:
+    /// the snapshot becomes findable at the first ``commit`` or ``finish`` after which the
+    /// request's pages up to ``pos`` are published, never before, and its slot is freed if the
+    /// request closes first. A free slot, else the least recently used unpinned snapshot's;
+    /// ``None``, changing nothing, when every slot is pinned or pending, when ``req`` took one at
+    /// ``pos`` already, or when a snapshot of that prefix is cached. ``ValueError`` naming
+    /// ``pos``, or without state slots.
+    fn take_state(
+        slf: &Bound<'_, Self>,
+        req: &Bound<'_, PyRequest>,
+        pos: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u32>> {
+        let id = req.get().id; // another cache's id is refused by the core
+        let pos = convert::count("pos", pos)?;
+        slf.get().with(slf.py(), false, |c| c.take_state(id, pos))
+    }
+
+    /// Unpins the snapshot ``req``'s admission hit ended at (``req.state_slot``), once its
+    /// state is copied into the request's own; returns False when none is pinned. ``finish``
+    /// and ``abort`` unpin it too. A pinned snapshot is never evicted.
+    fn release_state(slf: &Bound<'_, Self>, req: &Bound<'_, PyRequest>) -> PyResult<bool> {
+        let id = req.get().id; // another cache's id is refused by the core
+        slf.get().with(slf.py(), false, |c| c.release_state(id))
+    }
+
+    /// The state slots freed since the last call (their snapshot evicted for a slot or with a
+    /// page it needed, or taken and never published) and free still: their tensors hold
+    /// nothing of use. Each slot once, in the order freed.
+    fn drain_freed_states(slf: &Bound<'_, Self>) -> PyResult<Vec<u32>> {
+        slf.get()
+            .with(slf.py(), false, |c| Ok(c.drain_freed_states()))
+    }
 }
 
 /// The ids of a sequence of ``Request`` objects (another cache's are refused by the core).
@@ -752,8 +789,8 @@ pub struct PyRadixCache;
 impl PyRadixCache {
     #[new]
     #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None),
-        text_signature = "(num_pages, page_size=1, host_pages=0, disk_pages=0, *, window=0, window_pages=0, window_host_pages=None)"
+        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None, state_slots=None),
+        text_signature = "(num_pages, page_size=1, host_pages=0, disk_pages=0, *, window=0, window_pages=0, window_host_pages=None, state_slots=0)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -765,8 +802,10 @@ impl PyRadixCache {
         window: Option<&Bound<'_, PyAny>>,
         window_pages: Option<&Bound<'_, PyAny>>,
         window_host_pages: Option<&Bound<'_, PyAny>>,
+        state_slots: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let d = opt_count("disk_pages", disk_pages)?;
+        let s = opt_count("state_slots", state_slots)?;
         let (w, wp, wh) = window_args(window, window_pages, window_host_pages)?;
         let base = new_cache(
             py,
@@ -777,7 +816,8 @@ impl PyRadixCache {
             "RadixCache",
             |n, p, h| {
                 let wh = wh.unwrap_or(if w > 0 || wp > 0 { h } else { 0 });
-                Ok(Box::new(RadixCache::with_groups(n, p, h, d, w, wp, wh)?))
+                let c = RadixCache::with_groups(n, p, h, d, w, wp, wh)?;
+                Ok(Box::new(c.with_state_slots(s)?))
             },
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(PyRadixCache))
@@ -793,8 +833,8 @@ pub struct PyBlockCache;
 impl PyBlockCache {
     #[new]
     #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None),
-        text_signature = "(num_pages, page_size=16, host_pages=0, disk_pages=0, *, window=0, window_pages=0, window_host_pages=None)"
+        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None, state_slots=None),
+        text_signature = "(num_pages, page_size=16, host_pages=0, disk_pages=0, *, window=0, window_pages=0, window_host_pages=None, state_slots=0)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -806,8 +846,10 @@ impl PyBlockCache {
         window: Option<&Bound<'_, PyAny>>,
         window_pages: Option<&Bound<'_, PyAny>>,
         window_host_pages: Option<&Bound<'_, PyAny>>,
+        state_slots: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let d = opt_count("disk_pages", disk_pages)?;
+        let s = opt_count("state_slots", state_slots)?;
         let (w, wp, wh) = window_args(window, window_pages, window_host_pages)?;
         let base = new_cache(
             py,
@@ -818,7 +860,8 @@ impl PyBlockCache {
             "BlockCache",
             |n, p, h| {
                 let wh = wh.unwrap_or(if w > 0 || wp > 0 { h } else { 0 });
-                Ok(Box::new(BlockCache::with_groups(n, p, h, d, w, wp, wh)?))
+                let c = BlockCache::with_groups(n, p, h, d, w, wp, wh)?;
+                Ok(Box::new(c.with_state_slots(s)?))
             },
         )?;
         Ok(PyClassInitializer::from(base).add_subclass(PyBlockCache))
@@ -944,6 +987,22 @@ impl PyRequest {
     #[getter]
     fn cache(&self, py: Python<'_>) -> Py<PyCache> {
         self.cache.clone_ref(py)
+    }
+
+    /// With ``state_slots``: tokens the KV match ran to at admission (``num_cached`` or more:
+    /// the hit ends at the last snapshot, the cached KV may run further, to a junction worth a
+    /// snapshot); ``num_cached`` without them.
+    #[getter]
+    fn kv_matched(&self) -> PyResult<usize> {
+        self.view(|r| r.kv_matched)
+    }
+
+    /// With ``state_slots``: the slot of the snapshot the hit ended at (copy it into the
+    /// request's own state, then ``cache.release_state(req)``); None with no hit, or once
+    /// released.
+    #[getter]
+    fn state_slot(&self) -> PyResult<Option<u32>> {
+        self.view(|r| r.state_slot)
     }
 
     fn __repr__(&self) -> String {
@@ -1140,6 +1199,37 @@ impl PyCacheStats {
         self.0.window_loaded_pages
     }
 
+    /// State slots: snapshots of a hybrid model's recurrent state the cache keeps (0: none).
+    #[getter]
+    fn state_slots(&self) -> usize {
+        self.0.state_slots
+    }
+    /// State slots holding nothing.
+    #[getter]
+    fn state_free_slots(&self) -> usize {
+        self.0.state_free_slots
+    }
+    /// State slots whose snapshot a live request's hit pins (not copied yet).
+    #[getter]
+    fn state_pinned_slots(&self) -> usize {
+        self.0.state_pinned_slots
+    }
+    /// Of ``hit_tokens``, those whose hit ended at a snapshot (all of them with state slots).
+    #[getter]
+    fn state_hit_tokens(&self) -> u64 {
+        self.0.state_hit_tokens
+    }
+    /// Snapshots taken so far (slots handed out by ``take_state``).
+    #[getter]
+    fn taken_states(&self) -> u64 {
+        self.0.taken_states
+    }
+    /// Snapshots evicted so far: for their slot, or with a page they needed.
+    #[getter]
+    fn evicted_states(&self) -> u64 {
+        self.0.evicted_states
+    }
+
     /// The fields as a dict.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let d = pyo3::types::PyDict::new(py);
@@ -1179,6 +1269,12 @@ impl PyCacheStats {
         d.set_item("window_host_used_pages", s.window_host_used_pages)?;
         d.set_item("window_offloaded_pages", s.window_offloaded_pages)?;
         d.set_item("window_loaded_pages", s.window_loaded_pages)?;
+        d.set_item("state_slots", s.state_slots)?;
+        d.set_item("state_free_slots", s.state_free_slots)?;
+        d.set_item("state_pinned_slots", s.state_pinned_slots)?;
+        d.set_item("state_hit_tokens", s.state_hit_tokens)?;
+        d.set_item("taken_states", s.taken_states)?;
+        d.set_item("evicted_states", s.evicted_states)?;
         Ok(d)
     }
 

@@ -60,6 +60,7 @@ impl RadixIndex {
             self.tier.offload(d, h);
             moved.push(h);
         }
+        self.drops.note(&device);
         self.free.insert_all(&device);
         self.evictable -= k;
         let n = self.node_mut(id);
@@ -132,6 +133,7 @@ impl RadixIndex {
             self.host_free.insert_all(&locals);
             self.tier.dropped += drop as u64;
         } else {
+            self.drops.note(&self.nodes[leaf.index()].pages[keep..]);
             self.free
                 .insert_all(&self.nodes[leaf.index()].pages[keep..]);
             self.evictable -= drop;

@@ -178,6 +178,9 @@ pub struct RadixIndex {
     events: EventLog,
     /// Live retentions, each holding the path from its node to the root.
     retained: Retentions<NodeId>,
+    /// The device pages evicted, offloaded or reset since the cache last drained them (recorded
+    /// only with state slots).
+    drops: crate::cache::states::Drops,
     /// Unit tests set this to give every page the same child key, so that the collision paths
     /// (a lookup that must compare the page, a publish that must keep its page private) run.
     #[cfg(test)]
@@ -447,6 +450,7 @@ impl Index for RadixIndex {
             keys: TokenKeys::random(),
             events: EventLog::default(),
             retained: Retentions::default(),
+            drops: Default::default(),
             #[cfg(test)]
             collide: false,
         })
@@ -639,6 +643,19 @@ impl Index for RadixIndex {
 
     fn free_private(&mut self, pages: &[PageId]) {
         self.free.insert_all(pages);
+    }
+
+    fn found_pages(&self, found: &Found<Walk>, out: &mut Vec<PageId>) {
+        for &id in &found.at.path {
+            out.extend_from_slice(&self.node(id).pages);
+        }
+        if let Some((c, at)) = found.at.partial {
+            out.extend_from_slice(&self.node(c).pages[..at / self.page_size]);
+        }
+    }
+
+    fn drops(&mut self) -> &mut crate::cache::states::Drops {
+        &mut self.drops
     }
 
     fn continuation(&self, tokens: &[u32], namespace: &Namespace, max: usize) -> Vec<u32> {

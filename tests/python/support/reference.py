@@ -205,6 +205,12 @@ class RefStats:
     window_host_used_pages: int = 0
     window_offloaded_pages: int = 0
     window_loaded_pages: int = 0
+    state_slots: int = 0
+    state_free_slots: int = 0
+    state_pinned_slots: int = 0
+    state_hit_tokens: int = 0
+    taken_states: int = 0
+    evicted_states: int = 0
 
     @property
     def hit_rate(self) -> float:

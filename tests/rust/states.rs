@@ -1,0 +1,432 @@
+//! State slots (snapshots of a hybrid model's recurrent state) on both indexes: where a hit
+//! ends, what evicting a snapshot or a page does, pins, namespaces, the argument checks, and
+//! random operation sequences checked by `check()` and against a model of the hit rule.
+
+use proptest::prelude::*;
+use radixkv::{BlockCache, Error, Namespace, PrefixCache, RadixCache, RequestId};
+
+/// A radix cache at page size 1 and a block cache at page size 4, each with `slots` state slots.
+fn caches(pages: usize, slots: usize) -> Vec<(Box<dyn PrefixCache>, usize)> {
+    vec![
+        (
+            Box::new(
+                RadixCache::new(pages, 1)
+                    .unwrap()
+                    .with_state_slots(slots)
+                    .unwrap(),
+            ),
+            1,
+        ),
+        (
+            Box::new(
+                BlockCache::new(pages, 4)
+                    .unwrap()
+                    .with_state_slots(slots)
+                    .unwrap(),
+            ),
+            4,
+        ),
+    ]
+}
+
+fn toks(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i * 7 + seed * 1000 + 1).collect()
+}
+
+/// Admits `t`, computes all of it, snapshots at each of `at`, finishes; returns the slots.
+fn run(c: &mut dyn PrefixCache, t: &[u32], ns: &Namespace, at: &[usize]) -> Vec<Option<u32>> {
+    let r = c.admit(t, ns.clone()).unwrap();
+    let slots = at.iter().map(|&p| c.take_state(r, p).unwrap()).collect();
+    c.commit(r, t.len()).unwrap();
+    c.finish(r).unwrap();
+    c.check().unwrap();
+    slots
+}
+
+#[test]
+fn a_hit_ends_at_the_last_snapshot_not_where_the_kv_match_does() {
+    for (mut c, p) in caches(256, 4) {
+        let t = toks(40, 0);
+        run(&mut *c, &t, &None, &[3 * p]);
+        // The KV of all 40 tokens is cached, but the only snapshot is at 3 pages.
+        let mut longer = t.clone();
+        longer.extend(toks(8, 9));
+        assert_eq!(c.match_prefix(&longer, &None).unwrap(), 3 * p);
+        let r = c.admit(&longer, None).unwrap();
+        let v = c.request(r).unwrap();
+        assert_eq!((v.num_cached, v.kv_matched), (3 * p, 40 / p * p));
+        assert!(v.state_slot.is_some());
+        let s = c.stats();
+        assert_eq!(
+            (s.hit_tokens, s.state_hit_tokens),
+            (3 * p as u64, 3 * p as u64)
+        );
+        c.abort(r).unwrap();
+        c.check().unwrap();
+    }
+}
+
+#[test]
+fn no_snapshot_no_hit_and_a_snapshot_is_not_found_before_its_commit() {
+    for (mut c, p) in caches(256, 4) {
+        let t = toks(33, 1);
+        run(&mut *c, &t, &None, &[]);
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 0, "KV alone is no hit");
+        let r = c.admit(&t, None).unwrap();
+        assert_eq!(c.request(r).unwrap().kv_matched, 32 / p * p);
+        // Taken before the pages are published: pending.
+        assert!(c.take_state(r, 4 * p).unwrap().is_some());
+        c.commit(r, 3 * p).unwrap();
+        c.check().unwrap();
+        assert_eq!(
+            c.match_prefix(&t, &None).unwrap(),
+            0,
+            "pages up to 4 not published"
+        );
+        // Taken at a published position: still not findable until the next commit.
+        assert!(c.take_state(r, 2 * p).unwrap().is_some());
+        c.check().unwrap();
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 0);
+        c.commit(r, 3 * p).unwrap();
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 2 * p);
+        c.commit(r, 4 * p).unwrap();
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 4 * p);
+        c.finish(r).unwrap();
+        c.check().unwrap();
+    }
+}
+
+#[test]
+fn evicting_a_snapshot_keeps_its_pages_and_the_hit_falls_back() {
+    for (mut c, p) in caches(256, 2) {
+        let t = toks(40, 2);
+        let s = run(&mut *c, &t, &None, &[2 * p, 6 * p]);
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 6 * p);
+        // A third snapshot elsewhere takes the least recently used slot: the one at 2 pages
+        // (published first). Then a hit at 6 refreshes it; the next one evicts the one at 2.
+        let u = toks(20, 3);
+        let s2 = run(&mut *c, &u, &None, &[p]);
+        assert_eq!(
+            s2[0], s[0],
+            "the least recently used snapshot's slot is reused"
+        );
+        assert_eq!(
+            c.drain_freed_states(),
+            Vec::<u32>::new(),
+            "handed out again"
+        );
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 6 * p);
+        let r = c.admit(&t, None).unwrap();
+        assert_eq!(c.request(r).unwrap().state_slot, s[1]);
+        c.abort(r).unwrap(); // unpinned: the snapshot at 6 is the most recent now
+        let v = toks(12, 4);
+        let s3 = run(&mut *c, &v, &None, &[p]);
+        assert_eq!(
+            s3[0], s2[0],
+            "u's snapshot was older than the refreshed one"
+        );
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 6 * p);
+        assert_eq!(c.match_prefix(&u, &None).unwrap(), 0);
+        // Evicting the slot at 6 leaves its pages: a snapshot at 4 is taken again, and hit.
+        let before = c.stats();
+        let w = toks(8, 5);
+        run(&mut *c, &w, &None, &[p]);
+        assert_eq!(
+            c.stats().evicted_pages,
+            before.evicted_pages,
+            "no page evicted"
+        );
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 0);
+        let r = c.admit(&t, None).unwrap();
+        assert_eq!(c.request(r).unwrap().kv_matched, 39 / p * p, "pages kept");
+        c.take_state(r, 4 * p).unwrap().unwrap();
+        c.commit(r, t.len()).unwrap();
+        c.finish(r).unwrap();
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 4 * p);
+        // u's, v's, the one at 6 pages, and v's (both slots full, v's the older).
+        assert_eq!(c.stats().evicted_states, 4);
+        c.check().unwrap();
+    }
+}
+
+#[test]
+fn evicting_a_page_evicts_the_snapshots_that_need_it() {
+    for (mut c, p) in caches(64, 4) {
+        let pages = 64;
+        let t = toks(10 * p, 6);
+        let s = run(&mut *c, &t, &None, &[2 * p, 5 * p, 10 * p]);
+        assert_eq!(c.stats().state_free_slots, 1);
+        // Evict the last five pages: the snapshots at 10 (and at 5 on the block index, which
+        // evicts the chain's tail first too) go; the one at 2 stays.
+        assert_eq!(c.evict(5), 5);
+        c.check().unwrap();
+        let freed = c.drain_freed_states();
+        assert_eq!(freed, vec![s[2].unwrap()], "the snapshot at 10 pages went");
+        assert_eq!(c.match_prefix(&toks(11 * p, 6), &None).unwrap(), 5 * p);
+        assert_eq!(c.evict(1), 1);
+        assert_eq!(c.drain_freed_states(), vec![s[1].unwrap()]);
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 2 * p);
+        // Filling the pool evicts the rest, and the last snapshot with them.
+        let r = c.admit(&toks(pages * p, 7), None).unwrap();
+        assert_eq!(c.drain_freed_states(), vec![s[0].unwrap()]);
+        assert_eq!(c.stats().evicted_states, 3);
+        assert_eq!(c.stats().state_free_slots, 4);
+        c.check().unwrap();
+        c.abort(r).unwrap();
+        assert_eq!(c.reset(), 0);
+    }
+}
+
+#[test]
+fn a_pinned_snapshot_and_its_pages_stay() {
+    for (mut c, p) in caches(32, 1) {
+        let t = toks(8 * p, 8);
+        let s = run(&mut *c, &t, &None, &[4 * p]);
+        let r = c.admit(&t, None).unwrap();
+        assert_eq!(c.request(r).unwrap().state_slot, s[0]);
+        assert_eq!(c.stats().state_pinned_slots, 1);
+        // No slot for another snapshot while the only one is pinned.
+        let r2 = c.admit(&toks(3 * p, 9), None).unwrap();
+        assert_eq!(c.take_state(r2, p).unwrap(), None);
+        // Evicting everything evictable keeps the pinned path and the snapshot.
+        c.evict(1000);
+        assert!(c.drain_freed_states().is_empty());
+        c.check().unwrap();
+        // Copied: unpinned; now another snapshot may take the slot.
+        assert!(c.release_state(r).unwrap());
+        assert!(!c.release_state(r).unwrap());
+        assert_eq!(c.stats().state_pinned_slots, 0);
+        assert_eq!(c.take_state(r2, p).unwrap(), s[0]);
+        c.abort(r2).unwrap();
+        assert_eq!(
+            c.drain_freed_states(),
+            vec![s[0].unwrap()],
+            "never published"
+        );
+        c.finish(r).unwrap();
+        c.check().unwrap();
+    }
+}
+
+#[test]
+fn namespaces_never_share_snapshots() {
+    for (mut c, p) in caches(128, 4) {
+        let t = toks(10 * p, 10);
+        let a: Namespace = Some(b"tenant-a".to_vec().into());
+        run(&mut *c, &t, &a, &[5 * p]);
+        assert_eq!(c.match_prefix(&t, &a).unwrap(), 5 * p);
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 0);
+        let b: Namespace = Some(b"tenant-b".to_vec().into());
+        assert_eq!(c.match_prefix(&t, &b).unwrap(), 0);
+        run(&mut *c, &t, &None, &[3 * p]);
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 3 * p);
+        assert_eq!(c.match_prefix(&t, &a).unwrap(), 5 * p);
+    }
+}
+
+#[test]
+fn bad_arguments_are_named_and_change_nothing() {
+    for (mut c, p) in caches(64, 2) {
+        let t = toks(10 * p, 11);
+        let r = c.admit(&t, None).unwrap();
+        let before = c.state_digest();
+        for pos in [0, 10 * p + p] {
+            let e = c.take_state(r, pos).unwrap_err();
+            assert!(e.to_string().contains(&format!("got {pos}")), "{e}");
+        }
+        if p > 1 {
+            let e = c.take_state(r, p + 1).unwrap_err();
+            assert!(e.to_string().contains("multiple of page_size"), "{e}");
+        }
+        assert_eq!(c.state_digest(), before);
+        c.take_state(r, 2 * p).unwrap().unwrap();
+        assert_eq!(
+            c.take_state(r, 2 * p).unwrap(),
+            None,
+            "taken at 2 pages already"
+        );
+        c.abort(r).unwrap();
+        assert_eq!(c.take_state(r, p).unwrap_err(), Error::ClosedRequest);
+    }
+    let mut plain = RadixCache::new(16, 1).unwrap();
+    let r = plain.admit(&[1, 2, 3], None).unwrap();
+    let e = plain.take_state(r, 1).unwrap_err();
+    assert!(e.to_string().contains("state_slots=0"), "{e}");
+    let e = RadixCache::with_tiers(16, 1, 8, 8)
+        .unwrap()
+        .with_state_slots(3)
+        .unwrap_err();
+    assert!(e.to_string().contains("disk tier"), "{e}");
+    let e = BlockCache::with_window(16, 4, 8, 8)
+        .unwrap()
+        .with_state_slots(3)
+        .unwrap_err();
+    assert!(e.to_string().contains("window group"), "{e}");
+}
+
+#[test]
+fn state_slots_zero_is_the_cache_as_before() {
+    let mut a = RadixCache::new(64, 1).unwrap();
+    let mut b = RadixCache::new(64, 1).unwrap().with_state_slots(0).unwrap();
+    for c in [&mut a as &mut dyn PrefixCache, &mut b] {
+        let t = toks(20, 12);
+        let r = c.admit(&t, None).unwrap();
+        c.commit(r, 20).unwrap();
+        c.finish(r).unwrap();
+        assert_eq!(c.match_prefix(&t, &None).unwrap(), 19);
+        assert_eq!(c.stats().state_slots, 0);
+    }
+    assert_eq!(a.state_digest(), b.state_digest());
+}
+
+/// One step of a random sequence.
+#[derive(Debug, Clone)]
+enum Op {
+    /// Admit prompt `prompt` (of a few sharing prefixes) extended by `extra` tokens, in
+    /// namespace `ns`.
+    Admit {
+        prompt: usize,
+        extra: usize,
+        ns: bool,
+    },
+    /// Request `req` (mod live) computes `n` more tokens and snapshots at the end, `take`.
+    Step {
+        req: usize,
+        n: usize,
+        take: bool,
+    },
+    /// Request `req` releases its hit's snapshot.
+    Release {
+        req: usize,
+    },
+    /// Finish (or abort) request `req`.
+    Close {
+        req: usize,
+        abort: bool,
+    },
+    Evict {
+        n: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0..4usize, 0..12usize, any::<bool>())
+            .prop_map(|(prompt, extra, ns)| Op::Admit { prompt, extra, ns }),
+        4 => (0..8usize, 1..10usize, any::<bool>())
+            .prop_map(|(req, n, take)| Op::Step { req, n, take }),
+        1 => (0..8usize).prop_map(|req| Op::Release { req }),
+        2 => (0..8usize, any::<bool>()).prop_map(|(req, abort)| Op::Close { req, abort }),
+        1 => (1..12usize).prop_map(|n| Op::Evict { n }),
+    ]
+}
+
+/// The hit the model expects: the longest published snapshot in `ns` whose tokens are a
+/// prefix of the prompt within the match limit.
+fn expected_hit(c: &dyn PrefixCache, t: &[u32], ns: &Namespace, p: usize) -> usize {
+    let limit = (t.len() - 1) / p * p;
+    c.state_snapshots()
+        .into_iter()
+        .filter(|(_, s, n)| n == ns && s.len() <= limit && t.starts_with(s))
+        .map(|(_, s, _)| s.len())
+        .max()
+        .unwrap_or(0)
+}
+
+fn drive(mut c: Box<dyn PrefixCache>, p: usize, ops: Vec<Op>) {
+    let shared: Vec<Vec<u32>> = (0..4).map(|i| toks(6 + 5 * i, (i % 2) as u32)).collect();
+    let mut live: Vec<RequestId> = Vec::new();
+    let mut fresh = 100u32;
+    for op in ops {
+        match op {
+            Op::Admit { prompt, extra, ns } => {
+                let mut t = shared[prompt].clone();
+                fresh += 1;
+                t.extend(toks(extra, fresh));
+                let ns: Namespace = ns.then(|| b"x".to_vec().into());
+                let want = expected_hit(&*c, &t, &ns, p);
+                let before = c.stats();
+                match c.admit(&t, ns) {
+                    Ok(r) => {
+                        let v = c.request(r).unwrap();
+                        assert_eq!(v.num_cached, want, "hit ends at the last snapshot");
+                        assert!(v.kv_matched >= v.num_cached);
+                        assert_eq!(v.state_slot.is_some(), want > 0);
+                        live.push(r);
+                    }
+                    Err(Error::OutOfPages { .. }) => assert_eq!(c.stats(), before),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            Op::Step { req, n, take } if !live.is_empty() => {
+                let r = live[req % live.len()];
+                let v = c.request(r).unwrap();
+                let (done, total) = (v.num_computed, v.num_tokens());
+                if done == total {
+                    fresh += 1;
+                    if c.extend(r, &toks(n, fresh)).is_err() {
+                        continue;
+                    }
+                    continue;
+                }
+                let to = (done + n).min(total);
+                if take && to / p > 0 {
+                    let _ = c.take_state(r, to / p * p).unwrap();
+                }
+                c.commit(r, to).unwrap();
+            }
+            Op::Release { req } if !live.is_empty() => {
+                c.release_state(live[req % live.len()]).unwrap();
+            }
+            Op::Close { req, abort } if !live.is_empty() => {
+                let r = live.remove(req % live.len());
+                if abort {
+                    c.abort(r).unwrap();
+                } else {
+                    c.finish(r).unwrap();
+                }
+            }
+            Op::Evict { n } => {
+                c.evict(n);
+            }
+            _ => {}
+        }
+        c.check().unwrap();
+        let s = c.stats();
+        assert!(s.state_free_slots + s.state_pinned_slots <= s.state_slots);
+        assert_eq!(s.state_hit_tokens, s.hit_tokens);
+    }
+    for r in live {
+        c.finish(r).unwrap();
+    }
+    c.check().unwrap();
+    assert_eq!(c.stats().state_pinned_slots, 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn random_sequences_keep_the_invariants_and_the_hit_rule(
+        ops in prop::collection::vec(op(), 1..60),
+        slots in 1..5usize,
+        host in any::<bool>(),
+    ) {
+        let h = if host { 8 } else { 0 };
+        drive(
+            Box::new(RadixCache::with_host(40, 1, h).unwrap().with_state_slots(slots).unwrap()),
+            1,
+            ops.clone(),
+        );
+        drive(
+            Box::new(RadixCache::with_host(24, 2, h).unwrap().with_state_slots(slots).unwrap()),
+            2,
+            ops.clone(),
+        );
+        drive(
+            Box::new(BlockCache::with_host(24, 2, h).unwrap().with_state_slots(slots).unwrap()),
+            2,
+            ops,
+        );
+    }
+}
