@@ -1,7 +1,7 @@
 //! `RadixCache`, `BlockCache`, `Request` and `CacheStats` as Python classes.
 
 use super::convert;
-use super::CorruptionError;
+use super::errors::CorruptionError;
 use crate::cache::request::RequestId;
 use crate::cache::request::RequestView;
 use crate::cache::stats::CacheStats;
