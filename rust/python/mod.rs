@@ -11,6 +11,7 @@ mod cache;
 mod convert;
 mod disk;
 mod errors;
+mod hashes;
 mod plan;
 mod scheduler;
 
@@ -20,6 +21,7 @@ use pyo3::prelude::*;
 fn _radixkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     cache::register(m)?;
+    hashes::register(m)?;
     plan::register(m)?;
     scheduler::register(m)?;
     disk::register(m)?;
