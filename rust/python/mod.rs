@@ -14,6 +14,7 @@ mod errors;
 mod hashes;
 mod plan;
 mod scheduler;
+mod stats;
 
 use pyo3::prelude::*;
 
@@ -22,6 +23,7 @@ fn _radixkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     cache::register(m)?;
     hashes::register(m)?;
+    stats::register(m)?;
     plan::register(m)?;
     scheduler::register(m)?;
     disk::register(m)?;
