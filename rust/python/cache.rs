@@ -1,4 +1,4 @@
-//! `Cache`, `RadixCache`, `BlockCache` and `Request` as Python classes.
+//! `Cache` (the base of `RadixCache` and `BlockCache`) and `Request` as Python classes.
 
 use super::convert;
 use super::errors::CorruptionError;
@@ -8,7 +8,6 @@ use crate::cache::request::RequestView;
 use crate::cache::PrefixCache;
 use crate::error::Result as CoreResult;
 use crate::wire::events::CacheEvent;
-use crate::{BlockCache, RadixCache};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyResourceWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -35,7 +34,8 @@ pub struct PyCache {
 }
 
 impl PyCache {
-    fn from_core(core: Box<dyn PrefixCache>, kind: &'static str) -> Self {
+    /// A cache over `core`, named `kind` in messages.
+    pub(super) fn from_core(core: Box<dyn PrefixCache>, kind: &'static str) -> Self {
         PyCache {
             inner: Mutex::new(core),
             kind,
@@ -679,151 +679,6 @@ fn same_len(what: &str, requests: usize, other: usize) -> PyResult<()> {
     Ok(())
 }
 
-fn pool_args(
-    num_pages: &Bound<'_, PyAny>,
-    page_size: Option<&Bound<'_, PyAny>>,
-    host_pages: &Bound<'_, PyAny>,
-    default: usize,
-) -> PyResult<(usize, usize, usize)> {
-    let n = convert::count("num_pages", num_pages)?;
-    let p = match page_size {
-        Some(p) => convert::count("page_size", p)?,
-        None => default,
-    };
-    let h = convert::count("host_pages", host_pages)?;
-    // The core names a zero or a too-large value; a value past 64 bits was named above.
-    Ok((n, p, h))
-}
-
-/// A count argument that defaults to 0.
-fn opt_count(name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-    match value {
-        Some(v) if !v.is_none() => convert::count(name, v),
-        _ => Ok(0),
-    }
-}
-
-/// The window group's arguments checked: `(window, window_pages, window_host_pages)`, the last
-/// `None` where not given (it defaults to the cache's `host_pages`).
-fn window_args(
-    window: Option<&Bound<'_, PyAny>>,
-    window_pages: Option<&Bound<'_, PyAny>>,
-    window_host_pages: Option<&Bound<'_, PyAny>>,
-) -> PyResult<(usize, usize, Option<usize>)> {
-    let host = match window_host_pages {
-        Some(v) if !v.is_none() => Some(convert::count("window_host_pages", v)?),
-        _ => None,
-    };
-    Ok((
-        opt_count("window", window)?,
-        opt_count("window_pages", window_pages)?,
-        host,
-    ))
-}
-
-/// The base of a new `RadixCache` or `BlockCache`: the pool arguments checked (`page_size`
-/// defaulting to `default_page`, `host_pages` to 0), then the core `make` builds.
-fn new_cache(
-    py: Python<'_>,
-    num_pages: &Bound<'_, PyAny>,
-    page_size: Option<&Bound<'_, PyAny>>,
-    host_pages: Option<&Bound<'_, PyAny>>,
-    default_page: usize,
-    kind: &'static str,
-    make: impl FnOnce(usize, usize, usize) -> CoreResult<Box<dyn PrefixCache>>,
-) -> PyResult<PyCache> {
-    let zero = 0usize.into_pyobject(py)?.into_any();
-    let (n, p, h) = pool_args(
-        num_pages,
-        page_size,
-        host_pages.unwrap_or(&zero),
-        default_page,
-    )?;
-    Ok(PyCache::from_core(make(n, p, h)?, kind))
-}
-
-/// A prefix cache indexed by a compressed radix tree over token ids (SGLang RadixAttention
-/// style): token-exact reuse at ``page_size=1``; least recently used leaves are evicted first.
-#[pyclass(name = "RadixCache", module = "radixkv._radixkv", extends = PyCache, frozen)]
-pub struct PyRadixCache;
-
-#[pymethods]
-impl PyRadixCache {
-    #[new]
-    #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None),
-        text_signature = "(num_pages, page_size=1, host_pages=0, disk_pages=0, *, window=0, window_pages=0, window_host_pages=None)"
-    )]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        num_pages: &Bound<'_, PyAny>,
-        page_size: Option<&Bound<'_, PyAny>>,
-        host_pages: Option<&Bound<'_, PyAny>>,
-        disk_pages: Option<&Bound<'_, PyAny>>,
-        window: Option<&Bound<'_, PyAny>>,
-        window_pages: Option<&Bound<'_, PyAny>>,
-        window_host_pages: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyClassInitializer<Self>> {
-        let d = opt_count("disk_pages", disk_pages)?;
-        let (w, wp, wh) = window_args(window, window_pages, window_host_pages)?;
-        let base = new_cache(
-            py,
-            num_pages,
-            page_size,
-            host_pages,
-            1,
-            "RadixCache",
-            |n, p, h| {
-                let wh = wh.unwrap_or(if w > 0 || wp > 0 { h } else { 0 });
-                Ok(Box::new(RadixCache::with_groups(n, p, h, d, w, wp, wh)?))
-            },
-        )?;
-        Ok(PyClassInitializer::from(base).add_subclass(PyRadixCache))
-    }
-}
-
-/// A prefix cache indexed by chained block hashes (vLLM Automatic Prefix Caching style): full
-/// pages only; least recently used pages are evicted first, a chain's tail before its head.
-#[pyclass(name = "BlockCache", module = "radixkv._radixkv", extends = PyCache, frozen)]
-pub struct PyBlockCache;
-
-#[pymethods]
-impl PyBlockCache {
-    #[new]
-    #[pyo3(
-        signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None),
-        text_signature = "(num_pages, page_size=16, host_pages=0, disk_pages=0, *, window=0, window_pages=0, window_host_pages=None)"
-    )]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        num_pages: &Bound<'_, PyAny>,
-        page_size: Option<&Bound<'_, PyAny>>,
-        host_pages: Option<&Bound<'_, PyAny>>,
-        disk_pages: Option<&Bound<'_, PyAny>>,
-        window: Option<&Bound<'_, PyAny>>,
-        window_pages: Option<&Bound<'_, PyAny>>,
-        window_host_pages: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyClassInitializer<Self>> {
-        let d = opt_count("disk_pages", disk_pages)?;
-        let (w, wp, wh) = window_args(window, window_pages, window_host_pages)?;
-        let base = new_cache(
-            py,
-            num_pages,
-            page_size,
-            host_pages,
-            16,
-            "BlockCache",
-            |n, p, h| {
-                let wh = wh.unwrap_or(if w > 0 || wp > 0 { h } else { 0 });
-                Ok(Box::new(BlockCache::with_groups(n, p, h, d, w, wp, wh)?))
-            },
-        )?;
-        Ok(PyClassInitializer::from(base).add_subclass(PyBlockCache))
-    }
-}
-
 /// A live request: its tokens, its page table and how much of it is cached and computed.
 /// Returned by ``admit`` and ``fork``; closed by ``finish`` or ``abort``, after which every
 /// attribute but ``namespace`` and ``closed`` raises ``InvalidRequest``. A request
@@ -955,8 +810,6 @@ impl PyRequest {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCache>()?;
-    m.add_class::<PyRadixCache>()?;
-    m.add_class::<PyBlockCache>()?;
     m.add_class::<PyRequest>()?;
     m.add("COPY_OFFLOAD", crate::cache::tier::CopyKind::Offload as i32)?;
     m.add("COPY_LOAD", crate::cache::tier::CopyKind::Load as i32)?;

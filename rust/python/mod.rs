@@ -12,6 +12,7 @@ mod convert;
 mod disk;
 mod errors;
 mod hashes;
+mod indexes;
 mod plan;
 mod scheduler;
 mod stats;
@@ -22,6 +23,7 @@ use pyo3::prelude::*;
 fn _radixkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     cache::register(m)?;
+    indexes::register(m)?;
     hashes::register(m)?;
     stats::register(m)?;
     plan::register(m)?;
