@@ -1,7 +1,7 @@
 //! `plan_step`: the index arithmetic of one forward pass, as a typed `StepPlan`.
 
 use super::cache::{PyCache, PyRequest};
-use super::StaleStepError;
+use super::errors::StaleStepError;
 use crate::cache::request::RequestId;
 use crate::cache::PrefixCache;
 use crate::plan::{plan_step as plan_core, StepPlan};
