@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixkv.apps.serve import chat_bridge, chat_prompt, content_parts, prompt_cache
+from radixkv.apps.serve.completion import Server
 from radixkv.apps.serve.structured import BadRequest
 
 #: Anthropic's most ``cache_control`` breakpoints in one request.
@@ -364,9 +365,10 @@ def _input(arguments: str) -> Any:
         return {}
 
 
-def register(app: FastAPI, loop: Any, tokenizer: Any, config: Any) -> None:
-    """Adds ``POST /v1/messages`` to ``app`` (whose ``state.chat`` is the chat handler)."""
-    renders_calls = chat_prompt.template_renders_calls(tokenizer)
+def register(app: FastAPI, server: Server) -> None:
+    """Adds ``POST /v1/messages`` to ``app`` (its completions run on ``server``)."""
+    loop, tokenizer, config = server.loop, server.tokenizer, server.config
+    renders_calls = server.renders_calls
 
     @app.post("/v1/messages")
     async def create(body: dict[str, Any], request: Request):
@@ -385,7 +387,7 @@ def register(app: FastAPI, loop: Any, tokenizer: Any, config: Any) -> None:
                 if conv.breakpoints
                 else None
             )
-            outcome = await chat_bridge.run(app, request, fields)
+            outcome = await chat_bridge.run(server, request, fields)
         except BadRequest as e:
             return error(400, _words(str(e)))
         except chat_bridge.ChatRefused as e:
