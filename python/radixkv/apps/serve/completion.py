@@ -114,14 +114,18 @@ class Completion:
         shape: Shape,
         limit: int | None = None,
     ) -> None:
-        self.server, self.request, self.body, self.prompts, self.shape = (
-            server,
-            request,
-            body,
-            prompts,
-            shape,
-        )
+        self.server = server
+        self.request = request
+        self.body = body
+        self.prompts = prompts
+        self.shape = shape
         config = server.config
+        #: The request's tenant (the tenant header's value) and cache namespace.
+        self.tenant = prompt_cache.tenant_of(request, config)
+        self.namespace = prompt_cache.namespace_of(
+            config.tenant_header, self.tenant, body.cache_salt
+        )
+        #: The engine's keywords (``submit``'s and ``branch``'s).
         self.params = self._params(limit)
         self.n = body.n
         self.sequences = self.n * len(prompts)
@@ -134,10 +138,13 @@ class Completion:
                 f"(--max-waiting {server.loop.max_waiting})",
                 where,
             )
+        #: What the engine thread hands back: the sequences' ids, events and results.
         self.pending = Pending(asyncio.get_running_loop())
+        #: The prompts' tokens cached before ``n > 1`` branches prefilled them (None: read
+        #: off the results).
         self.cached_tokens: int | None = None
-        self.rid = ""
-        self.model = config.model_name
+        self.rid = ""  # the reply's id, once submitted
+        self.model = server.config.model_name
 
     # ---- building ------------------------------------------------------------------------------
 
@@ -232,8 +239,7 @@ class Completion:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             raise Refusal(400, "stop: stop strings must not be empty", "stop")
-        tenant = prompt_cache.tenant_of(self.request, config)
-        self.namespace = prompt_cache.namespace_of(config.tenant_header, tenant, body.cache_salt)
+        tenant = self.tenant
         bound = prompt_cache.keep_alive_bound(tenant, config)
         if body.keep_alive > bound:
             who = f"tenant {tenant!r}" if tenant in config.tenant_max_keep_alive else "a request"
