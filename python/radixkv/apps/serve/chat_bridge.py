@@ -22,12 +22,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from radixkv.apps.serve.completion import Completion, Server
-from radixkv.apps.serve.openai import ChatBody, Refusal
+from radixkv.apps.serve.openai import ChatBody
 from radixkv.apps.serve.structured import BadRequest
-
-#: The chat completion's refusal: its status and OpenAI's error fields (``param`` in chat
-#: completions' words; each API names its own field).
-ChatRefused = Refusal
 
 #: What :func:`run` returns: a whole chat completion, the chunks of a streamed one, or a
 #: response to hand back as it is (499: the client went away).
@@ -48,7 +44,8 @@ def body_of(fields: dict[str, Any]) -> ChatBody:
 async def run(server: Server, request: Request, fields: dict[str, Any]) -> Outcome:
     """Runs ``fields`` (a chat-completions body) as a chat completion with ``request``'s
     headers (its tenant) and connection (a client that goes away cancels it). Raises
-    :class:`ChatRefused` for a refusal, :class:`BadRequest` for a body chat's model
+    :class:`~radixkv.apps.serve.openai.Refusal` for a refusal (``param`` in chat completions'
+    words: each API names its own field), :class:`BadRequest` for a body chat's model
     refuses. A streamed completion's chunks end with an error object (a chunk with an
     ``error`` key) when it fails; closing them early cancels the request."""
     body = body_of(fields)

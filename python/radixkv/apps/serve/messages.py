@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixkv.apps.serve import chat_bridge, chat_prompt, content_parts, prompt_cache
 from radixkv.apps.serve.completion import Server
+from radixkv.apps.serve.openai import Refusal
 from radixkv.apps.serve.structured import BadRequest
 
 #: Anthropic's most ``cache_control`` breakpoints in one request.
@@ -390,7 +391,7 @@ def register(app: FastAPI, server: Server) -> None:
             outcome = await chat_bridge.run(server, request, fields)
         except BadRequest as e:
             return error(400, _words(str(e)))
-        except chat_bridge.ChatRefused as e:
+        except Refusal as e:
             return error(e.status, _words(e.message))
         if isinstance(outcome, Response):
             return outcome

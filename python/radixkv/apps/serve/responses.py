@@ -34,7 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixkv.apps.serve import chat_bridge, content_parts, prompt_cache
 from radixkv.apps.serve.completion import Server
-from radixkv.apps.serve.openai import error
+from radixkv.apps.serve.openai import Refusal, error
 from radixkv.apps.serve.structured import BadRequest
 
 #: Fields of a Responses request passed on to the chat request as they are.
@@ -439,7 +439,7 @@ def register(app: FastAPI, server: Server, registry: Any = None) -> Store:
             outcome = await chat_bridge.run(server, request, fields)
         except BadRequest as e:
             return error(400, str(e), e.param)
-        except chat_bridge.ChatRefused as e:
+        except Refusal as e:
             return error(e.status, e.message, _param(e.param), e.kind)
         if isinstance(outcome, Response):
             return outcome
