@@ -13,7 +13,7 @@ block (at most 4, as Anthropic's) is a breakpoint: once the reply is computed, t
 prefix up to the exact token where the block ends is retained in the prefix cache for the TTL
 (:meth:`radixkv.Engine.retain_prefix`; bounded by ``--max-keep-alive``), through pressure
 that evicts everything else. Where a block ends is found by rendering the prompt with a marker
-at the end of each marked block (the marker removed, the prompt is the one the chat handler
+at the end of each marked block (the marker removed, the prompt is the one a chat completion
 renders; a block the chat template does not render, such as tools on a template without
 tools, marks nothing). ``usage.cache_read_input_tokens`` is the prefix cache's hit,
 ``cache_creation_input_tokens`` the tokens under the last breakpoint computed by this request,
@@ -308,7 +308,7 @@ def breakpoint_tokens(
     tokenizer: Any, marked: list, tools: list | None, n: int, renders_calls: bool
 ) -> tuple[list[int], list[int]]:
     """Where each of the ``n`` breakpoints ends in the prompt, in tokens (0: its block is not
-    rendered), and the prompt's tokens; rendered as the chat handler renders
+    rendered), and the prompt's tokens; rendered as a chat completion renders
     (:func:`radixkv.apps.serve.chat_prompt.history` for the tool calls, a template that
     ``renders_calls`` or not)."""
     shown, _ = chat_prompt.history(content_parts.flatten(marked), renders_calls)
@@ -403,7 +403,7 @@ def register(app: FastAPI, server: Server) -> None:
                 return 0
             ends, prompt = points
             if len(prompt) != chat_usage.get("prompt_tokens"):
-                return 0  # not the prompt the chat handler rendered: no breakpoint is placed
+                return 0  # not the prompt the chat completion rendered: no breakpoint is placed
             ns = prompt_cache.namespace_of(config.tenant_header, tenant, body.get("cache_salt"))
             bound = prompt_cache.keep_alive_bound(tenant, config)
             eng = loop.engine
