@@ -5,8 +5,9 @@ share:
 
 - :mod:`radixkv.apps.cli`: the ``radixkv`` command line; it imports only the subcommand run.
 - :mod:`radixkv.apps.serve`: ``radixkv serve``, the OpenAI-compatible server (``app``: the HTTP
-  app and the engine thread; ``request_fields``, ``structured``, ``tool_calls``,
-  ``content_parts``: what a request may hold and how it is read).
+  routes; ``engine_loop``: the engine thread; ``completion``: a request's way through it;
+  ``openai``: OpenAI's shapes; ``responses``, ``messages``: the agent APIs; ``request_fields``,
+  ``structured``, ``tool_calls``, ``content_parts``: what a request may hold and how it is read).
 - :mod:`radixkv.apps.replay`: ``radixkv replay``, a simulated server replaying a trace through a
   cache and scheduler (``simulate``), offline bounds (``offline``, ``belady``, ``block_keys``,
   ``prefill_queue``) and the synthetic agent workload (``agent_workload``).

@@ -196,3 +196,18 @@ def _call_text(fn: dict[str, Any]) -> str:
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
     return f'{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "arguments": {args}}}'
+
+
+def render_body(tokenizer: Any, body: Any, renders_calls: bool) -> tuple[list[int], list[str]]:
+    """:func:`render` of a request ``body`` that holds chat's fields (``messages``, ``tools``,
+    ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``: chat
+    completions' and ``/tokenize``'s), so that both render a request alike."""
+    return render(
+        tokenizer,
+        body.messages or [],
+        body.tools,
+        renders_calls=renders_calls,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs,
+    )

@@ -20,6 +20,7 @@ from radixkv.apps.common.args import (
     positive_float,
     positive_int,
 )
+from radixkv.apps.serve.config import MAX_KEEP_ALIVE
 from radixkv.apps.serve.loading import make_engine
 from radixkv.apps.serve.ranks import RANK_TIMEOUT_S
 
@@ -303,11 +304,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the --model value is accepted too, any other name is a 404 (default: "
         "SmolLM2-135M-Instruct or the path)",
     )
-
-
-#: ``--max-keep-alive``'s default (the same as :data:`radixkv.apps.serve.app.MAX_KEEP_ALIVE`,
-#: which needs FastAPI to import).
-MAX_KEEP_ALIVE = 300.0
 
 
 def port_number(text: str) -> int:

@@ -13,7 +13,7 @@ block (at most 4, as Anthropic's) is a breakpoint: once the reply is computed, t
 prefix up to the exact token where the block ends is retained in the prefix cache for the TTL
 (:meth:`radixkv.Engine.retain_prefix`; bounded by ``--max-keep-alive``), through pressure
 that evicts everything else. Where a block ends is found by rendering the prompt with a marker
-at the end of each marked block (the marker removed, the prompt is the one the chat handler
+at the end of each marked block (the marker removed, the prompt is the one a chat completion
 renders; a block the chat template does not render, such as tools on a template without
 tools, marks nothing). ``usage.cache_read_input_tokens`` is the prefix cache's hit,
 ``cache_creation_input_tokens`` the tokens under the last breakpoint computed by this request,
@@ -33,6 +33,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixkv.apps.serve import chat_bridge, chat_prompt, content_parts, prompt_cache
+from radixkv.apps.serve.completion import Server
+from radixkv.apps.serve.openai import Refusal
 from radixkv.apps.serve.structured import BadRequest
 
 #: Anthropic's most ``cache_control`` breakpoints in one request.
@@ -306,7 +308,7 @@ def breakpoint_tokens(
     tokenizer: Any, marked: list, tools: list | None, n: int, renders_calls: bool
 ) -> tuple[list[int], list[int]]:
     """Where each of the ``n`` breakpoints ends in the prompt, in tokens (0: its block is not
-    rendered), and the prompt's tokens; rendered as the chat handler renders
+    rendered), and the prompt's tokens; rendered as a chat completion renders
     (:func:`radixkv.apps.serve.chat_prompt.history` for the tool calls, a template that
     ``renders_calls`` or not)."""
     shown, _ = chat_prompt.history(content_parts.flatten(marked), renders_calls)
@@ -364,9 +366,10 @@ def _input(arguments: str) -> Any:
         return {}
 
 
-def register(app: FastAPI, loop: Any, tokenizer: Any, config: Any) -> None:
-    """Adds ``POST /v1/messages`` to ``app`` (whose ``state.chat`` is the chat handler)."""
-    renders_calls = chat_prompt.template_renders_calls(tokenizer)
+def register(app: FastAPI, server: Server) -> None:
+    """Adds ``POST /v1/messages`` to ``app`` (its completions run on ``server``)."""
+    loop, tokenizer, config = server.loop, server.tokenizer, server.config
+    renders_calls = server.renders_calls
 
     @app.post("/v1/messages")
     async def create(body: dict[str, Any], request: Request):
@@ -385,10 +388,10 @@ def register(app: FastAPI, loop: Any, tokenizer: Any, config: Any) -> None:
                 if conv.breakpoints
                 else None
             )
-            outcome = await chat_bridge.run(app, request, fields)
+            outcome = await chat_bridge.run(server, request, fields)
         except BadRequest as e:
             return error(400, _words(str(e)))
-        except chat_bridge.ChatRefused as e:
+        except Refusal as e:
             return error(e.status, _words(e.message))
         if isinstance(outcome, Response):
             return outcome
@@ -400,7 +403,7 @@ def register(app: FastAPI, loop: Any, tokenizer: Any, config: Any) -> None:
                 return 0
             ends, prompt = points
             if len(prompt) != chat_usage.get("prompt_tokens"):
-                return 0  # not the prompt the chat handler rendered: no breakpoint is placed
+                return 0  # not the prompt the chat completion rendered: no breakpoint is placed
             ns = prompt_cache.namespace_of(config.tenant_header, tenant, body.get("cache_salt"))
             bound = prompt_cache.keep_alive_bound(tenant, config)
             eng = loop.engine

@@ -17,8 +17,7 @@ from typing import Any, Literal
 
 from radixkv.tenancy import tenant_namespace
 
-# ``config`` below: the server's ``radixkv.apps.serve.app.ServerConfig`` (not imported: the app
-# imports this module).
+# ``config`` below: the server's ``radixkv.apps.serve.config.ServerConfig``.
 
 #: ``prompt_cache_retention``'s values.
 Retention = Literal["in_memory", "24h"]

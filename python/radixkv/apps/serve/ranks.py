@@ -16,7 +16,7 @@ made, every collective of every rank is given up after ``--rank-timeout`` second
 (:func:`bound_collectives`), and the server stops the same way; :meth:`Ranks.blame` names the
 rank that was lost (the ranks that gave up waiting for it exit with :data:`LOST_PEER`, which
 blames another). An idle rank 0 steps an empty step at least every
-:data:`radixkv.apps.serve.app.HEARTBEAT_S` seconds (more often under a shorter timeout:
+:data:`radixkv.apps.serve.engine_loop.HEARTBEAT_S` seconds (more often under a shorter timeout:
 :func:`heartbeat_for`), so a lost rank is found without a request and an idle one never times
 out. Ranks 1 to N-1 ignore SIGINT and SIGTERM (a Ctrl-C, or a service manager's SIGTERM,
 reaches the whole process group: rank 0 drains and then closes them) and die with rank 0
@@ -103,7 +103,7 @@ def heartbeat_for(timeout: float) -> float:
     """Seconds between an idle rank 0's empty steps under a collectives' ``timeout``: the
     server's heartbeat, or a third of the timeout when that is shorter, so that the other
     ranks, waiting for rank 0's next step, always get one in time."""
-    from radixkv.apps.serve.app import HEARTBEAT_S
+    from radixkv.apps.serve.engine_loop import HEARTBEAT_S
 
     return min(HEARTBEAT_S, timeout / 3)
 

@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from radixkv.apps.serve import chat_bridge, prompt_cache
+from radixkv.apps.serve import chat_bridge, content_parts, prompt_cache
+from radixkv.apps.serve.completion import Server
+from radixkv.apps.serve.openai import Refusal, error
 from radixkv.apps.serve.structured import BadRequest
 
 #: Fields of a Responses request passed on to the chat request as they are.
@@ -168,26 +170,17 @@ class StoreCollector:
 # ---- request in -------------------------------------------------------------------------------
 
 
+#: The part types of a message's ``content`` that hold text.
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
 def _text(content: Any, where: str) -> str:
     """A message's ``content``: a string, or parts of text (``input_text``, ``output_text``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise BadRequest(where, f"must be a string or a list of parts, got {content!r}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise BadRequest(
-                f"{where}.{j}.type",
-                f"parts of type {kind!r} are not supported: this server's "
-                "models read text (input_text, output_text)",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise BadRequest(f"{where}.{j}.text", "must be a string")
-        texts.append(text)
-    return "\n".join(texts)
+    return content_parts.text_of(content, where, TEXT_PARTS, name_fields=True)
 
 
 def _field(item: dict, name: str, where: str) -> str:
@@ -410,16 +403,10 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- the endpoints ----------------------------------------------------------------------------
 
 
-def error(status: int, message: str, param: str | None = None, kind: str | None = None):
-    """OpenAI's error object (the Responses API's, as chat completions')."""
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
-
-
-def register(app: FastAPI, loop: Any, config: Any, registry: Any = None) -> Store:
-    """Adds the Responses endpoints to ``app`` (whose ``state.chat`` is the chat handler)
-    and their store's metrics to ``registry``; returns the store."""
+def register(app: FastAPI, server: Server, registry: Any = None) -> Store:
+    """Adds the Responses endpoints to ``app`` (their completions run on ``server``) and
+    their store's metrics to ``registry``; returns the store."""
+    config = server.config
     store = Store(config.max_stored_responses, config.max_stored_response_bytes)
     app.state.responses = store
     if registry is not None:
@@ -449,10 +436,10 @@ def register(app: FastAPI, loop: Any, config: Any, registry: Any = None) -> Stor
             if stream:
                 fields["stream"] = True
                 fields["stream_options"] = {"include_usage": True}
-            outcome = await chat_bridge.run(app, request, fields)
+            outcome = await chat_bridge.run(server, request, fields)
         except BadRequest as e:
             return error(400, str(e), e.param)
-        except chat_bridge.ChatRefused as e:
+        except Refusal as e:
             return error(e.status, e.message, _param(e.param), e.kind)
         if isinstance(outcome, Response):
             return outcome
