@@ -81,6 +81,7 @@ macro_rules! index_class {
         #[pymethods]
         impl $class {
             #[new]
+            #[allow(clippy::too_many_arguments)]
             #[pyo3(
                 signature = (num_pages, page_size=None, host_pages=None, disk_pages=None, *, window=None, window_pages=None, window_host_pages=None, state_slots=None),
                 text_signature = $text_signature

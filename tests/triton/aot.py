@@ -2,9 +2,10 @@
 and what each compiled kernel uses: registers, local memory (spills), shared memory, async
 copies, wgmma.
 
-    PYTHONPATH=python python tests/triton/aot.py [--archs 80,90,100] [--dtypes float16,bfloat16,float32]
-        [--head-dims 64,128,256] [--groups 4] [--flags none,all] [--json]
-    PYTHONPATH=python python tests/triton/aot.py --sweep [--archs ...]   # candidate tiles, not the table's
+    PYTHONPATH=python python tests/triton/aot.py [--archs 80,90,100]
+        [--dtypes float16,bfloat16,float32] [--head-dims 64,128,256] [--groups 4]
+        [--flags none,all] [--json]
+    PYTHONPATH=python python tests/triton/aot.py --sweep [--archs ...]   # candidate tiles
 
 How: the launch functions of ``triton_kernels`` run as the backend calls them, over CPU tensors
 of the launch's shapes, while Triton's active driver is a stand-in that names the target GPU and
