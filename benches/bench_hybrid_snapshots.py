@@ -2,12 +2,12 @@
 (issue 51, "Measure"): prompt tokens recomputed under four rules on one agent workload.
 
     .venv/bin/python benches/bench_hybrid_snapshots.py [--quick] [--sessions N] [--seed S]
-        [--mooncake-requests N] [--pool-fraction F]
+        [--mooncake-requests N] [--pool-fraction F] [--state-share S]
 
 The workload (seeded): sessions of 3-15 turns on 4 shared system prompts of 1.2k-6k tokens, each
 turn's prompt the previous prompt + the previous reply + a new user message, 20% of turns
 branching two sub-agents (the parent's prompt + reply + a task of their own); sessions arrive
-spread out and interleave. 80 sessions (about 1,000 requests, 7M prompt tokens), 8 with
+spread out and interleave. 80 sessions (about 1,000 requests, 9M prompt tokens), 8 with
 ``--quick``. Then the Mooncake conversation trace (``benches/data/``: hash ids that make
 prefixes, replies not in later prompts), its first 1,000 requests (100 with ``--quick``).
 
@@ -26,14 +26,15 @@ real index (radixkv's state slots, ``docs/SEMANTICS.md``):
 - SGLang interval: ``RadixCache(page 1, state_slots)``, snapshots at the prompt's end and at the
   branching point floored to the 64-token FLA chunk (sglang PR #14792's ``extra_buffer``
   tracking, sglang#22935, #28222), and at the last multiple of the 256-token track interval the
-  decode passed (``mamba_track_interval``).
+  decode passed (``mamba_track_interval``; only the last one, so no slot goes to the others).
 
 Two memory settings: unbounded (a pool for every token, a slot for every snapshot), and a pool
 of ``--pool-fraction`` of the distinct tokens (so pages are evicted) with a state budget of 1/4
 of the pool's KV bytes (``--state-share``), converted to slots with Qwen3.5-9B's figures (bf16
 KV: 32 KiB a token, 31.2 MiB per 1k tokens; fp32 snapshot: 49.5 MiB,
 ``radixkv.hf._hybrid.snapshot_bytes``).
-Printed: recomputed tokens and their ratio to full attention in the same setting, snapshots
+Printed: recomputed tokens and their ratio to full attention in the same setting, the KV the
+match found past the hit (what a snapshot at the match's end would have saved), snapshots
 taken and evicted, snapshot memory per 1k cached tokens at the end, and issue 51's goals
 (token-exact within 1.05x of full attention unbounded, within 1.25x under the budget).
 
