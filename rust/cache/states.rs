@@ -251,16 +251,30 @@ impl States {
 
     /// Evicts every snapshot that needs one of `pages` (device pages the index just stopped
     /// caching).
+    ///
+    /// An index drops a page only with or after every cached page below it (leaves first, a
+    /// chain's tail before its head), so a snapshot that needs a dropped page is anchored at one
+    /// of the dropped pages: those are looked up by page, with no scan of the snapshots. A page
+    /// still needed after that (dropped from under a snapshot some other way) falls back to the
+    /// scan of every snapshot's chain.
     pub fn dropped(&mut self, pages: &[PageId]) {
-        let hit: Vec<PageId> = pages
-            .iter()
-            .copied()
-            .filter(|p| self.needed.get(p.0 as usize).is_some_and(|&n| n > 0))
-            .collect();
-        if hit.is_empty() {
+        let needed = |s: &Self, p: &PageId| s.needed.get(p.0 as usize).is_some_and(|&n| n > 0);
+        if !pages.iter().any(|p| needed(self, p)) {
             return;
         }
-        let gone: std::collections::HashSet<PageId> = hit.into_iter().collect();
+        for p in pages {
+            let slot = self.anchor.get(p.0 as usize).copied().unwrap_or(NONE);
+            if slot != NONE {
+                debug_assert_eq!(self.snaps[slot as usize].as_ref().map(|s| s.pins), Some(0));
+                self.remove(slot);
+                self.evicted += 1;
+            }
+        }
+        let gone: std::collections::HashSet<PageId> =
+            pages.iter().copied().filter(|p| needed(self, p)).collect();
+        if gone.is_empty() {
+            return;
+        }
         let victims: Vec<u32> = self
             .snaps
             .iter()
