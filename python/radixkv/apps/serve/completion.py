@@ -40,6 +40,7 @@ from radixkv.apps.serve import (
 from radixkv.apps.serve.config import ServerConfig
 from radixkv.apps.serve.engine_loop import EngineLoop, Pending, QueueFull
 from radixkv.apps.serve.openai import Refusal
+from radixkv.engine.params import RequestParams
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Completion:
         self.namespace = prompt_cache.namespace_of(
             config.tenant_header, self.tenant, body.cache_salt
         )
-        #: The engine's keywords (``submit``'s and ``branch``'s).
+        #: The engine's parameters of the request (``submit``'s and ``branch``'s).
         self.params = self._params(limit)
         self.n = body.n
         self.sequences = self.n * len(prompts)
@@ -219,10 +220,10 @@ class Completion:
         shape.grammar = grammar
         return cls(server, request, body, prompts, shape)
 
-    def _params(self, limit: int | None) -> dict[str, Any]:
-        """The engine's keywords of this request (raises :class:`Refusal` for a request past
-        the context, an empty stop string, a ``keep_alive`` past the server's bound, a
-        ``logit_bias`` key that is no token id)."""
+    def _params(self, limit: int | None) -> RequestParams:
+        """The engine's parameters of this request, checked (raises :class:`Refusal` for a
+        request past the context, an empty stop string, a ``keep_alive`` past the server's
+        bound, a ``logit_bias`` key that is no token id, a knob out of range)."""
         body, config, prompts = self.body, self.server.config, self.prompts
         max_tokens = limit if limit is not None else body.max_tokens
         asked = max_tokens
@@ -253,25 +254,36 @@ class Completion:
         # No seed: a fresh one (as OpenAI and vLLM), so that unseeded samples differ; below
         # 2**62, so that every branch's seed + i stays in range.
         seed = body.seed if body.seed is not None else secrets.randbelow(2**62)
-        return dict(
-            max_new_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            seed=seed,
-            namespace=self.namespace,
-            logprobs=self.shape.logprobs,
-            top_logprobs=self.shape.top_logprobs,
-            logit_bias=bias,
-            stop_strings=stops,
-            grammar=self.shape.grammar,
-            retain=body.keep_alive,
-            cache_priority=body.cache_priority,
-        )
+        try:
+            return RequestParams(
+                max_new_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                seed=seed,
+                namespace=self.namespace,
+                logprobs=self.shape.logprobs,
+                top_logprobs=self.shape.top_logprobs,
+                logit_bias=bias,
+                stop_strings=stops,
+                grammar=self.shape.grammar,
+                retain=body.keep_alive,
+                cache_priority=body.cache_priority,
+            )
+        except ValueError as e:  # a knob out of range: what the engine would refuse
+            raise self._refused(e) from None
+
+    def _refused(self, e: Exception) -> Refusal:
+        """The 400 for a request the engine (or its parameters) refused: the field the message
+        names, ``tools`` or ``response_format`` for a grammar that does not compile."""
+        param = openai.param_of(str(e))
+        if self.shape.grammar is not None and str(e).startswith("grammar"):
+            param = "tools" if self.shape.tool_call else "response_format"
+        return Refusal(400, str(e), param)
 
     # ---- running ------------------------------------------------------------------------------
 
@@ -290,23 +302,21 @@ class Completion:
             raise Refusal(429, str(e), kind="rate_limit_error") from None
         except (ValueError, ImportError) as e:  # a knob out of range, a request the pool can
             # never hold, a schema that does not compile, no grammar library
-            param = openai.param_of(str(e))
-            if self.shape.grammar is not None and str(e).startswith("grammar"):
-                param = "tools" if self.shape.tool_call else "response_format"
-            raise Refusal(400, str(e), param) from None
+            raise self._refused(e) from None
         self.cached_tokens = await cached if cached is not None else None
         self.rid = ("chatcmpl-" if self.shape.chat else "cmpl-") + uuid.uuid4().hex
 
     def _start(self, on_token: Callable) -> list[int]:
         """Engine thread: the request's sequences, choices in order (prompt by prompt, ``n``
         of each); a later prompt refused leaves none of the earlier ones served."""
-        eng, params, ids = self.server.loop.engine, self.params, []
+        eng, ids = self.server.loop.engine, []
+        params = dataclasses.replace(self.params, on_token=on_token)
         try:
             for p in self.prompts:
                 if self.n == 1:
-                    ids.append(eng.submit(p, **params, on_token=on_token))
+                    ids.append(eng.submit(p, params=params))
                 else:
-                    ids += eng.branch(p, [[]] * self.n, **params, on_token=on_token)
+                    ids += eng.branch(p, [[]] * self.n, params=params)
         except BaseException:
             for i in ids:
                 eng.cancel(i)
