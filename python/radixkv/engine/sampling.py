@@ -16,7 +16,11 @@ Hugging Face transformers do):
    set of most likely tokens holding ``top_p`` of the mass, every token as likely as its least
    likely one kept), ``min_p`` (tokens at least ``min_p`` times as likely as the most likely);
 4. a draw from the softmax of what is left, with the request's own ``torch.Generator`` (seeded
-   with its seed), so its samples never depend on its batch-mates.
+   with its seed, on the logits' device), so its samples never depend on its batch-mates.
+
+All of it runs on the logits' own device, and a step reads back one small tensor (the tokens,
+NaN flags, logprobs and alternatives together): no copy of the logits to the CPU. A seed repeats
+on one kind of device; CUDA's generators draw other streams than the CPU's.
 
 A row that uses none of the knobs costs what it did before they existed: greedy rows are one
 batched argmax, temperature rows one softmax and draw. ``logprobs``: the log-probability of the
