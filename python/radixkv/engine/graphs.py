@@ -13,12 +13,19 @@ this module:
   :class:`~radixkv.kv.static_step.StaticDecodeStep` (pool writes, the Triton decode kernel,
   the logits). Sampling runs on the graph's logits as on any step's, so grammar masks,
   penalties and logprobs apply after the graph unchanged.
-- Captured lazily, the first time a bucket is needed (one eager run first, which also compiles
-  the Triton kernels), all buckets in one memory pool. A model whose forward cannot be
-  captured (a host sync inside it, say) is warned about once and decodes eagerly from then on.
+- Captured when the engine is made, every bucket, largest first, all in one memory pool (the
+  largest bucket's activations are allocated first and the smaller ones reuse them), over
+  buffers sized once for the longest request the pool or the model allows
+  (:func:`buffer_pages`): nothing is captured again while serving. Each bucket first runs once
+  eagerly on a side stream over padding rows (no keys, nothing written), which compiles the
+  Triton kernels, under ``torch.cuda.set_sync_debug_mode("error")``: a forward that waits for
+  the device fails there. A bucket whose warm-up or capture fails is counted
+  (``capture_failures``, each reason in ``failures``) and its steps run eagerly; no step is
+  captured mid-serving.
 - Eager (the ordinary path): prefill and mixed steps, batches past the largest bucket, steps
-  with host-tier copies in flight; and no graphs at all for pools with a window group or whose
-  attention is not Triton's.
+  with host-tier copies in flight or a request longer than the buffers, buckets whose capture
+  failed; and no graphs at all for pools with a window group or whose attention is not
+  Triton's.
 
 On the CPU nothing is captured: ``cuda_graphs=True`` runs the same static-buffer step eagerly
 (under Triton's interpreter), which is how its exactness is tested without a GPU.
@@ -26,7 +33,9 @@ On the CPU nothing is captured: ``cuda_graphs=True`` runs the same static-buffer
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,10 +69,41 @@ def why_not(kv: Any) -> str | None:
     return None
 
 
+def buffer_pages(kv: Any, model: Any) -> int:
+    """Pages a request's row of the graph buffers holds: as many as the longest request can
+    have, the pool's page count or the model's context (``config.max_position_embeddings``)
+    in pages, whichever is smaller. Sized once: the graphs read these buffers by address."""
+    pages = int(kv.num_pages)
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and context > 0:
+        pages = min(pages, -(-context // kv.page_size))
+    return max(pages, 1)
+
+
+def capture_order(bucket_sizes: list[int]) -> list[int]:
+    """The order buckets are captured in: largest first, so the memory pool they share is
+    sized by the largest and every smaller one reuses its blocks."""
+    return sorted(bucket_sizes, reverse=True)
+
+
+@contextlib.contextmanager
+def syncs_raise(device: torch.device) -> Iterator[None]:
+    """Within: any operation that makes the host wait for ``device`` raises (CUDA's sync debug
+    mode), so a warm-up that would sync is caught before its capture."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 class DecodeGraphs:
-    """The decode graphs of one engine (see the module). The buffers hold as many pages a
-    request as the longest request so far needs (a power of two, at least 16): a longer one
-    grows them, and the graphs are captured again."""
+    """The decode graphs of one engine (see the module), captured when it is made (on CUDA)
+    over buffers of :func:`buffer_pages` pages a request."""
 
     def __init__(self, model: Any, kv: Any, max_batch: int) -> None:
         why = why_not(kv)
@@ -72,40 +112,56 @@ class DecodeGraphs:
         self.model, self.kv = model, kv
         self.buckets = buckets(max_batch)
         self.capture = kv.device.type == "cuda"
-        self.buffers: DecodeBuffers | None = None
-        self._steps: dict[int, StaticDecodeStep] = {}
+        self.buffers = DecodeBuffers(kv, self.buckets[-1], buffer_pages(kv, model))
+        self._steps = {b: StaticDecodeStep(self.buffers, b) for b in self.buckets}
         self._graphs: dict[int, Any] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._pool: Any = None
-        #: Decode steps replayed (or run on the static buffers, on the CPU), steps taken
-        #: eagerly because they did not fit, and graphs captured.
+        #: Decode steps run on the static buffers (replayed, or run eagerly on the CPU), steps
+        #: taken eagerly because they did not fit, and graphs captured.
         self.replays = 0
         self.eager = 0
         self.captures = 0
-        #: Steps that replayed a captured graph (``replays`` also counts the steps that
-        #: captured one, or failed to, and the CPU's static steps).
+        #: Steps that replayed a captured graph.
         self.graph_replays = 0
-        #: Why a capture failed (every step eager since), or None.
+        #: Buckets whose warm-up or capture failed, each failure's reason, and the first
+        #: reason (None while none failed).
+        self.capture_failures = 0
+        self.failures: list[str] = []
         self.failed: str | None = None
+        if self.capture:
+            self.capture_all()
 
-    def _buffers(self, pages: int) -> DecodeBuffers:
-        """Buffers holding ``pages`` pages a request; new ones (and no graphs) when they grow."""
-        if self.buffers is None or pages > self.buffers.max_pages:
-            width = min(max(16, 1 << max(pages - 1, 0).bit_length()), self.kv.num_pages)
-            self.buffers = DecodeBuffers(self.kv, self.buckets[-1], width)
-            self._steps.clear()
-            self._graphs.clear()
-            self._logits.clear()
-        return self.buffers
+    def capture_all(self) -> None:
+        """Captures every bucket's graph (:func:`capture_order`) over padding rows: the forward
+        writes nothing and reads no keys. A failure is counted and warned about once."""
+        self.buffers.pad(self.buckets[-1])
+        for bucket in capture_order(self.buckets):
+            try:
+                self._capture(bucket, self._steps[bucket])
+            except Exception as e:  # a forward that syncs or allocates on the host, say
+                reason = f"bucket {bucket}: {type(e).__name__}: {e}"
+                self.capture_failures += 1
+                self.failures.append(reason)
+                if self.failed is None:
+                    self.failed = reason
+        if self.failures:
+            warnings.warn(
+                f"{len(self.failures)} of {len(self.buckets)} decode graphs were not captured "
+                f"and their batch sizes decode eagerly (first: {self.failed})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def fits(self, step: Any) -> bool:
-        """Whether ``step`` runs here (a decode step within the largest bucket, with no tier
-        copies in flight, while no capture has failed)."""
+        """Whether ``step`` runs here (a decode step within the largest bucket and the buffers'
+        pages, with no tier copies in flight, whose bucket was captured on CUDA)."""
         ok = (
-            self.failed is None
-            and step.is_decode
+            step.is_decode
             and len(step.requests) <= self.buckets[-1]
+            and step.max_pages <= self.buffers.max_pages
             and step._copy_events is None
+            and (not self.capture or self.bucket_of(len(step.requests)) in self._graphs)
         )
         if not ok:
             self.eager += 1
@@ -115,49 +171,32 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= batch)
 
     def run(self, step: Any) -> torch.Tensor:
-        """Float32 logits ``[B, vocab]`` of the decode ``step`` through its bucket's graph."""
+        """Float32 logits ``[B, vocab]`` of the decode ``step`` through its bucket's graph
+        (on the CPU, its static step run eagerly). ``step`` must :meth:`fit`."""
         step.check_current()  # a stale step is refused before the buffers or the pool change
         b = len(step.requests)
         bucket = self.bucket_of(b)
-        buffers = self._buffers(step.max_pages)
-        buffers.fill(step, bucket)
-        static = self._steps.get(bucket)
-        if static is None:
-            static = self._steps[bucket] = StaticDecodeStep(buffers, bucket)
+        self.buffers.fill(step, bucket)
         self.replays += 1
         if not self.capture:
-            return self.model(static)[:b]
-        graph = self._graphs.get(bucket)
-        if graph is None:
-            return self._capture(bucket, static)[:b]
-        graph.replay()
+            return self.model(self._steps[bucket])[:b]
+        self._graphs[bucket].replay()
         self.graph_replays += 1
         return self._logits[bucket][:b]
 
-    def _capture(self, bucket: int, static: StaticDecodeStep) -> torch.Tensor:
-        """Runs the bucket once eagerly on a side stream (compiling what it launches; its
-        writes are the ones the step makes), then captures it."""
-        stream = torch.cuda.Stream(device=self.kv.device)
-        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
-        with torch.cuda.stream(stream):
-            logits = self.model(static)
-        torch.cuda.current_stream(self.kv.device).wait_stream(stream)
+    def _capture(self, bucket: int, static: StaticDecodeStep) -> None:
+        """Runs the bucket once eagerly on a side stream with syncs raising (compiling what it
+        launches), then captures it into the shared pool."""
+        device = self.kv.device
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), syncs_raise(device):
+            self.model(static)
+        torch.cuda.current_stream(device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._logits[bucket] = self.model(static)
-        except Exception as e:  # a forward that syncs or allocates on the host, say
-            # The step itself ran above: its logits stand; every later step runs eagerly.
-            self.failed = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                f"decode steps run eagerly: capturing a CUDA graph of the model's forward "
-                f"failed ({self.failed})",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return logits
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._logits[bucket] = self.model(static)
         self._graphs[bucket] = graph
         self.captures += 1
-        return logits

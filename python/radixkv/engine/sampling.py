@@ -16,7 +16,11 @@ Hugging Face transformers do):
    set of most likely tokens holding ``top_p`` of the mass, every token as likely as its least
    likely one kept), ``min_p`` (tokens at least ``min_p`` times as likely as the most likely);
 4. a draw from the softmax of what is left, with the request's own ``torch.Generator`` (seeded
-   with its seed), so its samples never depend on its batch-mates.
+   with its seed, on the logits' device), so its samples never depend on its batch-mates.
+
+All of it runs on the logits' own device, and a step reads back one small tensor (the tokens,
+NaN flags, logprobs and alternatives together): no copy of the logits to the CPU. A seed repeats
+on one kind of device; CUDA's generators draw other streams than the CPU's.
 
 A row that uses none of the knobs costs what it did before they existed: greedy rows are one
 batched argmax, temperature rows one softmax and draw. ``logprobs``: the log-probability of the
@@ -42,6 +46,7 @@ from radixkv.engine.params import (
     check_sampling,
 )
 from radixkv.engine.sequence import OFF, Sampling, Sequence
+from radixkv.kv.host_copy import to_device
 
 __all__ = [
     "MAX_LOGIT_BIAS",
@@ -88,27 +93,34 @@ def to_token_array(
 
 def apply_logit_bias(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """``row`` (logits ``[vocab]``, float) with ``sampling.logit_bias`` added, as a new
-    tensor."""
+    tensor on ``row``'s device."""
     ids, biases = zip(*sampling.logit_bias)
     row = row.clone()
-    row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(biases, dtype=row.dtype)
+    idx = to_device(np.asarray(ids, dtype=np.int64), row.device)
+    row[idx] += to_device(np.asarray(biases, dtype=np.float32), row.device).to(row.dtype)
     return row
 
 
-def generator_of(seq: Sequence) -> torch.Generator:
-    """``seq``'s own generator, seeded with ``seq.seed`` on first use."""
+def generator_of(seq: Sequence, device: torch.device | str = "cpu") -> torch.Generator:
+    """``seq``'s own generator, made on ``device`` (the logits') and seeded with ``seq.seed``
+    on first use. A seed repeats on one kind of device: CUDA's generators (Philox) give other
+    streams than the CPU's (Mersenne Twister), so a seeded request samples the same tokens
+    every time on the CPU and every time on a GPU, not the same on both."""
     if seq.generator is None:
-        seq.generator = torch.Generator().manual_seed(seq.seed)
+        seq.generator = torch.Generator(device=device).manual_seed(seq.seed)
     return seq.generator
 
 
 def apply_penalties(
     row: torch.Tensor, seen: torch.Tensor, output: Seq[int], sampling: Sampling
 ) -> torch.Tensor:
-    """``row`` (logits ``[vocab]``, float) penalized, as a new tensor. ``seen``: token ids of
-    the prompt (int64, repeats allowed); ``output``: the tokens generated so far."""
+    """``row`` (logits ``[vocab]``, float) penalized, as a new tensor on ``row``'s device.
+    ``seen``: token ids of the prompt (int64 on that device, repeats allowed); ``output``: the
+    tokens generated so far (moved with one pinned, non-blocking copy). Nothing here waits for
+    the device: the counts are an ``index_add_`` over the vocabulary (``torch.unique`` and
+    ``bincount`` size their output from the data, which reads it back)."""
     row = row.clone()
-    out = torch.as_tensor(list(output), dtype=torch.long)
+    out = to_device(np.asarray(list(output), dtype=np.int64), row.device)
     rp = sampling.repetition_penalty
     if rp != 1.0:
         idx = torch.cat([seen, out]) if len(out) else seen
@@ -116,34 +128,48 @@ def apply_penalties(
             vals = row[idx]
             row[idx] = torch.where(vals > 0, vals / rp, vals * rp)
     if len(out) and (sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0):
-        toks, counts = torch.unique(out, return_counts=True)
-        row[toks] -= sampling.frequency_penalty * counts.to(row.dtype) + sampling.presence_penalty
+        counts = torch.zeros_like(row).index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+        # A count of 0 subtracts 0.0, which leaves the logit as it is.
+        penalty = counts * sampling.frequency_penalty + sampling.presence_penalty
+        row = row - torch.where(counts > 0, penalty, 0.0)
     return row
 
 
-#: Candidates ``top_p`` looks at before it sorts the whole vocabulary.
+#: Candidates ``top_p`` looks at before it sorts the whole vocabulary (on the CPU).
 _TOP_P_CANDIDATES = 256
+
+
+def top_p_threshold(probs: torch.Tensor, top_p: float, shortcut: bool) -> torch.Tensor:
+    """The probability of the least likely token ``top_p`` keeps (0-d, on ``probs``' device):
+    the sorted probabilities' first whose running sum reaches ``top_p``. ``shortcut``: look at
+    the :data:`_TOP_P_CANDIDATES` largest first and sort everything only where they hold too
+    little of the mass (one read of a value: free on the CPU, a sync on a GPU, which sorts the
+    whole vocabulary instead). Both give the same threshold: the candidates' running sums are
+    the first of the full sort's."""
+    n = probs.numel()
+    if shortcut:
+        k = min(_TOP_P_CANDIDATES, n)
+        top = torch.topk(probs, k).values  # sorted, largest first
+        csum = torch.cumsum(top, dim=-1)
+        if k == n or bool(csum[-1] >= top_p):
+            return top[torch.searchsorted(csum, top_p).clamp(max=k - 1)]
+    top = torch.sort(probs, descending=True).values
+    csum = torch.cumsum(top, dim=-1)
+    return top[torch.searchsorted(csum, top_p).clamp(max=n - 1)]
 
 
 def filter_logits(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """``row`` (temperature-scaled logits ``[vocab]``) with the tokens ``top_k``, ``top_p`` and
-    ``min_p`` remove set to ``-inf`` (in that order; the most likely token always stays)."""
+    ``min_p`` remove set to ``-inf`` (in that order; the most likely token always stays), on
+    ``row``'s device without reading a value back (but on the CPU, where reading costs
+    nothing: :func:`top_p_threshold`)."""
     k = sampling.top_k
     if 0 < k < row.numel():
         kth = torch.topk(row, k).values[-1]
         row = row.masked_fill(row < kth, -math.inf)
     if sampling.top_p < 1.0:
         probs = torch.softmax(row, dim=-1)
-        threshold = None
-        n = min(_TOP_P_CANDIDATES, probs.numel())
-        top = torch.topk(probs, n).values  # sorted, largest first
-        csum = torch.cumsum(top, dim=-1)
-        if n == probs.numel() or bool(csum[-1] >= sampling.top_p):
-            threshold = top[min(int(torch.searchsorted(csum, sampling.top_p)), n - 1)]
-        else:  # the candidates hold too little of the mass: sort everything
-            top = torch.sort(probs, descending=True).values
-            csum = torch.cumsum(top, dim=-1)
-            threshold = top[min(int(torch.searchsorted(csum, sampling.top_p)), top.numel() - 1)]
+        threshold = top_p_threshold(probs, sampling.top_p, row.device.type == "cpu")
         row = row.masked_fill(probs < threshold, -math.inf)
     if sampling.min_p > 0.0:
         # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
@@ -151,50 +177,91 @@ def filter_logits(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return row
 
 
-def prompt_ids(seq: Sequence) -> torch.Tensor:
-    """The distinct token ids of ``seq``'s prompt (int64), computed once."""
-    if seq.prompt_ids is None:
-        seq.prompt_ids = torch.from_numpy(np.unique(seq.prompt).astype(np.int64))
+def prompt_ids(seq: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The distinct token ids of ``seq``'s prompt (int64 on ``device``), computed and moved
+    once."""
+    device = torch.device(device)
+    if seq.prompt_ids is None or seq.prompt_ids.device != device:
+        seq.prompt_ids = to_device(np.unique(seq.prompt).astype(np.int64), device)
     return seq.prompt_ids
+
+
+def _checked(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probs`` made safe to draw from, and whether they were not (0-d bool): a distribution
+    holding NaN (from an infinite logit, say) becomes uniform, so the draw runs on every
+    device (CUDA's ``multinomial`` would stop the process with a device-side assert) and the
+    row is refused once the flags are read back."""
+    bad = torch.isnan(probs).any()
+    return torch.where(bad, torch.ones_like(probs), probs), bad
+
+
+class Pick(tuple):
+    """What :func:`sample_row` picks in one row, as 0-d tensors on the row's device:
+    ``(token, logprob)`` (``logprob`` None unless asked); ``top``: the ``top_logprobs``
+    alternatives as ``(values, ids)``, or None; ``bad``: whether the row's distribution held
+    NaN (a sampled row; None otherwise)."""
+
+    top: tuple[torch.Tensor, torch.Tensor] | None
+    bad: torch.Tensor | None
+
+    def __new__(
+        cls,
+        token: torch.Tensor,
+        logprob: torch.Tensor | None,
+        top: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bad: torch.Tensor | None = None,
+    ) -> Pick:
+        self = super().__new__(cls, (token, logprob))
+        self.top, self.bad = top, bad
+        return self
 
 
 def sample_row(
     row: torch.Tensor,
     seq: Sequence,
-    greedy_token: int,
+    greedy_token: int | torch.Tensor,
     output: Seq[int] | None = None,
     draft: int | None = None,
-) -> tuple[int, float | None]:
+) -> Pick:
     """The token (and its logprob when ``seq`` asks for them) of one row of float logits, with
-    every knob of ``seq``; ``greedy_token``: the argmax of the raw row. ``output``: the output
+    every knob of ``seq``, computed on the row's device without waiting for it (see
+    :class:`Pick`); ``greedy_token``: the argmax of the raw row. ``output``: the output
     the penalties count (default ``seq.output``). ``draft``: a draft token to verify at this
     row: a sampled row accepts it with its probability under the row's distribution, else draws
-    from that distribution without it (:func:`verify_draft`); a greedy row takes its argmax
-    as always (the caller compares)."""
+    from that distribution without it (:func:`verify_draft`, which reads values back); a greedy
+    row takes its argmax as always (the caller compares)."""
     sp = seq.sampling or OFF
+    dev = row.device
     raw = row
     if sp.logit_bias:
         row = apply_logit_bias(row, sp)
     if sp.penalized:
-        row = apply_penalties(row, prompt_ids(seq), seq.output if output is None else output, sp)
+        row = apply_penalties(
+            row, prompt_ids(seq, dev), seq.output if output is None else output, sp
+        )
+    bad = None
     if seq.temperature > 0:
         row = row / seq.temperature
         if sp.filtered:
             row = filter_logits(row, sp)
         probs = torch.softmax(row, dim=-1)
         if draft is None:
-            tok = int(torch.multinomial(probs, 1, generator=generator_of(seq)))
+            probs, bad = _checked(probs)
+            tok = torch.multinomial(probs, 1, generator=generator_of(seq, dev))[0]
         else:
-            tok = _accept_or_resample(probs, draft, generator_of(seq))
+            tok = torch.tensor(_accept_or_resample(probs, draft, generator_of(seq, dev)))
+    elif sp.penalized or sp.logit_bias:
+        tok = row.argmax()
     else:
-        tok = int(row.argmax()) if sp.penalized or sp.logit_bias else greedy_token
+        tok = torch.as_tensor(greedy_token)
     if not sp.logprobs:
-        return tok, None
+        return Pick(tok, None, None, bad)
     logp = torch.log_softmax(raw, dim=-1)  # the model's own (see the module docstring)
+    top = None
     if sp.top_logprobs:
         values, ids = torch.topk(logp, sp.top_logprobs)
-        seq.last_top = list(zip(ids.tolist(), values.tolist()))
-    return tok, float(logp[tok])
+        top = (values, ids)
+    return Pick(tok, logp[tok.to(dev)], top, bad)
 
 
 def _accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generator) -> int:
@@ -203,11 +270,30 @@ def _accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Genera
     distribution is ``probs`` exactly: ``P(x) = p(x)`` for the draft, and ``(1 - p(d)) * p(x) /
     (1 - p(d)) = p(x)`` for every other ``x``."""
     p = float(probs[draft])
-    if float(torch.rand((), generator=generator)) < p:
+    if float(torch.rand((), generator=generator, device=probs.device)) < p:
         return draft
     rest = probs.clone()
     rest[draft] = 0.0
     return int(torch.multinomial(rest, 1, generator=generator))
+
+
+def _host_pick(pick: Pick, seq: Sequence) -> tuple[int, float | None]:
+    """``pick`` read back (``top`` into ``seq.last_top``); a row whose distribution held NaN
+    raises ``ValueError``."""
+    if pick.bad is not None and bool(pick.bad):
+        raise ValueError(_bad_distribution(seq))
+    tok, lp = pick
+    if pick.top is not None:
+        values, ids = pick.top
+        seq.last_top = list(zip(ids.tolist(), values.tolist()))
+    return int(tok), None if lp is None else float(lp)
+
+
+def _bad_distribution(seq: Sequence) -> str:
+    return (
+        f"the sampling distribution of request {seq.id} holds NaN (an infinite logit, or "
+        f"every token filtered or banned)"
+    )
 
 
 def verify_draft(
@@ -219,7 +305,8 @@ def verify_draft(
     the penalties counting the tokens kept before it): greedy, its argmax, which accepts the
     draft where they are equal; sampled, rejection sampling with the request's own generator
     (:func:`_accept_or_resample`). The first token that differs from its draft (or the token
-    after the last draft) ends the list; so does a stop token or the request's length.
+    after the last draft) ends the list; so does a stop token or the request's length. Each
+    row's token is read back before the next (the next row's penalties count it).
 
     Returns ``(token, logprob)`` per kept token, each token's ``top_logprobs`` alternatives
     (None where not asked), and how many drafts were accepted. A row holding NaN raises
@@ -238,7 +325,7 @@ def verify_draft(
         if plain and seq.temperature == 0:
             tok, lp = best[j], None
         else:
-            tok, lp = sample_row(rows[j].float().cpu(), seq, best[j], output, d)
+            tok, lp = _host_pick(sample_row(rows[j].float(), seq, best[j], output, d), seq)
         items.append((tok, lp))
         tops.append(seq.last_top)
         if d is None or tok != d:
@@ -250,24 +337,42 @@ def verify_draft(
     return items, tops, accepted
 
 
+def _argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``argmax`` as torch gives it and whether the value it picked is NaN (int64
+    and bool ``[N]`` on ``logits``' device; argmax propagates NaN, so the values it picked tell
+    which rows hold one, without scanning ``[N, vocab]`` again). Through numpy for
+    float32/float64 logits on the CPU: its argmax runs about 10x faster than torch's there
+    (0.23 ms against 2.3 ms for 32 rows of a 49,152-token vocabulary, one thread), and after a
+    forward pass every call runs cold, numpy's four here against torch's eight (0.29 -> 0.16 ms
+    a step at 8 rows of 8,192)."""
+    on_host = _argmax_on_host(logits)
+    if on_host is not None:
+        best, nan = on_host
+        return torch.from_numpy(best.astype(np.int64, copy=False)), torch.from_numpy(nan)
+    best_t = logits.argmax(dim=-1)
+    return best_t, torch.isnan(logits.gather(-1, best_t[:, None])[:, 0])
+
+
+def _argmax_on_host(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """numpy's argmax of each row and whether its pick is NaN, for float32/float64 logits on
+    the CPU; None elsewhere."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
+        return None
+    rows = logits.detach().numpy()
+    best = rows.argmax(axis=-1)
+    return best, np.isnan(rows[np.arange(len(best)), best])
+
+
 def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Each row's ``argmax`` as torch gives it (the first maximum of a row, the first NaN of a
-    row holding one), and the rows holding NaN (argmax propagates NaN, so the values it picked
-    tell, without scanning ``[N, vocab]`` again). Through numpy for float32/float64 logits on
-    the CPU: its argmax runs about 10x faster than torch's there (0.23 ms against 2.3 ms for 32
-    rows of a 49,152-token vocabulary, one thread), and after a forward pass every call runs
-    cold, numpy's four here against torch's eight (0.29 -> 0.16 ms a step at 8 rows of 8,192).
-    On a GPU, one device-to-host copy of the picks and NaN flags together."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        rows = logits.detach().numpy()
-        best = rows.argmax(axis=-1)
-        nan = np.isnan(rows[np.arange(len(best)), best])
+    row holding one), and the rows holding NaN (:func:`_argmax_rows`). On a GPU, one
+    device-to-host copy of the picks and NaN flags together."""
+    on_host = _argmax_on_host(logits)
+    if on_host is not None:  # numpy all the way: the CPU's greedy step, as cheap as it was
+        best, nan = on_host
         return best.tolist(), np.flatnonzero(nan).tolist() if nan.any() else []
-    # Elsewhere (CUDA): the picks and a NaN flag per row come back in one copy, the step's
-    # only wait for the device.
-    best_t = logits.argmax(dim=-1)
-    picked = logits.gather(-1, best_t[:, None])[:, 0]
-    both = torch.stack((best_t, torch.isnan(picked).to(best_t.dtype))).cpu().numpy()
+    best_t, nan_t = _argmax_rows(logits)
+    both = torch.stack((best_t, nan_t.to(best_t.dtype))).cpu().numpy()
     nan_rows = np.flatnonzero(both[1]).tolist() if both[1].any() else []
     return both[0].tolist(), nan_rows
 
@@ -280,30 +385,97 @@ def sample_tokens(
     temperature)`` with that sequence's own generator (so a request's samples do not depend on
     what it was batched with). A row holding NaN, or whose draw raises, gets an exception in
     place of a token (greedy or not: argmax would pick the NaN); the other rows are unaffected.
-    Also returns each row's logprob (None for rows that do not ask), or None when no row asks."""
-    best, nan_rows = greedy_rows(logits)
-    tokens: list[int | Exception] = list(best)
-    for i in nan_rows:
-        tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
+    Also returns each row's logprob (None for rows that do not ask), or None when no row asks.
+
+    Everything is computed on the logits' device, each request's draws with its generator on
+    that device; what the host needs (the tokens, NaN flags, logprobs and alternatives) comes
+    back in one copy at the end, the step's only wait for the device."""
     hot = [i for i, s in enumerate(seqs) if s.temperature > 0 or s.sampling is not None]
+    if not hot:
+        best, nan_rows = greedy_rows(logits)
+        tokens: list[int | Exception] = list(best)
+        for i in nan_rows:
+            tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
+        return tokens, None
+    dev = logits.device
+    best_t, nan_t = _argmax_rows(logits)
+    if len(hot) == len(seqs):
+        rows = logits.float()
+    else:
+        rows = logits.index_select(0, to_device(np.asarray(hot, dtype=np.int64), dev)).float()
+    picks: dict[int, Pick] = {}
+    errors: dict[int, Exception] = {}
+    for j, i in enumerate(hot):
+        seq = seqs[i]
+        try:
+            if seq.sampling is None:  # temperature alone: as it always was
+                probs, bad = _checked(torch.softmax(rows[j] / seq.temperature, dim=-1))
+                tok = torch.multinomial(probs, 1, generator=generator_of(seq, dev))[0]
+                picks[i] = Pick(tok, None, None, bad)
+            else:
+                picks[i] = sample_row(rows[j], seq, best_t[i])
+        except Exception as e:  # reported on the row's request
+            errors[i] = e
+    return _read_back(best_t, nan_t, picks, errors, seqs)
+
+
+def _read_back(
+    best_t: torch.Tensor,
+    nan_t: torch.Tensor,
+    picks: dict[int, Pick],
+    errors: dict[int, Exception],
+    seqs: list[Sequence],
+) -> tuple[list[int | Exception], list[float | None] | None]:
+    """:func:`sample_tokens`' results in one device-to-host copy: int64 ``[greedy picks (N) |
+    NaN flags (N) | sampled tokens (H) | their NaN flags (H) | logprobs | alternatives' ids |
+    alternatives' logprobs]``, the float32 values carried as their bits."""
+    n = len(seqs)
+    order = list(picks)
+    ints = [best_t.long(), nan_t.long()]
+    floats: list[torch.Tensor] = []
+    if order:
+        ints.append(torch.stack([picks[i][0].reshape(()).long() for i in order]))
+        no = torch.zeros((), dtype=torch.bool, device=best_t.device)
+        flags = [no if picks[i].bad is None else picks[i].bad for i in order]
+        ints.append(torch.stack(flags).long())
+    with_lp = [i for i in order if picks[i][1] is not None]
+    floats += [picks[i][1].reshape(1) for i in with_lp]  # type: ignore[union-attr]
+    with_top = [i for i in order if picks[i].top is not None]
+    for i in with_top:
+        values, ids = picks[i].top  # type: ignore[misc]
+        ints.append(ids.long())
+        floats.append(values)
+    if floats:
+        bits = torch.cat([f.float() for f in floats]).view(torch.int32).long()
+        ints.append(bits)
+    flat = torch.cat(ints).cpu().numpy()  # the one copy
+    tokens: list[int | Exception] = flat[:n].tolist()
+    at = 2 * n
+    sampled = flat[at : at + len(order)].tolist()
+    bad = flat[at + len(order) : at + 2 * len(order)]
+    at += 2 * len(order)
+    for j, i in enumerate(order):
+        tokens[i] = (
+            ValueError(_bad_distribution(seqs[i])) if bad[j] else int(sampled[j])  # type: ignore[assignment]
+        )
+    for i, e in errors.items():
+        tokens[i] = e
+    for i in np.flatnonzero(flat[n : 2 * n]).tolist():  # NaN logits: whatever was drawn
+        tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
+    top_ids = []
+    for i in with_top:
+        k = picks[i].top[0].numel()  # type: ignore[index]
+        top_ids.append(flat[at : at + k].tolist())
+        at += k
+    values = flat[at:].astype(np.int32).view(np.float32).tolist()
     logprobs: list[float | None] | None = None
-    if hot:
-        rows = logits[hot].float().cpu()
-        for j, i in enumerate(hot):
-            tok = tokens[i]
-            if isinstance(tok, Exception):
-                continue
-            seq = seqs[i]
-            try:
-                if seq.sampling is None:  # temperature alone: as it always was
-                    probs = torch.softmax(rows[j] / seq.temperature, dim=-1)
-                    tokens[i] = int(torch.multinomial(probs, 1, generator=generator_of(seq)))
-                    continue
-                tokens[i], lp = sample_row(rows[j], seq, tok)
-                if lp is not None:
-                    if logprobs is None:
-                        logprobs = [None] * len(seqs)
-                    logprobs[i] = lp
-            except Exception as e:  # reported on the row's request
-                tokens[i] = e
+    for j, i in enumerate(with_lp):
+        if not isinstance(tokens[i], Exception):
+            if logprobs is None:
+                logprobs = [None] * n
+            logprobs[i] = values[j]
+    at = len(with_lp)
+    for ids, i in zip(top_ids, with_top):
+        seqs[i].last_top = list(zip(ids, values[at : at + len(ids)]))
+        at += len(ids)
     return tokens, logprobs

@@ -7,7 +7,8 @@ one int64 tensor on the device and its pinned host twin, laid out by field::
       max_batch   max_batch   max_batch     max_batch
 
 A decode step of ``B`` requests padded to a batch bucket ``b >= B`` is written into the host
-twin (rows ``B..b`` padded: slot -1, no keys) and moved with one non-blocking copy; a
+twin (rows ``B..b`` padded: slot -1, no keys) and moved with one non-blocking copy of the
+fields and the bucket's rows of the table; a
 :class:`StaticDecodeStep` of bucket ``b`` reads the first ``b`` rows of each field, always the
 same views. Its attention writes the new K/V with :func:`~.backends.triton_kernels.store_kv`
 (padded rows write nothing) and attends with the split-KV decode kernel (padded rows have no
@@ -75,8 +76,26 @@ class DecodeBuffers:
         table = h[FIELDS * m : FIELDS * m + bucket * w].reshape(bucket, w)
         bt = np.asarray(plan.block_table)
         table[:b, : bt.shape[1]] = bt
+        self._copy(bucket)
+
+    def pad(self, bucket: int) -> None:
+        """Rows ``0..bucket`` all padding (no keys, nothing written): what the graphs are
+        warmed up and captured over."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()
+        m, w = self.max_batch, self.max_pages
+        h = self._host_np
+        h[: FIELDS * m + bucket * w] = 0
+        h[2 * m : 3 * m] = -1
+        self._copy(bucket)
+
+    def _copy(self, bucket: int) -> None:
+        """One non-blocking copy of what a step of ``bucket`` rows reads: the fields and the
+        first ``bucket`` rows of the page table (a prefix of the buffers; the rows past it are
+        not read)."""
         if self.dev is not self.host:
-            self.dev.copy_(self.host, non_blocking=True)
+            n = FIELDS * self.max_batch + bucket * self.max_pages
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
 

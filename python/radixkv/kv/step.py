@@ -27,6 +27,7 @@ import torch
 import radixkv
 from radixkv.kv import windowed as _windowed
 from radixkv.kv.backends import Backend, Group, slot_matrix
+from radixkv.kv.host_copy import to_device
 
 
 class Pool(Protocol):
@@ -110,6 +111,22 @@ class Step:
     :meth:`KVCache.apply_copies`.
     """
 
+    # Built on first use (:meth:`_build`).
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    last_token_index: torch.Tensor
+    kv_len: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    qo_indptr: torch.Tensor
+    paged_kv_indptr: torch.Tensor
+    paged_kv_last_page_len: torch.Tensor
+    paged_kv_indices: torch.Tensor
+    window_write_slots: torch.Tensor
+    window_block_table: torch.Tensor
+    backends: list[str]
+
     def __init__(
         self,
         kv: Pool,
@@ -127,7 +144,7 @@ class Step:
         kv_len = plan.kv_len
         b = len(requests)
         self.page_size = kv.page_size
-        self.num_tokens = t = plan.num_tokens
+        self.num_tokens = plan.num_tokens
         self.max_q_len = plan.max_q_len
         self.max_kv_len = plan.max_kv_len
         self.max_pages = plan.max_pages
@@ -136,46 +153,83 @@ class Step:
         self.q_len_list: list[int] = q_len.tolist()
         self.kv_len_list: list[int] = kv_len.tolist()
         self.is_fresh_prefill = b == 1 and self.q_len_list[0] == self.kv_len_list[0]
+        self._lens = (q_start, kv_len, q_len)
+        self._window_layers = getattr(kv, "window_layers", ())
+        # The window layers' groups (a cache with a window group only) and SDPA's groups over
+        # the full pool, for layers whose window, softcap or sinks a group's backend does not
+        # take: made on the first such layer's call.
+        self._window: tuple[Backend, Group] | None = None
+        self._sdpa_groups: list[tuple[Backend, Group]] | None = None
+        self._kv_slots: torch.Tensor | None = None
+        #: Whether the step's device tensors and backend groups are built
+        #: (:meth:`_build`: on first use; a CUDA graph's decode step never builds them).
+        self.built = False
+
+    #: What :meth:`_build` makes: read one and the step builds them all.
+    _BUILT = frozenset(
+        {
+            "input_ids",
+            "positions",
+            "write_slots",
+            "last_token_index",
+            "kv_len",
+            "block_table",
+            "seq_lens",
+            "qo_indptr",
+            "paged_kv_indptr",
+            "paged_kv_last_page_len",
+            "paged_kv_indices",
+            "window_write_slots",
+            "window_block_table",
+            "backends",
+            "_groups",
+            "_mirror_gen",
+        }
+    )
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes not set yet: the device tensors, until first used.
+        if name in Step._BUILT and not self.__dict__.get("built", True):
+            self._build()
+            return getattr(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _build(self) -> None:
+        """The step's device tensors and each group's backend preparation, made on first use:
+        a decode step that a CUDA graph replays reads its plan from fixed buffers
+        (:mod:`radixkv.kv.static_step`) and builds none of this. Two host-to-device copies in
+        all, pinned and non-blocking on CUDA (:func:`~radixkv.kv.host_copy.to_device`): the
+        int64 index arrays, then the int32 page tables, each packed back to back by the plan.
+        Attributes set before (the engine's own ``last_token_index``) are kept."""
+        self.built = True
+        plan, kv = self._plan, self.kv
         dev = kv.device
-        # Two host-to-device copies in all: the int64 index arrays, then the int32 page tables,
-        # each packed back to back by the plan.
-        host = dev.type == "cpu"  # on the CPU the arrays are the tensors: no .to() to pay
-        longs = torch.from_numpy(plan.longs)
-        if not host:
-            longs = longs.to(dev)
-        views = longs.split_with_sizes([t, t, t, b, b])
-        self.input_ids, self.positions, self.write_slots = views[0], views[1], views[2]
-        self.last_token_index, self.kv_len = views[3], views[4]
-        ints = torch.from_numpy(plan.ints)
-        if not host:
-            ints = ints.to(dev)
+        t, b = self.num_tokens, len(self.requests)
+        made: dict[str, Any] = {}
+        views = to_device(plan.longs, dev).split_with_sizes([t, t, t, b, b])
+        made["input_ids"], made["positions"], made["write_slots"] = views[0], views[1], views[2]
+        made["last_token_index"], made["kv_len"] = views[3], views[4]
+        ints = to_device(plan.ints, dev)
         pages = b * self.max_pages
         v32 = ints.split_with_sizes([pages, b, b + 1, b + 1, b, ints.shape[0] - pages - 4 * b - 2])
-        self.block_table = v32[0].view(b, self.max_pages)
-        self.seq_lens, self.qo_indptr, self.paged_kv_indptr = v32[1], v32[2], v32[3]
-        self.paged_kv_last_page_len, self.paged_kv_indices = v32[4], v32[5]
-        self._kv_slots: torch.Tensor | None = None
-        self._lens = (q_start, kv_len, q_len)
-        self._groups = self._make_groups(q_start, kv_len, q_len, self.block_table)
+        made["block_table"] = v32[0].view(b, self.max_pages)
+        made["seq_lens"], made["qo_indptr"], made["paged_kv_indptr"] = v32[1], v32[2], v32[3]
+        made["paged_kv_last_page_len"], made["paged_kv_indices"] = v32[4], v32[5]
+        if self._window_layers:
+            made["window_write_slots"] = to_device(plan.window_write_slots, dev)
+            made["window_block_table"] = to_device(plan.window_block_table, dev)
+        for name, value in made.items():
+            self.__dict__.setdefault(name, value)
+        self._groups = self._make_groups(*self._lens, self.block_table)
         # The decode mirror's lanes hold only rows their own plan's step wrote: this step's
         # requests outside its lanes lose theirs now, and all of them do if the mirror is
         # planned again before this step writes the pool (:meth:`attention`).
         mirror = kv.mirror
         for _, g in self._groups:
             if not (isinstance(g.state, dict) and g.state.get("lanes") is not None):
-                mirror.forget([requests[i] for i in g.req])
+                mirror.forget([self.requests[i] for i in g.req])
         self._mirror_gen = mirror.generation
         self.backends = [backend.name for backend, _ in self._groups]
-        # The window layers' page table and write slots (a cache with a window group only);
-        # their groups are made on the first window layer's call.
-        self._window: tuple[Backend, Group] | None = None
-        # SDPA's groups over the full pool, for layers whose window, softcap or sinks a
-        # group's backend does not take (made on the first such layer's call).
-        self._sdpa_groups: list[tuple[Backend, Group]] | None = None
-        self._window_layers = getattr(kv, "window_layers", ())
-        if self._window_layers:
-            self.window_write_slots = torch.from_numpy(plan.window_write_slots).to(dev)
-            self.window_block_table = torch.from_numpy(plan.window_block_table).to(dev)
 
     def _make_groups(
         self,
@@ -225,8 +279,8 @@ class Step:
             else:
                 assert decode is not None  # a group short of the step: not every request decodes
                 rows_np = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in req])
-                rows = torch.from_numpy(rows_np).to(kv.device)
-                idx = torch.from_numpy(req).to(kv.device)
+                rows = to_device(rows_np, kv.device)
+                idx = to_device(req, kv.device)
                 pages = int(-(-kv_len[req].max() // kv.page_size))
                 g = Group(
                     req=req,
@@ -290,6 +344,8 @@ class Step:
         if window is not None and self.max_kv_len <= window:
             window = None  # every key is in every query's window: plain causal attention
         self.check_current()
+        if not self.built:  # before the mirror's generation is read: building plans its lanes
+            self._build()
         if self._copy_events is not None:  # the tier's copies of this layer, on a side stream
             torch.cuda.current_stream(kv.device).wait_event(self._copy_events[layer])
         mirror = kv.mirror
@@ -396,11 +452,11 @@ class Step:
         shift = lo * p
         width = max(1, int((-(-(kv_len - shift) // p)).max()))
         cols = torch.arange(width, device=dev)
-        lo_t = torch.from_numpy(lo).to(dev)
+        lo_t = to_device(lo, dev)
         at = (lo_t[:, None] + cols[None, :]).clamp(max=self.window_block_table.shape[1] - 1)
         table = self.window_block_table.gather(1, at)
-        shift_t = torch.from_numpy(shift).to(dev)
-        per_token = torch.repeat_interleave(shift_t, torch.from_numpy(q_len).to(dev))
+        shift_t = to_device(shift, dev)
+        per_token = torch.repeat_interleave(shift_t, to_device(q_len, dev))
         g = Group(
             req=np.arange(len(q_len)),
             rows=None,
