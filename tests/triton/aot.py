@@ -4,7 +4,7 @@ copies, wgmma.
 
     PYTHONPATH=python python tests/triton/aot.py [--archs 80,90,100]
         [--dtypes float16,bfloat16,float32] [--head-dims 64,128,256] [--groups 4]
-        [--flags none,all] [--json]
+        [--flags none,all] [--launches decode,prefill,mixed] [--json]
     PYTHONPATH=python python tests/triton/aot.py --sweep [--archs ...]   # candidate tiles
 
 How: the launch functions of ``triton_kernels`` run as the backend calls them, over CPU tensors
@@ -218,15 +218,24 @@ def launches(
     ]
 
 
-def check(archs: list[int], dtypes: list[str], head_dims: list[int], groups: list[int],
-          flag_sets: list[bool]) -> Iterator[dict[str, Any]]:  # fmt: skip
-    """Every launch of the table's configs, compiled and read."""
+def check(
+    archs: list[int],
+    dtypes: list[str],
+    head_dims: list[int],
+    groups: list[int],
+    flag_sets: list[bool],
+    only: tuple[str, ...] = (),
+) -> Iterator[dict[str, Any]]:
+    """Every launch of the table's configs (those whose name starts with one of ``only``, when
+    given), compiled and read."""
     for arch in archs:
         for dt in dtypes:
             for d in head_dims:
                 for g in groups:
                     for flags in flag_sets:
                         for label, launch in launches(arch, dt, d, g, flags):
+                            if only and not label.startswith(only):
+                                continue
                             for fn, req in capture(arch, launch):
                                 r = build(arch, fn, req)
                                 r.update(launch=label, dtype=dt, head_dim=d, group=g, flags=flags)
@@ -286,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--groups", default="4", help="query heads per KV head")
     ap.add_argument("--flags", default="none,all", help="none: plain; all: window+softcap+sinks")
+    ap.add_argument("--launches", default="", help="only launches named so: decode,prefill,mixed")
     ap.add_argument("--sweep", action="store_true", help="candidate tiles, not the table's")
     ap.add_argument("--json", action="store_true", help="one JSON object a line")
     ap.add_argument("--block-n", default="16,32,64,128", help="--sweep: keys a loop step")
@@ -308,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = sweep(archs, dtypes, dims, cand)
     else:
         flag_sets = [{"none": False, "all": True}[f] for f in args.flags.split(",")]
-        rows = check(archs, dtypes, dims, _ints(args.groups), flag_sets)
+        only = tuple(x for x in args.launches.split(",") if x)
+        rows = check(archs, dtypes, dims, _ints(args.groups), flag_sets, only)
     for r in rows:
         if args.json:
             print(json.dumps(r), flush=True)
