@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Shared memory a block may use (opt-in), per architecture: CUDA C++ Programming Guide,
 #: "Technical Specifications per Compute Capability" (163 KB on 8.0; 99 KB on 8.6, 8.9 and
-#: 12.0; 227 KB on 9.0 and 10.0). The 8.6/8.9/12.0 targets launch the table entries of their
-#: family (``triton_kernels.family``: 80, 80, 100).
+#: 12.0; 227 KB on 9.0 and 10.0). A target launches the table entries of its family
+#: (``triton_kernels.family``: 8.9 those of 8.6).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024,
                 100: 227 * 1024, 120: 99 * 1024}  # fmt: skip
 

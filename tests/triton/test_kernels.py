@@ -306,3 +306,20 @@ def test_llama_sized(p):
     check(Pool([300, 129, 1], [1, 1, 1], p, 32, 8, 128), splits=4, min_split=None)
     check(Pool([300, 129, 1], [64, 1, 1], p, 32, 8, 128))
     check(Pool([300, 129, 1], [64, 1, 1], p, 32, 8, 128), mixed=True, splits=4)
+
+
+def test_every_gpu_family_has_its_table_entries():
+    """Compute capabilities map to the table's families (sm_86/89 and sm_120 to their own:
+    99 KB of shared memory a block, where sm_80's and sm_100's entries spill), each with an
+    entry for both precisions and every head dim."""
+    tk = kernels()
+    got = {cc: tk.family(cc) for cc in (80, 86, 87, 89, 90, 100, 103, 110, 120, 121)}
+    assert got == {80: 80, 86: 86, 87: 80, 89: 86, 90: 90, 100: 100, 103: 100, 110: 100,
+                   120: 120, 121: 120}  # fmt: skip
+    for arch in tk.ARCHS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for d in (16, 32, 64, 128, 256):
+                assert tk.decode_config(arch, dtype, d) and tk.prefill_config(arch, dtype, d)
+    # Where sm_80's and sm_100's entries spill on the 99 KB parts (tests/triton/aot.py).
+    assert tk.prefill_config(86, torch.bfloat16, 128) != tk.prefill_config(80, torch.bfloat16, 128)
+    assert tk.prefill_config(120, torch.bfloat16, 256).num_warps == 8

@@ -79,12 +79,15 @@ class Tiles:
 #: sm_90's prefill). fp32 (exactness runs) takes 8 warps and 16-row tiles: 4 warps spill at
 #: head dim 128 (decode 232 bytes a thread on sm_90, prefill 9-11 KB with 64-row tiles).
 #: sm_80's half prefill takes 8 warps (4 spill), and 32-key blocks at 256 (69 KB of shared
-#: memory, within sm_86/89's 99 KB too); its fp32 prefill 4 warps up to 128. sm_100's half
-#: decode takes 3 stages up to head dim 64.
+#: memory); its fp32 prefill 4 warps up to 128. sm_100's half decode takes 3 stages up to head
+#: dim 64. sm_86/89 (99 KB of shared memory a block, 128 registers a thread at 8 warps there)
+#: take sm_80's, but at head dim 128 a half prefill of 32-key blocks and 4 warps (sm_80's
+#: spills 16 bytes there) and an fp32 prefill of 8 warps. sm_120 (99 KB, no wgmma) takes
+#: sm_100's, but at head dim 256 a half prefill of 8 warps (4 spill 32 bytes there).
 CONFIGS: dict[tuple[int, int, int], tuple[Tiles, Tiles]] = {}
 
-#: The architectures of :data:`CONFIGS` (compute capability x 10).
-ARCHS = (80, 90, 100)
+#: The architectures of :data:`CONFIGS` (compute capability x 10; see :func:`family`).
+ARCHS = (80, 86, 90, 100, 120)
 
 _HALF = {d: (Tiles(64, 4, 2), Tiles(64, 4, 2, 64)) for d in (16, 32, 64, 128)}
 _HALF[256] = (Tiles(32, 4, 2), Tiles(32, 4, 2, 64))
@@ -100,14 +103,24 @@ for _d in (16, 32, 64, 128):  # sm_80 half prefill: 4 warps spill (16 bytes at 6
 CONFIGS[80, 16, 256] = (Tiles(32, 4, 2), Tiles(32, 8, 2, 64))
 for _d in (16, 32, 64, 128):  # sm_80 fp32 prefill: 8 warps spill 8 bytes at head dim 128
     CONFIGS[80, 32, _d] = (_FP32[_d][0], Tiles(32, 4, 1, 16))
+for _key in [k for k in CONFIGS if k[0] in (80, 100)]:
+    CONFIGS[{80: 86, 100: 120}[_key[0]], _key[1], _key[2]] = CONFIGS[_key]
+CONFIGS[86, 16, 128] = (CONFIGS[80, 16, 128][0], Tiles(32, 4, 2, 64))
+CONFIGS[86, 32, 128] = _FP32[128]  # sm_80's 4 warps spill 8 bytes there; 8 warps do not
+CONFIGS[120, 16, 256] = (CONFIGS[100, 16, 256][0], Tiles(32, 8, 2, 64))
 
 
 def family(cc: int) -> int:
-    """The :data:`ARCHS` entry of compute capability ``cc`` (x 10): Hopper 90, Blackwell 100
-    and later 100, anything older 80. sm_86/89 and sm_120 take the 80 and 100 entries with
-    99 KB of shared memory a block (not 163 or 227): ``tests/triton/aot.py`` compiles them for
-    those targets too."""
-    return 100 if cc >= 100 else 90 if cc >= 90 else 80
+    """The :data:`ARCHS` entry of compute capability ``cc`` (x 10): sm_86 and sm_89 86 (99 KB
+    of shared memory a block), Hopper 90, data-center Blackwell 100 (sm_100 to sm_110), the
+    consumer Blackwell parts from sm_120 on 120 (99 KB, no wgmma), anything else 80."""
+    if cc >= 120:
+        return 120
+    if cc >= 100:
+        return 100
+    if cc >= 90:
+        return 90
+    return 86 if cc in (86, 89) else 80
 
 
 def arch_of(device: torch.device) -> int:
