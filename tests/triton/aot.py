@@ -4,7 +4,7 @@ copies, wgmma.
 
     PYTHONPATH=python python tests/triton/aot.py [--archs 80,90,100]
         [--dtypes float16,bfloat16,float32] [--head-dims 64,128,256] [--groups 4]
-        [--flags none,all] [--json]
+        [--flags none,all] [--launches decode,prefill,mixed] [--json]
     PYTHONPATH=python python tests/triton/aot.py --sweep [--archs ...]   # candidate tiles
 
 How: the launch functions of ``triton_kernels`` run as the backend calls them, over CPU tensors
@@ -40,8 +40,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Shared memory a block may use (opt-in), per architecture: CUDA C++ Programming Guide,
-#: "Technical Specifications per Compute Capability" (163 KB on 8.0; 227 KB on 9.0 and 10.0).
-SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+#: "Technical Specifications per Compute Capability" (163 KB on 8.0; 99 KB on 8.6, 8.9 and
+#: 12.0; 227 KB on 9.0 and 10.0). A target launches the table entries of its family
+#: (``triton_kernels.family``: 8.9 those of 8.6).
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024,
+                100: 227 * 1024, 120: 99 * 1024}  # fmt: skip
 
 
 def _tool(name: str) -> str | None:
@@ -160,14 +163,16 @@ def launches(
 ) -> list[tuple[str, Callable[[], None]]]:
     """The launches the backend makes over a pool of ``dtype_name`` and ``head_dim`` with
     ``group`` query heads per KV head, each named: decode at one split (no merge) and at
-    several (split and merge), prefill with its large and its small tile; ``flags``: window,
-    softcap and sinks all on. ``tiles``: (decode, prefill) tiles to launch in place of the
-    table's."""
+    several (split and merge), prefill with its large and its small tile, a mixed step (the
+    prefill's large tile, then its decode rows picked by index at one split and at several);
+    ``flags``: window, softcap and sinks all on. ``tiles``: (decode, prefill) tiles to launch
+    in place of the table's."""
     import torch
 
     from radixkv.kv.backends import triton_kernels as tk
 
     dtype = getattr(torch, dtype_name)
+    arch = tk.family(arch)  # the entries of the table the GPU compiled for launches
     hkv, p, b = 2, 16, 2
     hq = hkv * group
     dec_cfg, pre_cfg = tiles if tiles is not None else (None, None)
@@ -194,23 +199,43 @@ def launches(
             arch=arch, **extra,
         )  # fmt: skip
 
+    def mixed(splits: int) -> None:
+        block_q = tk.prefill_block_q(group, 4096, rows)
+        qo_mixed = torch.tensor([0, 1, 2], dtype=torch.int32)
+        decode_rows = (torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+        tk.paged_mixed(
+            q, pool, pool, table, lens, qo_mixed, tile, block_q, decode_rows, 0.1, p,
+            splits=splits, configs=(dec_cfg, pre_cfg), arch=arch, **extra,
+        )  # fmt: skip
+
     return [
         ("decode, 1 split", lambda: decode(1)),
         ("decode, 2 splits", lambda: decode(2)),
         ("prefill, large tile", lambda: prefill(4096)),
         ("prefill, small tile", lambda: prefill(1)),
+        ("mixed, 1 split", lambda: mixed(1)),
+        ("mixed, 2 splits", lambda: mixed(2)),
     ]
 
 
-def check(archs: list[int], dtypes: list[str], head_dims: list[int], groups: list[int],
-          flag_sets: list[bool]) -> Iterator[dict[str, Any]]:  # fmt: skip
-    """Every launch of the table's configs, compiled and read."""
+def check(
+    archs: list[int],
+    dtypes: list[str],
+    head_dims: list[int],
+    groups: list[int],
+    flag_sets: list[bool],
+    only: tuple[str, ...] = (),
+) -> Iterator[dict[str, Any]]:
+    """Every launch of the table's configs (those whose name starts with one of ``only``, when
+    given), compiled and read."""
     for arch in archs:
         for dt in dtypes:
             for d in head_dims:
                 for g in groups:
                     for flags in flag_sets:
                         for label, launch in launches(arch, dt, d, g, flags):
+                            if only and not label.startswith(only):
+                                continue
                             for fn, req in capture(arch, launch):
                                 r = build(arch, fn, req)
                                 r.update(launch=label, dtype=dt, head_dim=d, group=g, flags=flags)
@@ -230,8 +255,11 @@ def sweep(
     )
     for arch, dt, d, n, warps, stages, m in grid:
         tiles = (Tiles(n, warps, stages), Tiles(n, warps, stages, m))
-        requests = [
-            x for _, run in launches(arch, dt, d, 4, False, tiles) for x in capture(arch, run)
+        requests = [  # a mixed step's launches are the same tiles (checked by check())
+            x
+            for label, run in launches(arch, dt, d, 4, False, tiles)
+            if not label.startswith("mixed")
+            for x in capture(arch, run)
         ]
         for fn, req in requests:
             name = fn.__name__
@@ -267,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--groups", default="4", help="query heads per KV head")
     ap.add_argument("--flags", default="none,all", help="none: plain; all: window+softcap+sinks")
+    ap.add_argument("--launches", default="", help="only launches named so: decode,prefill,mixed")
     ap.add_argument("--sweep", action="store_true", help="candidate tiles, not the table's")
     ap.add_argument("--json", action="store_true", help="one JSON object a line")
     ap.add_argument("--block-n", default="16,32,64,128", help="--sweep: keys a loop step")
@@ -289,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = sweep(archs, dtypes, dims, cand)
     else:
         flag_sets = [{"none": False, "all": True}[f] for f in args.flags.split(",")]
-        rows = check(archs, dtypes, dims, _ints(args.groups), flag_sets)
+        only = tuple(x for x in args.launches.split(",") if x)
+        rows = check(archs, dtypes, dims, _ints(args.groups), flag_sets, only)
     for r in rows:
         if args.json:
             print(json.dumps(r), flush=True)

@@ -2,12 +2,13 @@
 machine without a GPU (``aot.py``: Triton compiles for a named target; cuobjdump reads the
 cubin), checked for what a GPU run would suffer from without failing: local-memory spills,
 shared memory past the target's limit, half-type K/V loads that are not async copies, an sm_90
-prefill without wgmma, a decode launch of one split that still launches the merge kernel.
+prefill without wgmma, a decode launch of one split that still launches the merge kernel, a
+mixed step whose decode rows do not run on the split kernel.
 
 The quick case (run by ``make test-triton``) compiles Llama-3-8B's head dim in bf16 and fp32 on
-the three targets; the slow one every dtype, head dims 64/128/256, with and without window,
-softcap and sinks, and groups of 1 and 16 at head dim 128. Compiled kernels are cached by
-Triton under ``target/triton-aot``, so a rerun of unchanged kernels takes seconds."""
+the three targets; the slow ones every dtype, head dims 16 to 256, with and without window,
+softcap and sinks, groups of 1 and 16, and the 99 KB targets sm_86/89/120. Compiled kernels are
+cached by Triton under ``target/triton-aot``, so a rerun of unchanged kernels takes seconds."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ def check(records: list[dict]) -> None:
             problems.append(f"{key}: launched {kernels}, not the split kernel alone")
         if key[-1] == "decode, 2 splits" and kernels != ["_decode_split", "_decode_merge"]:
             problems.append(f"{key}: launched {kernels}, not split then merge")
+        # A mixed step: its prefill, then its decode rows on the split kernel.
+        if key[-1] == "mixed, 1 split" and kernels != ["_prefill", "_decode_split"]:
+            problems.append(f"{key}: launched {kernels}, not prefill then the split kernel")
+        if key[-1] == "mixed, 2 splits" and kernels != [
+            "_prefill",
+            "_decode_split",
+            "_decode_merge",
+        ]:
+            problems.append(f"{key}: launched {kernels}, not prefill, split, merge")
     assert not problems, "\n".join(problems)
 
 
@@ -89,12 +99,24 @@ def test_every_config_compiles_clean_for_sm80_sm90_sm100():
     check(
         compile_all(
             "--archs", "80,90,100", "--dtypes", "float16,bfloat16,float32",
-            "--head-dims", "64,128,256", "--groups", "4", "--flags", "none,all",
+            "--head-dims", "16,32,64,128,256", "--groups", "4", "--flags", "none,all",
         )
     )  # fmt: skip
     check(
         compile_all(
-            "--archs", "80,90,100", "--dtypes", "bfloat16,float32", "--head-dims", "128",
-            "--groups", "1,16", "--flags", "none",
+            "--archs", "80,90,100", "--dtypes", "float16,bfloat16,float32",
+            "--head-dims", "64,128,256", "--groups", "1,16", "--flags", "none",
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_99_kb_gpus_fit_their_shared_memory():
+    """sm_86/89 take the sm_80 entries and sm_120 the sm_100 ones, with 99 KB of shared
+    memory a block instead of 163/227: every launch fits (and spills nothing) there too."""
+    check(
+        compile_all(
+            "--archs", "86,89,120", "--dtypes", "float16,bfloat16,float32",
+            "--head-dims", "64,128,256", "--groups", "4", "--flags", "none",
         )
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """``KVCache(attention="triton")`` end to end: steps against the reference (fresh prefill, a
-mixed step in one launch, decodes, forks), windows, softcaps and sinks in the kernels, and the
-engine and the transformers adapter giving the same greedy tokens as SDPA."""
+mixed step's prefill and decode rows each on its kernel, decodes, forks), windows, softcaps
+and sinks in the kernels, and the engine and the transformers adapter giving the same greedy
+tokens as SDPA."""
 
 from __future__ import annotations
 
@@ -38,37 +39,67 @@ def test_windows_softcaps_and_sinks_run_in_the_kernels(p, monkeypatch):
     windowed_decode("triton", device=DEVICE, p=p)
 
 
-def test_a_mixed_step_with_extras_is_one_launch(monkeypatch):
-    """A prefill beside decode rows with a window and sinks: the prefill kernel once per layer,
-    as the reference."""
-    from radixkv.kv.backends import triton_kernels
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_mixed_steps_decode_rows_run_on_the_split_kernel(splits, monkeypatch):
+    """A prefill beside two decode rows, with and without a window and sinks: per layer the
+    prefill kernel over the prefill's tiles only and the split-KV decode kernel over the
+    decode rows, as the reference. ``splits``: the decode rows' bound (off CUDA the device's
+    is 1; 4 runs the merge and the scratch, shared with the next decode step's)."""
+    from radixkv.kv.backends import triton_kernels as tk
     from radixkv.kv.windowed import attend_exact
 
     launches = []
-    real = triton_kernels.paged_prefill
-    monkeypatch.setattr(
-        triton_kernels, "paged_prefill", lambda *a, **kw: launches.append(1) or real(*a, **kw)
-    )
+    real_prefill, real_decode = tk.paged_prefill, tk.paged_decode
+
+    def prefill(*a, **kw):
+        launches.append(("prefill", sorted(set(a[6][0].tolist()))))  # the tiles' requests
+        return real_prefill(*a, **kw)
+
+    def decode(*a, **kw):
+        rows = kw.get("rows")
+        launches.append(("decode", None if rows is None else rows[1].tolist(), kw["splits"]))
+        return real_decode(*a, **kw)
+
+    monkeypatch.setattr(tk, "paged_prefill", prefill)
+    monkeypatch.setattr(tk, "paged_decode", decode)
+    monkeypatch.setattr(tk, "decode_splits", lambda b, hkv, device: splits)
     cache = radixkv.RadixCache(256, page_size=4)
-    kv = radixkv.KVCache(cache, 1, 2, 16, device=DEVICE, attention="triton")
+    kv = radixkv.KVCache(cache, 2, 2, 16, device=DEVICE, attention="triton")
     rng = np.random.default_rng(0)
     gen = torch.Generator().manual_seed(0)
-    a = cache.admit(rng.integers(0, 50, 30))
-    step = kv.plan([a])
-    t = step.num_tokens
-    step.attention(0, *(torch.randn(t, h, 16, generator=gen).to(DEVICE) for h in (8, 2, 2)))
+
+    def qkv(step):
+        return [torch.randn(step.num_tokens, h, 16, generator=gen).to(DEVICE) for h in (8, 2, 2)]
+
+    a, c = cache.admit(rng.integers(0, 50, 70)), cache.admit(rng.integers(50, 99, 9))
+    step = kv.plan([a, c])
+    for layer in (0, 1):
+        step.attention(layer, *qkv(step))
     kv.commit(step)
     cache.extend(a, [3])
+    cache.extend(c, [4])
     b = cache.admit(rng.integers(0, 50, 21))
-    step = kv.plan([a, b])
-    assert step.backends == ["triton"] and step.q_len_list == [1, 21]
-    q, k, v = (torch.randn(step.num_tokens, h, 16, generator=gen).to(DEVICE) for h in (8, 2, 2))
+    step = kv.plan([a, b, c])
+    assert step.backends == ["triton"] and step.q_len_list == [1, 21, 1]
     sinks = torch.linspace(-1, 1, 8, device=DEVICE)
+    for layer, extras in ((0, {"window": 5, "sinks": sinks}), (1, {})):
+        q, k, v = qkv(step)
+        launches.clear()
+        got = step.attention(layer, q, k, v, **extras)
+        # The prefill's tiles (request 1 alone), then the decode rows at tokens 0 and 22.
+        assert launches == [("prefill", [1]), ("decode", [0, 22], splits)]
+        want = attend_exact(step, layer, q, 16**-0.5, extras.get("window"), None,
+                            extras.get("sinks"))  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    kv.commit(step)
+    for r, tok in ((a, 5), (b, 6), (c, 7)):
+        cache.extend(r, [tok])
+    step = kv.plan([a, b, c])  # a decode step after it: its own rows, the same scratch
+    q, k, v = qkv(step)
     launches.clear()
-    got = step.attention(0, q, k, v, window=5, sinks=sinks)
-    assert launches == [1]
-    want = attend_exact(step, 0, q, 16**-0.5, 5, None, sinks)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got = step.attention(0, q, k, v)
+    assert launches == [("decode", None, splits)]
+    torch.testing.assert_close(got, attend_exact(step, 0, q, 16**-0.5), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("make_cache", CACHES)
@@ -159,3 +190,15 @@ def test_window_pool_layers_run_in_the_kernels(arch, page, monkeypatch):
 
     monkeypatch.setattr(SdpaBackend, "attend", refuse)
     assert [r.output for r in eng.generate(prompts, max_new_tokens=5)] == want
+
+
+def test_tile_and_row_tensors_start_16_bytes_apart():
+    """The prefill tiles and decode rows of a step come from one copy, each part 16-byte
+    aligned whatever the lengths before it: Triton compiles a kernel again for a pointer that
+    is not (and the ahead-of-time check compiles the aligned one)."""
+    from radixkv.kv.backends.triton_backend import _packed
+
+    lists = [[7], [1, 2], [3, 4, 5], [], [6, 7, 8, 9, 10]]
+    parts = _packed(lists, torch.device(DEVICE))
+    assert [t.tolist() for t in parts] == lists
+    assert all(t.dtype == torch.int32 and t.data_ptr() % 16 == 0 for t in parts)

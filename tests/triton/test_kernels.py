@@ -85,7 +85,10 @@ class Pool:
             out.append(torch.einsum("hqk,khd->qhd", pr, vv))
         return torch.cat(out)
 
-    def run(self, scale, splits=None, min_split=16, **extras) -> torch.Tensor:
+    def run(self, scale, splits=None, min_split=16, mixed=False, **extras) -> torch.Tensor:
+        """The decode kernel when every request has one query; else the prefill kernel over
+        every request, or with ``mixed`` a mixed launch (prefill tiles for the requests of
+        several queries, the decode kernel at ``splits`` for the others)."""
         tk = kernels()
         if all(m == 1 for m in self.q_lens):
             return tk.paged_decode(
@@ -93,16 +96,23 @@ class Pool:
                 splits=splits, min_split=min_split, **extras,
             )  # fmt: skip
         block_q = tk.prefill_block_q(self.hq // self.hkv, max(self.q_lens))
-        req, q0 = tk.prefill_tiles(self.q_lens, block_q)
         qo = np.concatenate([[0], np.cumsum(self.q_lens)])
-        tiles = (
-            torch.tensor(req, dtype=torch.int32, device=DEVICE),
-            torch.tensor(q0, dtype=torch.int32, device=DEVICE),
-        )
+
+        def ints(x):
+            return torch.tensor(x, dtype=torch.int32, device=DEVICE)
+
+        qo_t = ints(qo)
+        if mixed:
+            req, q0, dec, tok = tk.mixed_tiles(self.q_lens, qo.tolist(), block_q)
+            return tk.paged_mixed(
+                self.q, self.k, self.v, self.block_table, self.seq_lens, qo_t,
+                (ints(req), ints(q0)), block_q, (ints(dec), ints(tok)), scale, self.p,
+                splits=splits, **extras,
+            )  # fmt: skip
+        req, q0 = tk.prefill_tiles(self.q_lens, block_q)
         return tk.paged_prefill(
-            self.q, self.k, self.v, self.block_table, self.seq_lens,
-            torch.tensor(qo, dtype=torch.int32, device=DEVICE), tiles, block_q, scale, self.p,
-            **extras,
+            self.q, self.k, self.v, self.block_table, self.seq_lens, qo_t,
+            (ints(req), ints(q0)), block_q, scale, self.p, **extras,
         )  # fmt: skip
 
 
@@ -136,6 +146,59 @@ def test_prefill_mixed_with_decode_rows(heads, p):
     """One launch: a prefill over a cached prefix, a fresh prompt, two decode rows."""
     hq, hkv = heads
     check(Pool([60, 23, 41, 1], [12, 23, 1, 1], p, hq, hkv, 32))
+
+
+MIXED = [
+    # (key counts, new tokens): decode rows first, last and between prefill chunks; a long
+    # decode row (several key blocks a split) beside a one-key one; a one-token prefill of
+    # a fresh prompt (a decode row too: one query at its last key)
+    pytest.param(([60, 23, 41, 1], [12, 23, 1, 1]), id="rows-last"),
+    pytest.param(([130, 40, 7, 300, 1], [1, 9, 1, 1, 1]), id="rows-around-a-chunk"),
+    pytest.param(([5, 90, 64], [1, 33, 1]), id="rows-first"),
+]
+
+
+@pytest.mark.parametrize("lens", MIXED)
+@pytest.mark.parametrize(
+    ("hq", "hkv", "p", "splits"),
+    [(8, 2, 1, 4), (8, 2, 16, 1), (4, 4, 4, 4), (4, 4, 1, 1), (16, 1, 16, 4), (16, 1, 4, 1)],
+    ids=["gqa-p1-s4", "gqa-p16-s1", "mha-p4-s4", "mha-p1-s1", "g16-p16-s4", "g16-p4-s1"],
+)
+def test_mixed_decode_rows_on_the_split_kernel(lens, hq, hkv, p, splits):
+    """A mixed step: prefill chunks through the prefill kernel, the decode rows through the
+    split-KV kernel (one split: written directly; four: merged), into one output."""
+    check(Pool(*lens, p, hq, hkv, 32), mixed=True, splits=splits)
+
+
+@pytest.mark.parametrize("d", [16, 40, 64])
+def test_mixed_head_dims(d):
+    check(Pool([70, 12, 1, 33], [1, 12, 1, 1], 4, 8, 2, d), mixed=True, splits=4)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mixed_windows_softcaps_and_sinks(splits):
+    sinks = torch.linspace(-1, 1, 8, device=DEVICE)
+    for kw in ({"window": 3}, {"window": 100}, {"softcap": 2.0}, {"sinks": sinks},
+               {"window": 6, "softcap": 3.0, "sinks": sinks}):  # fmt: skip
+        check(Pool([50, 30, 5, 1], [1, 30, 1, 1], 4, 8, 2, 32), mixed=True, splits=splits, **kw)
+
+
+def test_mixed_decode_rows_write_only_their_own_rows():
+    """The decode launch of a mixed step writes the decode rows' outputs and no other row:
+    the prefill rows keep what the prefill launch wrote, and rows a launch does not own
+    keep what ``out`` held."""
+    tk = kernels()
+    pool = Pool([40, 20, 9], [1, 20, 1], 4, 8, 2, 32)
+    scale = pool.d**-0.5
+    want = pool.reference(scale)
+    out = torch.full_like(pool.q, 7.0)
+    rows = tuple(torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([0, 2], [0, 21]))
+    tk.paged_decode(
+        pool.q, pool.k, pool.v, pool.block_table, pool.seq_lens, scale, pool.p,
+        splits=2, rows=rows, out=out,
+    )  # fmt: skip
+    torch.testing.assert_close(out[[0, 21]].double(), want[[0, 21]], atol=1e-5, rtol=0)
+    assert (out[1:21] == 7.0).all()
 
 
 def test_head_dim_not_a_power_of_two_and_many_query_heads():
@@ -231,6 +294,8 @@ def test_splits_are_a_grid_bound_fixed_by_the_batch():
 def test_half_precision(dtype):
     """bf16/fp16 pools: within the inputs' rounding of the fp64 reference."""
     check(Pool([60, 23, 1], [12, 1, 1], 16, 8, 2, 64, dtype=dtype), atol=2e-2)
+    check(Pool([60, 23, 1], [12, 1, 1], 16, 8, 2, 64, dtype=dtype), atol=2e-2, mixed=True,
+          splits=2)  # fmt: skip
     check(Pool([60, 23, 1], [1, 1, 1], 16, 8, 2, 64, dtype=dtype), atol=2e-2, splits=2)
 
 
@@ -240,3 +305,21 @@ def test_llama_sized(p):
     """Llama-3-8B's heads (32 over 8, head dim 128) at a few hundred keys."""
     check(Pool([300, 129, 1], [1, 1, 1], p, 32, 8, 128), splits=4, min_split=None)
     check(Pool([300, 129, 1], [64, 1, 1], p, 32, 8, 128))
+    check(Pool([300, 129, 1], [64, 1, 1], p, 32, 8, 128), mixed=True, splits=4)
+
+
+def test_every_gpu_family_has_its_table_entries():
+    """Compute capabilities map to the table's families (sm_86/89 and sm_120 to their own:
+    99 KB of shared memory a block, where sm_80's and sm_100's entries spill), each with an
+    entry for both precisions and every head dim."""
+    tk = kernels()
+    got = {cc: tk.family(cc) for cc in (80, 86, 87, 89, 90, 100, 103, 110, 120, 121)}
+    assert got == {80: 80, 86: 86, 87: 80, 89: 86, 90: 90, 100: 100, 103: 100, 110: 100,
+                   120: 120, 121: 120}  # fmt: skip
+    for arch in tk.ARCHS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for d in (16, 32, 64, 128, 256):
+                assert tk.decode_config(arch, dtype, d) and tk.prefill_config(arch, dtype, d)
+    # Where sm_80's and sm_100's entries spill on the 99 KB parts (tests/triton/aot.py).
+    assert tk.prefill_config(86, torch.bfloat16, 128) != tk.prefill_config(80, torch.bfloat16, 128)
+    assert tk.prefill_config(120, torch.bfloat16, 256).num_warps == 8

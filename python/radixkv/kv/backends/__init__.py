@@ -11,9 +11,9 @@ takes both kinds):
   heads of each KV group are folded into rows (``[B, Hkv, G, D]``), which beats SDPA's
   ``enable_gqa`` on CPU. The reference.
 - ``"triton"`` (:mod:`.triton_backend`, kernels in :mod:`.triton_kernels`): split-KV paged
-  decode and a paged prefill kernel that also takes decode rows, reading the pool in place
-  through the page table. CUDA; on the CPU under Triton's interpreter only
-  (``TRITON_INTERPRET=1``), which is how the tests run it without a GPU.
+  decode (a mixed step's decode rows too, beside its prefill launch) and a paged prefill
+  kernel, reading the pool in place through the page table. CUDA; on the CPU under Triton's
+  interpreter only (``TRITON_INTERPRET=1``), which is how the tests run it without a GPU.
 - ``"flex"`` (:mod:`.flex_backend`): compiled ``flex_attention`` reading the pool in place
   (decode groups; prefill goes through ``"sdpa"``, faster there on CPU). The block mask is the
   page table itself (one KV block per page). On CUDA it needs pages of at least 16 slots.

@@ -12,10 +12,16 @@ and nothing is shaped by the longest request:
    grid (B, Hq)                merges the splits (and a sink logit per head) by log-sum-exp,
                                16 splits at a time (SPLITS = 1: the output directly, no merge)
 
- prefill and mixed steps (decode rows are one-token requests):
+ prefill:
    grid (tiles, Hkv)           tile = up to BLOCK_Q new tokens of one request x G query heads;
                                keys [lo, hi) of that request, causal (and windowed) by position,
                                one online softmax over the cached prefix and the new tokens
+
+ mixed steps (prefill chunks beside decode rows, requests of one new token):
+   prefill, grid (tiles, Hkv)  the tiles of the requests of several new tokens only
+   decode, grid (R, Hkv, SPLITS) and merge (R, Hq)
+                               the R decode rows, row i read in place: request REQS[i]'s page
+                               table row and length, query and output row TOKS[i]
 ```
 
 The split count of a decode launch is a grid bound fixed by the batch size; each request
@@ -73,12 +79,15 @@ class Tiles:
 #: sm_90's prefill). fp32 (exactness runs) takes 8 warps and 16-row tiles: 4 warps spill at
 #: head dim 128 (decode 232 bytes a thread on sm_90, prefill 9-11 KB with 64-row tiles).
 #: sm_80's half prefill takes 8 warps (4 spill), and 32-key blocks at 256 (69 KB of shared
-#: memory, within sm_86/89's 99 KB too); its fp32 prefill 4 warps up to 128. sm_100's half
-#: decode takes 3 stages up to head dim 64.
+#: memory); its fp32 prefill 4 warps up to 128. sm_100's half decode takes 3 stages up to head
+#: dim 64. sm_86/89 (99 KB of shared memory a block, 128 registers a thread at 8 warps there)
+#: take sm_80's, but at head dim 128 a half prefill of 32-key blocks and 4 warps (sm_80's
+#: spills 16 bytes there) and an fp32 prefill of 8 warps. sm_120 (99 KB, no wgmma) takes
+#: sm_100's, but at head dim 256 a half prefill of 8 warps (4 spill 32 bytes there).
 CONFIGS: dict[tuple[int, int, int], tuple[Tiles, Tiles]] = {}
 
-#: The architectures of :data:`CONFIGS` (compute capability x 10).
-ARCHS = (80, 90, 100)
+#: The architectures of :data:`CONFIGS` (compute capability x 10; see :func:`family`).
+ARCHS = (80, 86, 90, 100, 120)
 
 _HALF = {d: (Tiles(64, 4, 2), Tiles(64, 4, 2, 64)) for d in (16, 32, 64, 128)}
 _HALF[256] = (Tiles(32, 4, 2), Tiles(32, 4, 2, 64))
@@ -94,17 +103,33 @@ for _d in (16, 32, 64, 128):  # sm_80 half prefill: 4 warps spill (16 bytes at 6
 CONFIGS[80, 16, 256] = (Tiles(32, 4, 2), Tiles(32, 8, 2, 64))
 for _d in (16, 32, 64, 128):  # sm_80 fp32 prefill: 8 warps spill 8 bytes at head dim 128
     CONFIGS[80, 32, _d] = (_FP32[_d][0], Tiles(32, 4, 1, 16))
+for _key in [k for k in CONFIGS if k[0] in (80, 100)]:
+    CONFIGS[{80: 86, 100: 120}[_key[0]], _key[1], _key[2]] = CONFIGS[_key]
+CONFIGS[86, 16, 128] = (CONFIGS[80, 16, 128][0], Tiles(32, 4, 2, 64))
+CONFIGS[86, 32, 128] = _FP32[128]  # sm_80's 4 warps spill 8 bytes there; 8 warps do not
+CONFIGS[120, 16, 256] = (CONFIGS[100, 16, 256][0], Tiles(32, 8, 2, 64))
+
+
+def family(cc: int) -> int:
+    """The :data:`ARCHS` entry of compute capability ``cc`` (x 10): sm_86 and sm_89 86 (99 KB
+    of shared memory a block), Hopper 90, data-center Blackwell 100 (sm_100 to sm_110), the
+    consumer Blackwell parts from sm_120 on 120 (99 KB, no wgmma), anything else 80."""
+    if cc >= 120:
+        return 120
+    if cc >= 100:
+        return 100
+    if cc >= 90:
+        return 90
+    return 86 if cc in (86, 89) else 80
 
 
 def arch_of(device: torch.device) -> int:
-    """The :data:`ARCHS` entry for ``device``: its compute capability's family (Hopper 90,
-    Blackwell 100, anything older 80); under Triton's interpreter 90, whose tile sizes the
-    exactness tests then run."""
+    """The :data:`ARCHS` entry for ``device`` (:func:`family` of its compute capability);
+    under Triton's interpreter 90, whose tile sizes the exactness tests then run."""
     if device.type != "cuda":
         return 90
     major, minor = torch.cuda.get_device_capability(device)
-    cc = 10 * major + minor
-    return 100 if cc >= 100 else 90 if cc >= 90 else 80
+    return family(10 * major + minor)
 
 
 def _config(kind: int, arch: int, dtype: torch.dtype, head_dim: int) -> Tiles:
@@ -221,6 +246,8 @@ def _decode_split(
     V,
     BT,
     SEQ,
+    REQS,
+    TOKS,
     O_PART,
     LSE_PART,
     SINKS,
@@ -251,15 +278,21 @@ def _decode_split(
     P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
+    INDEXED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    i = tl.program_id(0)  # the launch's row: its partial outputs' row
     kh = tl.program_id(1)
     s = tl.program_id(2)
+    b = i.to(tl.int64)  # its request: page-table row and length
+    tok = i.to(tl.int64)  # its query's row in Q and OUT
+    if INDEXED:  # the decode rows of a mixed step: request REQS[i], token TOKS[i]
+        b = tl.load(REQS + i).to(tl.int64)
+        tok = tl.load(TOKS + i).to(tl.int64)
     n = tl.load(SEQ + b).to(tl.int32)
     start = 0
     if HAS_WINDOW:
@@ -278,7 +311,7 @@ def _decode_split(
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        Q + tok * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )
@@ -288,7 +321,7 @@ def _decode_split(
     lsum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    bt_row = BT + b.to(tl.int64) * stride_bt
+    bt_row = BT + b * stride_bt
     for j0 in range(lo, full, BLOCK_N):
         j = j0 + offs
         k, v = _load_kv(
@@ -310,15 +343,16 @@ def _decode_split(
     omask = hmask[:, None] & dmask[None, :]
     if DIRECT:  # one split: this program's output is the answer
         out = _finish(m, lsum, acc, SINKS, heads, hmask, HAS_SINKS)
-        o_ptr = OUT + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh + d[None, :]
+        o_ptr = OUT + tok * stride_outb + heads[:, None] * stride_outh + d[None, :]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=omask)
     else:
         empty = lsum == 0.0  # a split past this request's keys
         out = acc / tl.where(empty, 1.0, lsum)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, lsum)))
-        o_ptr = O_PART + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + s * stride_os
+        row = i.to(tl.int64)
+        o_ptr = O_PART + row * stride_ob + heads[:, None] * stride_oh + s * stride_os
         tl.store(o_ptr + d[None, :], out, mask=omask)
-        tl.store(LSE_PART + b.to(tl.int64) * stride_lb + heads * stride_lh + s, lse, mask=hmask)
+        tl.store(LSE_PART + row * stride_lb + heads * stride_lh + s, lse, mask=hmask)
 
 
 @triton.jit(do_not_specialize=["splits"])
@@ -326,6 +360,7 @@ def _decode_merge(
     O_PART,
     LSE_PART,
     SINKS,
+    TOKS,
     OUT,
     stride_ob,
     stride_oh,
@@ -338,15 +373,19 @@ def _decode_merge(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    INDEXED: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # the row of the partial outputs
     h = tl.program_id(1)
+    tok = b  # its output row
+    if INDEXED:
+        tok = tl.load(TOKS + b).to(tl.int64)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    lse_row = LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh
-    o_row = O_PART + b.to(tl.int64) * stride_ob + h * stride_oh
+    lse_row = LSE_PART + b * stride_lb + h * stride_lh
+    o_row = O_PART + b * stride_ob + h * stride_oh
     top = tl.full([BLOCK_S], float("-inf"), tl.float32)
     for s0 in range(0, splits, BLOCK_S):
         lse = tl.load(lse_row + s0 + sp, mask=s0 + sp < splits, other=float("-inf"))
@@ -373,7 +412,7 @@ def _decode_merge(
     if HAS_SINKS:
         total += tl.exp(sink - mx)
     out = acc / tl.where(total == 0.0, 1.0, total)
-    o_ptr = OUT + b.to(tl.int64) * stride_outb + h * stride_outh + d
+    o_ptr = OUT + tok * stride_outb + h * stride_outh + d
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
@@ -542,6 +581,7 @@ def paged_decode(
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: Tiles | None = None,
     arch: int | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per request over its paged keys: ``q`` ``[B, Hq, D]``, pools ``[S, Hkv, D]``,
     ``block_table`` ``[B, W]`` int32, ``seq_lens`` ``[B]`` (request ``b``'s query sits at
@@ -549,20 +589,38 @@ def paged_decode(
     them). ``sinks``: one logit per query head joining the softmax. ``splits`` bounds the
     split-KV grid (default :func:`decode_splits`); a request uses as many as hold
     ``min_split`` keys each (default one key block). ``scratch``, the partial output and
-    log-sum-exp buffers (``[B, Hq, splits, D]`` and ``[B, Hq, splits]`` fp32) to reuse; one
-    split needs none. ``config``: the tiles (default :func:`decode_config` of ``arch``, by
-    default the device's: :func:`arch_of`)."""
+    log-sum-exp buffers (``[R, Hq, splits, D]`` and ``[R, Hq, splits]`` fp32, ``R`` the rows
+    launched) to reuse; one split needs none. ``config``: the tiles (default
+    :func:`decode_config` of ``arch``, by default the device's: :func:`arch_of`).
+
+    ``rows``: ``(requests, tokens)``, two int32 ``[R]`` tensors, to launch ``R`` decode rows
+    picked out of a larger batch in place (a mixed step's, see :func:`paged_mixed`): row ``i``
+    is query ``q[tokens[i]]`` (``q`` then ``[T, Hq, D]``) of request ``requests[i]`` (its
+    ``block_table`` row and ``seq_lens`` entry), and writes ``out[tokens[i]]`` only."""
     b, hq, d = q.shape
     hkv = k_pool.shape[1]
     g = hq // hkv
     _check_last(q, k_pool, v_pool)
+    if rows is not None:
+        if rows[0].shape != rows[1].shape or rows[0].dim() != 1:
+            raise ValueError(
+                f"rows must be two [R] tensors, got shapes {tuple(rows[0].shape)} and "
+                f"{tuple(rows[1].shape)}"
+            )
+        b = rows[0].shape[0]
     if splits is None:
         splits = decode_splits(b, hkv, q.device)
     splits = _pow2(splits)
     if config is None:
         config = decode_config(arch_of(q.device) if arch is None else arch, q.dtype, d)
     if out is None:
-        out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+        out = (
+            torch.empty_like(q)
+            if rows is not None
+            else torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+        )
+    if b == 0:
+        return out
     direct = splits == 1
     if direct:
         o_part = lse = out  # unread: the split kernel writes the output itself
@@ -574,12 +632,15 @@ def paged_decode(
     ieee, upcast = _flags(q.dtype)
     block_d = max(16, _pow2(d))
     sink_arg = sinks if sinks is not None else seq_lens
+    reqs, toks = rows if rows is not None else (seq_lens, seq_lens)  # unread without rows
     _decode_split[(b, hkv, splits)](
         q,
         k_pool,
         v_pool,
         block_table,
         seq_lens,
+        reqs,
+        toks,
         o_part,
         lse,
         sink_arg,
@@ -610,6 +671,7 @@ def paged_decode(
         P=page_size,
         BLOCK_N=config.block_n,
         DIRECT=direct,
+        INDEXED=rows is not None,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
@@ -624,6 +686,7 @@ def paged_decode(
         o_part,
         lse,
         sink_arg,
+        toks,
         out,
         o_part.stride(0),
         o_part.stride(1),
@@ -636,6 +699,7 @@ def paged_decode(
         D=d,
         BLOCK_D=block_d,
         BLOCK_S=MERGE_BLOCK,
+        INDEXED=rows is not None,
         HAS_SINKS=sinks is not None,
     )
     return out
@@ -738,6 +802,63 @@ def paged_prefill(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    return out
+
+
+def mixed_tiles(
+    q_len: list[int] | tuple[int, ...], q_start: list[int] | tuple[int, ...], block_q: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """What a mixed launch (:func:`paged_mixed`) runs where: the prefill tiles
+    (:func:`prefill_tiles`) of the requests of several new tokens, then the decode rows, the
+    requests of one (their indices, and their query rows ``q_start[b]``)."""
+    req, q0 = prefill_tiles([0 if n == 1 else n for n in q_len], block_q)
+    dec = [b for b, n in enumerate(q_len) if n == 1]
+    return req, q0, dec, [int(q_start[b]) for b in dec]
+
+
+def paged_mixed(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    tiles: tuple[torch.Tensor, torch.Tensor],
+    block_q: int,
+    decode_rows: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    page_size: int,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    splits: int | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    configs: tuple[Tiles | None, Tiles | None] = (None, None),
+    arch: int | None = None,
+) -> torch.Tensor:
+    """A step of prefill chunks and decode rows (arguments as :func:`paged_prefill`'s): the
+    requests of several new tokens through the prefill kernel (``tiles``: theirs only, of
+    :func:`mixed_tiles`), the decode rows (``decode_rows``: ``(requests, tokens)`` of
+    :func:`mixed_tiles`) through the split-KV decode kernel, into one output. Two launches, a
+    third (the merge) when the decode rows use several splits: ``splits`` bounds them (default
+    :func:`decode_splits` of the decode rows alone, which run after the prefill launch has
+    left the device). In one prefill launch a decode row's keys would be read by one program
+    a KV head, in a tile of mostly empty rows, while the prefill tiles finish beside it: a
+    long decode row became the launch's tail. ``scratch``: as :func:`paged_decode`'s, for the
+    decode rows; ``configs``: the (decode, prefill) tiles (default: the table's for ``arch``)."""
+    if out is None:
+        out = torch.empty_like(q)
+    paged_prefill(
+        q, k_pool, v_pool, block_table, seq_lens, qo_indptr, tiles, block_q, scale, page_size,
+        window=window, softcap=softcap, sinks=sinks, out=out, config=configs[1], arch=arch,
+    )  # fmt: skip
+    paged_decode(
+        q, k_pool, v_pool, block_table, seq_lens, scale, page_size, window=window,
+        softcap=softcap, sinks=sinks, splits=splits, out=out, scratch=scratch,
+        config=configs[0], arch=arch, rows=decode_rows,
+    )  # fmt: skip
     return out
 
 
