@@ -8,7 +8,7 @@ comma  := ,
 # Converted GGUF checkpoints (radixkv.hf.load) are kept here, so tests and the demo convert once.
 export RADIXKV_MODEL_CACHE ?= $(abspath target/models)
 
-.PHONY: all develop test test-rust test-triton test-python test-oldest test-wheel bench bench-rust bench-python bench-cache bench-smoke soak demo serve replay lint fmt wheel clean test-cluster
+.PHONY: all develop test test-long test-rust test-triton test-python test-oldest test-wheel bench bench-rust bench-python bench-cache bench-smoke soak demo serve replay lint fmt wheel clean test-cluster
 
 all: test
 
@@ -52,6 +52,16 @@ test-triton: $(EXT)
 
 test-python: $(EXT)
 	$(PY) -m pytest -q tests/python
+
+# The fuzz, property and state-machine tests at their full budgets, with fresh random examples
+# each run (tests/python/support/budget.py; `make test` runs a short derandomized slice of each):
+# the cache and engine state machines (250-300 and 40 runs each), the trace readers' fuzz, the
+# server's schema fuzz (100 bodies an endpoint), 12 tensor-parallel fault cases, and the
+# tensor-parallel server's fault tests that start a 3-rank server each.
+LONG_TESTS := core/test_state_machines.py engine/test_engine_state.py apps/test_trace_validation.py \
+	serve/test_schema_fuzz.py tp/test_tp_faults.py tp/test_serve_tp.py
+test-long: $(EXT)
+	RADIXKV_TEST_LONG=1 $(PY) -m pytest -q -p no:cacheprovider $(addprefix tests/python/,$(LONG_TESTS))
 
 # The oldest Python pyproject.toml claims (requires-python), without torch: the abi3 wheel built
 # once, installed into a throwaway venv of that Python with requirements-dev.txt less torch and

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import budget
 from radixkv.apps import cli
 from radixkv.apps.common.args import UsageError
 from radixkv.apps.common.trace import TraceError, read_trace
@@ -280,7 +281,8 @@ def test_doctor_accepts_integer_sessions_and_content_parts(tmp_path):
 # ---- fuzzing ----------------------------------------------------------------------------------
 
 FUZZ = settings(
-    max_examples=200,
+    max_examples=budget.examples(200, 50),
+    derandomize=budget.derandomize(),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -32,6 +32,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+import budget
 import radixkv
 import reference
 from reference import RefBlockCache, RefRadixCache
@@ -319,9 +320,12 @@ def make_machine(
     return Machine
 
 
+#: ``make test`` runs a derandomized slice of each machine (50 runs); ``make test-long`` the
+#: full 250 (300 with a host tier), random.
 SETTINGS = settings(
-    max_examples=250,
+    max_examples=budget.examples(250, 50),
     stateful_step_count=50,
+    derandomize=budget.derandomize(),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
@@ -339,7 +343,7 @@ TestBlockP16.settings = SETTINGS
 
 # With a host tier: small device pools so that pages go down and come back all the time; host
 # pools of one page (every offload evicts the last one), a few pages, and more than the device.
-HOST_SETTINGS = settings(SETTINGS, max_examples=300)
+HOST_SETTINGS = settings(SETTINGS, max_examples=budget.examples(300, 50))
 
 
 def host_case(kind: str, p: int, trunk_pages: int, pool: tuple[int, int], host: tuple[int, int]):

@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import budget
 import radixkv
 from tiny_model import VOCAB, dense_greedy, tiny_model
 
@@ -333,7 +334,8 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=40,
+    max_examples=budget.examples(40, 12),
+    derandomize=budget.derandomize(),
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

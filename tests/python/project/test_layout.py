@@ -9,6 +9,7 @@ edges too, except for a package that contains the importing module (it is alread
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,10 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     return edges
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
+    """Module -> the radixkv modules importing it runs directly, parsed once a session (every
+    parametrized case reads it; none changes it)."""
     mods = modules()
     known = set(mods) | {"radixkv._radixkv"}
     return {name: imports(name, path, known) for name, path in mods.items()}

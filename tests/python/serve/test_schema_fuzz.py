@@ -1,9 +1,9 @@
 """Request bodies generated from ``radixkv serve``'s own OpenAPI schema (the JSON schema of the
 pydantic models the server publishes, read by :func:`from_schema` below), valid ones and ones
 with a field replaced by any JSON value, sent to the real command on the real model: never a
-5xx, and every refusal is OpenAI's error object. Bounded (a fixed, derandomized set of examples
-per endpoint, replies of at most 2 tokens) so that it runs in ``make test``; more examples:
-``RADIXKV_FUZZ_EXAMPLES``.
+5xx, and every refusal is OpenAI's error object. Bounded (replies of at most 2 tokens; in
+``make test`` a fixed, derandomized set of 8 examples per endpoint, in ``make test-long`` 100
+random ones); any other number: ``RADIXKV_FUZZ_EXAMPLES``.
 
 The generator is ours: hypothesis-jsonschema 0.23.1, the library for it, fails on current
 hypothesis (6.170: ``AttributeError: 'many' object has no attribute 'more'``), and pydantic's
@@ -22,12 +22,13 @@ httpx = pytest.importorskip("httpx")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import budget  # noqa: E402
 import serve_process  # noqa: E402
 
 serve_process.needs_real_server()
 
 MODEL = "smollm2"
-EXAMPLES = int(os.environ.get("RADIXKV_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("RADIXKV_FUZZ_EXAMPLES", budget.examples(100, 8)))
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
 
 json_values = st.recursive(
@@ -202,7 +203,7 @@ def test_generated_bodies_are_never_a_5xx(server, path):
     @settings(
         max_examples=EXAMPLES,
         deadline=None,
-        derandomize=True,
+        derandomize=budget.derandomize(),
         database=None,
         suppress_health_check=list(HealthCheck),
     )

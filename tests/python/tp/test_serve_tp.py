@@ -21,6 +21,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
+import budget  # noqa: E402
 import serve_process  # noqa: E402
 
 openai = serve_process.needs_real_server()
@@ -39,6 +40,10 @@ WORLD = "3"
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 MODEL = "SmolLM2-135M-Instruct"
 OPTIONS = ["--tensor-parallel-size", WORLD, "--num-pages", "256", "--page-size", "16"]
+
+#: A fault test that only ``make test-long`` runs: each starts a 3-rank server of its own (15-20 s
+#: on two cores), and ``make test`` keeps a case of the same path (named in its docstring).
+long_fault = pytest.mark.skipif(not budget.LONG, reason="a long fault test: make test-long")
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +221,10 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+@long_fault
 def test_a_rank_that_dies_stops_the_server_naming_it():
+    """A rank SIGKILLed while the server is idle. (``make test``: a rank killed with a request in
+    flight, test_a_rank_lost_outside_the_forward_pass_ends_the_stream_with_an_error.)"""
     port = free_port()
     proc = serve_process.start(port, *OPTIONS, threads=3, timeout=300, new_session=True)
     try:
@@ -277,6 +285,7 @@ def test_a_rank_lost_outside_the_forward_pass_ends_the_stream_with_an_error():
     try:
         ranks = {_rank_of(pid): pid for pid in serve_process.children(proc.pid)}
         assert sorted(ranks) == [1, 2]
+        assert sorted(_ranks_started_by(proc.pid)) == sorted(ranks.values())
         os.kill(ranks[2], signal.SIGSTOP)
         try:
             chunks = _stream(port, 64)
@@ -303,10 +312,12 @@ def test_a_rank_lost_outside_the_forward_pass_ends_the_stream_with_an_error():
             proc.wait()
 
 
+@long_fault
 def test_a_server_whose_stderr_has_no_reader_still_stops_when_it_loses_a_rank():
     """Its parent gone (stderr a pipe nobody reads): the line saying why it stops fails to
     print (EPIPE), which ended the engine thread before the server was told to stop, and it ran
-    on with its engine dead. It exits 1, and leaves no rank behind."""
+    on with its engine dead. It exits 1, and leaves no rank behind. (``make test``: a lost rank
+    with stderr read, test_a_rank_lost_outside_the_forward_pass_ends_the_stream_with_an_error.)"""
     port = free_port()
     proc = serve_process.start(port, *OPTIONS, threads=3, timeout=300, new_session=True)
     try:
@@ -385,12 +396,13 @@ def test_a_stopped_rank_stops_the_server_naming_it():
             os.killpg(proc.pid, signal.SIGKILL)  # a rank left stopped, when the test failed
 
 
-@pytest.mark.parametrize("when", ["loading", "serving"])
+@pytest.mark.parametrize("when", ["loading", pytest.param("serving", marks=long_fault)])
 def test_ranks_die_with_a_rank_0_that_is_killed(when):
     """Rank 0 SIGKILLed (no drain, no close), while the ranks load the model or while it
     serves: the other ranks exit within seconds. Serving, their collectives fail as rank 0's
     sockets close; loading, nothing of rank 0's is open to them yet (they would wait for its
-    rendezvous for the group's timeout, two hours): PR_SET_PDEATHSIG kills them."""
+    rendezvous for the group's timeout, two hours): PR_SET_PDEATHSIG kills them. (``make test``
+    runs the loading case: PR_SET_PDEATHSIG covers the serving ranks too.)"""
     port = free_port()
     if when == "serving":
         proc = serve_process.start(port, *OPTIONS, threads=3, timeout=300, new_session=True)

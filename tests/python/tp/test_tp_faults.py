@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import budget
 import radixkv
 from radixkv.engine.lockstep import DivergedError, LeaderClosedError, PeerLostError
 from ranks import end_rank, join_gloo, run_ranks
@@ -304,7 +305,10 @@ def test_a_dead_peer_raises_a_radixkv_error_naming_it(tmp_path, dead):
     assert alive["again"] == alive["error"].split(": ", 1)[1], alive
 
 
-@pytest.mark.parametrize("seed", range(6), ids=lambda s: f"{s}-{fault_case(s)['point']}")
+#: ``make test``: the first 4 cases (one at each point of :data:`POINTS`); ``make test-long``: 12.
+@pytest.mark.parametrize(
+    "seed", range(budget.examples(12, 4)), ids=lambda s: f"{s}-{fault_case(s)['point']}"
+)
 def test_a_fault_anywhere_in_a_step_raises_on_every_rank(tmp_path, seed):
     case = fault_case(seed)
     reports = ranks_of(tmp_path, "fault", case)
