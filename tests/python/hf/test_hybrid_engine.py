@@ -53,6 +53,24 @@ def generate(model: Any, prompt: list[int], n: int = NEW) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+#: Max |logprob error| of an output token against one forward over the whole sequence: the
+#: paths differ by about 1e-5 in the logits (tests/python/hf/test_hybrid_states.py); a state
+#: restored wrong is off by 0.035 or more in them.
+LOGPROB_TOLERANCE = 1e-3
+
+
+def check(model: Any, prompt: list[int], r: Any, n: int = NEW) -> None:
+    """``r`` (a result with logprobs) holds transformers' greedy tokens after ``prompt``, each
+    with the log-probability one forward over the whole sequence gives it."""
+    want = generate(model, prompt, n)
+    assert r.output == want
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + want[:-1]])).logits[0, len(prompt) - 1 :]
+    ref = torch.log_softmax(logits.float(), -1)[torch.arange(n), torch.tensor(want)]
+    err = (torch.tensor(r.logprobs) - ref).abs().max().item()
+    assert err <= LOGPROB_TOLERANCE, f"max |logprob error| {err:.3g}"
+
+
 def engine(model: Any, pages: int = 256, state_slots: int = 16, **kw: Any) -> Any:
     page_size = kw.pop("page_size", 1)
     cache = radixkv.RadixCache(pages, page_size=page_size, state_slots=state_slots)
@@ -64,8 +82,8 @@ def test_a_session_resent_whole_hits_where_each_turn_ended(model):
     prompt = tokens(12, seed=1)
     ended = 0
     for turn in range(3):
-        (r,) = eng.generate([prompt], max_new_tokens=NEW)
-        assert r.output == generate(model, prompt), f"turn {turn}"
+        (r,) = eng.generate([prompt], max_new_tokens=NEW, logprobs=True)
+        check(model, prompt, r)
         assert r.cached_tokens >= ended, f"turn {turn}: {r.cached_tokens} cached, ended {ended}"
         ended = len(prompt) + NEW - 1  # the last output token's KV is never computed
         prompt = prompt + r.output + tokens(5, seed=10 + turn)
@@ -76,22 +94,22 @@ def test_a_session_resent_whole_hits_where_each_turn_ended(model):
 def test_a_batch_mixing_prefill_and_decode_and_branches(model):
     eng = engine(model)
     first = [tokens(8, seed=2), tokens(11, seed=3)]
-    ids = [eng.submit(p, max_new_tokens=NEW) for p in first]
+    ids = [eng.submit(p, max_new_tokens=NEW, logprobs=True) for p in first]
     eng.step()  # both prefilled: the next step decodes them beside a new prefill
     late = tokens(13, seed=4)
-    ids.append(eng.submit(late, max_new_tokens=NEW))
+    ids.append(eng.submit(late, max_new_tokens=NEW, logprobs=True))
     before = eng.stats.tokens
     eng.step()
     assert eng.stats.tokens - before == 2 + len(late) and eng.stats.max_step_requests == 3
     ctx = tokens(10, seed=5)
     suffixes = [tokens(3, seed=6), tokens(2, seed=7), []]
-    branch_ids = eng.branch(ctx, suffixes, max_new_tokens=NEW)
+    branch_ids = eng.branch(ctx, suffixes, max_new_tokens=NEW, logprobs=True)
     eng.run()
     for seq_id, prompt in zip(ids, [*first, late]):
-        assert eng.result(seq_id).output == generate(model, prompt)
+        check(model, prompt, eng.result(seq_id))
     for seq_id, suffix in zip(branch_ids, suffixes):
         r = eng.result(seq_id)
-        assert r.output == generate(model, ctx + suffix)
+        check(model, ctx + suffix, r)
         # Every branch restores the context's snapshot (at its end, or one token before).
         assert r.cached_tokens == len(ctx) - (0 if suffix else 1)
     eng.cache.check()
@@ -103,15 +121,15 @@ def test_preemption_and_snapshot_eviction_keep_tokens_exact(model):
     eng = engine(model, pages=40, state_slots=2, token_budget=32)
     shared = tokens(6, seed=8)
     prompts = [shared + tokens(3, seed=20 + i) for i in range(4)]
-    results = eng.generate(prompts, max_new_tokens=8)
+    results = eng.generate(prompts, max_new_tokens=8, logprobs=True)
     assert eng.batcher.preemptions > 0
     assert eng.cache.stats.evicted_states > 0
     for prompt, r in zip(prompts, results):
-        assert r.output == generate(model, prompt, 8)
+        check(model, prompt, r, 8)
     # Re-sent: hits what survived, exact still.
-    again = eng.generate(prompts[:2], max_new_tokens=3)
+    again = eng.generate(prompts[:2], max_new_tokens=3, logprobs=True)
     for prompt, r in zip(prompts, again):
-        assert r.output == generate(model, prompt, 3)
+        check(model, prompt, r, 3)
     eng.cache.check()
 
 
@@ -122,8 +140,8 @@ def test_a_shared_prefix_is_hit_in_full_from_the_third_request(model):
     got = []
     for prompt in prompts:
         restored = eng.states.restored
-        (r,) = eng.generate([prompt], max_new_tokens=NEW)
-        assert r.output == generate(model, prompt)
+        (r,) = eng.generate([prompt], max_new_tokens=NEW, logprobs=True)
+        check(model, prompt, r)
         got.append((r.cached_tokens, eng.states.restored - restored))
     # The second request's KV match runs over the system prompt, where no snapshot is: it is
     # recomputed (no state restored), and a snapshot is taken at that junction.
@@ -135,11 +153,11 @@ def test_a_shared_prefix_is_hit_in_full_from_the_third_request(model):
 def test_a_block_cache_hits_at_page_boundaries(model):
     eng = engine(model, page_size=4)
     prompt = tokens(13, seed=11)  # the prompt ends off a page: its snapshot is at 12
-    (r,) = eng.generate([prompt], max_new_tokens=NEW)
-    assert r.output == generate(model, prompt)
+    (r,) = eng.generate([prompt], max_new_tokens=NEW, logprobs=True)
+    check(model, prompt, r)
     follow = prompt + r.output + tokens(3, seed=12)
-    (r2,) = eng.generate([follow], max_new_tokens=NEW)
-    assert r2.output == generate(model, follow)
+    (r2,) = eng.generate([follow], max_new_tokens=NEW, logprobs=True)
+    check(model, follow, r2)
     assert r2.cached_tokens == 16  # the request's end, 13 + 4 - 1 tokens, floored to a page
     eng.cache.check()
 
