@@ -53,6 +53,7 @@ from radixkv.engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
     from radixkv.engine.fetch import TierFetch
+    from radixkv.engine.states import EngineStates
 
 #: Namespace prefix of the private namespaces used when prefix caching is off.
 NO_CACHE_NAMESPACE = "radixkv.no-cache"
@@ -103,6 +104,9 @@ class Batcher:
         #: Sequences held back from the scheduler: sequence id -> (sequence, queued again).
         self._held_back: dict[int, tuple[Sequence, bool]] = {}
         self._sid: dict[int, int] = {}  # sequence id -> scheduler id
+        #: A hybrid model's recurrent states: each admission restores one, each end and
+        #: preemption snapshots one (:mod:`radixkv.engine.states`). None for other models.
+        self.states: EngineStates | None = None
         self._private = itertools.count()
 
     # ---- the queue --------------------------------------------------------------------------
@@ -337,6 +341,8 @@ class Batcher:
         if seq.admitted_at is None:
             seq.admitted_at = time.perf_counter()
         seq.num_tokens, seq.num_computed = req.num_tokens, req.num_computed
+        if self.states is not None:
+            self.states.start(seq.id, req, len(seq.prompt), bool(seq.children))
         if seq.admissions == 0:  # prompt tokens only (a grammar's forced tokens may follow)
             seq.cached_tokens = min(seq.num_computed, len(seq.prompt))
         seq.admissions += 1
@@ -351,7 +357,12 @@ class Batcher:
 
     def _preempt(self, seq: Sequence) -> None:
         """Aborts ``seq``'s request and queues its whole target again (a sequence the
-        scheduler refuses fails)."""
+        scheduler refuses fails). A hybrid model's request that is fully computed (between
+        steps) leaves a snapshot of its state first, published by a commit."""
+        states, req = self.states, seq.req
+        if states is not None and req is not None and seq.num_computed == seq.num_tokens:
+            if states.snapshot(seq.id, req, seq.num_computed):
+                self.cache.commit(req, seq.num_computed)
         self._close_request(seq.req)
         self._close(seq)
         self.running.remove(seq)
@@ -385,6 +396,8 @@ class Batcher:
     def hold(self, parent: Sequence) -> None:
         """A branch context is computed: keep it pinned and queue its branches."""
         self.running.remove(parent)
+        if self.states is not None:  # computed: its snapshot was taken at its prompt's end
+            self.states.free(parent.id)
         parent.status = Status.HELD
         self.held.append(parent)
         for child in parent.children:
@@ -435,6 +448,8 @@ class Batcher:
                 self._close_request(seq.req)
             else:
                 try:
+                    if self.states is not None:  # before finish publishes what it computed
+                        self.states.snapshot(seq.id, seq.req, seq.num_computed)
                     if seq.retain or seq.cache_class:
                         seq.retention = self.cache.finish(
                             seq.req, retain=seq.retain, priority=seq.cache_class
@@ -462,8 +477,9 @@ class Batcher:
         if unexpected is not None:
             raise unexpected
 
-    @staticmethod
-    def _close(seq: Sequence) -> None:
+    def _close(self, seq: Sequence) -> None:
+        if self.states is not None:
+            self.states.free(seq.id)
         seq.req = None
         seq.num_tokens = seq.num_computed = 0
 

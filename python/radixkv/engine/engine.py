@@ -99,6 +99,7 @@ from radixkv.engine.replay import Replay
 from radixkv.engine.sampling import OFF, sample_tokens, to_token_array, verify_draft
 from radixkv.engine.sequence import Result, Sequence, Status, StreamEvent
 from radixkv.engine.speculative import Drafter
+from radixkv.engine.states import EngineStates, engine_states
 from radixkv.kv.kv_cache import KVCache
 from radixkv.spec_config import SpecConfig
 
@@ -309,6 +310,14 @@ class Engine:
             )
         #: Decode steps as CUDA graphs (:mod:`radixkv.engine.graphs`), or None.
         self.graphs: DecodeGraphs | None = None
+        #: A hybrid model's recurrent states (:mod:`radixkv.engine.states`), or None.
+        self.states: EngineStates | None = engine_states(
+            model, kv, max_batch, spec, group, cuda_graphs
+        )
+        if self.states is not None:
+            model.states = self.states  # what its forward reads each step's rows from
+            self.batcher.states = self.states
+            cuda_graphs = False
         if cuda_graphs is None:  # on where they can run: CUDA, Triton decode, one process
             cuda_graphs = kv.device.type == "cuda" and group is None and why_not(kv) is None
         if cuda_graphs:
@@ -889,6 +898,8 @@ class Engine:
         try:
             if lock is not None:
                 lock.forward_begins()
+            if self.states is not None:
+                self.states.plan([(s.id, s.req, s.num_computed, s.num_tokens) for s in batch])
             step = self.kv.plan([s.req for s in batch])
             spans = self._draft_rows(batch, step) if self.drafter is not None else None
             t2 = time.perf_counter()

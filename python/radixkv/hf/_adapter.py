@@ -23,9 +23,13 @@ import torch
 
 import radixkv
 from radixkv.engine.engine import Engine
+from radixkv.engine.states import RowStates
+from radixkv.hf._hybrid import snapshot_bytes
+from radixkv.hf._hybrid_adapter import HybridRunner
 from radixkv.hf._load import eos_token_ids
 from radixkv.hf._support import (
     CALLS_KWARG,
+    LAYERS_KWARG,
     STEP_KWARG,
     ModelSpec,
     check_model,
@@ -35,6 +39,7 @@ from radixkv.hf._support import (
 )
 from radixkv.kv import devices
 from radixkv.kv.kv_cache import KVCache
+from radixkv.kv.state_pool import StatePool, StateSpec
 from radixkv.kv.step import StepLike
 
 
@@ -51,12 +56,23 @@ class HFCausalLM(torch.nn.Module):
     ``forward``: plain ``model.generate`` works on it as before.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, snapshot_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.spec: ModelSpec = check_model(model)
         register()
         self.model = model
         self.config = model.config
+        #: Of a hybrid model: its recurrent modules (:mod:`radixkv.hf._hybrid_adapter`), the
+        #: states a slot holds (what :class:`radixkv.Engine` makes its state pools of), the
+        #: dtype of its snapshots (None: the states' own), and the engine's states, which
+        #: every forward reads its rows from (set by the engine).
+        self.hybrid: HybridRunner | None = None
+        self.state_specs: tuple[StateSpec, ...] = ()
+        self.snapshot_dtype = snapshot_dtype
+        self.states: Any = None
+        if self.spec.kv_layers:
+            self.hybrid = HybridRunner(model)
+            self.state_specs = tuple(s for layer in self.hybrid.layers for s in layer.specs)
         _probe(self)
 
     @torch.inference_mode()
@@ -79,12 +95,34 @@ class HFCausalLM(torch.nn.Module):
         keep = None if all_logits or step.is_decode else step.last_token_index
         if keep is not None and self.spec.logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        with paged_mode(self.model):
-            out = self.model(input_ids=step.input_ids[None], **kwargs)
+        if self.hybrid is None:
+            with paged_mode(self.model):
+                out = self.model(input_ids=step.input_ids[None], **kwargs)
+        else:
+            out = self._hybrid_forward(step, kwargs, self.states)
         logits = out.logits[0]
         if keep is not None and not self.spec.logits_to_keep:
             logits = logits[keep]
         return logits.float()
+
+    def _hybrid_forward(self, step: StepLike, kwargs: dict[str, Any], states: Any) -> Any:
+        """The forward of a hybrid model: its recurrent modules run each request on its
+        working slot of ``states`` (an :class:`radixkv.engine.states.EngineStates`, or what
+        the probe makes), written back once the forward has succeeded."""
+        assert self.hybrid is not None
+        if states is None:
+            raise RuntimeError(
+                f"{type(self.model).__name__} is a hybrid model: it runs inside a radixkv.Engine "
+                "(radixkv.hf.engine), which holds its recurrent states"
+            )
+        kwargs[LAYERS_KWARG] = {layer: i for i, layer in enumerate(self.spec.kv_layers)}
+        with (
+            paged_mode(self.model),
+            self.hybrid.running(step, states.rows, states.working, states.snapshots) as run,
+        ):
+            out = self.model(input_ids=step.input_ids[None], **kwargs)
+            run.write_back()
+        return out
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -196,6 +234,9 @@ def _probe(adapter: HFCausalLM) -> None:
     )
     req = scratch.admit([0])
     calls: list[tuple[int, int]] = []
+    held = adapter.states
+    if adapter.hybrid is not None:  # one working slot (and a snapshot pool it never uses)
+        adapter.states = _ProbeStates(StatePool(adapter.state_specs, 1, spec.device))
     try:
         step = kv.plan([req])
         with torch.inference_mode():
@@ -207,6 +248,7 @@ def _probe(adapter: HFCausalLM) -> None:
             f"{spec.head_dim}): {e}"
         ) from e
     finally:
+        adapter.states = held
         scratch.abort(req)
     layers = sorted(layer for layer, _ in calls)
     if layers != list(range(spec.num_layers)):
@@ -227,6 +269,14 @@ def _probe(adapter: HFCausalLM) -> None:
             f"{name} returned logits of shape {tuple(logits.shape)} for one token, expected "
             f"(1, {spec.vocab_size})"
         )
+
+
+class _ProbeStates:
+    """The states of the probe's one token: working slot 0, fresh."""
+
+    def __init__(self, pool: StatePool) -> None:
+        self.working = self.snapshots = pool
+        self.rows = [RowStates(0, 0, 1)]
 
 
 def _group_for(spec: ModelSpec, model: Any, group: Any) -> Any:
@@ -272,6 +322,7 @@ def engine(
     attention: str | None = None,
     shared_store: str | None = None,
     shared_store_key: bytes | str | None = None,
+    snapshot_dtype: torch.dtype | None = None,
     **kwargs: Any,
 ) -> Engine:
     """A :class:`radixkv.Engine` (continuous batching, sessions, ``branch``, the scheduler)
@@ -309,9 +360,18 @@ def engine(
     ``attention``: the attention backend of the ``KVCache`` this call makes (``"auto"`` by
     default: the Triton kernels on CUDA; see :class:`radixkv.KVCache`).
 
-    Raises ``ValueError`` saying why for a model radixkv cannot serve (chunked, hybrid or
-    cross attention, encoder-decoders, composite models, heads that do not divide
-    among the tensor-parallel ranks) and for bad arguments.
+    A hybrid model (Qwen3.5, Qwen3-Next, LFM2, Granite-4.0-H, Nemotron-H, Falcon-H1, Bamba,
+    Jamba: recurrent layers beside attention) keeps its attention KV in the pool and each
+    recurrent layer's state in the engine's state pools (:mod:`radixkv.engine.states`): the
+    ``cache`` must be made with ``state_slots=N``, the snapshots a prefix hit restores
+    (``engine.states.describe()`` says what they take); ``snapshot_dtype`` keeps them narrower
+    (``torch.bfloat16`` halves fp32 states, at a logit error measured in
+    tests/python/hf/test_hybrid_states.py). It runs eager, on one process, without speculative
+    decoding, a window group or a disk tier (each refused, saying so).
+
+    Raises ``ValueError`` saying why for a model radixkv cannot serve (chunked or cross
+    attention, a recurrent layer it cannot hold, encoder-decoders, composite models, heads
+    that do not divide among the tensor-parallel ranks) and for bad arguments.
     """
     spec = check_model(model)
     kwargs["group"] = _group_for(spec, model, kwargs.get("group"))
@@ -321,7 +381,11 @@ def engine(
         raise ValueError(
             f"cache must be a radixkv.RadixCache, BlockCache or KVCache, got {type(cache).__name__}"
         )
-    adapter = HFCausalLM(model)
+    if spec.kv_layers:
+        _check_hybrid_cache(model, cache, snapshot_dtype)
+    elif snapshot_dtype is not None:
+        raise ValueError(f"snapshot_dtype is for hybrid models; {type(model).__name__} is not one")
+    adapter = HFCausalLM(model, snapshot_dtype)
     if disk_dir is not None or shared_store is not None:
         if isinstance(cache, KVCache):
             raise ValueError(
@@ -345,3 +409,20 @@ def engine(
         kv = kv_for(adapter.spec, cache, attention)
     kwargs.setdefault("stop_tokens", eos_token_ids(model))
     return Engine(adapter, kv, token_budget=token_budget, **kwargs)
+
+
+def _check_hybrid_cache(
+    model: Any, cache: radixkv.Cache | KVCache, snapshot_dtype: torch.dtype | None
+) -> None:
+    """``ValueError`` unless ``cache`` (an index or a KVCache) has state slots, naming what a
+    snapshot of ``model`` costs and a count to start from."""
+    index = cache.cache if isinstance(cache, KVCache) else cache
+    if index.stats.state_slots >= 1:
+        return
+    each = snapshot_bytes(model, snapshot_dtype)
+    kv_pages = index.stats.num_pages * index.stats.page_size
+    raise ValueError(
+        f"{type(model).__name__} is a hybrid model: make its cache with state_slots=N (the "
+        f"snapshots of its recurrent state that prefix hits restore; one takes {each} bytes): "
+        f"for instance state_slots={max(4, min(256, kv_pages // 64))}"
+    )

@@ -77,6 +77,12 @@ class PrefixCache:
         namespace: str | bytes | None = None,
     ) -> None:
         self.spec = check_model(model)
+        if self.spec.kv_layers:
+            raise ValueError(
+                f"{type(model).__name__} is a hybrid model: radixkv.hf.PrefixCache does not hold "
+                "recurrent states (generate() continues them outside radixkv); serve it with "
+                "radixkv.hf.engine"
+            )
         if self.spec.tp_size > 1:
             raise ValueError(
                 f"radixkv.hf.PrefixCache serves one process; this model is tensor-parallel "

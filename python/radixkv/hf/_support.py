@@ -40,6 +40,12 @@ CALLS_KWARG = "radixkv_calls"
 #: The layer types (``config.layer_types``) radixkv.hf serves: full causal attention, and
 #: causal attention through a sliding window (served exactly over the full KV).
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: The layer types of a hybrid model served besides: recurrent layers (their state in radixkv's
+#: state pools, :mod:`radixkv.hf._hybrid_adapter`) and Nemotron-H's stateless MLP/MoE layers.
+HYBRID_LAYER_TYPES = _hybrid.RECURRENT_LAYER_TYPES + _hybrid.STATELESS_LAYER_TYPES
+#: The keyword argument of a hybrid model's forward: its attention layers' indices into the KV
+#: pool (a dict from ``layer_idx``), which holds attention layers only.
+LAYERS_KWARG = "radixkv_kv_layers"
 #: The oldest transformers whose attention interface and caches this package relies on.
 MIN_TRANSFORMERS = (4, 56)
 
@@ -87,6 +93,9 @@ def paged_attention(
             f"{type(module).__name__} has no int layer_idx (got {layer!r}): radixkv.hf maps "
             "each attention call to its layer's KV through it"
         )
+    kv_layers = kwargs.get(LAYERS_KWARG)
+    if kv_layers is not None:
+        layer = kv_layers[layer]
     calls = kwargs.get(CALLS_KWARG)
     if calls is not None:
         calls.append((layer, query.shape[1]))
@@ -237,6 +246,10 @@ class ModelSpec:
     #: what a cache with a window group serves from its window pool.
     window: int = 0
     window_layers: tuple[int, ...] = ()
+    #: Of a hybrid model: the decoder layers with attention KV, in order (``num_layers`` counts
+    #: them: the pool holds attention layers only; layer ``kv_layers[i]`` is pool layer ``i``).
+    #: Empty for a model whose every layer attends.
+    kv_layers: tuple[int, ...] = ()
 
 
 def tp_size(model: Any) -> int:
@@ -336,21 +349,6 @@ def rope_types(model: Any) -> set[str]:
     return found
 
 
-def _hybrid_note(model: Any) -> str:
-    """What radixkv knows of a hybrid ``model``'s recurrent layers and what it still lacks to
-    serve them, as the tail of check_model's refusal; empty for a model with none."""
-    if not _hybrid.is_hybrid(model):
-        return ""
-    try:
-        known = _hybrid.describe(model)
-    except ValueError as e:
-        return f"; {e}"
-    return (
-        f"; recognised as {known}, but radixkv.hf.engine does not hold recurrent state yet "
-        "(the state pool and the index's snapshots are not wired into the engine)"
-    )
-
-
 def check_model(model: Any) -> ModelSpec:
     """The :class:`ModelSpec` of ``model``, a transformers causal LM every layer of which uses
     causal self-attention, full or through a sliding window (softcapped or with sinks as Gemma
@@ -376,13 +374,18 @@ def check_model(model: Any) -> ModelSpec:
     if not hasattr(model, "generate"):
         raise ValueError(f"{name} is not a generative model (it has no generate())")
     layer_types = getattr(config, "layer_types", None)
+    hybrid = _hybrid.is_hybrid(model)
+    if hybrid:
+        _hybrid.recurrent_layers(model)  # ValueError naming what radixkv cannot hold
     if layer_types is not None:
-        other = sorted({t for t in layer_types if t not in SERVED_LAYER_TYPES})
+        served = SERVED_LAYER_TYPES + (HYBRID_LAYER_TYPES if hybrid else ())
+        other = sorted({t for t in layer_types if t not in served})
         if other:
             raise ValueError(
                 f"{name} has {', '.join(repr(t) for t in other)} layers (config.layer_types): "
                 "radixkv.hf serves full and sliding-window causal attention layers only "
-                f"({', '.join(SERVED_LAYER_TYPES)}){_hybrid_note(model)}"
+                f"({', '.join(SERVED_LAYER_TYPES)}), and the recurrent layers of the hybrid "
+                f"families {', '.join(sorted(_hybrid.FAMILIES))}"
             )
     window = getattr(config, "sliding_window", None)
     windowed = bool(
@@ -393,8 +396,11 @@ def check_model(model: Any) -> ModelSpec:
             and getattr(config, "use_sliding_window", True)
         )
     )
+    # A hybrid family's config describes its layers with these too (Jamba's attn_layer_period,
+    # Nemotron-H's layers_block_type); layer_types above is what was checked for it.
+    hybrid_attrs = ("attn_layer_period", "layers_block_type") if hybrid else ()
     for attr in ("attention_chunk_size", "attn_layer_period", "layers_block_type", "ssm_cfg"):
-        if getattr(config, attr, None) is not None:
+        if getattr(config, attr, None) is not None and attr not in hybrid_attrs:
             raise ValueError(
                 f"{name} has config.{attr}={getattr(config, attr)!r} (chunked or hybrid "
                 "attention): radixkv.hf serves full causal attention only"
@@ -441,7 +447,19 @@ def check_model(model: Any) -> ModelSpec:
         )
     params = inspect.signature(model.forward).parameters
     cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    kv_layers: tuple[int, ...] = ()
+    if hybrid:
+        kv_layers = tuple(
+            i for i, t in enumerate(layer_types or ()) if t in _hybrid.ATTENTION_LAYER_TYPES
+        )
+        if not kv_layers:
+            raise ValueError(
+                f"{name} is a hybrid model with no attention layer (config.layer_types): "
+                "radixkv.hf serves hybrid models whose prefix has attention KV"
+            )
+        num_layers = len(kv_layers)
     return ModelSpec(
+        kv_layers=kv_layers,
         num_layers=num_layers,
         num_kv_heads=kv_heads // tp,
         head_dim=head_dim,

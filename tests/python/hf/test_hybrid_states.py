@@ -7,7 +7,6 @@ Restoring the KV without its state (a zero state) must not match. Then the pool 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -23,121 +22,11 @@ if not hasattr(transformers, "Qwen3_5TextConfig"):  # requirements allow transfo
 from radixkv.hf import _hybrid, _hybrid_cache  # noqa: E402
 from radixkv.hf._support import check_model  # noqa: E402
 from radixkv.kv.state_pool import StatePool, StateSpec  # noqa: E402
+from tiny_hybrid import FAMILIES, VOCAB, build  # noqa: E402
 
-VOCAB = 97
 PREFIX = 9
 PROMPT = 20
 NEW_TOKENS = 6
-
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    # No special tokens: generate() must neither stop early nor pad.
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
-#: family -> (config class, model class, config fields). Key and value head sizes differ where a
-#: family has both, so a state's shape pins which is which.
-FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
-        "Qwen3_5ForCausalLM",
-        dict(
-            num_hidden_layers=4,
-            head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-        ),
-    ),
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        "Qwen3NextForCausalLM",
-        dict(
-            num_hidden_layers=4,
-            head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=16,
-        ),
-    ),
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_hidden_layers=4, full_attn_idxs=[1, 3])),
-    "granitemoehybrid": (
-        "GraniteMoeHybridConfig",
-        "GraniteMoeHybridForCausalLM",
-        dict(
-            num_hidden_layers=4,
-            layer_types=["mamba", "attention", "mamba", "attention"],
-            mamba_n_heads=4,
-            mamba_d_state=8,
-            mamba_d_head=16,
-            mamba_chunk_size=8,
-            num_local_experts=4,
-            shared_intermediate_size=32,
-        ),
-    ),
-    "nemotron_h": (
-        "NemotronHConfig",
-        "NemotronHForCausalLM",
-        dict(
-            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
-            head_dim=8,
-            mamba_num_heads=4,
-            mamba_head_dim=16,
-            ssm_state_size=8,
-            n_groups=2,
-            chunk_size=8,
-        ),
-    ),
-    "falcon_h1": (
-        "FalconH1Config",
-        "FalconH1ForCausalLM",
-        dict(
-            num_hidden_layers=3,
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_ssm=64,
-            mamba_d_state=8,
-            mamba_chunk_size=8,
-        ),
-    ),
-    "bamba": (
-        "BambaConfig",
-        "BambaForCausalLM",
-        dict(
-            num_hidden_layers=4,
-            attn_layer_indices=[1, 3],
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_state=8,
-            mamba_chunk_size=8,
-        ),
-    ),
-    "jamba": (
-        "JambaConfig",
-        "JambaForCausalLM",
-        dict(
-            num_hidden_layers=4,
-            attn_layer_period=2,
-            attn_layer_offset=1,
-            num_experts=2,
-            expert_layer_period=2,
-            expert_layer_offset=1,
-            mamba_d_state=8,
-        ),
-    ),
-}
 
 #: Max |logit error| of a suffix continued from a restored slot against the full forward, per
 #: family: about twice the error measured on these models and prompt (logits of unit scale, max
@@ -171,29 +60,6 @@ BF16_TOLERANCE = {
 #: the smallest such error measured is 0.035 (FalconH1, whose attention carries most of each
 #: layer); the others 0.25 to 3.5.
 WRONG_STATE = 0.01
-
-
-def _unit_scale(model: Any, seed: int = 0) -> Any:
-    """Redraws the model's linear weights N(0, 1/fan_in) and its embeddings N(0, 1) (its
-    SSM-specific vectors, convolutions and norms keep transformers' init), so that logits have
-    unit scale and greedy argmax margins are wide."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
-    return model.eval()
-
-
-def build(family: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-    config_cls, model_cls, fields = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**_COMMON, **fields})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = getattr(transformers, model_cls)(config).to(dtype)
-    return model.eval() if device == "meta" else _unit_scale(model)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -412,10 +278,11 @@ def test_bad_restores_and_reads_are_refused_naming_the_value(model):
     assert torch.equal(pool.tensor(layers[0].layer, "conv"), before)
 
 
-def test_the_engine_refuses_a_hybrid_saying_what_is_missing(model):
-    with pytest.raises(ValueError, match="does not hold recurrent state yet") as e:
-        check_model(model)
-    assert _hybrid.family(model).name in str(e.value)
+def test_check_model_gives_a_hybrid_a_pool_of_its_attention_layers(model):
+    spec = check_model(model)
+    types = list(model.config.layer_types)
+    attention = tuple(i for i, t in enumerate(types) if t in _hybrid.ATTENTION_LAYER_TYPES)
+    assert spec.kv_layers == attention and spec.num_layers == len(attention) > 0
 
 
 def test_an_unknown_hybrid_family_is_refused_naming_it():

@@ -67,6 +67,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pages of a host-memory tier under the pool (default: 0, no tier)",
     )
     p.add_argument(
+        "--max-state-slots",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="for a hybrid model (Qwen3.5, Qwen3-Next, LFM2, Granite-4.0-H, Nemotron-H, "
+        "Falcon-H1, Bamba, Jamba): the snapshots of its recurrent state kept for prefix hits "
+        "(default: what a quarter of the KV pool's memory holds, at most 1024)",
+    )
+    p.add_argument(
         "--window-pages",
         type=nonnegative_int,
         default=0,
@@ -704,6 +713,7 @@ def run(args: argparse.Namespace) -> int:
             if loop.engine.cache.window
             else ""
         )
+        + (f", {loop.engine.states.describe()}" if loop.engine.states is not None else "")
         + ")",
         file=sys.stderr,
         flush=True,

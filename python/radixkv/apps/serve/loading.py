@@ -37,6 +37,23 @@ def shared_store_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"shared_store": url, "shared_store_key": key}
 
 
+#: The snapshots a hybrid model's cache keeps by default: a quarter of the KV pool's memory,
+#: within these bounds.
+STATE_SLOTS_BOUNDS = (8, 1024)
+
+
+def state_slots_for(args: argparse.Namespace, model: Any, kv_bytes: int) -> int:
+    """``--max-state-slots``, or what a quarter of ``kv_bytes`` holds of ``model``'s
+    snapshots (within :data:`STATE_SLOTS_BOUNDS`)."""
+    asked = getattr(args, "max_state_slots", None)
+    if asked:
+        return int(asked)
+    from radixkv.hf._hybrid import snapshot_bytes
+
+    lo, hi = STATE_SLOTS_BOUNDS
+    return max(lo, min(hi, kv_bytes // 4 // max(snapshot_bytes(model), 1)))
+
+
 def make_engine(args: argparse.Namespace, on_cache=None):
     """``(engine, model, tokenizer)`` of ``args``: the model loaded (this rank's shard with
     ``--tensor-parallel-size``), its cache and tiers, the engine over them; ``on_cache(cache)``
@@ -71,12 +88,12 @@ def make_engine(args: argparse.Namespace, on_cache=None):
             f"--window-pages needs a model with sliding-window layers; {args.model} has none"
         )
     num_pages = args.num_pages
+    layers = spec.num_layers - (len(spec.window_layers) if window_pages else 0)
+    per_token_bytes = 2 * max(layers, 1) * spec.num_kv_heads * spec.head_dim
+    per_token_bytes *= torch.empty(0, dtype=spec.dtype).element_size()
     if num_pages is None:
         gib = args.kv_memory or 1.0
-        layers = spec.num_layers - (len(spec.window_layers) if window_pages else 0)
-        per_token = 2 * max(layers, 1) * spec.num_kv_heads * spec.head_dim
-        per_token *= torch.empty(0, dtype=spec.dtype).element_size()
-        num_pages = max(int(gib * 2**30 // (per_token * page)), 1)
+        num_pages = max(int(gib * 2**30 // (per_token_bytes * page)), 1)
     cls = radixkv.RadixCache if args.cache == "radix" else radixkv.BlockCache
     host_pages, disk_pages = args.host_pages, 0
     if getattr(args, "cache_dir", None):
@@ -94,6 +111,12 @@ def make_engine(args: argparse.Namespace, on_cache=None):
                 "do not reach the disk"
             )
         window = {"window": spec.window, "window_pages": window_pages}
+    if spec.kv_layers:  # a hybrid model: snapshots of its recurrent state beside the pages
+        window["state_slots"] = state_slots_for(args, model, num_pages * page * per_token_bytes)
+    elif getattr(args, "max_state_slots", None):
+        raise UsageError(
+            f"--max-state-slots is for hybrid models (recurrent layers); {args.model} has none"
+        )
     try:
         cache = cls(
             num_pages, page_size=page, host_pages=host_pages, disk_pages=disk_pages, **window
