@@ -32,7 +32,17 @@ Two memory settings: unbounded (a pool for every token, a slot for every snapsho
 of ``--pool-fraction`` of the distinct tokens (so pages are evicted) with a state budget of 1/4
 of the pool's KV bytes (``--state-share``), converted to slots with Qwen3.5-9B's figures (bf16
 KV: 32 KiB a token, 31.2 MiB per 1k tokens; fp32 snapshot: 49.5 MiB,
-``radixkv.hf._hybrid.snapshot_bytes``).
+``radixkv.hf._hybrid.snapshot_bytes``; bf16 snapshot: 25.5 MiB).
+
+Which snapshot a full budget evicts: the core's own order for token-exact (superseded
+snapshots first, then the least recently used, hubs that 4 requests went past last;
+``docs/SEMANTICS.md``); the bench's own orders through
+``evict_state`` for the other rows: the plain LRU the core had before (vLLM's and SGLang's rules
+run with it, LRU being theirs too), and Belady's (the trace is known: evict the snapshot whose
+next use is furthest, a use being a later request whose hit would end there; or take none when
+the new snapshot's own next use is furthest) for fp32 and bf16 snapshots. Belady's order is the
+reference for what an eviction order can reach, not a proven bound: it ignores how many tokens
+a hit saves and the pages dropped under the pool.
 Printed: recomputed tokens and their ratio to full attention in the same setting, the KV the
 match found past the hit (what a snapshot at the match's end would have saved), snapshots
 taken and evicted, snapshot memory per 1k cached tokens at the end, and issue 51's goals
@@ -68,6 +78,8 @@ from radixkv.apps.common.trace import mooncake_tokens
 KV_BYTES_PER_TOKEN = 8 * 2 * 4 * 256 * 2  # Qwen3.5-9B: 8 attention layers, K+V, 4 heads, 256, bf16
 # Qwen3.5-9B: its 24 Gated DeltaNet layers' conv and delta-rule states, fp32
 SNAPSHOT_BYTES = int(49.5 * 2**20)
+# the same in bf16 (conv states bf16 already): issue 51's note, measured on the meta device
+SNAPSHOT_BYTES_BF16 = int(25.5 * 2**20)
 VLLM_BLOCK = 528  # vLLM's attention block for Qwen3.5-4B in align mode (vllm#40696)
 SGLANG_CHUNK = 64  # SGLang's FLA chunk: prefill checkpoints floor to it
 SGLANG_INTERVAL = 256  # SGLang's mamba_track_interval during decode
@@ -219,39 +231,214 @@ class Result:
         return self.live_states * SNAPSHOT_BYTES / 2**20 / (self.cached_tokens / 1000)
 
 
-def run(rule: Rule, trace: Trace, pool: int, slots: int) -> Result:
-    """Drives ``trace`` through a fresh cache of ``rule``; counts the prompt tokens recomputed."""
+# ---- eviction orders the bench chooses itself (the core's own is the default) -----------------
+
+
+class Chooser:
+    """An eviction order of the bench's own, through ``evict_state``: before each take with no
+    free slot it evicts its own victim (or declines the take), so the core's order never acts.
+    Told of every snapshot taken and hit, and of the slots the core freed."""
+
+    def __init__(self, cache: radixkv.Cache, trace: Trace) -> None:
+        self.cache = cache
+        self.trace = trace
+        self.live: dict[int, int] = {}  # slot -> position of its snapshot
+
+    def start(self, t: int, planned: list[int]) -> None:
+        """Request ``t`` begins; it means to snapshot at ``planned`` (positions)."""
+
+    def end(self, t: int) -> None:
+        """Request ``t`` finished."""
+
+    def hit(self, slot: int) -> None:
+        """A hit ended at the snapshot in ``slot`` (released at once)."""
+
+    def took(self, slot: int, t: int, pos: int) -> None:
+        """Request ``t`` took ``slot`` for its state at ``pos`` (published at once)."""
+        self.live[slot] = pos
+
+    def forget(self, slot: int) -> None:
+        del self.live[slot]
+
+    def declined(self, pos: int) -> None:
+        """The running request takes no snapshot at ``pos`` after all."""
+
+    def victim(self, t: int, pos: int) -> int | None:
+        """The slot to evict before request ``t`` takes one at ``pos``; None: take none."""
+        raise NotImplementedError
+
+    def make_room(self, t: int, pos: int) -> bool:
+        """Frees a slot of this order's choice if none is free; False: take none."""
+        for slot in self.cache.drain_freed_states():
+            if slot in self.live:
+                self.forget(slot)
+        while self.cache.stats.state_free_slots == 0:
+            slot = self.victim(t, pos)
+            if slot is None:
+                return False
+            self.forget(slot)
+            self.cache.evict_state(slot)  # False: the core dropped it already (drained next)
+        return True
+
+
+class OldLru(Chooser):
+    """The core's order before superseded snapshots went cold: least recently published or
+    hit first (what vLLM's and SGLang's rules are run with, LRU being theirs too)."""
+
+    def __init__(self, cache: radixkv.Cache, trace: Trace) -> None:
+        super().__init__(cache, trace)
+        self.order: dict[int, None] = {}  # slots, least recent first
+
+    def hit(self, slot: int) -> None:
+        self.order.pop(slot, None)
+        self.order[slot] = None
+
+    def took(self, slot: int, t: int, pos: int) -> None:
+        super().took(slot, t, pos)
+        self.order[slot] = None
+
+    def forget(self, slot: int) -> None:
+        super().forget(slot)
+        del self.order[slot]
+
+    def victim(self, t: int, pos: int) -> int | None:
+        return next(iter(self.order), None)
+
+
+class Belady(Chooser):
+    """Belady's order, the trace being known: evict the snapshot whose next use is furthest
+    (or decline the new one if its own is). A use is a later request whose hit would end at
+    it: the snapshot is a prefix of its prompt and no deeper live snapshot is, counting the
+    running request's planned ones. A reference, not a proven bound: it ignores what a hit
+    saves (tokens) and the pages dropped under the pool."""
+
+    NEVER = 1 << 62
+
+    def __init__(self, cache: radixkv.Cache, trace: Trace) -> None:
+        super().__init__(cache, trace)
+        self.limit = [(len(p) - 1) // cache.page_size * cache.page_size for p, _ in trace]
+        self.users: dict[int, list[int]] = {}  # request -> positions of snapshots it could hit
+        self.uses_of: dict[int, list[int]] = {}  # slot -> later requests it is a prefix of
+        self.planned: list[tuple[int, list[int]]] = []
+
+    def tokens(self, t: int, pos: int) -> np.ndarray:
+        prompt, reply = self.trace[t]
+        return prompt[:pos] if pos <= len(prompt) else np.concatenate([prompt, reply])[:pos]
+
+    def uses(self, t: int, pos: int) -> list[int]:
+        """The requests after ``t`` whose hit could end at ``t``'s prefix of ``pos`` tokens."""
+        toks = self.tokens(t, pos)
+        last = toks[-1]
+        out = []
+        for i in range(t + 1, len(self.trace)):
+            p = self.trace[i][0]
+            if self.limit[i] >= pos and p[pos - 1] == last and np.array_equal(p[:pos], toks):
+                out.append(i)
+        return out
+
+    def add(self, pos: int, uses: list[int]) -> None:
+        for i in uses:
+            self.users.setdefault(i, []).append(pos)
+
+    def drop(self, pos: int, uses: list[int]) -> None:
+        for i in uses:
+            self.users[i].remove(pos)
+
+    def next_use(self, pos: int, uses: list[int], t: int) -> int:
+        return next(
+            (i for i in uses if i > t and max(self.users[i]) == pos),
+            self.NEVER,
+        )
+
+    def start(self, t: int, planned: list[int]) -> None:
+        self.planned = [(pos, self.uses(t, pos)) for pos in sorted(set(planned)) if pos]
+        for pos, uses in self.planned:
+            self.add(pos, uses)
+
+    def end(self, t: int) -> None:
+        for pos, uses in self.planned:
+            self.drop(pos, uses)
+        self.planned = []
+
+    def declined(self, pos: int) -> None:
+        (uses,) = [u for p, u in self.planned if p == pos]
+        self.drop(pos, uses)
+        self.planned = [(p, u) for p, u in self.planned if p != pos]
+
+    def took(self, slot: int, t: int, pos: int) -> None:
+        super().took(slot, t, pos)
+        uses = next(u for p, u in self.planned if p == pos)
+        self.uses_of[slot] = uses
+        self.add(pos, uses)
+
+    def forget(self, slot: int) -> None:
+        self.drop(self.live[slot], self.uses_of.pop(slot))
+        super().forget(slot)
+
+    def victim(self, t: int, pos: int) -> int | None:
+        new = next(u for p, u in self.planned if p == pos)
+        best, far = None, self.next_use(pos, new, t)
+        for slot, at in self.live.items():
+            n = self.next_use(at, self.uses_of[slot], t)
+            if n > far:
+                best, far = slot, n
+        return best
+
+
+def run(
+    rule: Rule,
+    trace: Trace,
+    pool: int,
+    slots: int,
+    order: type[Chooser] | None = None,
+) -> Result:
+    """Drives ``trace`` through a fresh cache of ``rule``; counts the prompt tokens recomputed.
+    ``order``: an eviction order of the bench's own, else the core's."""
     cache = rule.make(pool, slots)
+    chooser = order(cache, trace) if order and rule.stateful else None
     recomputed = past_hit = 0
 
-    def snapshot(req: radixkv.Request, pos: int, computed: int) -> int:
+    def snapshot(t: int, req: radixkv.Request, pos: int, computed: int) -> int:
         # A state exists only from where this request computes: past what it has computed.
         if rule.stateful and pos > computed and pos % cache.page_size == 0:
-            cache.take_state(req, pos)  # None (every slot busy, or one there): none kept
+            slot = None
+            if chooser is None or chooser.make_room(t, pos):
+                slot = cache.take_state(req, pos)  # None (slots busy, or one there): none kept
+            elif chooser is not None:
+                chooser.declined(pos)
             cache.commit(req, pos)
+            if chooser is not None and slot is not None:
+                chooser.took(slot, t, pos)
             return pos
         return computed
 
-    for prompt, reply in trace:
+    for t, (prompt, reply) in enumerate(trace):
         n_p = len(prompt)
+        end = n_p + len(reply) - 1  # the last token's KV is never computed
         req = cache.admit(prompt)
         hit = req.num_cached
         recomputed += n_p - hit
         computed = hit
         if rule.stateful:
-            if req.state_slot is not None:
-                cache.release_state(req)  # the engine copied it into the request's own slot
             kv = req.kv_matched
+            if chooser is not None:
+                junction = rule.junction(hit, kv) if kv > hit else 0
+                chooser.start(t, [junction, rule.prompt_end(n_p), rule.request_end(n_p, end)])
+            if req.state_slot is not None:
+                if chooser is not None:
+                    chooser.hit(req.state_slot)
+                cache.release_state(req)  # the engine copied it into the request's own slot
             past_hit += kv - hit
             if kv > hit:
-                computed = snapshot(req, rule.junction(hit, kv), computed)
-        computed = snapshot(req, rule.prompt_end(n_p), computed)
+                computed = snapshot(t, req, rule.junction(hit, kv), computed)
+        computed = snapshot(t, req, rule.prompt_end(n_p), computed)
         cache.commit(req, n_p)
         cache.extend(req, reply)
-        end = n_p + len(reply) - 1  # the last token's KV is never computed
-        snapshot(req, rule.request_end(n_p, end), n_p)
+        snapshot(t, req, rule.request_end(n_p, end), n_p)
         cache.commit(req, end)
         cache.finish(req)
+        if chooser is not None:
+            chooser.end(t)
     s = cache.stats
     live = s.state_slots - s.state_free_slots if rule.stateful else 0
     return Result(
@@ -276,10 +463,20 @@ def measure(label: str, trace: Trace, pool_fraction: float, state_share: float) 
     distinct = run(RULES[0], trace, everything + 1, 0).cached_tokens
     pool = max(int(distinct * pool_fraction), 2 * longest)
     budget_slots = max(1, int(state_share * pool * KV_BYTES_PER_TOKEN / SNAPSHOT_BYTES))
+    bf16_slots = max(1, int(state_share * pool * KV_BYTES_PER_TOKEN / SNAPSHOT_BYTES_BF16))
     settings = {
         "unbounded": (everything + 1, 3 * len(trace) + 1),
         "budget": (pool, budget_slots),
     }
+    exact = RULES[1]
+    # Under the budget, beside the core's order: the old one, Belady's, and bf16 snapshots;
+    # vLLM's and SGLang's rules keep the plain LRU they have themselves.
+    extra = [
+        ("token-exact, old LRU", exact, budget_slots, OldLru),
+        ("token-exact, Belady", exact, budget_slots, Belady),
+        (f"token-exact, bf16 ({bf16_slots} slots)", exact, bf16_slots, None),
+        ("token-exact, bf16, Belady", exact, bf16_slots, Belady),
+    ]
     print(
         f"== {label}: {len(trace):,} requests, {prompt_tokens:,} prompt tokens, "
         f"{distinct:,} distinct tokens computed"
@@ -294,18 +491,21 @@ def measure(label: str, trace: Trace, pool_fraction: float, state_share: float) 
     rows = []
     for setting, (pages, slots) in settings.items():
         base = None
-        for rule in RULES:
+        runs = [(rule.name, rule, slots, None) for rule in RULES]
+        if setting == "budget":
+            runs = [(n, r, k, None if r is exact else OldLru) for n, r, k, _ in runs] + extra
+        for name, rule, k, order in runs:
             t0 = time.perf_counter()
-            r = run(rule, trace, pages, slots)
+            r = run(rule, trace, pages, k, order)
             secs = time.perf_counter() - t0
             base = r.recomputed if base is None else base
             x = r.recomputed / base if base else float("nan")
-            if rule.name.startswith("token-exact"):
+            if name == exact.name:
                 ratios[setting] = x
             rows.append(
                 [
                     setting,
-                    rule.name,
+                    name,
                     f"{r.recomputed:,}",
                     f"{r.recomputed / prompt_tokens:.1%}",
                     f"{x:.3f}x",

@@ -332,6 +332,10 @@ class Cache:
     def release_state(self, req: Request) -> bool:
         """Unpins the snapshot ``req``'s hit ended at, once copied; False when none is
         pinned. ``finish`` and ``abort`` unpin it too."""
+    def evict_state(self, slot: int) -> bool:
+        """Evicts the snapshot in state slot ``slot`` (found damaged, or the owner's own
+        policy); its pages stay cached. False, changing nothing, when the slot is free or its
+        snapshot pending or pinned. ``ValueError`` naming ``slot`` past ``state_slots``."""
     def drain_freed_states(self) -> list[int]:
         """State slots freed since the last call (evicted, dropped with a page, or never
         published) and free still, each once, in the order freed."""

@@ -218,6 +218,7 @@ impl<I: Index> Cache<I> {
                 self.states.pin(slot);
                 self.states.hit_tokens += matched as u64;
                 refs.hit = Some(slot);
+                refs.from = Some((matched, slot, self.states.serial(slot).expect("a hit")));
             }
             refs.kv_matched = kv;
         }
@@ -630,6 +631,10 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn release_state(&mut self, id: RequestId) -> Result<bool> {
         self.release_state_of(id)
+    }
+
+    fn evict_state(&mut self, slot: u32) -> Result<bool> {
+        self.evict_state_at(slot)
     }
 
     fn drain_freed_states(&mut self) -> Vec<u32> {

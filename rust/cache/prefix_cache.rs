@@ -150,17 +150,21 @@ pub trait PrefixCache: Send {
     fn disk_restore(&mut self, entries: &[(BlockHash, u32)]) -> Result<()>;
     /// With state slots: a slot for the recurrent state of live request `id` at token `pos` (a
     /// page boundary, its tokens up to `pos` computed or about to be, before the commit that
-    /// covers them): a free slot, else the least recently used unpinned snapshot's. The owner
-    /// copies the state into it; the snapshot becomes findable at the request's first `commit`
-    /// or `finish` after which its pages up to `pos` are published (never before), and is freed
-    /// if the request closes before. `None`, changing nothing, when every slot is pinned or
-    /// pending, when the request took one at `pos` already, or when a snapshot of the same
-    /// prefix is published. Errors without state slots or for a `pos` off a page boundary or
+    /// covers them): a free slot, else the first unpinned snapshot's in the snapshots' LRU
+    /// (superseded ones first, then the least recently used). The owner copies the state into
+    /// it; the snapshot becomes findable at the request's first `commit` or `finish` after which
+    /// its pages up to `pos` are published (never before), and is freed if the request closes
+    /// before. `None`, changing nothing, when every slot is pinned or pending, when the request
+    /// took one at `pos` already, or when a snapshot of the same prefix is published. Errors without state slots or for a `pos` off a page boundary or
     /// past the request's tokens.
     fn take_state(&mut self, id: RequestId, pos: usize) -> Result<Option<u32>>;
     /// Unpins the snapshot request `id`'s admission hit ended at (the owner has copied it into
     /// the request's own state); false when none is pinned. `finish` and `abort` do it too.
     fn release_state(&mut self, id: RequestId) -> Result<bool>;
+    /// Evicts the published snapshot in state slot `slot` (one found damaged, or a policy of
+    /// the owner's): its pages stay cached. False, changing nothing, when the slot is free, its
+    /// snapshot pending or pinned. Errors for a slot past `state_slots`.
+    fn evict_state(&mut self, slot: u32) -> Result<bool>;
     /// The state slots freed since the last call (their snapshot evicted, dropped with a page it
     /// needed, or never published) and free still, each once.
     fn drain_freed_states(&mut self) -> Vec<u32>;

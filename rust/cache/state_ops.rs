@@ -7,13 +7,15 @@
 //!   take_state(req, pos)   a slot for the request's state at pos, pending (not findable)
 //!   commit / finish        pages published up to `published`: pending snapshots at or before
 //!                          it are published, anchored at the index's page ending their prefix
+//!   finish                 the deepest one published supersedes the request's earlier ones
+//!                          (cold) and the one its hit continued from (cool)
 //!   evict / allocate       every snapshot needing a dropped page goes (slot freed)
 //! ```
 
 use crate::arena::ids::PageId;
 use crate::cache::index::{Found, Index};
 use crate::cache::request::{Request, RequestId};
-use crate::cache::states::States;
+use crate::cache::states::{States, Temp};
 use crate::cache::Cache;
 use crate::error::{corrupt, invalid, Result};
 use crate::wire::hash::Namespace;
@@ -102,33 +104,44 @@ impl<I: Index> Cache<I> {
             return;
         }
         let published = r.published;
-        let pending = std::mem::take(&mut r.states.pending);
-        for (pos, slot) in pending {
-            if pos > published {
-                r.states.pending.push((pos, slot));
-                continue;
-            }
+        let (mut ready, later): (Vec<_>, Vec<_>) = std::mem::take(&mut r.states.pending)
+            .into_iter()
+            .partition(|&(pos, _)| pos <= published);
+        r.states.pending = later;
+        ready.sort_unstable();
+        for (pos, slot) in ready {
             let found = index.lookup(&r.tokens[..pos], &r.namespace);
             let mut chain = Vec::new();
             if found.matched == pos && found.host == 0 {
                 index.found_pages(&found, &mut chain);
             }
+            let serial = states.serial(slot).expect("a pending snapshot");
             if chain.is_empty() {
                 states.remove(slot); // unreachable: the request pins its published pages
-            } else {
-                states.publish(slot, chain);
+            } else if states.publish(slot, chain) {
+                r.states.own.push((pos, slot, serial));
             }
         }
     }
 
     /// A closing request's part: its hit's pin dropped; its pending snapshots published where
-    /// its pages are (`publish`), the rest freed.
+    /// its pages are (`publish`), the rest freed; with them published, the snapshots its
+    /// deepest one supersedes.
     pub(crate) fn close_states(&mut self, r: &mut Request<I::Ext>, publish: bool) {
         if let Some(h) = r.states.hit.take() {
             self.states.unpin(h);
         }
         if publish {
             Self::publish_states(&mut self.states, &self.index, r);
+            let own = std::mem::take(&mut r.states.own);
+            if let Some(&(deepest, _, _)) = own.iter().max() {
+                for &(_, slot, serial) in own.iter().filter(|&&(at, _, _)| at < deepest) {
+                    self.states.superseded(slot, serial, Temp::Cold);
+                }
+                if let Some((_, slot, serial)) = r.states.from.filter(|f| f.0 < deepest) {
+                    self.states.superseded(slot, serial, Temp::Cool);
+                }
+            }
         }
         for (_, slot) in std::mem::take(&mut r.states.pending) {
             self.states.remove(slot);
@@ -161,11 +174,23 @@ impl<I: Index> Cache<I> {
             }
         }
         let r = self.requests.get(id)?;
-        let Some(slot) = self.states.take(&r.tokens[..pos], &r.namespace) else {
+        let junction = pos <= r.states.kv_matched;
+        let Some(slot) = self.states.take(&r.tokens[..pos], &r.namespace, junction) else {
             return Ok(None);
         };
         self.requests.get_mut(id)?.states.pending.push((pos, slot));
         Ok(Some(slot))
+    }
+
+    /// See [`crate::PrefixCache::evict_state`].
+    pub(crate) fn evict_state_at(&mut self, slot: u32) -> Result<bool> {
+        if slot as usize >= self.states.slots() {
+            return Err(invalid(format!(
+                "evict_state: slot must be below state_slots ({}), got {slot}",
+                self.states.slots()
+            )));
+        }
+        Ok(self.states.evict(slot))
     }
 
     /// See [`crate::PrefixCache::release_state`].

@@ -23,6 +23,25 @@
 //! Snapshots have their own LRU, separate from the pages': a slot is taken from the free list,
 //! else from the least recently used unpinned snapshot. A hit pins the snapshot it ends at until
 //! the request has copied it (or closes), and refreshes it, and only it, when unpinned.
+//!
+//! The LRU has a cold end, evicted first, each part in the order snapshots went there, and a
+//! hot end, evicted last:
+//!
+//! ```text
+//!   lru:  [ cold ][ cool ][ warm: least recently used .. most recent ][ hot: likewise ]
+//!           ^ the next slot taken (the least recent hot one while more than a quarter are hot)
+//! ```
+//!
+//! A snapshot is superseded when a request that went past it finishes with a later snapshot of
+//! its own on the same path, and no other request has gone past it: the request's own earlier
+//! snapshots (its prompt-end one, once its request-end one exists) go cold; the snapshot its hit
+//! continued from goes cool, after the cold ones, so that a second request branching from it
+//! soon after still finds it. A snapshot two requests went past (a shared system prompt's
+//! junction, a turn sub-agents branched from) stays warm: that is where the next requests will
+//! branch again. A superseded snapshot still serves a hit; the hit makes it warm again. A
+//! snapshot [`HOT`] requests went past is a hub (a system prompt many sessions start from): it
+//! is evicted after the warm ones, but for the least recent hot one while more than a quarter of
+//! the slots are hot, so that hubs never crowd out the running sessions' latest turns.
 
 use crate::arena::ids::PageId;
 use crate::cache::digest::StateDigest;
@@ -62,6 +81,40 @@ pub struct StateRefs {
     pub kv_matched: usize,
     /// Snapshots taken and not published yet: `(position, slot)`, in the order taken.
     pub pending: Vec<(usize, u32)>,
+    /// The snapshot its hit continued from, then the ones it published: `(position, slot,
+    /// serial)`, superseded by its deepest at `finish`; a slot whose snapshot has another
+    /// serial was evicted meanwhile.
+    pub from: Option<(usize, u32, u64)>,
+    /// See `from`.
+    pub own: Vec<(usize, u32, u64)>,
+}
+
+/// Requests gone past a snapshot that make it hot (a hub).
+pub const HOT: u32 = 4;
+
+/// A snapshot's part of the LRU: cold (a request's own earlier snapshot, superseded), cool (the
+/// one a hit continued from, superseded), hot (a hub: [`HOT`] requests went past it), else warm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Temp {
+    /// Evicted first.
+    Cold,
+    /// Evicted after the cold ones.
+    Cool,
+    /// The least recently used first.
+    Warm,
+    /// Evicted last, but for the least recent one while more than a quarter of slots are hot.
+    Hot,
+}
+
+impl Temp {
+    /// An unsuperseded snapshot's part, by how many requests went past it.
+    fn of(continued: u32) -> Temp {
+        if continued >= HOT {
+            Temp::Hot
+        } else {
+            Temp::Warm
+        }
+    }
 }
 
 /// One slot's snapshot.
@@ -75,7 +128,12 @@ struct Snap {
     /// Live requests that hit it and have not copied it yet.
     pins: u32,
     /// Its key in the LRU while published and unpinned.
-    tick: u64,
+    key: (Temp, u64),
+    /// Which take made it (`taken` then): tells a slot's snapshot from a later one in it.
+    serial: u64,
+    /// Requests that continued past it (computed tokens after it): a junction snapshot starts
+    /// at one, the request whose KV its taker matched.
+    continued: u32,
 }
 
 impl Snap {
@@ -94,8 +152,9 @@ pub struct States {
     anchor: Vec<u32>,
     /// Of each device page: how many published snapshots need it.
     needed: Vec<u32>,
-    /// Published unpinned snapshots by last use, least recent first.
-    lru: BTreeMap<u64, u32>,
+    /// Published unpinned snapshots, evicted first to last: the cold ones by when they went
+    /// cold, then the warm ones by last use.
+    lru: BTreeMap<(Temp, u64), u32>,
     clock: u64,
     /// Slots that went back to the free list since the last drain.
     freed: Vec<u32>,
@@ -168,7 +227,7 @@ impl States {
             .as_mut()
             .expect("a hit's snapshot");
         if s.pins == 0 {
-            self.lru.remove(&s.tick);
+            self.lru.remove(&s.key);
         }
         s.pins += 1;
     }
@@ -181,19 +240,72 @@ impl States {
             .expect("a pinned snapshot");
         s.pins -= 1;
         if s.pins == 0 {
-            s.tick = self.clock;
-            self.lru.insert(self.clock, slot);
+            s.key = (Temp::of(s.continued), self.clock);
+            self.lru.insert(s.key, slot);
         }
     }
 
+    /// The serial of the snapshot in `slot` (`None` when free).
+    pub fn serial(&self, slot: u32) -> Option<u64> {
+        self.snaps[slot as usize].as_ref().map(|s| s.serial)
+    }
+
+    /// A finished request went past the snapshot `(slot, serial)` (gone: nothing) to a later
+    /// one of its own; with that request the only one, the snapshot goes `to` the cold or cool
+    /// part of the LRU; with [`HOT`] of them, to the hot part (keeping its last use).
+    pub fn superseded(&mut self, slot: u32, serial: u64, to: Temp) {
+        self.clock += 1;
+        let Some(s) = self.snaps[slot as usize]
+            .as_mut()
+            .filter(|s| s.serial == serial && s.published())
+        else {
+            return;
+        };
+        s.continued += 1;
+        if s.pins > 0 || s.key.0 != Temp::Warm {
+            return;
+        }
+        let key = match Temp::of(s.continued) {
+            _ if s.continued == 1 => (to, self.clock),
+            Temp::Hot => (Temp::Hot, s.key.1),
+            _ => return,
+        };
+        self.lru.remove(&s.key);
+        s.key = key;
+        self.lru.insert(key, slot);
+    }
+
+    /// Evicts the published, unpinned snapshot in `slot`; false, changing nothing, when the
+    /// slot is free, pending or pinned.
+    pub fn evict(&mut self, slot: u32) -> bool {
+        match &self.snaps[slot as usize] {
+            Some(s) if s.published() && s.pins == 0 => {
+                self.remove(slot);
+                self.evicted += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The number of state slots.
+    pub fn slots(&self) -> usize {
+        self.snaps.len()
+    }
+
     /// A slot for a new snapshot of `tokens` in `namespace`, pending (not findable) until
-    /// [`States::publish`]: a free one, else the least recently used unpinned snapshot's
-    /// (evicted); `None` when every slot is pinned or pending.
-    pub fn take(&mut self, tokens: &[u32], namespace: &Namespace) -> Option<u32> {
+    /// [`States::publish`]: a free one, else the first unpinned snapshot's in the LRU (evicted);
+    /// `None` when every slot is pinned or pending. `junction`: the taker's KV match ran over
+    /// the prefix, so another request continued past it already.
+    pub fn take(&mut self, tokens: &[u32], namespace: &Namespace, junction: bool) -> Option<u32> {
         let slot = match self.free.pop() {
             Some(s) => s,
             None => {
-                let (_, &s) = self.lru.iter().next()?;
+                let mut hot = self.lru.range((Temp::Hot, 0)..);
+                let (_, &s) = match hot.nth((self.snaps.len() / 4).max(1)) {
+                    Some(_) => self.lru.range((Temp::Hot, 0)..).next(),
+                    None => self.lru.iter().next(),
+                }?;
                 self.remove(s);
                 self.evicted += 1;
                 self.free.pop().expect("just freed")
@@ -204,7 +316,9 @@ impl States {
             namespace: namespace.clone(),
             chain: Vec::new(),
             pins: 0,
-            tick: 0,
+            key: (Temp::Warm, 0),
+            serial: self.taken,
+            continued: junction as u32,
         });
         self.taken += 1;
         Some(slot)
@@ -228,8 +342,8 @@ impl States {
             .as_mut()
             .expect("a pending snapshot");
         s.chain = chain;
-        s.tick = self.clock;
-        self.lru.insert(self.clock, slot);
+        s.key = (Temp::Warm, self.clock);
+        self.lru.insert(s.key, slot);
         true
     }
 
@@ -242,7 +356,7 @@ impl States {
                 self.needed[p.0 as usize] -= 1;
             }
             if s.pins == 0 {
-                self.lru.remove(&s.tick);
+                self.lru.remove(&s.key);
             }
         }
         self.free.push(slot);
@@ -402,7 +516,7 @@ impl States {
                 ));
             }
             anchors += 1;
-            let listed = self.lru.get(&s.tick) == Some(&(i as u32));
+            let listed = self.lru.get(&s.key) == Some(&(i as u32));
             if listed != (s.pins == 0) {
                 return corrupt(format!("state slot {i}: in the LRU iff unpinned, broken"));
             }
@@ -428,12 +542,14 @@ impl States {
                 None => d.word(u64::MAX),
                 Some(s) => {
                     d.word(s.pins as u64);
+                    d.word(s.continued as u64);
                     d.pages(&s.chain);
                 }
             }
         }
-        for &slot in self.lru.values() {
+        for (&(temp, _), &slot) in &self.lru {
             d.word(slot as u64);
+            d.word(temp as u64);
         }
         d.word(self.free.len() as u64);
         for &s in &self.free {
@@ -452,6 +568,6 @@ impl States {
         snaps
             + self.snaps.capacity() * std::mem::size_of::<Option<Snap>>()
             + (self.anchor.capacity() + self.needed.capacity() + self.free.capacity()) * 4
-            + self.lru.len() * 32
+            + self.lru.len() * 40
     }
 }

@@ -679,6 +679,15 @@ impl PyCache {
         slf.get().with(slf.py(), false, |c| c.release_state(id))
     }
 
+    /// Evicts the snapshot in state slot ``slot`` (found damaged, or the owner's own policy);
+    /// its pages stay cached. False, changing nothing, when the slot is free or its snapshot
+    /// pending or pinned. ``ValueError`` naming ``slot`` past ``state_slots``.
+    fn evict_state(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let slot = convert::count("slot", slot)?;
+        let slot = u32::try_from(slot).unwrap_or(u32::MAX);
+        slf.get().with(slf.py(), false, |c| c.evict_state(slot))
+    }
+
     /// The state slots freed since the last call (their snapshot evicted for a slot or with a
     /// page it needed, or taken and never published) and free still: their tensors hold
     /// nothing of use. Each slot once, in the order freed.

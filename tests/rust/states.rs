@@ -279,6 +279,203 @@ fn state_slots_zero_is_the_cache_as_before() {
     assert_eq!(a.state_digest(), b.state_digest());
 }
 
+/// Admits `t`, takes its hit's snapshot, snapshots at each of `at`, computes all, finishes;
+/// returns the hit's slot and the slots taken.
+fn cont(c: &mut dyn PrefixCache, t: &[u32], at: &[usize]) -> (Option<u32>, Vec<Option<u32>>) {
+    let r = c.admit(t, None).unwrap();
+    let hit = c.request(r).unwrap().state_slot;
+    c.release_state(r).unwrap();
+    let slots = at.iter().map(|&p| c.take_state(r, p).unwrap()).collect();
+    c.commit(r, t.len()).unwrap();
+    c.finish(r).unwrap();
+    c.check().unwrap();
+    (hit, slots)
+}
+
+fn cat(a: &[u32], b: &[u32]) -> Vec<u32> {
+    [a, b].concat()
+}
+
+#[test]
+fn a_prompt_end_snapshot_superseded_by_its_request_end_one_is_evicted_first() {
+    for (mut c, p) in caches(256, 3) {
+        let u = toks(4 * p, 3);
+        let b = run(&mut *c, &u, &None, &[p]);
+        // The prompt-end snapshot (2 pages) goes cold once the request-end one (6) is there.
+        let t = toks(6 * p, 2);
+        let a = run(&mut *c, &t, &None, &[2 * p, 6 * p]);
+        // All 3 slots held; u's snapshot is the least recently used, but the cold one goes.
+        let e = run(&mut *c, &toks(3 * p, 4), &None, &[p]);
+        assert_eq!(e[0], a[0], "the superseded snapshot's slot is taken");
+        assert_eq!(c.match_prefix(&u, &None).unwrap(), p, "u's snapshot stays");
+        assert_ne!(b[0], e[0]);
+        let within = cat(&t[..3 * p], &toks(p, 5));
+        assert_eq!(c.match_prefix(&within, &None).unwrap(), 0);
+        assert_eq!(c.match_prefix(&cat(&t, &toks(p, 5)), &None).unwrap(), 6 * p);
+    }
+}
+
+#[test]
+fn the_snapshot_a_request_continued_from_goes_cool_once_it_finishes_with_its_own() {
+    for (mut c, p) in caches(256, 5) {
+        let d = toks(4 * p, 5);
+        run(&mut *c, &d, &None, &[p]);
+        let t = toks(8 * p, 2);
+        let a = run(&mut *c, &t, &None, &[8 * p]);
+        // The next turn hits the snapshot at 8 pages (refreshing it), then publishes its own:
+        // the one at 8 goes cool, after the cold ones and before d's, though more recent.
+        let t2 = cat(&t, &toks(4 * p, 6));
+        let (hit, _) = cont(&mut *c, &t2, &[12 * p]);
+        assert_eq!(hit, a[0]);
+        let y = run(&mut *c, &toks(6 * p, 8), &None, &[2 * p, 6 * p]);
+        let e = run(&mut *c, &toks(3 * p, 4), &None, &[p]);
+        assert_eq!(e[0], y[0], "the cold one first, though it went there later");
+        let f = run(&mut *c, &toks(3 * p, 9), &None, &[p]);
+        assert_eq!(f[0], a[0], "then the cool one");
+        assert_eq!(c.match_prefix(&d, &None).unwrap(), p);
+        assert_eq!(c.match_prefix(&cat(&t, &toks(p, 7)), &None).unwrap(), 0);
+        assert_eq!(
+            c.match_prefix(&cat(&t2, &toks(p, 7)), &None).unwrap(),
+            12 * p
+        );
+    }
+}
+
+#[test]
+fn a_junction_snapshot_stays_warm_when_superseded() {
+    for (mut c, p) in caches(256, 3) {
+        let sys = toks(4 * p, 7);
+        let a = run(&mut *c, &cat(&sys, &toks(4 * p, 8)), &None, &[8 * p]);
+        // b's KV match runs over the shared system prompt: a junction, snapshotted there.
+        let b = cat(&sys, &toks(4 * p, 9));
+        let r = c.admit(&b, None).unwrap();
+        assert_eq!(c.request(r).unwrap().kv_matched, 4 * p);
+        let j = c.take_state(r, 4 * p).unwrap();
+        c.take_state(r, 8 * p).unwrap();
+        c.commit(r, 8 * p).unwrap();
+        c.finish(r).unwrap();
+        // Two requests continued past the junction: it stays warm, and the LRU goes first.
+        let e = run(&mut *c, &toks(3 * p, 4), &None, &[p]);
+        assert_eq!(e[0], a[0]);
+        assert_ne!(e[0], j);
+        let third = cat(&sys, &toks(4 * p, 10));
+        assert_eq!(c.match_prefix(&third, &None).unwrap(), 4 * p);
+    }
+}
+
+#[test]
+fn a_snapshot_two_requests_continued_from_stays_warm() {
+    for (mut c, p) in caches(256, 3) {
+        let t = toks(8 * p, 2);
+        let a = run(&mut *c, &t, &None, &[8 * p]);
+        // Two sub-agents branch from it: the first makes it cold, the second's hit warm again,
+        // and with two continuations it stays warm.
+        let (h1, s1) = cont(&mut *c, &cat(&t, &toks(4 * p, 11)), &[12 * p]);
+        let (h2, _) = cont(&mut *c, &cat(&t, &toks(4 * p, 12)), &[12 * p]);
+        assert_eq!((h1, h2), (a[0], a[0]));
+        let e = run(&mut *c, &toks(3 * p, 4), &None, &[p]);
+        assert_eq!(e[0], s1[0], "the first branch's, least recently used");
+        let turn = cat(&t, &toks(4 * p, 13));
+        assert_eq!(c.match_prefix(&turn, &None).unwrap(), 8 * p);
+    }
+}
+
+#[test]
+fn evict_state_evicts_a_published_unpinned_snapshot_only() {
+    for (mut c, p) in caches(256, 2) {
+        let t = toks(8 * p, 2);
+        let s = run(&mut *c, &t, &None, &[2 * p, 6 * p]);
+        let (s0, s1) = (s[0].unwrap(), s[1].unwrap());
+        let before = c.stats();
+        assert!(c.evict_state(s1).unwrap());
+        c.check().unwrap();
+        assert_eq!(c.stats().evicted_states, before.evicted_states + 1);
+        assert_eq!(c.drain_freed_states(), vec![s1]);
+        assert!(!c.evict_state(s1).unwrap(), "a free slot");
+        // The pages stay: the KV match still runs to 8 pages, the hit falls back to 2.
+        let r = c.admit(&t, None).unwrap();
+        let v = c.request(r).unwrap();
+        assert_eq!((v.num_cached, v.kv_matched), (2 * p, 7 * p));
+        assert!(!c.evict_state(s0).unwrap(), "pinned by r's hit");
+        let pending = c.take_state(r, 4 * p).unwrap().unwrap();
+        assert!(!c.evict_state(pending).unwrap(), "pending");
+        c.release_state(r).unwrap();
+        assert!(c.evict_state(s0).unwrap());
+        c.abort(r).unwrap();
+        c.check().unwrap();
+        let e = c.evict_state(2).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains("got 2"), "{e}");
+        assert_eq!(c.stats().state_free_slots, 2);
+    }
+}
+
+/// Requests on `sys` with their own tails (seeds `seeds`), each snapshotted at its end (8
+/// pages) and, for the first that finds `sys`'s KV without a snapshot, at the junction (4
+/// pages); returns the junction's slot.
+fn hub(c: &mut dyn PrefixCache, sys: &[u32], p: usize, seeds: &[u32]) -> Option<u32> {
+    let mut j = None;
+    for &seed in seeds {
+        let t = cat(sys, &toks(4 * p, seed));
+        let r = c.admit(&t, None).unwrap();
+        let v = c.request(r).unwrap();
+        let (kv, hit) = (v.kv_matched, v.num_cached);
+        c.release_state(r).unwrap();
+        if kv >= 4 * p && hit < 4 * p {
+            j = c.take_state(r, 4 * p).unwrap();
+        }
+        c.take_state(r, 8 * p).unwrap();
+        c.commit(r, 8 * p).unwrap();
+        c.finish(r).unwrap();
+        c.check().unwrap();
+    }
+    j
+}
+
+#[test]
+fn a_hub_four_requests_went_past_outlives_the_warm_snapshots() {
+    for (mut c, p) in caches(256, 8) {
+        let sys = toks(4 * p, 30);
+        let j = hub(&mut *c, &sys, p, &[31, 32, 33, 34]);
+        assert!(j.is_some());
+        // 5 held (the hub and 4 request ends), 3 free; 3 + 4 more takes: the 4 request ends
+        // go, the hub (used before the last of them) stays.
+        for seed in 40..47 {
+            run(&mut *c, &toks(3 * p, seed), &None, &[p]);
+        }
+        assert_eq!(
+            c.match_prefix(&cat(&sys, &toks(4 * p, 35)), &None).unwrap(),
+            4 * p
+        );
+        assert_eq!(
+            c.match_prefix(&cat(&cat(&sys, &toks(4 * p, 34)), &toks(p, 1)), &None)
+                .unwrap(),
+            4 * p,
+            "the last request's end was evicted"
+        );
+    }
+}
+
+#[test]
+fn past_a_quarter_of_the_slots_hot_the_least_recent_hub_goes_first() {
+    for (mut c, p) in caches(256, 4) {
+        let (sys1, sys2) = (toks(4 * p, 50), toks(4 * p, 60));
+        let j1 = hub(&mut *c, &sys1, p, &[51, 52, 53, 54]);
+        let j2 = hub(&mut *c, &sys2, p, &[61, 62, 63, 64]);
+        assert!(j1.is_some() && j2.is_some());
+        // Two hubs of 4 slots: past the quarter, the least recent hub goes before any other.
+        let e = run(&mut *c, &toks(3 * p, 70), &None, &[p]);
+        assert_eq!(e[0], j1);
+        assert_eq!(c.match_prefix(&cat(&sys1, &toks(p, 1)), &None).unwrap(), 0);
+        assert_eq!(
+            c.match_prefix(&cat(&sys2, &toks(p, 1)), &None).unwrap(),
+            4 * p
+        );
+        let last = cat(&cat(&sys2, &toks(4 * p, 64)), &toks(p, 1));
+        assert_eq!(c.match_prefix(&last, &None).unwrap(), 8 * p);
+    }
+}
+
 /// One step of a random sequence.
 #[derive(Debug, Clone)]
 enum Op {
@@ -307,6 +504,10 @@ enum Op {
     Evict {
         n: usize,
     },
+    /// Evict the snapshot in state slot `slot` (past the slots: refused).
+    EvictState {
+        slot: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -318,6 +519,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(|req| Op::Release { req }),
         2 => (0..8usize, any::<bool>()).prop_map(|(req, abort)| Op::Close { req, abort }),
         1 => (1..12usize).prop_map(|n| Op::Evict { n }),
+        1 => (0..5usize).prop_map(|slot| Op::EvictState { slot }),
     ]
 }
 
@@ -388,6 +590,22 @@ fn drive(mut c: Box<dyn PrefixCache>, p: usize, ops: Vec<Op>) {
             }
             Op::Evict { n } => {
                 c.evict(n);
+            }
+            Op::EvictState { slot } => {
+                let before = c.stats();
+                let held = c
+                    .state_snapshots()
+                    .iter()
+                    .any(|&(s, _, _)| s as usize == slot);
+                match c.evict_state(slot as u32) {
+                    Ok(true) => {
+                        assert!(held, "only a published snapshot is evicted");
+                        assert_eq!(c.stats().evicted_states, before.evicted_states + 1);
+                        assert_eq!(c.stats().state_free_slots, before.state_free_slots + 1);
+                    }
+                    Ok(false) => assert_eq!(c.stats(), before),
+                    Err(_) => assert!(slot >= before.state_slots),
+                }
             }
             _ => {}
         }

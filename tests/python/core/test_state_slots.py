@@ -1,6 +1,6 @@
 """State slots through the bindings: ``state_slots=`` on both caches, ``take_state``,
-``release_state``, ``drain_freed_states``, ``Request.kv_matched`` / ``state_slot`` and the
-stats that count snapshots.
+``release_state``, ``evict_state``, ``drain_freed_states``, ``Request.kv_matched`` /
+``state_slot``, the stats that count snapshots, and which snapshot goes first.
 
 The core's own tests (tests/rust/states.rs) run random sequences against the hit rule; here,
 the same rules seen from Python, with the cache's ``check()`` after each step.
@@ -111,6 +111,54 @@ def test_a_pinned_snapshot_and_its_pages_stay(cls, p):
     c.abort(other)
     assert c.drain_freed_states() == [slot]
     c.check()
+
+
+@pytest.mark.parametrize(("cls", "p"), CACHES)
+def test_superseded_snapshots_are_evicted_before_the_least_recently_used(cls, p):
+    c = cls(256, page_size=p, state_slots=4)
+    other = toks(4 * p, 20)
+    served(c, other, at=[p])  # the least recently used from here on
+    # A session's turn: snapshots at its prompt's end (3 pages) and its last token (6).
+    turn1 = toks(6 * p, 21)
+    prompt_end, turn_end = served(c, turn1, at=[3 * p, 6 * p])
+    # The next turn continues from the first's end (a hit) and publishes its own end.
+    turn2 = np.concatenate([turn1, toks(4 * p, 22)])
+    req = c.admit(turn2)
+    assert req.state_slot == turn_end
+    c.release_state(req)
+    assert c.take_state(req, 10 * p) is not None
+    c.commit(req, req.num_tokens)
+    c.finish(req)
+    c.check()
+    # Both of turn 1's snapshots are superseded: they go before the other session's.
+    taken = served(c, toks(2 * p, 23), at=[p]) + served(c, toks(2 * p, 24), at=[p])
+    assert taken == [prompt_end, turn_end]
+    assert c.match_prefix(other) == p
+    assert c.match_prefix(np.concatenate([turn2, toks(p, 25)])) == 10 * p
+    assert c.match_prefix(np.concatenate([turn1, toks(p, 25)])) == 0
+
+
+@pytest.mark.parametrize(("cls", "p"), CACHES)
+def test_evict_state_evicts_one_snapshot_and_keeps_its_pages(cls, p):
+    c = cls(256, page_size=p, state_slots=2)
+    t = toks(8 * p, 26)
+    early, late = served(c, t, at=[2 * p, 6 * p])
+    assert c.evict_state(late) is True
+    assert c.drain_freed_states() == [late] and c.stats.evicted_states == 1
+    assert c.evict_state(late) is False, "free already"
+    req = c.admit(t)
+    assert (req.num_cached, req.kv_matched) == (2 * p, 7 * p)
+    assert c.evict_state(early) is False, "pinned by the hit"
+    c.release_state(req)
+    assert c.evict_state(early) is True
+    c.abort(req)
+    c.check()
+    digest = c.state_digest()
+    with pytest.raises(ValueError, match=r"slot.*2"):
+        c.evict_state(2)
+    with pytest.raises((ValueError, TypeError), match="slot"):
+        c.evict_state(-1)
+    assert c.state_digest() == digest
 
 
 @pytest.mark.parametrize(("cls", "p"), CACHES)
