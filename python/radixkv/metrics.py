@@ -42,6 +42,12 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   recomputed for it: what a window costs in reuse), ``radixkv_kv_window_evicted_pages_total``;
   with its host tier also ``radixkv_kv_window_host_used_pages``,
   ``radixkv_kv_window_offloaded_pages_total`` and ``radixkv_kv_window_loaded_pages_total``.
+- With state slots (``state_slots > 0``, a hybrid model's recurrent-state snapshots):
+  ``radixkv_state_slots{state="free"|"pinned"|"held"}`` (holding nothing / pinned by a request
+  restoring from it / holding a snapshot or one pending),
+  ``radixkv_prefix_cache_state_hit_tokens_total`` (hit tokens, each hit ending at a snapshot),
+  ``radixkv_taken_states_total`` (snapshots taken) and ``radixkv_evicted_states_total``
+  (snapshots evicted: for room, or with a page they needed).
 - With a scheduler: ``radixkv_scheduler_waiting`` (requests waiting) and the histogram
   ``radixkv_scheduler_wait_calls`` (schedule calls each admitted request waited through).
 - With an engine: ``radixkv_engine_requests_total`` (finished requests), the histograms
@@ -188,6 +194,7 @@ class CacheCollector(Collector):
         self.disk_tier = int(getattr(cache, "disk_pages", 0) or 0) > 0
         self.window_group = int(getattr(cache, "window_pages", 0) or 0) > 0
         self.window_host = int(getattr(cache, "window_host_pages", 0) or 0) > 0
+        self.state_slots = int(getattr(cache.stats, "state_slots", 0) or 0) > 0
         self._names = list(labels)
         self._values = [labels[k] for k in self._names]
         # Engine requests are folded into these as they finish. Ids grow as requests are
@@ -308,6 +315,8 @@ class CacheCollector(Collector):
             out.extend(self._disk_families(s))
         if self.window_group:
             out.extend(self._window_families(s))
+        if self.state_slots:
+            out.extend(self._state_families(s))
         if self.scheduler is not None:
             out.append(
                 self._gauge(
@@ -463,6 +472,43 @@ class CacheCollector(Collector):
                 ),
             ]
         return out
+
+    def _state_families(self, s: Any) -> list[Any]:
+        """The state slots' families (``s``: a stats snapshot, or None for names only)."""
+        live = s is not None
+        slots = GaugeMetricFamily(
+            "radixkv_state_slots",
+            "Recurrent-state slots by state: free (hold nothing), pinned (a request restores from "
+            "it), held (a snapshot, or one pending until its request publishes its pages).",
+            labels=[*self._names, "state"],
+        )
+        if live:
+            held = s.state_slots - s.state_free_slots - s.state_pinned_slots
+            for state, n in (
+                ("free", s.state_free_slots),
+                ("pinned", s.state_pinned_slots),
+                ("held", held),
+            ):
+                slots.add_metric([*self._values, state], n)
+        return [
+            slots,
+            self._counter(
+                "radixkv_prefix_cache_state_hit_tokens",
+                "Prompt tokens served from the cache at admission with their recurrent state "
+                "restored from a snapshot.",
+                s.state_hit_tokens if live else None,
+            ),
+            self._counter(
+                "radixkv_taken_states",
+                "Recurrent-state snapshots taken (slots handed out by take_state).",
+                s.taken_states if live else None,
+            ),
+            self._counter(
+                "radixkv_evicted_states",
+                "Recurrent-state snapshots evicted (for room, or with a page they needed).",
+                s.evicted_states if live else None,
+            ),
+        ]
 
     def _disk_families(self, s: Any) -> list[Any]:
         """The disk tier's families (``s``: a stats snapshot, or None for names only)."""

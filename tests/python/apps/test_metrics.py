@@ -597,3 +597,52 @@ def test_inter_token_latency_queue_time_and_a_model_name_label_as_vllm():
     assert all(0 <= q <= r.ttft_s for q, r in zip(queued, results))
     assert m["radixkv_request_queue_time_seconds_sum"] == pytest.approx(sum(queued))
     assert queued[2] > queued[0]  # admitted once a slot freed
+
+
+STATE_FAMILIES = {
+    "radixkv_state_slots",
+    "radixkv_prefix_cache_state_hit_tokens",
+    "radixkv_taken_states",
+    "radixkv_evicted_states",
+}
+
+
+@pytest.mark.parametrize("kind", ["radix", "block"])
+def test_state_slot_samples_match_the_cache(kind):
+    """The state slots' families, only with state slots, and their values the cache's after
+    traffic that takes snapshots, hits one (pinned while restoring) and evicts others."""
+    cls = radixkv.RadixCache if kind == "radix" else radixkv.BlockCache
+    assert not family_names(CacheCollector(cls(64, 4))) & STATE_FAMILIES
+    cache = cls(64, 4, state_slots=3)
+    collector = CacheCollector(cache, labels={"worker": "w0"})
+    assert family_names(collector) & STATE_FAMILIES == STATE_FAMILIES
+    assert {f.name for f in collector.describe()} >= STATE_FAMILIES
+    prompts = [np.arange(16, dtype=np.uint32) + 100 * (i + 1) for i in range(4)]
+    for p in prompts:  # four snapshots into three slots: one is evicted
+        req = cache.admit(p)
+        assert cache.take_state(req, 16) is not None
+        cache.commit(req, 16)
+        cache.finish(req)
+    live = cache.admit(np.concatenate([prompts[3], [7, 8, 9, 10]]))  # a hit, pinned
+    assert live.state_slot is not None and live.num_cached == 16
+    s = cache.stats
+    assert s.evicted_states > 0 and s.state_pinned_slots == 1
+    m = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(generate_latest_of(collector))
+        for x in f.samples
+    }
+    w = (("worker", "w0"),)
+    slots = {
+        st: m[("radixkv_state_slots", (("state", st), *w))] for st in ("free", "pinned", "held")
+    }
+    assert slots == {
+        "free": s.state_free_slots,
+        "pinned": s.state_pinned_slots,
+        "held": s.state_slots - s.state_free_slots - s.state_pinned_slots,
+    }
+    assert slots["pinned"] == 1 and slots["held"] == 2
+    assert m[("radixkv_prefix_cache_state_hit_tokens_total", w)] == s.state_hit_tokens == 16
+    assert m[("radixkv_taken_states_total", w)] == s.taken_states == 4
+    assert m[("radixkv_evicted_states_total", w)] == s.evicted_states
+    cache.abort(live)
