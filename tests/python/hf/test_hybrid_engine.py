@@ -149,6 +149,30 @@ def test_a_shared_prefix_is_hit_in_full_from_the_third_request(model):
     eng.cache.check()
 
 
+def test_a_host_tier_drops_snapshots_and_stays_exact(model):
+    """Pages offloaded to the host tier take the snapshots that need them along (snapshots stay
+    on the device): a session whose pages went to the host is recomputed from an earlier
+    snapshot or from nothing, its tokens still transformers' own."""
+    cache = radixkv.RadixCache(48, page_size=1, host_pages=256, state_slots=16)
+    eng = radixkv.hf.engine(model, cache, token_budget=64)
+    first = tokens(20, seed=40)
+    (r,) = eng.generate([first], max_new_tokens=NEW, logprobs=True)
+    check(model, first, r)
+    # Another session pushes the first one's last pages to the host (48 pages, 23 + 27 used).
+    other = tokens(24, seed=41)
+    (o,) = eng.generate([other], max_new_tokens=NEW, logprobs=True)
+    check(model, other, o)
+    s = eng.cache.stats
+    assert s.offloaded_pages > 0 and s.evicted_states > 0
+    follow = first + r.output + tokens(4, seed=45)
+    (r2,) = eng.generate([follow], max_new_tokens=NEW, logprobs=True)
+    check(model, follow, r2)
+    # The request-end snapshot went with the offloaded pages; the prompt-end one is restored.
+    assert r2.cached_tokens == len(first)
+    assert eng.cache.stats.host_hit_tokens == 0
+    eng.cache.check()
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "jamba"], indirect=True)
 def test_a_block_cache_hits_at_page_boundaries(model):
     eng = engine(model, page_size=4)
