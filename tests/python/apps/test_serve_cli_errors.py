@@ -124,13 +124,6 @@ def test_a_bad_speculative_config():
     )
     good = '{"method": "ngram", "num_speculative_tokens": 4}'
     serve_error(
-        "-tp",
-        "2",
-        "--speculative-config",
-        good,
-        needles=("--tensor-parallel-size 2 with --speculative-config", "not supported"),
-    )
-    serve_error(
         "--window-pages",
         "8",
         "--speculative-config",

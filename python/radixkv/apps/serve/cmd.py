@@ -439,7 +439,6 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
     for option, why in (
         ("cache_dir", "each rank would read and write a directory of its own"),
         ("shared_store", "each rank's pages would need keys of their own"),
-        ("speculative_config", "the ranks would need rank 0's drafts replayed"),
     ):
         if getattr(args, option, None):
             raise UsageError(
