@@ -202,8 +202,7 @@ class Engine:
     Greedy outputs are the same as without it, token for token; sampled ones keep their
     distribution (rejection sampling with the request's own generator: a seed repeats, but
     draws other tokens than without speculation). Requests with ``grammar=`` decode without
-    drafts. Refused (``ValueError``) with a window group. Under tensor parallelism rank 0
-    drafts and tells the other ranks, and how many
+    drafts. Under tensor parallelism rank 0 drafts and tells the other ranks, and how many
     tokens each request kept (a stop string only rank 0 sees may end it early).
     ``None`` (the default): off.
     """
@@ -235,11 +234,6 @@ class Engine:
         speculative: Mapping | SpecConfig | None = None,
     ) -> None:
         spec = SpecConfig.of(speculative)
-        if spec is not None and kv.cache.window:
-            raise ValueError(
-                "speculative= needs a cache without a window group (rejected drafts are given "
-                "back, which a window pool cannot do yet): pass speculative=None"
-            )
         if cuda_graphs is not None and not isinstance(cuda_graphs, (bool, np.bool_)):
             raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):

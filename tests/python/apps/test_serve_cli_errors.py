@@ -122,11 +122,3 @@ def test_a_bad_speculative_config():
         '{"method": "ngram", "num_speculative_tokens": 0}',
         needles=(flag, "num_speculative_tokens", ">= 1", "0"),
     )
-    good = '{"method": "ngram", "num_speculative_tokens": 4}'
-    serve_error(
-        "--window-pages",
-        "8",
-        "--speculative-config",
-        good,
-        needles=("--speculative-config with --window-pages", "not supported"),
-    )

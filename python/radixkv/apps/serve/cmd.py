@@ -377,11 +377,6 @@ def check_before_loading(args: argparse.Namespace) -> None:
             "directory or a .gguf file"
         )
     args.chat_template_text = chat_template_of(getattr(args, "chat_template", None))
-    if getattr(args, "speculative_config", None) and getattr(args, "window_pages", 0):
-        raise UsageError(
-            "--speculative-config with --window-pages is not supported in this version: a "
-            "window pool cannot give rejected drafts back"
-        )
     check_tensor_parallel(args)
     check_cache_dir(args)
     if args.device is not None:
