@@ -335,13 +335,6 @@ impl<I: Index> PrefixCache for Cache<I> {
     }
 
     fn truncate(&mut self, id: RequestId, num_tokens: usize) -> Result<()> {
-        if self.window.on() {
-            return Err(invalid(
-                "truncate: a cache with a window group cannot give tokens back (its window pages \
-                 follow the request's length)"
-                    .to_string(),
-            ));
-        }
         let p = self.index.page_size();
         let r = self.requests.get_mut(id)?;
         if num_tokens < r.num_computed || num_tokens > r.tokens.len() {
@@ -352,9 +345,36 @@ impl<I: Index> PrefixCache for Cache<I> {
                 r.tokens.len()
             )));
         }
+        if self.window.on() {
+            // The window pages a request holds start where a hit at its last computed page
+            // boundary below its last token reads; fewer tokens may move that boundary back, to
+            // pages an earlier commit released (a commit up to the new length, then a truncate
+            // to it): refused, nothing changed. A truncate before that commit keeps them.
+            if num_tokens == 0 {
+                return Err(invalid(
+                    "truncate: a request of a cache with a window group keeps at least one token, \
+                     got num_tokens 0"
+                        .to_string(),
+                ));
+            }
+            let from = hold_from(r.num_computed, num_tokens, p);
+            let lo = self.window.first_needed(from).min(num_tokens.div_ceil(p));
+            if lo < r.win.lo {
+                return Err(invalid(format!(
+                    "truncate: with a window group, num_tokens {num_tokens} would need window \
+                     page {lo} again, which the commit to {} released: truncate before that \
+                     commit",
+                    r.num_computed
+                )));
+            }
+        }
         r.tokens.truncate(num_tokens);
-        let tail = r.pages.split_off(num_tokens.div_ceil(p));
+        let keep = num_tokens.div_ceil(p);
+        let tail = r.pages.split_off(keep);
         self.index.free_private(&tail);
+        if self.window.on() {
+            self.window.truncate(&mut r.win, keep);
+        }
         let gone: Vec<u32> = r
             .states
             .pending

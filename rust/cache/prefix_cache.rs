@@ -27,7 +27,9 @@ pub trait PrefixCache: Send {
     fn commit(&mut self, id: RequestId, num_computed: usize) -> Result<()>;
     /// Gives back the tokens of `id` past `num_tokens` (which must be at least its
     /// `num_computed`: nothing computed or published is dropped) and frees the pages they alone
-    /// used: the draft tokens a speculative step rejected. Refused with a window group.
+    /// used: the draft tokens a speculative step rejected (their window pages too, with a window
+    /// group; there, truncate before committing up to `num_tokens`: a commit releases the window
+    /// pages below what its next query reads, which fewer tokens may need again, refused).
     fn truncate(&mut self, id: RequestId, num_tokens: usize) -> Result<()>;
     /// Up to `max` tokens the cache holds after `tokens` in `namespace` (never another's): the
     /// continuation of the cached sequence that `tokens` is a prefix of, the most recently used

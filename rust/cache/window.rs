@@ -279,6 +279,18 @@ impl Window {
         log.window_stored(namespace, parent, run, tokens);
     }
 
+    /// Gives back a request's window pages past its first `total` pages (speculative decoding's
+    /// rejected drafts: fresh pages, never entered under a key, freed at once). The caller keeps
+    /// `total` at or above the pages the request's index published and its held window.
+    pub fn truncate(&mut self, r: &mut WindowPages, total: usize) {
+        debug_assert!(r.keys.len() <= total && r.lo <= total);
+        for w in r.pages.split_off(total.min(r.pages.len())) {
+            if w != GONE {
+                self.unhold(w);
+            }
+        }
+    }
+
     /// Releases every page a closing request holds.
     pub fn close(&mut self, r: &WindowPages) {
         for &w in &r.pages[r.lo..] {

@@ -189,7 +189,9 @@ impl PyCache {
 
     /// Gives back ``req``'s tokens past ``num_tokens`` (from its ``num_computed`` to its
     /// ``num_tokens``) and frees the pages only they used: the draft tokens a speculative step
-    /// rejected, never computed nor published. ``ValueError`` with a window group.
+    /// rejected, never computed nor published (with a window group, their window pages too:
+    /// truncate before committing up to ``num_tokens``; ``ValueError`` where a commit already
+    /// released a window page the shorter request needs).
     fn truncate(
         slf: &Bound<'_, Self>,
         req: &Bound<'_, PyRequest>,

@@ -203,7 +203,8 @@ class Engine:
     Greedy outputs are the same as without it, token for token; sampled ones keep their
     distribution (rejection sampling with the request's own generator: a seed repeats, but
     draws other tokens than without speculation). Requests with ``grammar=`` decode without
-    drafts. Refused (``ValueError``) under tensor parallelism and with a window group.
+    drafts. Under tensor parallelism rank 0 drafts and tells the other ranks, and how many
+    tokens each request kept (a stop string only rank 0 sees may end it early).
     ``None`` (the default): off.
     """
 
@@ -234,16 +235,6 @@ class Engine:
         speculative: Mapping | SpecConfig | None = None,
     ) -> None:
         spec = SpecConfig.of(speculative)
-        if spec is not None and group is not None:
-            raise ValueError(
-                "speculative= cannot run tensor-parallel yet (the ranks would need rank 0's "
-                "drafts replayed): pass speculative=None with group="
-            )
-        if spec is not None and kv.cache.window:
-            raise ValueError(
-                "speculative= needs a cache without a window group (rejected drafts are given "
-                "back, which a window pool cannot do yet): pass speculative=None"
-            )
         if cuda_graphs is not None and not isinstance(cuda_graphs, (bool, np.bool_)):
             raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
@@ -350,6 +341,7 @@ class Engine:
                     "digest_every": digest_every,
                     "check_tokens": bool(check_tokens),
                     "max_stalled_steps": self.max_stalled_steps,
+                    "speculative": None if spec is None else str(spec),
                     "cache state digest": kv.cache.state_digest(),
                 },
             )
@@ -384,6 +376,7 @@ class Engine:
             "reset": lambda: self.cache.reset(),
             "unretain": lambda retention: self.cache.release_retention(retention),
             "retain": self._retain,
+            "drafts": self._set_drafts,
         }
 
     def follow(self) -> int:
@@ -791,6 +784,9 @@ class Engine:
             self._tick(now)
         if self.lockstep is None:
             return self._step_once()
+        if self.drafter is not None:  # rank 0 drafts; the others take its drafts
+            self._propose()
+            self._record(("drafts", {s.id: s.draft for s in self.batcher.running if s.draft}))
         return self.replay.step(self._step_once)
 
     def _check_step(self, batch: list[Sequence]) -> None:
@@ -874,8 +870,8 @@ class Engine:
         st = self.stats
         ended = self.batcher.num_ended
         t0 = time.perf_counter()
-        if self.drafter is not None:
-            self._propose()
+        if self.drafter is not None and self.lockstep is None:
+            self._propose()  # with a group, before the broadcast (step, _set_drafts)
         batch = self.batcher.next_batch()
         t1 = time.perf_counter()
         st.schedule_s += t1 - t0
@@ -895,6 +891,7 @@ class Engine:
             return self._with_failed(stalled)
         self._stalled_steps = 0
         lock = self.lockstep
+        drafting = sum(1 for s in batch if s.draft)  # rows whose kept count the ranks share
         try:
             if lock is not None:
                 lock.forward_begins()
@@ -917,7 +914,9 @@ class Engine:
         except Exception as e:  # the batch's requests fail with it
             failed = self._with_failed(self._fail(batch, e))
             if lock is not None:  # raises DivergedError unless the others are past the model
-                lock.forward_failed(e)
+                lock.forward_failed(e, drafting)
+                if drafting:
+                    lock.check_kept([0] * drafting)
                 if self._sampled is not None:
                     lock.check_sampled(self._sampled)
             return failed
@@ -925,7 +924,7 @@ class Engine:
             self.batcher.requeue(batch)
             raise
         if lock is not None:
-            lock.forward_ends()
+            lock.forward_ends(drafting)
         t3 = time.perf_counter()
         finished = self._with_failed(self._sample(batch, logits, drafts))
         if self._sampled is not None:
@@ -951,8 +950,10 @@ class Engine:
         """Accounts the committed tokens, samples where a target is computed, ends sequences.
         ``drafts``: the logits of each batch row that carried a draft, at its token and at
         each draft token (``logits`` holds each row's last)."""
+        drafting = [s for s in batch if s.draft]
         ready = self.batcher.committed(batch)
         if not ready:
+            self._kept(drafting, None)
             return []
         seqs = [batch[b] for b in ready]
         refused: dict[int, Exception] = {}
@@ -970,10 +971,11 @@ class Engine:
                     refused = mask(self, rows, seqs)
                 tokens, lps = sample_tokens(rows, seqs)
         except Exception as e:  # logits of the wrong shape, say
+            self._kept(drafting, None)
             return self._fail(seqs, e)
         for k, error in refused.items():
             tokens[k] = error
-        return Outcome(self).apply(seqs, tokens, lps, verified)
+        return Outcome(self).apply(seqs, tokens, lps, verified, drafting)
 
     # ---- speculative decoding ----------------------------------------------------------------
 
@@ -992,6 +994,26 @@ class Engine:
                 and seq.num_computed == seq.num_tokens == seq.target_len - 1
             ):
                 seq.draft = drafter.propose(seq, room)
+
+    def _set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """Other ranks: the drafts rank 0 proposed for this step (by request id; every other
+        running request drafts nothing), so that every rank plans and verifies the same."""
+        for seq in self.batcher.running:
+            seq.draft = list(drafts.get(seq.id, ()))
+
+    def _kept(self, drafting: list[Sequence], counts: list[int] | None) -> list[int] | None:
+        """With a group and a step with drafts: how many tokens each of ``drafting`` (this
+        step's drafting requests, in batch order) recorded on rank 0, which every rank keeps
+        (a stop string, which only rank 0 sees, or its ``on_token`` raising may end one before
+        its verified tokens do). ``counts``: rank 0's (None: it recorded none). Without a
+        group or drafts: ``counts``."""
+        lock = self.lockstep
+        if lock is None or not drafting:
+            return counts
+        t = time.perf_counter()
+        kept = lock.check_kept(counts if counts is not None else [0] * len(drafting))
+        lock.check_s += time.perf_counter() - t
+        return kept
 
     def _draft_rows(
         self, batch: list[Sequence], step

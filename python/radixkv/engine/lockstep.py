@@ -14,6 +14,9 @@ leaving one rank waiting in a collective the others never enter:
 - every step, before the forward pass: the step number and the batch shape (requests, tokens),
   plus the cache's :meth:`~radixkv.RadixCache.state_digest` every ``digest_every`` steps, and
   whether this rank's last forward pass raised, in one all-gather of five int64;
+- in a step with speculative drafts, after sampling: how many tokens each drafting request kept
+  on rank 0 (a stop string, which only rank 0 sees, may end one before its verified tokens
+  do), which every rank keeps too, in one all-gather of ``2 + drafting requests`` int64;
 - with ``check_tokens``: after sampling, a digest of the sampled token ids (and whether this
   step's forward pass raised), in one all-gather of three int64;
 - at :meth:`Engine.close`, once: the step count (and a forward pass that raised at the last
@@ -57,6 +60,7 @@ _PHASES = {
     "payload": "the broadcast of rank 0's calls",
     "check_step": "the step check",
     "forward": "the forward pass",
+    "check_kept": "the exchange of kept draft counts",
     "check_sampled": "the token check",
     "close_check": "the close check",
     "closed": "nothing (closed)",
@@ -138,6 +142,8 @@ class Lockstep:
         self._seq0: int | None = None  # the group's sequence number as the forward began
         #: Collectives the last successful forward pass ran on ``group`` (None: none so far).
         self.model_collectives: int | None = None
+        #: Drafting requests in this step's batch: the width of :meth:`check_kept`'s row.
+        self.drafting = 0
 
     # ---- rank 0's calls ----------------------------------------------------------------------
 
@@ -268,6 +274,21 @@ class Lockstep:
             )
         )
 
+    def check_kept(self, counts: list[int]) -> list[int]:
+        """After a forward pass with drafts (every rank: the batch's drafting requests are the
+        same, rank 0's drafts being replayed): ``counts`` is how many tokens each recorded on
+        this rank; returns rank 0's, which every rank keeps (and the forward pass must have
+        raised on every rank or on none); else ``radixkv.Error``."""
+        self._live()
+        if len(counts) != self.drafting:
+            raise radixkv.Error(
+                f"rank {self.rank}: {len(counts)} kept counts for {self.drafting} drafting requests"
+            )
+        table = self._gather([self.steps, self._status(), *counts], _PHASES["check_kept"])
+        self.phase = "check_sampled" if self.check_tokens else "broadcast"
+        self._verdict(table, 1)
+        return [int(n) for n in table[0, 2:]]
+
     def check_close(self) -> None:
         """Once rank 0 closed (every rank, after the close's calls): every rank took as many
         steps, and no rank's last forward pass raised alone; else ``radixkv.Error``."""
@@ -339,18 +360,27 @@ class Lockstep:
         """The engine: the batch's plan and forward pass begin."""
         self._seq0 = self._seq()
 
-    def forward_ends(self) -> None:
-        """The engine: the forward pass (and commit) succeeded."""
+    def forward_ends(self, drafting: int = 0) -> None:
+        """The engine: the forward pass (and commit) succeeded; ``drafting``: the batch's
+        requests with drafts (then :meth:`check_kept` comes next)."""
         seq = self._seq()
         if seq is not None and self._seq0 is not None:
             self.model_collectives = seq - self._seq0
-        self.phase = "check_sampled" if self.check_tokens else "broadcast"
+        self._after_forward(drafting)
 
-    def forward_failed(self, error: Exception) -> None:
+    def _after_forward(self, drafting: int) -> None:
+        self.drafting = drafting
+        if drafting:
+            self.phase = "check_kept"
+        else:
+            self.phase = "check_sampled" if self.check_tokens else "broadcast"
+
+    def forward_failed(self, error: Exception, drafting: int = 0) -> None:
         """The engine: the plan, forward pass or commit raised ``error`` (the batch's requests
         failed with it). If the forward pass ran as many collectives as a successful one does,
         the other ranks are past them: the next check reports it (:class:`DivergedError` on
-        every rank there, unless every rank's forward pass raised). Else they wait inside the
+        every rank there, unless every rank's forward pass raised; ``drafting``: as
+        :meth:`forward_ends`). Else they wait inside the
         model's collectives: raises :class:`DivergedError` (a :class:`PeerLostError` if
         ``error`` is a failed collective) at once, and this rank enters no more collectives."""
         seq, n = self._seq(), self.model_collectives
@@ -358,7 +388,7 @@ class Lockstep:
         if n and done == n and not _is_comm_error(error):
             self._forward_failed = True
             self._reason, self._failure = f"{type(error).__name__}: {error}", error
-            self.phase = "check_sampled" if self.check_tokens else "broadcast"
+            self._after_forward(drafting)
             return
         raise self._break(error) from error
 
@@ -398,8 +428,12 @@ class Lockstep:
                 raise self._end(DivergedError(_left_message({0: self._reason}, self.steps)))
             if self.phase == "broadcast":  # the others go on to rank 0's next broadcast
                 self.receive()  # its calls are not replayed: this rank reports it left
-            status = {"check_step": 4, "check_sampled": 2, "close_check": 1}[self.phase]
+            status = {"check_step": 4, "check_kept": 1, "check_sampled": 2, "close_check": 1}[
+                self.phase
+            ]
             row = [self.steps] + [0] * status
+            if self.phase == "check_kept":
+                row += [0] * self.drafting
             row[status] = _LEFT
             phase = self.phase
             table = self._gather(row, _PHASES[phase])

@@ -62,16 +62,28 @@ class Outcome:
         tokens: list,
         lps: list | None,
         verified: dict[int, tuple[list, list]],
+        drafting: list[Sequence] | None = None,
     ) -> list[Result]:
         """Applies ``tokens[k]`` (an id, or the exception its row's sampling raised) and its
         logprob ``lps[k]`` to ``seqs[k]``; ``verified``: by row, the tokens a verified draft
-        appends (with their logprobs) and their alternatives. Returns the results of the
+        appends (with their logprobs) and their alternatives. ``drafting``: the step's
+        requests with a draft (batch order): under tensor parallelism each records as many
+        tokens as it did on rank 0 (:meth:`Engine._kept`). Returns the results of the
         requests that ended."""
         eng = self.eng
         if eng._sampled is not None:
             eng._sampled.extend(
                 (s.id, t if isinstance(t, int) else -1) for s, t in zip(seqs, tokens)
             )
+        drafting = drafting or []
+        lead = eng.lockstep is None or eng.lockstep.rank == 0
+        if drafting and not lead:  # rank 0's kept counts first: it may have kept fewer
+            kept = dict(zip((s.id for s in drafting), eng._kept(drafting, None)))
+            for k, seq in enumerate(seqs):
+                n = kept.get(seq.id, 0)
+                if k in verified and 0 < n < len(verified[k][0]):
+                    verified[k] = (verified[k][0][:n], verified[k][1][:n])
+        before = {s.id: len(s.output) for s in drafting}
         for k, (seq, tok) in enumerate(zip(seqs, tokens)):
             if not isinstance(tok, Exception) and not 0 <= tok < eng.vocab_size:
                 tok = ValueError(
@@ -82,6 +94,8 @@ class Outcome:
                 self.finished.extend(eng._fail([seq], tok))
                 continue
             self._one(seq, tok, None if lps is None else lps[k], verified.get(k))
+        if drafting and lead:
+            eng._kept(drafting, [len(s.output) - before[s.id] for s in drafting])
         for seq, tok, lp, delta in self.late:
             self._end(seq, "stop" if seq.error is None else "error", tok, lp, delta)
         if self.bug is not None:

@@ -586,12 +586,14 @@ class KVCache:
         """After a speculative step: commits ``req`` up to ``num_computed`` tokens (its verified
         ones; publishing the full pages they complete, to the shared tier too) and gives back
         the rest of what the step planned (``cache.truncate``: the rejected drafts, whose slots
-        the next step writes again)."""
+        the next step writes again). The truncate comes first: with a window group a commit
+        releases the window pages below what the request's next query reads, which a request
+        still holding its drafts reads from further on."""
         start = req.num_computed
+        self.cache.truncate(req, num_computed)
         self.cache.commit(req, num_computed)
         if self.shared is not None:
             self.shared.publish([req], [start], [num_computed])
-        self.cache.truncate(req, num_computed)
 
     def __repr__(self) -> str:
         return (

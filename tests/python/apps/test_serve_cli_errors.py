@@ -122,18 +122,3 @@ def test_a_bad_speculative_config():
         '{"method": "ngram", "num_speculative_tokens": 0}',
         needles=(flag, "num_speculative_tokens", ">= 1", "0"),
     )
-    good = '{"method": "ngram", "num_speculative_tokens": 4}'
-    serve_error(
-        "-tp",
-        "2",
-        "--speculative-config",
-        good,
-        needles=("--tensor-parallel-size 2 with --speculative-config", "not supported"),
-    )
-    serve_error(
-        "--window-pages",
-        "8",
-        "--speculative-config",
-        good,
-        needles=("--speculative-config with --window-pages", "not supported"),
-    )

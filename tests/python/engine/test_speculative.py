@@ -275,15 +275,6 @@ def test_bad_configs_are_value_errors_naming_them(model):
     ):
         with pytest.raises(ValueError, match=needle):
             radixkv.Engine(model, kv, speculative=bad)
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        radixkv.Engine(model, kv, group=object(), speculative=SpecConfig("ngram", 2))
-    window = radixkv.RadixCache(64, page_size=4, window=8, window_pages=16)
-    with pytest.raises(ValueError, match="window group"):
-        radixkv.Engine(
-            model,
-            model.make_kv_cache(window),
-            speculative={"method": "ngram", "num_speculative_tokens": 2},
-        )
     assert SpecConfig.of('{"method": "suffix", "num_speculative_tokens": 8}') == SpecConfig(
         "suffix", 8
     )

@@ -280,3 +280,45 @@ def test_bad_window_arguments_are_refused():
         check_extras(None, -1.0, None, 4)
     with pytest.raises(ValueError, match="one logit per query head"):
         check_extras(None, None, torch.zeros(3), 4)
+
+
+@pytest.mark.parametrize(
+    "make_cache",
+    [
+        pytest.param(
+            lambda: radixkv.RadixCache(160, page_size=1, window=WINDOW, window_pages=48),
+            id="radix-p1-window",
+        ),
+        pytest.param(
+            lambda: radixkv.RadixCache(48, page_size=4, window=WINDOW, window_pages=24),
+            id="radix-p4-window",
+        ),
+        pytest.param(
+            lambda: radixkv.BlockCache(12, page_size=16, window=WINDOW, window_pages=10),
+            id="block-p16-window",
+        ),
+    ],
+)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_with_a_window_group_equals_plain_decoding(make_cache, method):
+    """Drafts on a sliding-window model whose cache has a window group: their window pages are
+    given back with the rejected drafts (``Cache.truncate``), so greedy outputs equal plain
+    decoding's token for token, in a batch and for a retried request, and every page comes
+    back."""
+    model = build("mistral-swa")
+    rng = np.random.default_rng(5)
+    prompts = [np.concatenate([tokens(rng, 6)] * 4) for _ in range(3)]
+    runs = []
+    for spec in (None, {"method": method, "num_speculative_tokens": 4}):
+        eng = radixkv.hf.engine(model, make_cache(), token_budget=64, speculative=spec)
+        first = eng.generate(prompts, max_new_tokens=24, stop=())
+        again = eng.generate(prompts[:1], max_new_tokens=24, stop=())
+        eng.cache.check()
+        s = eng.cache.stats
+        assert s.used_pages == 0 and s.window_free_pages + s.window_evictable_pages == (
+            s.window_pages
+        )
+        runs.append(([r.output for r in first + again], eng.stats))
+    (plain, _), (spec_out, st) = runs
+    assert spec_out == plain
+    assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st

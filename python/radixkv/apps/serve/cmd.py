@@ -386,11 +386,6 @@ def check_before_loading(args: argparse.Namespace) -> None:
             "directory or a .gguf file"
         )
     args.chat_template_text = chat_template_of(getattr(args, "chat_template", None))
-    if getattr(args, "speculative_config", None) and getattr(args, "window_pages", 0):
-        raise UsageError(
-            "--speculative-config with --window-pages is not supported in this version: a "
-            "window pool cannot give rejected drafts back"
-        )
     check_tensor_parallel(args)
     check_cache_dir(args)
     if args.device is not None:
@@ -448,7 +443,6 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
     for option, why in (
         ("cache_dir", "each rank would read and write a directory of its own"),
         ("shared_store", "each rank's pages would need keys of their own"),
-        ("speculative_config", "the ranks would need rank 0's drafts replayed"),
     ):
         if getattr(args, option, None):
             raise UsageError(
