@@ -8,6 +8,7 @@ One server for the module: a key, a pool of 400 pages, retention bounded to a fe
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -150,6 +151,22 @@ def metric(url, name: str) -> float:
     """The value of ``name`` on the server's ``/metrics``."""
     text = httpx.get(url + "/metrics", headers={"x-api-key": KEY}).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_breakpoint_counts_no_query_and_no_hit(url):
+    """A breakpoint's retention is no admission: a request with two breakpoints counts one
+    admission (its own) in the cache's counters, its prompt's tokens and its cache read."""
+    names = [f"radixkv_prefix_cache_{n}_total" for n in ("requests", "query_tokens", "hit_tokens")]
+    before = [metric(url, n) for n in names]
+    town = f"You answer questions about the town of {uuid.uuid4().hex[:8]}."  # not cached yet
+    system = [{"type": "text", "text": town, "cache_control": {"type": "ephemeral"}}]
+    marked = {"type": "text", "text": NOTES, "cache_control": {"type": "ephemeral"}}
+    m = client(url).messages.create(**{**ask(marked, "bridge"), "system": system})
+    u = m.usage
+    prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+    assert u.cache_creation_input_tokens > 0, u
+    after = [metric(url, n) for n in names]
+    assert [b - a for a, b in zip(before, after)] == [1, prompt, u.cache_read_input_tokens]
 
 
 def test_more_than_four_breakpoints_is_anthropics_400(url):
