@@ -2,14 +2,17 @@
 official ``openai`` client (``client.responses``, its stream helper) and an ``openai-agents``
 agent: a conversation chained by ``previous_response_id`` reuses the cache turn by turn and
 says what chat completions say for it whole; stored responses are per tenant and bounded;
-malformed items are 400s naming the field. One server for the module (a tenant header, three
-stored responses at most)."""
+malformed items are 400s naming the field; chat's prompt caching fields (``prompt_cache_key``
+reported in the KV events, read by a subscriber of radixkv's and of vLLM's layout). One server
+for the module (a tenant header, three stored responses at most, KV events on)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import tempfile
+import uuid
 
 import pytest
 
@@ -21,12 +24,24 @@ openai = serve_process.needs_real_server()
 
 TENANT = "X-Tenant"
 STORED = 3
+#: Where the server publishes its KV events.
+EVENTS = f"ipc://{tempfile.gettempdir()}/radixkv-test-responses-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(scope="module")
 def url(served):
     args = ["--num-pages", "2048", "--served-model-name", "m", "--tenant-header", TENANT]
-    return served(*args, "--max-stored-responses", str(STORED)).url
+    events = ["--kv-events", EVENTS] if has_events() else []
+    return served(*args, "--max-stored-responses", str(STORED), *events).url
+
+
+def has_events() -> bool:
+    try:
+        import msgspec  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def client(url, tenant="a"):
@@ -304,3 +319,73 @@ def retentions(url) -> float:
         for line in text.splitlines()
         if line.startswith("radixkv_retentions{")
     )
+
+
+def test_prompt_cache_key_is_reported_with_the_blocks_its_request_stores(url):
+    """With ``--kv-events``, the blocks a request with a ``prompt_cache_key`` stores carry the
+    key hashed with the request's namespace: the same key of two tenants reports two values,
+    a request without one reports none, the reply's blocks none. A decoder of vLLM's layout
+    (its ``BlockStored`` without the field) reads the same events, every field of its equal."""
+    if not has_events():
+        pytest.skip("--kv-events needs radixkv[events] (pyzmq, msgspec)")
+    import msgspec
+    import zmq
+
+    from event_subscriber import same_fields, vllm_decoder
+    from radixkv.events import event_types, prompt_cache_key_hash
+    from radixkv.tenancy import tenant_namespace
+
+    ours = msgspec.msgpack.Decoder(event_types("array")["KVEventBatch"])
+    vllm = vllm_decoder("array")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "")
+    sub.connect(EVENTS)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+
+    def chat(tenant: str, text: str, key: str | None = None) -> list[int]:
+        """Runs ``text`` as tenant's chat completion; returns its prompt's tokens."""
+        messages = [{"role": "user", "content": text}]
+        extra = {} if key is None else {"prompt_cache_key": key}
+        client(url, tenant).chat.completions.create(
+            model="m", messages=messages, max_tokens=3, extra_body=extra
+        )
+        r = httpx.post(
+            url + "/tokenize", headers={TENANT: tenant}, json={"model": "m", "messages": messages}
+        )
+        return r.json()["tokens"]
+
+    def drain(quiet: float) -> list:
+        """The BlockStored events, of both decoders, until none arrives for ``quiet`` s."""
+        got = []
+        while poller.poll(int(quiet * 1000)):
+            _, _, payload = sub.recv_multipart()
+            a, b = ours.decode(payload).events, vllm.decode(payload).events
+            got += [(x, y) for x, y in zip(a, b) if type(x).__name__ == "BlockStored"]
+        return got
+
+    try:
+        for k in range(100):  # PUB/SUB drops what is sent before the subscription is in
+            chat("join", f"Say {k}.")
+            if drain(0.5):
+                break
+        else:
+            raise AssertionError("no KV event reached the subscriber")
+        drain(1.0)
+        word = uuid.uuid4().hex[:8]
+        prompts = {
+            "a": chat("a", f"Spell the word {word} backwards.", "k"),
+            "b": chat("b", f"Spell the word {word} backwards.", "k"),
+            "c": chat("a", f"Spell the word {word} twice.", None),
+        }
+        events = drain(1.5)
+    finally:
+        sub.close()
+    hashes = {t: prompt_cache_key_hash("k", tenant_namespace(t, None, tenants=True)) for t in "ab"}
+    assert hashes["a"] != hashes["b"], "one key, two tenants: two values"
+    assert all(same_fields(x, y) for x, y in events), "vLLM's layout reads its own fields"
+    reported = {e.prompt_cache_key for e, _ in events}
+    assert reported == {hashes["a"], hashes["b"], None}, reported
+    for t in "ab":
+        hinted = [tok for e, _ in events if e.prompt_cache_key == hashes[t] for tok in e.token_ids]
+        assert hinted and prompts[t][-len(hinted) :] == hinted, (t, hinted, prompts[t])

@@ -9,8 +9,10 @@
 - The namespace a request's prompt is cached in (:func:`namespace_of`): its tenant and its
   ``cache_salt``, so that requests share KV by their prefix and namespace alone.
 - ``prompt_cache_key``: a routing hint OpenAI's router uses to send requests that share a prefix
-  to one machine. radixkv accepts it and never makes it a cache namespace (that would let a
-  key cross tenants): requests share KV by their prefix and namespace alone.
+  to one machine. radixkv never makes it a cache namespace (that would let a key cross
+  tenants): requests share KV by their prefix and namespace alone. With ``--kv-events`` it is
+  reported with the blocks the request's prompt stores, hashed with the request's namespace
+  (:func:`radixkv.events.prompt_cache_key_hash`), so that a router can route by it.
 """
 
 from __future__ import annotations
