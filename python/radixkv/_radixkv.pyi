@@ -236,6 +236,17 @@ class Cache:
         ``priority``: the eviction class (0 evicted first) its pages are raised to at least;
         ``retain``: seconds of the cache's clock its pages stay out of eviction while anything
         else can go (``math.inf``: until released). Returns the retention's id, or None."""
+    def retain_prefix(
+        self,
+        tokens: _Tokens,
+        namespace: _Namespace = None,
+        *,
+        retain: float = 0.0,
+        priority: int | None = None,
+    ) -> tuple[int | None, int]:
+        """Retains the cached device prefix of ``tokens`` (whole pages) as ``finish`` retains
+        a request's pages, without admitting it: no query or hit counted, nothing pinned, the
+        LRU order unchanged. Returns ``(retention id or None, tokens held)``."""
     def release_retention(self, retention: int) -> bool: ...
     def advance(self, now: float) -> int: ...
     @property

@@ -12,8 +12,8 @@ Wire format (as vLLM's ``ZmqEventPublisher``)::
     PUB frames:    [topic, seq (8 bytes, big-endian), msgpack(KVEventBatch)]
     KVEventBatch:  [ts, [event, ...], data_parallel_rank]
     BlockStored:   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                    lora_id, medium, lora_name(, extra_keys(, group_idx, kv_cache_spec_kind,
-                    kv_cache_spec_sliding_window))]
+                    lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+                    kv_cache_spec_sliding_window, prompt_cache_key]
     BlockRemoved:  ["BlockRemoved", block_hashes, medium(, group_idx)]
     AllBlocksCleared: ["AllBlocksCleared"]
     replay (ROUTER): request [b"", start_seq (8 bytes)] -> one [b"", seq, payload] per buffered
@@ -32,6 +32,16 @@ each published chain (see ``docs/EVENTS.md``), so an indexer that hashes prompts
 finds radixkv's blocks. For a ``RadixCache`` a block is a ``page_size`` group of tokens along
 a published path.
 
+``prompt_cache_key`` (radixkv's own field, after vLLM's last; null unless told): blocks that a
+request with a ``prompt_cache_key`` (OpenAI's routing hint) stores carry
+:func:`prompt_cache_key_hash` of the key and the request's namespace, once the server tells
+the publisher (:meth:`ZmqPublisher.hint`). A decoder of vLLM's layout ignores it: msgspec
+drops the trailing elements of an ``array_like`` struct it does not declare, and the unknown
+keys of a map (vLLM has added its fields at the end over versions, so its decoders take a
+longer array). Hashed with the namespace, so the key never names a group of blocks across
+tenants (nor shows the key's text, often a user or conversation id, to the event bus); a
+router that knows a request's namespace computes the same value.
+
 A cache with a sliding-window group (``window=``) publishes two KV cache groups, as vLLM's
 hybrid KV cache manager does: every event says its group (``group_idx`` 0, ``kv_cache_spec_kind
 "full_attention"``: the full pages; ``group_idx`` 1, ``"sliding_window"`` with
@@ -41,6 +51,7 @@ hit where group 0 holds all its blocks and group 1 the blocks of its last window
 hits by the window cut. A cache without a window group sends no group fields, as before.
 """
 
+import hashlib
 import threading
 import time
 from collections import OrderedDict, deque
@@ -56,6 +67,7 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
     ) from e
 
 from radixkv._radixkv import _sha256_cbor_chain, _sha256_cbor_none_hash
+from radixkv._radixkv import block_hashes as _block_hashes
 
 __all__ = [
     "BLOCK_HASHES",
@@ -67,6 +79,7 @@ __all__ = [
     "ZmqPublisher",
     "cbor_block_hash",
     "event_types",
+    "prompt_cache_key_hash",
 ]
 
 #: ``block_hash`` values: radixkv's blake3 block keys, vLLM's sha256_cbor block hashes (the
@@ -81,6 +94,10 @@ SHARED_HASHES = 1 << 20
 #: ``(group_idx, kv_cache_spec_kind)`` of its full pages and of its window pages.
 FULL_GROUP = (0, "full_attention")
 WINDOW_GROUP = (1, "sliding_window")
+
+#: Blocks whose ``prompt_cache_key`` the publisher keeps until they are stored (the oldest
+#: dropped: a hint for blocks never stored costs a bounded amount).
+HINTS = 1 << 20
 
 #: The replay socket's end-of-stream sequence number.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -118,6 +135,7 @@ def event_types(layout: str = "array") -> dict[str, type]:
         group_idx: int | None = None
         kv_cache_spec_kind: str | None = None
         kv_cache_spec_sliding_window: int | None = None
+        prompt_cache_key: str | None = None
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[bytes | int]
@@ -161,6 +179,25 @@ def cbor_block_hash(parent: bytes, tokens: Any, salt: str | bytes | None = None)
 def none_hash(seed: str) -> bytes:
     """vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed`` under ``sha256_cbor``."""
     return _sha256_cbor_none_hash(seed)
+
+
+def prompt_cache_key_hash(key: str, namespace: str | bytes | None) -> str:
+    """What a ``BlockStored`` event reports of a request's ``prompt_cache_key``: the hex
+    ``sha256(b"radixkv.prompt_cache_key.v1" || u8(tag) || le32(len(ns)) || ns || utf-8 key)``
+    with ``ns``, ``tag`` the request's namespace as the block hashes take it (tag 0 and no
+    bytes for None, else 1 and its UTF-8 or raw bytes). Equal keys of two namespaces (two
+    tenants) report two values."""
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str (a prompt_cache_key), got {type(key).__name__}")
+    if namespace is None:
+        tag, ns = b"\x00", b""
+    elif isinstance(namespace, (str, bytes)):
+        tag, ns = b"\x01", namespace.encode() if isinstance(namespace, str) else namespace
+    else:
+        raise TypeError(f"namespace must be None, a str or bytes, got {namespace!r}")
+    h = hashlib.sha256(b"radixkv.prompt_cache_key.v1")
+    h.update(tag + len(ns).to_bytes(4, "little") + ns + key.encode())
+    return h.hexdigest()
 
 
 # ---- the publisher ------------------------------------------------------------------------------
@@ -282,6 +319,9 @@ class ZmqPublisher:
         self._wsha: dict[bytes, bytes] = {}
         #: The same for the shared tier's blocks (never removed: bounded, oldest dropped).
         self._ssha: OrderedDict[bytes, bytes] = OrderedDict()
+        #: radixkv block key -> the reported ``prompt_cache_key`` of the request that will store
+        #: it (see :meth:`hint`), until it is stored; bounded, oldest dropped.
+        self._hints: OrderedDict[bytes, str] = OrderedDict()
         #: The shared tier whose pages are announced too (see :meth:`announce_shared`).
         self.shared: Any = None
         self.shared_medium = "SHARED"
@@ -330,6 +370,22 @@ class ZmqPublisher:
         self.shared, self.shared_medium = shared, medium
         shared.record_events(True)
 
+    def hint(self, tokens: Any, namespace: str | bytes | None, key: str) -> int:
+        """Reports ``key``, the ``prompt_cache_key`` of a request about to run on ``tokens``
+        (its prompt) in ``namespace``, with the blocks of that prompt the cache stores from
+        now on: their ``BlockStored`` events carry :func:`prompt_cache_key_hash` of ``key`` and
+        ``namespace`` (blocks cached already were announced before and are not again; those of
+        the reply are not hinted). Call it before the step that computes the prompt, on the
+        thread that calls :meth:`publish`. Returns how many blocks it hints."""
+        value = prompt_cache_key_hash(key, namespace)
+        cached = int(self.cache.match_prefix(tokens, namespace)) if len(tokens) else 0
+        keys = _block_hashes(tokens, self.page_size, namespace)[cached // self.page_size :]
+        for k in keys:
+            self._hints.setdefault(k, value)  # the first request to ask stores it first
+        while len(self._hints) > HINTS:
+            self._hints.popitem(last=False)
+        return len(keys)
+
     # ---- events -> vLLM structs ---------------------------------------------------------------
 
     def _ext(self, h: bytes) -> bytes | int:
@@ -351,6 +407,10 @@ class ZmqPublisher:
         ``shared``: an event of the shared tier (``shared_medium``)."""
         _, ns, parent, keys, tokens = ev
         tokens = [int(t) for t in tokens]
+        hinted = None
+        if self._hints and not shared:
+            for k in keys:
+                hinted = self._hints.pop(k, None) or hinted
         p = self.page_size
         sha_of = self._ssha if shared else self._wsha if window else self._sha
         extra = None
@@ -388,6 +448,7 @@ class ZmqPublisher:
             lora_name=None,
             extra_keys=extra,
             **self._group(window),
+            prompt_cache_key=hinted,
         )
 
     def _convert(self, raw: list[tuple]) -> list[Any]:

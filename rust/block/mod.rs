@@ -798,6 +798,16 @@ impl Index for BlockIndex {
         self.retain_pages(r, class, until)
     }
 
+    fn retain_prefix(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        class: u8,
+        until: Option<f64>,
+    ) -> (u64, usize) {
+        self.retain_cached(tokens, namespace, class, until)
+    }
+
     fn release_retention(&mut self, id: u64) -> bool {
         BlockIndex::release_retention(self, id)
     }

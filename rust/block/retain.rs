@@ -98,6 +98,55 @@ impl BlockIndex {
         rid
     }
 
+    /// Moves `page`, if unpinned (so linked), from `old` to the list its `keep` now says.
+    fn relink(&mut self, page: PageId, old: ListId) {
+        if self.refcount[page.index()] == 0 && old != self.list_for(page) {
+            self.lists.remove(old, page);
+            let list = self.list_for(page);
+            self.lists.push_back(list, page);
+        }
+    }
+
+    /// See `Index::retain_prefix`: the device pages of the cached prefix of `tokens`, up to
+    /// the first on the host tier, raised to `class` and, with `until`, retained; pinning
+    /// nothing, so the counters stay as they were. An unpinned page moves to the list its
+    /// class and retentions now say.
+    pub(super) fn retain_cached(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        class: u8,
+        until: Option<f64>,
+    ) -> (u64, usize) {
+        let found = self.lookup(tokens, namespace);
+        let tier = &self.tier;
+        let pages: Vec<PageId> = found
+            .at
+            .pages
+            .into_iter()
+            .take_while(|&pg| !tier.is_host(pg))
+            .collect();
+        let held = pages.len() * self.page_size;
+        for &page in &pages {
+            let old = self.list_for(page);
+            let k = &mut self.keep[page.index()];
+            let c = (*k & ((1 << CLASS_BITS) - 1)).max(class as u32);
+            *k = (*k & !((1 << CLASS_BITS) - 1)) | c;
+            self.relink(page, old);
+        }
+        let Some(until) = until.filter(|_| !pages.is_empty()) else {
+            return (0, held);
+        };
+        let rid = self.retained.insert(pages.clone(), until);
+        for page in pages {
+            let old = self.list_for(page);
+            self.keep[page.index()] += 1 << CLASS_BITS;
+            self.holders.entry(page).or_default().push(rid);
+            self.relink(page, old);
+        }
+        (rid, held)
+    }
+
     /// Ends retention `rid`; false when it is not live.
     pub(super) fn release_retention(&mut self, rid: u64) -> bool {
         let Some(r) = self.retained.remove(rid) else {

@@ -166,6 +166,21 @@ pub trait Index: Send + std::fmt::Debug {
     fn retain(&mut self, _r: &Request<Self::Ext>, _class: u8, _until: Option<f64>) -> u64 {
         0
     }
+    /// Raises the eviction class of the cached device prefix of `tokens` (whole pages, up to
+    /// the first page on the host tier) in `namespace` to at least `class` and, with `until`,
+    /// retains it until the clock passes it, as [`Index::retain`] does for a request's
+    /// published pages; but nothing is pinned or admitted: the counters, the LRU order and
+    /// every page's state stay as they were. Returns the retention's id (0: none made) and
+    /// the tokens the prefix holds.
+    fn retain_prefix(
+        &mut self,
+        _tokens: &[u32],
+        _namespace: &Namespace,
+        _class: u8,
+        _until: Option<f64>,
+    ) -> (u64, usize) {
+        (0, 0)
+    }
     /// Ends retention `id`; false when it is not live.
     fn release_retention(&mut self, _id: u64) -> bool {
         false

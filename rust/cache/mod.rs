@@ -283,6 +283,29 @@ impl<I: Index> Cache<I> {
         Ok(())
     }
 
+    /// Refuses an eviction class or a retention time out of range, or either one on an index
+    /// that keeps none.
+    fn check_keep(&self, class: u8, retain: f64) -> Result<()> {
+        if class >= crate::cache::index::CLASSES {
+            return Err(invalid(format!(
+                "priority must be an eviction class from 0 to {}, got {class}",
+                crate::cache::index::CLASSES - 1
+            )));
+        }
+        if retain.is_nan() || retain < 0.0 {
+            return Err(invalid(format!(
+                "retain must be seconds >= 0 (or infinite), got {retain}"
+            )));
+        }
+        if !self.index.retains() && (class != 0 || retain > 0.0) {
+            return Err(invalid(
+                "eviction classes and retention are kept by RadixCache only in this version"
+                    .to_string(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Fails with `OutOfPages` unless `needed` pages are free or evictable, not counting
     /// `pinned` evictable pages the call itself is about to pin.
     fn reserve(&self, needed: usize, pinned: usize) -> Result<()> {
@@ -402,23 +425,7 @@ impl<I: Index> PrefixCache for Cache<I> {
     }
 
     fn finish_retained(&mut self, id: RequestId, class: u8, retain: f64) -> Result<u64> {
-        if class >= crate::cache::index::CLASSES {
-            return Err(invalid(format!(
-                "priority must be an eviction class from 0 to {}, got {class}",
-                crate::cache::index::CLASSES - 1
-            )));
-        }
-        if retain.is_nan() || retain < 0.0 {
-            return Err(invalid(format!(
-                "retain must be seconds >= 0 (or infinite), got {retain}"
-            )));
-        }
-        if !self.index.retains() && (class != 0 || retain > 0.0) {
-            return Err(invalid(
-                "eviction classes and retention are kept by RadixCache only in this version"
-                    .to_string(),
-            ));
-        }
+        self.check_keep(class, retain)?;
         self.requests.get(id)?;
         let mut r = self.requests.remove(id)?;
         let upto = r.num_computed / self.index.page_size() * self.index.page_size();
@@ -429,6 +436,24 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.close_states(&mut r, true);
         self.index.release(&r);
         Ok(rid)
+    }
+
+    fn retain_prefix(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        class: u8,
+        retain: f64,
+    ) -> Result<(u64, usize)> {
+        check_prompt(tokens)?;
+        self.check_keep(class, retain)?;
+        if class == 0 && retain == 0.0 {
+            return Ok((0, 0));
+        }
+        let p = self.index.page_size();
+        let whole = &tokens[..tokens.len() / p * p];
+        let until = (retain > 0.0).then_some(self.now + retain);
+        Ok(self.index.retain_prefix(whole, namespace, class, until))
     }
 
     fn release_retention(&mut self, retention: u64) -> bool {

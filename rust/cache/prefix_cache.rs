@@ -82,6 +82,19 @@ pub trait PrefixCache: Send {
     /// when nothing else is left to evict, until the clock passes `now + retain` or
     /// [`PrefixCache::release_retention`]. Returns the retention's id (0: none made).
     fn finish_retained(&mut self, id: RequestId, class: u8, retain: f64) -> Result<u64>;
+    /// Retains the cached prefix of `tokens` in `namespace` without admitting it (a cache
+    /// breakpoint inside a prompt): its whole pages on the device, as far as they are cached,
+    /// get `class` and `retain` as [`PrefixCache::finish_retained`] gives a request's pages,
+    /// and nothing else changes: no query or hit is counted, nothing is pinned or allocated,
+    /// no page changes state and the LRU order stays. Returns the retention's id (0: none
+    /// made, as when nothing is cached or neither is asked for) and how many tokens it holds.
+    fn retain_prefix(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        class: u8,
+        retain: f64,
+    ) -> Result<(u64, usize)>;
     /// Ends a retention before its time; false when it is not live (expired, released, its
     /// pages evicted).
     fn release_retention(&mut self, retention: u64) -> bool;

@@ -317,6 +317,42 @@ impl PyCache {
         Ok((rid != 0).then_some(rid))
     }
 
+    /// Retains the cached prefix of ``tokens`` in ``namespace`` without admitting it (a cache
+    /// breakpoint that ends inside a prompt): its whole pages on the device, as far as they
+    /// are cached, get ``retain`` and ``priority`` as ``finish`` gives a request's pages.
+    /// Nothing else changes: no query or hit is counted (``stats`` stay as they were), nothing
+    /// is pinned or allocated, and the LRU order stays. Returns ``(retention, tokens)``: the
+    /// retention's id (for ``release_retention``; None when none was made: nothing cached, or
+    /// no ``retain``) and how many tokens of ``tokens`` it holds. Arguments are refused as
+    /// ``admit``'s and ``finish``'s are.
+    #[pyo3(
+        signature = (tokens, namespace=None, *, retain=None, priority=None),
+        text_signature = "($self, tokens, namespace=None, *, retain=0.0, priority=None)"
+    )]
+    fn retain_prefix(
+        slf: &Bound<'_, Self>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        retain: Option<&Bound<'_, PyAny>>,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(Option<u64>, usize)> {
+        let toks = convert::tokens("tokens", tokens)?;
+        let ns = convert::namespace(namespace)?;
+        let retain = match retain {
+            Some(r) => seconds("retain", r)?,
+            None => 0.0,
+        };
+        let class = match priority {
+            Some(p) => eviction_class(p)?,
+            None => 0,
+        };
+        let long = toks.len() >= LONG;
+        let (rid, held) = slf.get().with(slf.py(), long, |c| {
+            c.retain_prefix(&toks, &ns, class, retain)
+        })?;
+        Ok(((rid != 0).then_some(rid), held))
+    }
+
     /// Ends the retention ``retention`` (an id ``finish`` returned) before its time; False when
     /// it is not live (expired, released, or its pages were evicted).
     fn release_retention(slf: &Bound<'_, Self>, retention: u64) -> PyResult<bool> {

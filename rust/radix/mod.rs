@@ -690,6 +690,16 @@ impl Index for RadixIndex {
         self.retain_path(r.ext.last, class, until)
     }
 
+    fn retain_prefix(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        class: u8,
+        until: Option<f64>,
+    ) -> (u64, usize) {
+        self.retain_cached(tokens, namespace, class, until)
+    }
+
     fn release_retention(&mut self, id: u64) -> bool {
         RadixIndex::release_retention(self, id)
     }

@@ -69,6 +69,40 @@ impl RadixIndex {
         self.retained.insert(last, until)
     }
 
+    /// See `Index::retain_prefix`: retains the path to where the device part of the cached
+    /// prefix of `tokens` ends (splitting the edge it ends inside), pinning nothing and
+    /// touching no node's time, so the LRU order and the counters stay as they were. Host
+    /// edges sit below every device edge, so the device part is the path down to the first.
+    pub(super) fn retain_cached(
+        &mut self,
+        tokens: &[u32],
+        namespace: &Namespace,
+        class: u8,
+        until: Option<f64>,
+    ) -> (u64, usize) {
+        let Some(&root) = self.roots.get(namespace) else {
+            return (0, 0);
+        };
+        let (walk, _) = self.walk(root, tokens);
+        let (mut last, mut held, mut whole) = (root, 0, true);
+        for &id in &walk.path {
+            if self.node(id).host {
+                whole = false;
+                break;
+            }
+            held += self.node(id).key.len();
+            last = id;
+        }
+        if let Some((c, at)) = walk.partial.filter(|&(c, _)| whole && !self.node(c).host) {
+            last = self.split(c, at);
+            held += at;
+        }
+        if last == root {
+            return (0, 0);
+        }
+        (self.retain_path(last, class, until), held)
+    }
+
     /// Ends the retention `rid`; false when there is none (expired, released, or evicted).
     pub(super) fn release_retention(&mut self, rid: u64) -> bool {
         let Some(r) = self.retained.remove(rid) else {

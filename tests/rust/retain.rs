@@ -297,3 +297,68 @@ fn the_digest_covers_classes_and_retentions() {
         assert_ne!(digest(0, 5.0, r), digest(0, 6.0, r));
     }
 }
+
+/// `retain_prefix`: a breakpoint inside a cached prompt retains exactly its whole pages, as a
+/// finish would, with no admission: the counters, the page states and what is evicted before
+/// the retained prefix do not change; the retention expires by the clock like any other.
+fn a_prefix_is_retained_without_an_admission(p: usize) {
+    a_prefix_is_retained_without_an_admission_in(radix(12, p), p);
+    a_prefix_is_retained_without_an_admission_in(block(12, p), p);
+}
+
+fn a_prefix_is_retained_without_an_admission_in<C: PrefixCache>(mut c: Ck<C>, p: usize) {
+    let a = u(p, &[1, 2, 3, 4, 5, 6]);
+    let b = u(p, &[7, 8, 9]);
+    serve(&mut c, &a, 0, 0.0);
+    serve(&mut c, &b, 0, 0.0);
+    let before = c.stats();
+    // a breakpoint half a page past the third page: the three whole pages are held
+    let cut = 3 * p + p / 2;
+    assert_eq!(
+        c.c.retain_prefix(&a[..cut], &None, 0, 10.0).unwrap(),
+        (1, 3 * p)
+    );
+    c.check();
+    let after = c.stats();
+    assert_eq!(after.retentions, 1);
+    assert_eq!(
+        (after.queries, after.query_tokens, after.hit_tokens),
+        (before.queries, before.query_tokens, before.hit_tokens),
+        "a retention is no admission"
+    );
+    assert_eq!(
+        (after.free_pages, after.evictable_pages, after.used_pages),
+        (before.free_pages, before.evictable_pages, before.used_pages)
+    );
+    // nothing cached, or nothing asked for: no retention, nothing changed
+    assert_eq!(
+        c.c.retain_prefix(&u(p, &[40, 41]), &None, 0, 10.0).unwrap(),
+        (0, 0)
+    );
+    assert_eq!(c.c.retain_prefix(&a, &None, 0, 0.0).unwrap(), (0, 0));
+    assert_eq!(
+        c.c.retain_prefix(&a, &Some(b"other".to_vec().into_boxed_slice()), 0, 10.0)
+            .unwrap(),
+        (0, 0)
+    );
+    assert_eq!(c.stats(), after);
+    // everything else goes first, the older rest of `a` included; nothing was forced
+    assert_eq!(c.evict(6), 6);
+    assert_eq!(c.matched(&a), 3 * p, "exactly the retained prefix is left");
+    assert_eq!(c.matched(&b), 0);
+    assert_eq!(c.stats().forced_evictions, 0);
+    assert_eq!(c.c.set_time(10.0).unwrap(), 1, "expired by the clock");
+    c.check();
+    assert_eq!(c.stats().retentions, 0);
+    for (class, retain) in [(CLASSES, 1.0), (0, -1.0), (0, f64::NAN)] {
+        let err = c.c.retain_prefix(&a, &None, class, retain).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    }
+    assert!(c.c.retain_prefix(&[], &None, 0, 1.0).is_err(), "no tokens");
+    c.check();
+}
+at_page_sizes!(
+    a_prefix_is_retained_without_an_admission,
+    a_prefix_is_retained_without_an_admission,
+    [1, 4]
+);

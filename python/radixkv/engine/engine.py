@@ -824,12 +824,11 @@ class Engine:
         computed it were: a cache breakpoint that ends inside a prompt. Returns ``(retention,
         retained)``: the retention's id (None when nothing is cached or prefix caching is off)
         and how many tokens it holds, ``len(tokens)`` when all of them are cached (rounded
-        down to whole pages).
+        down to whole pages; on the device: a prefix's pages on the host tier are not held).
 
-        The prefix is admitted one token longer than itself (an admission computes at least
-        its last token) and finished at once, without a step: it counts in the cache's
-        queries and hits as the admission it is. Between steps: with a group, on rank 0, and
-        the other ranks retain theirs before the next step."""
+        No admission (the core's ``Cache.retain_prefix``): nothing is pinned or allocated, and
+        the cache's queries and hits do not count it. Between steps: with a group, on rank 0,
+        and the other ranks retain theirs before the next step."""
         self._lead("retain_prefix")
         # every argument checked before anything is recorded for the other ranks or ticked
         arr = to_token_array(tokens, "tokens", self.vocab_size, allow_empty=True)
@@ -849,22 +848,8 @@ class Engine:
         self, arr: np.ndarray, keep: tuple[float, int], namespace: str | bytes | None
     ) -> tuple[int | None, int]:
         """:meth:`retain_prefix` on this rank's cache."""
-        # one more token: num_cached is at most num_tokens - 1; cut to what is cached, so that
-        # the admission allocates (and frees) one page, never the uncached rest
-        cached = int(self.cache.match_prefix(np.append(arr, arr[-1]), namespace))
-        if cached == 0:
-            return None, 0
-        probe = np.append(arr[:cached], arr[cached - 1])
-        try:
-            req = self.cache.admit(probe, namespace)
-        except radixkv.OutOfPages:  # no page left for the probe's last token
-            return None, 0
-        held = int(req.num_cached)
-        if held == 0:
-            self.cache.abort(req)
-            return None, 0
-        retention = self.cache.finish(req, retain=keep[0], priority=keep[1])
-        return retention, held
+        retention, held = self.cache.retain_prefix(arr, namespace, retain=keep[0], priority=keep[1])
+        return (retention, held) if held else (None, 0)
 
     def _step_once(self) -> list[Result]:
         st = self.stats

@@ -13,8 +13,14 @@ zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 cbor2 = pytest.importorskip("cbor2")
 
-from event_subscriber import receive_all, slow_join, subscriber  # noqa: E402
-from radixkv.events import ZmqPublisher  # noqa: E402
+from event_subscriber import (  # noqa: E402
+    receive_all,
+    same_fields,
+    slow_join,
+    subscriber,
+    vllm_decoder,
+)
+from radixkv.events import ZmqPublisher, event_types  # noqa: E402
 
 CACHES = [
     pytest.param(lambda: radixkv.RadixCache(300, 1), id="radix-p1"),
@@ -408,5 +414,41 @@ def test_no_group_fields_without_a_window_group():
         events = pub._convert(cache.drain_events())
         assert events and all(ev.group_idx is None for ev in events)
         assert b"full_attention" not in msgspec.msgpack.encode(events)
+    finally:
+        pub.close()
+
+
+@pytest.mark.parametrize("layout", ["array", "map"])
+def test_a_hinted_prompt_reports_its_key_and_vllms_decoder_reads_on(layout):
+    """``pub.hint(prompt, namespace, key)``: the prompt's blocks not cached yet carry the key
+    hashed with the namespace, the rest of the stream none; a decoder of vLLM's structs (no
+    ``prompt_cache_key``) decodes every batch of either layout to the same other fields."""
+    from radixkv.events import prompt_cache_key_hash
+
+    cache = radixkv.RadixCache(64, 4)
+    pub = ZmqPublisher(cache, "inproc://hinted-" + layout, layout=layout)
+    vllm = vllm_decoder(layout)
+    try:
+        run(cache, list(range(1, 9)), "t")  # two pages cached before the hinted request
+        assert pub.hint(list(range(1, 21)), "t", "k") == 3, "the three uncached pages"
+        req = run(cache, list(range(1, 21)), "t", finish=False)
+        cache.extend(req, [7, 7, 7, 7])  # the reply's page: not the prompt's
+        cache.commit(req, req.num_tokens)
+        cache.finish(req)
+        run(cache, list(range(50, 62)), "t")  # no hint
+        pub.publish()
+        payload = pub._buffer[-1][1]
+        ours = msgspec.msgpack.Decoder(event_types(layout)["KVEventBatch"]).decode(payload)
+        theirs = vllm.decode(payload)
+        got = [(e.token_ids, e.prompt_cache_key) for e in ours.events]
+        value = prompt_cache_key_hash("k", "t")
+        assert got == [
+            (list(range(1, 9)), None),
+            (list(range(9, 21)), value),
+            ([7, 7, 7, 7], None),
+            (list(range(50, 62)), None),
+        ]
+        assert all(same_fields(x, y) for x, y in zip(ours.events, theirs.events, strict=True))
+        assert value != prompt_cache_key_hash("k", "u") != prompt_cache_key_hash("k", None)
     finally:
         pub.close()

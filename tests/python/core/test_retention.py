@@ -98,6 +98,41 @@ def test_bad_arguments_name_the_value_and_change_nothing(cls):
 
 
 @pytest.mark.parametrize("cls", CACHES)
+def test_retain_prefix_holds_a_cached_prefix_without_an_admission(cls):
+    """``retain_prefix``: the whole pages of a breakpoint inside a cached prompt are retained
+    as ``finish(retain=...)`` retains a request's pages, with no admission: the counters and
+    page states are unchanged, and the prefix alone outlives traffic until its time is up."""
+    c = cls(24, page_size=4)
+    prompt = list(range(1, 25))  # six pages
+    served(c, prompt)
+    before = c.stats
+    rid, held = c.retain_prefix(np.asarray(prompt[:10], dtype=np.int64), retain=30.0)
+    assert isinstance(rid, int) and held == 8, "the two whole pages of 10 tokens"
+    after = c.stats
+    for name in ("queries", "query_tokens", "hit_tokens", "free_pages", "evictable_pages"):
+        assert getattr(after, name) == getattr(before, name), name
+    assert after.retentions == 1
+    assert c.retain_prefix([90, 91, 92, 93, 94], retain=30.0) == (None, 0), "nothing cached"
+    assert c.retain_prefix(prompt, "another namespace", retain=30.0) == (None, 0)
+    assert c.retain_prefix(prompt) == (None, 0), "nothing asked for"
+    for k in range(6):  # traffic of as many pages as the pool
+        served(c, [100 * (k + 1) + i for i in range(16)])
+    assert c.match_prefix(prompt) == 8 and c.stats.forced_evictions == 0
+    c.advance(30.0)
+    assert c.stats.retentions == 0 and c.stats.expired_retentions == 1
+    for bad, err in (
+        (dict(retain=-1.0), ValueError),
+        (dict(retain=True), TypeError),
+        (dict(retain=1.0, priority=radixkv.EVICTION_CLASSES), ValueError),
+    ):
+        with pytest.raises(err, match=r"retain|priority"):
+            c.retain_prefix(prompt, **bad)
+    with pytest.raises(ValueError, match="tokens"):
+        c.retain_prefix([], retain=1.0)
+    c.check()
+
+
+@pytest.mark.parametrize("cls", CACHES)
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(

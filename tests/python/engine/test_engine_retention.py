@@ -93,8 +93,11 @@ def test_retain_prefix_holds_exactly_a_prefix_through_traffic():
     prompt = ids(rng, 61)
     eng.generate([prompt], max_new_tokens=2, release=True)
     cut = 37  # any token, not a page boundary of anything
+    counted = lambda s: (s.queries, s.query_tokens, s.hit_tokens)  # noqa: E731
+    before = counted(eng.cache.stats)
     retention, held = eng.retain_prefix(prompt[:cut], 600.0)
     assert retention is not None and held == cut
+    assert counted(eng.cache.stats) == before, "a retention is no admission: no query, no hit"
     for _ in range(6):
         eng.generate([ids(rng, 60)], max_new_tokens=2, release=True)
     assert eng.cache.match_prefix(prompt, None) == cut, "the prefix, and not a token more"

@@ -8,6 +8,7 @@ One server for the module: a key, a pool of 400 pages, retention bounded to a fe
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -21,9 +22,10 @@ from radixkv.hf._load import _converted, smollm2_path  # noqa: E402
 
 KEY = "sk-test"
 PAGES = 400
-#: --max-keep-alive: the bound a breakpoint's TTL ("5m") is cut to, so that the test sees it end.
-#: The breakpoint test waits it out; the pressure it must outlast takes about 2 s here (the test
-#: fails, saying so, if the pressure ever outlasts it).
+#: --max-keep-alive: the bound the default TTL of a breakpoint that names none (5 minutes) is cut
+#: to, so that the test sees it end; a ttl named past it ("5m", "1h") is a 400. The breakpoint
+#: test waits it out; the pressure it must outlast takes about 2 s here (the test fails, saying
+#: so, if the pressure ever outlasts it).
 TTL = 10.0
 
 
@@ -108,7 +110,7 @@ def test_a_breakpoint_keeps_its_prefix_through_pressure_for_its_ttl(url):
 
 def test_the_usage_fields_add_up_to_the_prompt(url):
     c = client(url)
-    marked = {"type": "text", "text": NOTES, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    marked = {"type": "text", "text": NOTES, "cache_control": {"type": "ephemeral"}}
     m = c.messages.create(**ask(marked, "baker"))
     chat = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     whole = chat.chat.completions.create(
@@ -124,6 +126,47 @@ def test_the_usage_fields_add_up_to_the_prompt(url):
     total = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
     assert total == whole.usage.prompt_tokens, u
     assert m.content[0].text == whole.choices[0].message.content
+
+
+@pytest.mark.parametrize("ttl", ["5m", "1h"])
+def test_a_ttl_past_the_bound_is_a_400_naming_it_and_nothing_is_retained(url, ttl):
+    """A ``ttl`` named is honoured or refused, never cut: past ``--max-keep-alive`` (10 s
+    here) the 400 names the field, the value and the bound, and nothing was retained."""
+    before = retentions(url)
+    marked = {"type": "text", "text": NOTES, "cache_control": {"type": "ephemeral", "ttl": ttl}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(url).messages.create(**ask(marked, "baker"))
+    message = e.value.body["error"]["message"]
+    assert message.startswith("messages.0.content.0.cache_control.ttl: "), message
+    assert repr(ttl) in message and f"bound of {TTL:g} seconds (--max-keep-alive)" in message
+    assert retentions(url) == before
+
+
+def retentions(url) -> float:
+    """The server's live retentions."""
+    return metric(url, "radixkv_retentions")
+
+
+def metric(url, name: str) -> float:
+    """The value of ``name`` on the server's ``/metrics``."""
+    text = httpx.get(url + "/metrics", headers={"x-api-key": KEY}).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_breakpoint_counts_no_query_and_no_hit(url):
+    """A breakpoint's retention is no admission: a request with two breakpoints counts one
+    admission (its own) in the cache's counters, its prompt's tokens and its cache read."""
+    names = [f"radixkv_prefix_cache_{n}_total" for n in ("requests", "query_tokens", "hit_tokens")]
+    before = [metric(url, n) for n in names]
+    town = f"You answer questions about the town of {uuid.uuid4().hex[:8]}."  # not cached yet
+    system = [{"type": "text", "text": town, "cache_control": {"type": "ephemeral"}}]
+    marked = {"type": "text", "text": NOTES, "cache_control": {"type": "ephemeral"}}
+    m = client(url).messages.create(**{**ask(marked, "bridge"), "system": system})
+    u = m.usage
+    prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+    assert u.cache_creation_input_tokens > 0, u
+    after = [metric(url, n) for n in names]
+    assert [b - a for a, b in zip(before, after)] == [1, prompt, u.cache_read_input_tokens]
 
 
 def test_more_than_four_breakpoints_is_anthropics_400(url):

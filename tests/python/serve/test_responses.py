@@ -2,14 +2,17 @@
 official ``openai`` client (``client.responses``, its stream helper) and an ``openai-agents``
 agent: a conversation chained by ``previous_response_id`` reuses the cache turn by turn and
 says what chat completions say for it whole; stored responses are per tenant and bounded;
-malformed items are 400s naming the field. One server for the module (a tenant header, three
-stored responses at most)."""
+malformed items are 400s naming the field; chat's prompt caching fields (``prompt_cache_key``
+reported in the KV events, read by a subscriber of radixkv's and of vLLM's layout). One server
+for the module (a tenant header, three stored responses at most, KV events on)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import tempfile
+import uuid
 
 import pytest
 
@@ -21,12 +24,24 @@ openai = serve_process.needs_real_server()
 
 TENANT = "X-Tenant"
 STORED = 3
+#: Where the server publishes its KV events.
+EVENTS = f"ipc://{tempfile.gettempdir()}/radixkv-test-responses-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(scope="module")
 def url(served):
     args = ["--num-pages", "2048", "--served-model-name", "m", "--tenant-header", TENANT]
-    return served(*args, "--max-stored-responses", str(STORED)).url
+    events = ["--kv-events", EVENTS] if has_events() else []
+    return served(*args, "--max-stored-responses", str(STORED), *events).url
+
+
+def has_events() -> bool:
+    try:
+        import msgspec  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def client(url, tenant="a"):
@@ -265,9 +280,112 @@ def test_prompt_cache_fields_of_chat_completions(url):
         **ask, extra_body={"prompt_cache_key": "k1", "prompt_cache_retention": "in_memory"}
     )
     assert r.choices[0].message.content is not None
-    with pytest.raises(openai.BadRequestError) as e:  # 24 h is past --max-keep-alive's 300 s
+    with pytest.raises(openai.BadRequestError) as e:  # 24 h is past --max-keep-alive's 1 h
         c.chat.completions.create(**ask, extra_body={"prompt_cache_retention": "24h"})
-    assert e.value.body["param"] == "prompt_cache_retention" and "300" in str(e.value)
+    assert e.value.body["param"] == "prompt_cache_retention"
+    assert "bound of 3600 seconds (--max-keep-alive)" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(**ask, extra_body={"prompt_cache_retention": "forever"})
     assert e.value.body["param"] == "prompt_cache_retention"
+
+
+def test_an_anthropic_1h_breakpoint_is_honoured_on_a_default_server(url):
+    """This module's server has the default ``--max-keep-alive`` (an hour): the Anthropic SDK's
+    longest ``ttl``, "1h", is honoured as asked (a 200 and a retention made), where chat's
+    "24h" (above) is a 400 naming the bound: one rule for both."""
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(
+        base_url=url, api_key="none", max_retries=0, default_headers={TENANT: "a"}
+    )
+    before = retentions(url)
+    text = "Notes for the long task: " + " ".join(f"item {k}" for k in range(30))
+    m = c.messages.create(
+        model="m",
+        max_tokens=2,
+        system=[
+            {"type": "text", "text": text, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+        ],
+        messages=[{"role": "user", "content": "Hi"}],
+    )
+    assert m.usage.cache_creation_input_tokens > 0, m.usage
+    assert retentions(url) == before + 1
+
+
+def retentions(url) -> float:
+    """The server's live retentions (``radixkv_retentions`` on ``/metrics``)."""
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("radixkv_retentions{")
+    )
+
+
+def test_prompt_cache_key_is_reported_with_the_blocks_its_request_stores(url):
+    """With ``--kv-events``, the blocks a request with a ``prompt_cache_key`` stores carry the
+    key hashed with the request's namespace: the same key of two tenants reports two values,
+    a request without one reports none, the reply's blocks none. A decoder of vLLM's layout
+    (its ``BlockStored`` without the field) reads the same events, every field of its equal."""
+    if not has_events():
+        pytest.skip("--kv-events needs radixkv[events] (pyzmq, msgspec)")
+    import msgspec
+    import zmq
+
+    from event_subscriber import same_fields, vllm_decoder
+    from radixkv.events import event_types, prompt_cache_key_hash
+    from radixkv.tenancy import tenant_namespace
+
+    ours = msgspec.msgpack.Decoder(event_types("array")["KVEventBatch"])
+    vllm = vllm_decoder("array")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "")
+    sub.connect(EVENTS)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+
+    def chat(tenant: str, text: str, key: str | None = None) -> list[int]:
+        """Runs ``text`` as tenant's chat completion; returns its prompt's tokens."""
+        messages = [{"role": "user", "content": text}]
+        extra = {} if key is None else {"prompt_cache_key": key}
+        client(url, tenant).chat.completions.create(
+            model="m", messages=messages, max_tokens=3, extra_body=extra
+        )
+        r = httpx.post(
+            url + "/tokenize", headers={TENANT: tenant}, json={"model": "m", "messages": messages}
+        )
+        return r.json()["tokens"]
+
+    def drain(quiet: float) -> list:
+        """The BlockStored events, of both decoders, until none arrives for ``quiet`` s."""
+        got = []
+        while poller.poll(int(quiet * 1000)):
+            _, _, payload = sub.recv_multipart()
+            a, b = ours.decode(payload).events, vllm.decode(payload).events
+            got += [(x, y) for x, y in zip(a, b) if type(x).__name__ == "BlockStored"]
+        return got
+
+    try:
+        for k in range(100):  # PUB/SUB drops what is sent before the subscription is in
+            chat("join", f"Say {k}.")
+            if drain(0.5):
+                break
+        else:
+            raise AssertionError("no KV event reached the subscriber")
+        drain(1.0)
+        word = uuid.uuid4().hex[:8]
+        prompts = {
+            "a": chat("a", f"Spell the word {word} backwards.", "k"),
+            "b": chat("b", f"Spell the word {word} backwards.", "k"),
+            "c": chat("a", f"Spell the word {word} twice.", None),
+        }
+        events = drain(1.5)
+    finally:
+        sub.close()
+    hashes = {t: prompt_cache_key_hash("k", tenant_namespace(t, None, tenants=True)) for t in "ab"}
+    assert hashes["a"] != hashes["b"], "one key, two tenants: two values"
+    assert all(same_fields(x, y) for x, y in events), "vLLM's layout reads its own fields"
+    reported = {e.prompt_cache_key for e, _ in events}
+    assert reported == {hashes["a"], hashes["b"], None}, reported
+    for t in "ab":
+        hinted = [tok for e, _ in events if e.prompt_cache_key == hashes[t] for tok in e.token_ids]
+        assert hinted and prompts[t][-len(hinted) :] == hinted, (t, hinted, prompts[t])

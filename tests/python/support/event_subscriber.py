@@ -18,6 +18,57 @@ def subscriber(endpoint, topic, layout="array"):
     return sub, decoder
 
 
+def vllm_decoder(layout="array"):
+    """A decoder of vLLM's event structs as its ``kv_events.py`` declares them (``array_like``
+    in its older versions, maps now), without radixkv's own trailing field: ``BlockStored``
+    ends at ``kv_cache_spec_sliding_window``. Built with ``msgspec.defstruct``, so that it
+    needs no annotations resolved in a module."""
+    kw = dict(array_like=layout == "array", omit_defaults=True, gc=False)
+    hashes = list[bytes | int]
+    stored = msgspec.defstruct(
+        "BlockStored",
+        [
+            ("block_hashes", hashes),
+            ("parent_block_hash", bytes | int | None),
+            ("token_ids", list[int]),
+            ("block_size", int),
+            ("lora_id", int | None),
+            ("medium", str | None),
+            ("lora_name", str | None),
+            ("extra_keys", list[tuple | None] | None, None),
+            ("group_idx", int | None, None),
+            ("kv_cache_spec_kind", str | None, None),
+            ("kv_cache_spec_sliding_window", int | None, None),
+        ],
+        tag=True,
+        **kw,
+    )
+    removed = msgspec.defstruct(
+        "BlockRemoved",
+        [("block_hashes", hashes), ("medium", str | None), ("group_idx", int | None, None)],
+        tag=True,
+        **kw,
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], tag=True, **kw)
+    batch = msgspec.defstruct(
+        "KVEventBatch",
+        [
+            ("ts", float),
+            ("events", list[stored | removed | cleared]),
+            ("data_parallel_rank", int | None, None),
+        ],
+        **kw,
+    )
+    return msgspec.msgpack.Decoder(batch)
+
+
+def same_fields(ours, theirs):
+    """Whether every field of ``theirs`` (an event of :func:`vllm_decoder`) equals ``ours``'s."""
+    return [getattr(ours, f) for f in theirs.__struct_fields__] == list(
+        msgspec.structs.astuple(theirs)
+    )
+
+
 def receive_all(sub, decoder, want_seq):
     """Decoded batches until sequence number ``want_seq`` (inclusive) has arrived."""
     got = []

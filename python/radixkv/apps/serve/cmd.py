@@ -577,6 +577,7 @@ def build(args: argparse.Namespace):
             publisher.announce_shared(engine.kv.shared)
         loop.after_step.append(publisher.publish)
         loop.on_idle.append(publisher.publish)
+        loop.hint = publisher.hint  # a request's prompt_cache_key, reported with its blocks
     if engine.kv.disk is not None:
         loop.after_step.append(Saver(engine.kv, args.save_every))
     return loop, serve.create_app(loop, tokenizer, config), config

@@ -311,6 +311,10 @@ class Completion:
         of each); a later prompt refused leaves none of the earlier ones served."""
         eng, ids = self.server.loop.engine, []
         params = dataclasses.replace(self.params, on_token=on_token)
+        key, hint = getattr(self.body, "prompt_cache_key", None), self.server.loop.hint
+        if key is not None and hint is not None:  # reported with the blocks it stores
+            for p in self.prompts:
+                hint(p, self.namespace, key)
         try:
             for p in self.prompts:
                 if self.n == 1:

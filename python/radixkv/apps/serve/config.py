@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Seconds of ``keep_alive`` a request may ask for by default (``--max-keep-alive``).
-MAX_KEEP_ALIVE = 300.0
+#: Seconds of ``keep_alive`` a request may ask for by default (``--max-keep-alive``): an hour,
+#: what Anthropic's longest breakpoint TTL ("1h") asks for.
+MAX_KEEP_ALIVE = 3600.0
 
 
 @dataclass

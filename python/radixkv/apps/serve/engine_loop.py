@@ -98,6 +98,10 @@ class EngineLoop:
         #: second while idle): a KV event publisher's ``publish``, so that what changed outside
         #: a step (pages the shared tier stored, a flush) is announced without waiting for one.
         self.on_idle: list[Callable[[], Any]] = []
+        #: ``hint(prompt, namespace, key)``, called on the engine thread before a request with
+        #: a ``prompt_cache_key`` is submitted: the KV event publisher's
+        #: :meth:`~radixkv.events.ZmqPublisher.hint` (None: no events published).
+        self.hint: Callable[[Any, Any, str], Any] | None = None
         #: Called on the engine thread with the error that parted a tensor-parallel engine's
         #: ranks, as the thread ends (``radixkv serve`` stops the server).
         self.on_fatal: list[Callable[[BaseException], Any]] = []

@@ -11,13 +11,17 @@ tool messages, ``tools`` (``input_schema``) and ``tool_choice`` (``auto``, ``any
 ``cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`` on a system, tool or message
 block (at most 4, as Anthropic's) is a breakpoint: once the reply is computed, the prompt's
 prefix up to the exact token where the block ends is retained in the prefix cache for the TTL
-(:meth:`radixkv.Engine.retain_prefix`; bounded by ``--max-keep-alive``), through pressure
-that evicts everything else. Where a block ends is found by rendering the prompt with a marker
-at the end of each marked block (the marker removed, the prompt is the one a chat completion
-renders; a block the chat template does not render, such as tools on a template without
-tools, marks nothing). ``usage.cache_read_input_tokens`` is the prefix cache's hit,
-``cache_creation_input_tokens`` the tokens under the last breakpoint computed by this request,
-``input_tokens`` the rest: the three add up to the prompt.
+(:meth:`radixkv.Engine.retain_prefix`), through pressure that evicts everything else. A
+``ttl`` given is honoured up to ``--max-keep-alive`` and a 400 naming the bound past it, as
+chat's ``prompt_cache_retention`` (:func:`radixkv.apps.serve.prompt_cache.past_bound`); a
+``cache_control`` without one gets Anthropic's default of 5 minutes, or the bound where that
+is lower (the client named no TTL for the server to fall short of). Where a block ends is
+found by rendering the prompt with a marker at the end of each marked block (the marker
+removed, the prompt is the one a chat completion renders; a block the chat template does not
+render, such as tools on a template without tools, marks nothing).
+``usage.cache_read_input_tokens`` is the prefix cache's hit, ``cache_creation_input_tokens``
+the tokens under the last breakpoint computed by this request, ``input_tokens`` the rest: the
+three add up to the prompt.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from radixkv.apps.serve.structured import BadRequest
 
 #: Anthropic's most ``cache_control`` breakpoints in one request.
 MAX_BREAKPOINTS = 4
-#: A breakpoint's ``ttl`` values, in seconds ("5m" the default).
+#: A breakpoint's ``ttl`` values, in seconds.
 TTLS = {"5m": 300.0, "1h": 3600.0}
+#: The ``ttl`` of a breakpoint that gives none (Anthropic's default).
+DEFAULT_TTL = "5m"
 #: Fields passed on to the chat request under their own name (radixkv's own among them).
 PASSED = ("temperature", "top_p", "top_k", "seed", "cache_salt", "keep_alive", "cache_priority")
 #: Fields accepted and unused here.
@@ -66,10 +72,12 @@ def marker(k: int) -> str:
 
 @dataclass
 class Breakpoint:
-    """A ``cache_control`` block: its field path and TTL in seconds."""
+    """A ``cache_control`` block: its field path, its TTL in seconds, and the ``ttl`` it
+    gave (None: none given, the default's)."""
 
     where: str
     ttl: float
+    asked: str | None = None
 
 
 class Converter:
@@ -89,13 +97,13 @@ class Converter:
                 f"{where}.cache_control.type",
                 f"must be 'ephemeral', got {control!r}",
             )
-        ttl = control.get("ttl", "5m")
-        if ttl not in TTLS:
+        ttl = control.get("ttl")
+        if ttl is not None and ttl not in TTLS:
             raise BadRequest(
                 f"{where}.cache_control.ttl",
                 f"must be '5m' or '1h', got {ttl!r}",
             )
-        self.breakpoints.append(Breakpoint(where, TTLS[ttl]))
+        self.breakpoints.append(Breakpoint(where, TTLS[ttl or DEFAULT_TTL], ttl))
         if len(self.breakpoints) > MAX_BREAKPOINTS:
             raise BadRequest(
                 f"{where}.cache_control",
@@ -374,8 +382,14 @@ def register(app: FastAPI, server: Server) -> None:
     @app.post("/v1/messages")
     async def create(body: dict[str, Any], request: Request):
         conv = Converter()
+        tenant = prompt_cache.tenant_of(request, config)
         try:
             fields, marked, marked_tools = chat_fields(body, conv)
+            for point in conv.breakpoints:  # a TTL asked for past the bound: said, not cut
+                if point.asked is not None:
+                    refused = prompt_cache.past_bound(point.asked, point.ttl, tenant, config)
+                    if refused is not None:
+                        raise BadRequest(f"{point.where}.cache_control.ttl", refused)
             stream = body.get("stream") is True
             if stream:
                 fields["stream"] = True
@@ -395,7 +409,6 @@ def register(app: FastAPI, server: Server) -> None:
             return error(e.status, _words(e.message))
         if isinstance(outcome, Response):
             return outcome
-        tenant = prompt_cache.tenant_of(request, config)
 
         async def retain(chat_usage: dict[str, Any] | None) -> int:
             """Retains each breakpoint's prefix; returns the last breakpoint's token."""
@@ -408,8 +421,9 @@ def register(app: FastAPI, server: Server) -> None:
             bound = prompt_cache.keep_alive_bound(tenant, config)
             eng = loop.engine
             for end, point in zip(ends, conv.breakpoints):
-                if end > 0 and bound > 0:
-                    ttl = min(point.ttl, bound)
+                # a ttl given is within the bound (checked above); the default is cut to it
+                ttl = point.ttl if point.asked is not None else min(point.ttl, bound)
+                if end > 0 and ttl > 0:
                     await loop.call(lambda e=end, t=ttl: eng.retain_prefix(prompt[:e], t, ns))
             return max(ends, default=0)
 

@@ -1,14 +1,18 @@
 """OpenAI's prompt caching fields of a chat completion, in radixkv's retention terms.
 
 - ``prompt_cache_retention``: ``"in_memory"`` (the default) is the cache's own LRU, what a
-  request without ``keep_alive`` gets; ``"24h"`` is a ``keep_alive`` of 24 hours, which the
-  server's bound on ``keep_alive`` (``--max-keep-alive``, per tenant) applies to: past it, a
-  400 naming the field (the server never keeps less than it was asked without saying so).
+  request without ``keep_alive`` gets; ``"24h"`` is a ``keep_alive`` of 24 hours.
+- One rule for every retention a request names (chat's ``"24h"``, Anthropic's breakpoint
+  ``ttl`` ``"5m"``/``"1h"``, ``keep_alive``): honoured up to the server's bound
+  (``--max-keep-alive``, per tenant), a 400 naming the field and the bound past it
+  (:func:`past_bound`): the server never keeps less than it was asked without saying so.
 - The namespace a request's prompt is cached in (:func:`namespace_of`): its tenant and its
   ``cache_salt``, so that requests share KV by their prefix and namespace alone.
 - ``prompt_cache_key``: a routing hint OpenAI's router uses to send requests that share a prefix
-  to one machine. radixkv accepts it and never makes it a cache namespace (that would let a
-  key cross tenants): requests share KV by their prefix and namespace alone.
+  to one machine. radixkv never makes it a cache namespace (that would let a key cross
+  tenants): requests share KV by their prefix and namespace alone. With ``--kv-events`` it is
+  reported with the blocks the request's prompt stores, hashed with the request's namespace
+  (:func:`radixkv.events.prompt_cache_key_hash`), so that a router can route by it.
 """
 
 from __future__ import annotations
@@ -37,18 +41,27 @@ def tenant_of(request: Any, config: Any) -> str | None:
     return request.headers.get(config.tenant_header) if config.tenant_header else None
 
 
+def past_bound(value: str, seconds: float, tenant: str | None, config: Any) -> str | None:
+    """Why a field's ``value``, which asks for ``seconds`` of retention, is a 400 (the field's
+    name not included): it is past the bound of ``tenant``'s requests (``--max-keep-alive``).
+    None when within it."""
+    bound = keep_alive_bound(tenant, config)
+    if seconds <= bound:
+        return None
+    return (
+        f"{value!r} asks for {seconds:g} seconds of retention, past this server's bound of "
+        f"{bound:g} seconds (--max-keep-alive)"
+    )
+
+
 def apply(body: Any, request: Any, config: Any) -> str | None:
     """Sets ``body.keep_alive`` from ``body.prompt_cache_retention``; the message of a 400 when
     the server's bound refuses it."""
     if body.prompt_cache_retention != "24h":
         return None
-    bound = keep_alive_bound(tenant_of(request, config), config)
-    if EXTENDED_S > bound:
-        return (
-            f'prompt_cache_retention: "24h" asks for {EXTENDED_S:g} seconds of retention, past '
-            f'this server\'s bound of {bound:g} (--max-keep-alive); send "in_memory" or a '
-            "keep_alive within the bound"
-        )
+    refused = past_bound("24h", EXTENDED_S, tenant_of(request, config), config)
+    if refused is not None:
+        return f"prompt_cache_retention: {refused}; send 'in_memory' or a keep_alive within it"
     body.keep_alive = max(body.keep_alive, EXTENDED_S)
     return None
 
