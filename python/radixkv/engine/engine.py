@@ -78,7 +78,7 @@ from radixkv.engine.chat import render as render_chat
 from radixkv.engine.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_POLICY
 from radixkv.engine.detok import CONTEXT_TOKENS, Detokenizer
 from radixkv.engine.fetch import TierFetch
-from radixkv.engine.grammar import Compiler, Grammar, compiler_for
+from radixkv.engine.grammar import Compiler, Grammar, apply_masks, compiler_for
 from radixkv.engine.graphs import DecodeGraphs, why_not
 from radixkv.engine.lockstep import Lockstep, check_same_config
 from radixkv.engine.outcome import Outcome, mask, notify_end
@@ -202,9 +202,10 @@ class Engine:
     verifies per request), ``prompt_lookup_min`` and ``prompt_lookup_max`` (default 1 and 4).
     Greedy outputs are the same as without it, token for token; sampled ones keep their
     distribution (rejection sampling with the request's own generator: a seed repeats, but
-    draws other tokens than without speculation). Requests with ``grammar=`` decode without
-    drafts. Under tensor parallelism rank 0 drafts and tells the other ranks, and how many
-    tokens each request kept (a stop string only rank 0 sees may end it early).
+    draws other tokens than without speculation). A request with ``grammar=`` drafts what its
+    grammar accepts, each row masked as the grammar stands after the drafts before it. Under
+    tensor parallelism rank 0 drafts and tells the other ranks, and how many tokens each
+    request kept (a stop string only rank 0 sees may end it early).
     ``None`` (the default): off.
     """
 
@@ -965,20 +966,23 @@ class Engine:
     # ---- speculative decoding ----------------------------------------------------------------
 
     def _propose(self) -> None:
-        """Sets the draft of every running sequence that decodes next (none for the others, for
-        a grammar's, and for one whose next token is its last)."""
+        """Sets the draft of every running sequence that decodes next (none for the others, and
+        for one whose next token is its last); a grammar's draft is cut to what the grammar
+        accepts (none before its first token)."""
         drafter = self.drafter
         assert drafter is not None
         k = drafter.config.num_speculative_tokens
         for seq in self.batcher.running:
             seq.draft = []
             room = min(k, seq.remaining_new_tokens - 1)
+            state = seq.grammar
             if (
                 room > 0
-                and seq.grammar is None
+                and (state is None or not state.unannounced)
                 and seq.num_computed == seq.num_tokens == seq.target_len - 1
             ):
-                seq.draft = drafter.propose(seq, room)
+                draft = drafter.propose(seq, room)
+                seq.draft = draft if state is None else state.allowed_prefix(draft)
 
     def _set_drafts(self, drafts: dict[int, list[int]]) -> None:
         """Other ranks: the drafts rank 0 proposed for this step (by request id; every other
@@ -1060,7 +1064,22 @@ class Engine:
             if not seq.draft:
                 continue
             try:
-                items, tops, accepted = verify_draft(drafts[ready[k]], seq, seq.draft)
+                rows = drafts[ready[k]]
+                if seq.grammar is not None:  # row j masked as the grammar stands after j drafts
+                    t = time.perf_counter()
+                    rows = rows.clone()  # a view of the forward's (inference) logits
+                    left = apply_masks(
+                        rows, list(range(len(rows))), seq.grammar.masks_along(seq.draft)
+                    )
+                    st.mask_s += time.perf_counter() - t
+                    if not left[0]:
+                        raise radixkv.Error(
+                            f"request {seq.id}: the grammar allows no token of the model's "
+                            f"vocabulary [0, {self.vocab_size}) after {len(seq.output)} output "
+                            "tokens"
+                        )
+                items, tops, accepted = verify_draft(rows, seq, seq.draft)
+                seq.accepted = accepted
             except Exception as e:  # reported on the row's request
                 tokens[k] = e
                 continue
@@ -1082,7 +1101,9 @@ class Engine:
         every token but the last of its target (the verified drafts, never a token past a stop
         or past what it kept), and gives back the rest of the chunk."""
         assert seq.req is not None
-        n = seq.target_len - 1
+        # The tokens whose KV this step computed from kept tokens: the last one and the accepted
+        # drafts; tokens a grammar forced after them (appended past the target) come next step.
+        n = min(seq.target_len - 1, seq.num_computed + 1 + seq.accepted)
         self.kv.settle(seq.req, n)
         seq.num_tokens = seq.num_computed = n
         seq.draft = []

@@ -270,6 +270,36 @@ class GrammarState:
                 f"the grammar refused token {int(token)}: {self.matcher.get_error() or '?'}"
             )
 
+    def allowed_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of ``tokens`` (a speculative draft) the grammar accepts from here
+        (none once it is complete); the matcher is left where it was."""
+        m = self.matcher
+        if not tokens or m.is_stopped() or m.is_error():
+            return []
+        done = m.try_consume_tokens([int(t) for t in tokens])  # never enters the error state
+        if done:
+            m.rollback(done)
+        return [int(t) for t in tokens[:done]]
+
+    def masks_along(self, tokens: list[int]) -> np.ndarray:
+        """The token masks (as :func:`fill_masks` gives them) here and after each token of
+        ``tokens`` (a draft :meth:`allowed_prefix` kept): ``[len(tokens) + 1, words]``, row
+        ``j`` the mask after ``tokens[:j]``; the matcher is left where it was."""
+        m = self.matcher
+        masks = np.zeros((len(tokens) + 1, self.compiler.words), dtype=np.int32)
+        done = 0
+        try:
+            for j in range(len(tokens) + 1):
+                m.unsafe_compute_mask_ptr(masks[j].ctypes.data, masks[j].nbytes)
+                if j < len(tokens):
+                    if not m.consume_token(int(tokens[j])):
+                        raise radixkv.Error(f"the grammar refused draft token {int(tokens[j])}")
+                    done += 1
+        finally:
+            if done:
+                m.rollback(done)
+        return masks
+
     def jump(self, last: int | None, limit: int, vocab: int) -> tuple[list[int], bool]:
         """Jump-forward, after :meth:`consume` of ``last`` (None: before the first token):
         the tokens of the bytes the grammar forces now, consumed: at most ``limit`` of them,

@@ -121,10 +121,17 @@ class Outcome:
             tops = verified[1]
         if seq.grammar is not None:
             try:
-                items = grammar_tokens(eng, seq, tok, lp)
+                if verified is not None:  # the accepted drafts, then the target's own token
+                    for t, *_ in items[:-1]:
+                        seq.grammar.consume(t)
+                    items = items[:-1] + grammar_tokens(eng, seq, *items[-1][:2])
+                else:
+                    items = grammar_tokens(eng, seq, tok, lp)
             except radixkv.Error as e:  # the grammar refused it: never seen
                 self.finished.extend(eng._fail([seq], e))
                 return
+            if tops is not None and len(tops) < len(items):  # forced tokens: no alternatives
+                tops = tops + [None] * (len(items) - len(tops))
         ends, natural, last, lp, delta = self._append(seq, items, tops)
         if seq.draft:
             try:

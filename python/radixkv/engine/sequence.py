@@ -253,6 +253,8 @@ class Sequence:
     #: Speculative decoding: the draft tokens this step computes after its token (set by the
     #: engine, cut by the batcher; empty: none), and its drafter's state.
     draft: list[int] = field(default_factory=list, repr=False)
+    #: Of this step's draft, the tokens the target accepted (set when it is verified).
+    accepted: int = field(default=0, repr=False)
     spec: DraftState | None = field(default=None, repr=False)
 
     @property

@@ -387,3 +387,47 @@ def test_draft_length_adapts_and_pauses_while_nothing_is_accepted():
     drafter.accepted(seq, 2, 2)
     drafter.accepted(seq, 4, 0)
     assert [drafter.propose(seq, 4) for _ in range(2)] == [[], [3, 4]], "a hit resets the pauses"
+
+
+#: A JSON object a grammar request is held to (with llguidance installed).
+PET = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def test_a_grammar_request_speculates_and_keeps_plain_decodings_output(smollm2):
+    """A request with a grammar drafts too: its drafts are cut to what the grammar accepts and
+    each row is masked as the grammar stands after the drafts before it, so greedy output and
+    logprobs are plain decoding's (jump-forward on), and a retried request accepts most of its
+    reply from the cache."""
+    pytest.importorskip("llguidance")
+    import radixkv.hf
+
+    model, tok = smollm2
+    ask = "Describe a pet cat as a JSON object with its name and age."
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": ask}], tokenize=True, add_generation_prompt=True
+    )
+    prompt = list(getattr(prompt, "input_ids", prompt))
+    params = dict(max_new_tokens=24, logprobs=True, grammar=PET)
+    runs = {}
+    for method in (None, "suffix", "ngram"):
+        spec = None if method is None else {"method": method, "num_speculative_tokens": 6}
+        eng = radixkv.hf.engine(model, radixkv.RadixCache(1024), tokenizer=tok, speculative=spec)
+        first = eng.generate([prompt], **params)[0]
+        accepted = eng.stats.spec_accepted_tokens
+        again = eng.generate([prompt], **params)[0]  # retried: the cache holds the reply
+        eng.cache.check()
+        runs[method] = first, again, eng.stats.spec_accepted_tokens - accepted, eng.stats.steps
+    plain, plain_again, _, plain_steps = runs[None]
+    assert plain.output == plain_again.output and plain.finish_reason == "stop"
+    for method in ("suffix", "ngram"):
+        first, again, accepted_again, steps = runs[method]
+        for r in (first, again):
+            assert r.output == plain.output and r.text == plain.text, method
+            assert r.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
+    _, again, accepted_again, steps = runs["suffix"]
+    assert accepted_again >= len(again.output) // 3, accepted_again
+    assert steps < plain_steps
