@@ -197,6 +197,11 @@ def engine_states(
             "update is not captured): pass cuda_graphs=None or False",
         ),
         (
+            getattr(kv, "shared", None) is not None,
+            "a shared tier (its pages travel without the recurrent-state snapshots a hit "
+            "needs, so no replica could hit them): leave shared_store= out",
+        ),
+        (
             bool(cache.window),
             "a cache with a window group (the core keeps no snapshots beside "
             "one): make the cache without window=",

@@ -204,3 +204,17 @@ def test_what_is_not_built_for_hybrids_is_refused_naming_it(model):
     step = kv.plan([slots.admit([1, 2])])
     with pytest.raises(RuntimeError, match=r"runs inside a radixkv\.Engine"):
         adapter(step)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5"], indirect=True)
+def test_a_shared_tier_is_refused_for_hybrids(model, tmp_path):
+    """A shared tier's pages travel without the snapshots a hit needs: refused, naming it."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path, unix=True)
+    try:
+        cache = radixkv.RadixCache(64, state_slots=4)
+        with pytest.raises(ValueError, match=r"hybrid model: .* a shared tier"):
+            radixkv.hf.engine(model, cache, shared_store=server.url)
+    finally:
+        server.stop()
