@@ -1,10 +1,11 @@
 """``radixkv serve --tensor-parallel-size 3``: the real model's 9 heads (3 KV heads) sharded over
 three CPU processes by transformers' plan, the engines in lockstep, driven through the real
 command and the ``openai`` client. Replies equal one process's greedy tokens over the same
-prompt tokens, prefixes are reused, ``/flush_cache`` and structured output keep the ranks in
-step, a rank killed or stopped (SIGSTOP, under ``--rank-timeout``) stops the server with status 1
-naming it, the requests it ends getting OpenAI's error object (in their stream too), and SIGTERM
-to the whole process group (what a service manager sends) drains, closes every rank and exits 0.
+prompt tokens, prefixes are reused, ``/flush_cache``, structured output and speculative decoding
+(drafts verified on every rank, stop strings met inside them) keep the ranks in step, a rank
+killed or stopped (SIGSTOP, under ``--rank-timeout``) stops the server with status 1 naming it,
+the requests it ends getting OpenAI's error object (in their stream too), and SIGTERM to the
+whole process group (what a service manager sends) drains, closes every rank and exits 0.
 Options it cannot run with, and sizes the heads do not divide by, are one-line errors before any
 rank starts."""
 
