@@ -1,10 +1,11 @@
 """``radixkv serve --tensor-parallel-size 3``: the real model's 9 heads (3 KV heads) sharded over
 three CPU processes by transformers' plan, the engines in lockstep, driven through the real
 command and the ``openai`` client. Replies equal one process's greedy tokens over the same
-prompt tokens, prefixes are reused, ``/flush_cache`` and structured output keep the ranks in
-step, a rank killed or stopped (SIGSTOP, under ``--rank-timeout``) stops the server with status 1
-naming it, the requests it ends getting OpenAI's error object (in their stream too), and SIGTERM
-to the whole process group (what a service manager sends) drains, closes every rank and exits 0.
+prompt tokens, prefixes are reused, ``/flush_cache``, structured output and speculative decoding
+(drafts verified on every rank, stop strings met inside them) keep the ranks in step, a rank
+killed or stopped (SIGSTOP, under ``--rank-timeout``) stops the server with status 1 naming it,
+the requests it ends getting OpenAI's error object (in their stream too), and SIGTERM to the
+whole process group (what a service manager sends) drains, closes every rank and exits 0.
 Options it cannot run with, and sizes the heads do not divide by, are one-line errors before any
 rank starts."""
 
@@ -14,6 +15,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 
@@ -211,6 +213,92 @@ def test_sigterm_to_the_process_group_drains_and_closes_every_rank(server):
     assert rc == 0, err[-3000:]
     assert "the 2 other ranks closed" in err
     assert _ranks_started_by(proc.pid) == [], f"rank processes of {ranks} are left"
+
+
+#: ``--speculative-config`` of the speculating server: drafts from the cache and the prompt.
+SPEC_CONFIG = '{"method": "suffix", "num_speculative_tokens": 4}'
+SPEC_TOKENS = 16
+
+
+def spec_counters(port: int) -> dict[str, float]:
+    """The speculative decoding counters of ``/metrics``, by name (per position summed)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+        m = re.match(r"(radixkv_spec_decode_\w+_total)(\{[^}]*\})? (\S+)", line)
+        if m:
+            out[m[1]] = out.get(m[1], 0.0) + float(m[3])
+    return out
+
+
+def stop_at(pieces: list[str], p: int) -> tuple[str, str]:
+    """A stop string whose first match in the reply made of ``pieces`` (its tokens' texts)
+    ends with token ``p``, and the text a request stopped by it returns."""
+    text = "".join(pieces)
+    for j in range(p, -1, -1):
+        start = len("".join(pieces[:j]))
+        stop = "".join(pieces[j : p + 1])
+        if stop.strip() and text.find(stop) == start:
+            return stop, text[:start]
+    raise AssertionError(f"no stop string ends at token {p} of {pieces}")
+
+
+def test_speculating_ranks_reply_as_plain_decoding_and_stop_inside_their_drafts(one_process):
+    """``--speculative-config`` on 3 ranks: rank 0 drafts, every rank verifies, and each keeps
+    as many tokens as rank 0 kept. Greedy text equals one unsharded process's plain decoding; a
+    retried turn is drafted from the reply the cache holds (``/metrics`` counts the accepted
+    drafts); a stop string (which only rank 0's tokenizer sees) ending at token ``p``, then one
+    ending at ``p + 1``, cut the retry inside a verified draft at least once (a draft keeps up
+    to 5 tokens: ``p`` and ``p + 1`` cannot both end one), and the ranks stay in step: the
+    server answers again and closes every rank at SIGTERM."""
+    port = free_port()
+    proc = serve_process.start(
+        port,
+        *OPTIONS,
+        "--speculative-config",
+        SPEC_CONFIG,
+        threads=3,
+        timeout=300,
+        new_session=True,
+    )
+    try:
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Explain in two sentences what a prefix cache does."},
+        ]
+
+        def ask(**kw):
+            r = client(port).chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=SPEC_TOKENS, temperature=0, **kw
+            )
+            return r.choices[0]
+
+        first = ask(logprobs=True)
+        reply = first.message.content
+        assert reply == one_process(prompt_tokens(port, messages), SPEC_TOKENS)
+        before = spec_counters(port)
+        assert ask().message.content == reply
+        seen = spec_counters(port)
+        accepted = "radixkv_spec_decode_num_accepted_tokens_total"
+        retry = {k: seen[k] - before.get(k, 0.0) for k in seen}
+        assert retry[accepted] > 0, retry
+        assert seen["radixkv_spec_decode_num_draft_tokens_total"] >= seen[accepted]
+        pieces = [t.token for t in first.logprobs.content]
+        assert "".join(pieces) == reply
+        for p in (SPEC_TOKENS * 2 // 3, SPEC_TOKENS * 2 // 3 + 1):
+            stop, cut = stop_at(pieces, p)
+            stopped = ask(stop=[stop])
+            assert (stopped.message.content, stopped.finish_reason) == (cut, "stop"), p
+        assert ask().message.content == reply
+        assert proc.poll() is None
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(120)
+        err = proc.stderr.read()
+        assert rc == 0, err[-3000:]
+        assert "the 2 other ranks closed" in err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _zombie(pid: int) -> bool:
