@@ -94,8 +94,10 @@ class Session:
 
         ``message`` as OpenAI-style messages (``[{"role": "user", "content": "..."}]``, a list
         of dicts): a chat session. The conversation (:attr:`messages`) grows by them and the
-        prompt is all of it rendered by the tokenizer's chat template
-        (:func:`radixkv.engine.chat.render`; needs ``radixkv.hf.engine(..., tokenizer=tok)``);
+        prompt is all of it rendered by the tokenizer's chat template as ``radixkv serve``
+        renders it (:func:`radixkv.engine.chat.render`: assistant ``tool_calls`` with their
+        arguments as objects, or as JSON in the content with a warning for a template that
+        ignores them; needs ``radixkv.hf.engine(..., tokenizer=tok)``);
         the reply is returned as text and appended as the assistant's message (its
         :class:`Result` is ``results[-1]``). The earlier turns are found in the prefix cache as
         with token ids. A session holds token ids or messages, not both (``ValueError``)."""

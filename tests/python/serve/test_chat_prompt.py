@@ -1,14 +1,13 @@
 """radixkv.apps.serve.chat_prompt: an agent's history of tool calls through the real SmolLM2
 tokenizer's chat template, as transformers' ``apply_chat_template`` renders it. A template that
-renders calls (the Hermes/Qwen-style one beside these tests) gets them, arguments as objects, so
-the prompt is transformers' own token for token; SmolLM2's own template ignores them, and gets
-each call as JSON in its message's content, with a warning."""
+renders calls (the Hermes/Qwen-style one of support/tool_history.py) gets them, arguments as
+objects, so the prompt is transformers' own token for token; SmolLM2's own template ignores
+them, and gets each call as JSON in its message's content, with a warning."""
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 
@@ -17,36 +16,7 @@ pytest.importorskip("transformers")
 import hf_models
 from radixkv.apps.serve import chat_prompt
 from radixkv.apps.serve.structured import BadRequest
-
-TEMPLATE = (Path(__file__).parents[1] / "support" / "templates" / "hermes_tools.jinja").read_text()
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-#: What the server generated for the call, as an OpenAI client sends it back: the arguments a
-#: JSON string (with a non-ASCII character and spacing of its own), the content null.
-ARGUMENTS = '{"city":  "Zürich"}'
-
-
-def agent_history(arguments=ARGUMENTS):
-    """An agent's conversation after one call and its result, in OpenAI's shape."""
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}
-    call["function"]["arguments"] = arguments
-    return [
-        {"role": "user", "content": "What is the weather in Zürich?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees."},
-    ]
+from tool_history import ARGUMENTS, TEMPLATE, TOOLS, agent_history
 
 
 @pytest.fixture(scope="module")
