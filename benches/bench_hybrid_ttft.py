@@ -2,14 +2,15 @@
 the same turn recomputed (issue 51, "Measure": TTFT of a cached turn on a tiny hybrid, CPU).
 
     .venv/bin/python benches/bench_hybrid_ttft.py [--family qwen3_5] [--prompt 1024]
-        [--follow 32] [--reps 5] [--threads 1]
+        [--follow 32] [--reps 5] [--threads 1] [--quick]
 
 A random model of the family (hidden 256, 4 layers: 3 recurrent and 1 attention for Qwen3.5,
 fp32, CPU). Turn 1 is a prompt of ``--prompt`` tokens and 8 generated; turn 2 re-sends it whole
 with the reply and ``--follow`` new tokens. Cached: turn 2 on the engine that served turn 1
 (it restores the snapshot where turn 1 ended and computes the rest); recomputed: turn 2 on an
 engine with ``prefix_caching=False``. Each figure is the median of ``--reps`` runs (turn 1
-served again on a fresh cache each time). Both engines' tokens are checked equal.
+served again on a fresh cache each time). Both engines' tokens are checked equal. ``--quick``: a
+128-token prompt, one run (the smoke check's size).
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def main() -> int:
     ap.add_argument("--follow", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="a 128-token prompt, one run")
     args = ap.parse_args()
+    if args.quick:
+        args.prompt, args.reps = 128, 1
     torch.set_num_threads(args.threads)
     model = build(args.family, hidden_size=256, intermediate_size=512)
     gen = torch.Generator().manual_seed(0)
