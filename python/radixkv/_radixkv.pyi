@@ -319,7 +319,10 @@ class Cache:
         """The KV events recorded since the last call, in order: ``("stored", namespace,
         parent, keys, tokens)``, ``("removed", keys)`` and ``("cleared",)``; with a window
         group also ``("window_stored", namespace, parent, keys, tokens)`` and
-        ``("window_removed", keys)`` (window pages entering and leaving the group)."""
+        ``("window_removed", keys)`` (window pages entering and leaving the group); with state
+        slots also ``("state_stored", namespace, parent, [key], tokens)`` and
+        ``("state_removed", keys)`` (recurrent-state snapshots becoming findable, ending on the
+        page of ``key``, and leaving)."""
 
     def check(self) -> None: ...
     def _panic_for_test(self) -> None:

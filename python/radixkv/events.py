@@ -49,6 +49,14 @@ hybrid KV cache manager does: every event says its group (``group_idx`` 0, ``kv_
 hit where group 0 holds all its blocks and group 1 the blocks of its last window (see
 ``docs/SEMANTICS.md``, "Sliding-window layers"); a router that reads group 0 only overestimates
 hits by the window cut. A cache without a window group sends no group fields, as before.
+
+A cache with state slots (a hybrid model's recurrent-state snapshots) publishes two groups, as
+vLLM's hybrid KV cache manager does for a Mamba or linear-attention model: ``group_idx`` 0,
+``"full_attention"``: the attention pages; ``group_idx`` 1, ``"mamba"``: the snapshots. A
+snapshot is one block of the mamba group, under the block hash of the page its prefix ends on
+(the hash the attention group gave that page), stored when it becomes findable and removed when
+it is evicted (its pages may stay). A prefix is a hit where group 0 holds all its blocks and
+group 1 its last one: a router finds where a hybrid replica can resume (see ``docs/EVENTS.md``).
 """
 
 import hashlib
@@ -94,6 +102,9 @@ SHARED_HASHES = 1 << 20
 #: ``(group_idx, kv_cache_spec_kind)`` of its full pages and of its window pages.
 FULL_GROUP = (0, "full_attention")
 WINDOW_GROUP = (1, "sliding_window")
+#: The group of a cache with state slots' snapshots (its pages are in ``FULL_GROUP``), as vLLM
+#: numbers and names a hybrid model's Mamba group.
+STATE_GROUP = (1, "mamba")
 
 #: Blocks whose ``prompt_cache_key`` the publisher keeps until they are stored (the oldest
 #: dropped: a hint for blocks never stored costs a bounded amount).
@@ -312,11 +323,15 @@ class ZmqPublisher:
         self.page_size = cache.page_size
         #: The cache's sliding window in tokens (0: no window group, no group fields sent).
         self.window = int(getattr(cache, "window", 0) or 0)
+        #: Whether the cache keeps recurrent-state snapshots (a second group, ``STATE_GROUP``).
+        self.states = int(getattr(cache.stats, "state_slots", 0) or 0) > 0
         self._topic = topic.encode()
         self._none_hash = none_hash(hash_seed)
         # radixkv key -> sha256_cbor hash of every block announced and not removed, per group.
         self._sha: dict[bytes, bytes] = {}
         self._wsha: dict[bytes, bytes] = {}
+        #: The same for the snapshots announced and not removed (by the key of their page).
+        self._msha: dict[bytes, bytes] = {}
         #: The same for the shared tier's blocks (never removed: bounded, oldest dropped).
         self._ssha: OrderedDict[bytes, bytes] = OrderedDict()
         #: radixkv block key -> the reported ``prompt_cache_key`` of the request that will store
@@ -391,15 +406,55 @@ class ZmqPublisher:
     def _ext(self, h: bytes) -> bytes | int:
         return int.from_bytes(h[-8:], "big") if self.int_hashes else h
 
-    def _group(self, window: bool) -> dict[str, Any]:
-        """The group fields of an event of the full or the window group (none without one)."""
+    def _group(self, window: bool, state: bool = False) -> dict[str, Any]:
+        """The group fields of an event of the full, the window or the state group (none for a
+        cache with neither of the last two)."""
+        if state:
+            return {"group_idx": STATE_GROUP[0], "kv_cache_spec_kind": STATE_GROUP[1]}
         if not self.window:
-            return {}
+            return (
+                {"group_idx": FULL_GROUP[0], "kv_cache_spec_kind": FULL_GROUP[1]}
+                if self.states
+                else {}
+            )
         idx, kind = WINDOW_GROUP if window else FULL_GROUP
         out: dict[str, Any] = {"group_idx": idx, "kv_cache_spec_kind": kind}
         if window:
             out["kv_cache_spec_sliding_window"] = self.window
         return out
+
+    def _state_event(self, ev: tuple) -> Any:
+        """The ``BlockStored`` of the state group for a ``state_stored`` event: one block, the
+        page the snapshot ends on (None: that page was announced before recording began)."""
+        _, ns, parent, keys, tokens = ev
+        (key,) = keys
+        if self.block_hash == "sha256_cbor":
+            sha = self._sha.get(key)
+            prev = None if parent is None else self._sha.get(parent)
+            if sha is None or (parent is not None and prev is None):
+                return None
+            self._msha[key] = sha
+            block, parent_out = sha, prev
+        else:
+            block, parent_out = key, parent
+        extra = None
+        if parent is None and ns:  # the first block carries the namespace (cache_salt)
+            try:
+                salt_key: str | bytes = ns.decode("utf-8")
+            except UnicodeDecodeError:
+                salt_key = ns
+            extra = [(salt_key,)]
+        return self._stored(
+            block_hashes=[self._ext(block)],
+            parent_block_hash=None if parent_out is None else self._ext(parent_out),
+            token_ids=[int(t) for t in tokens],
+            block_size=self.page_size,
+            lora_id=None,
+            medium=self.medium,
+            lora_name=None,
+            extra_keys=extra,
+            **self._group(False, state=True),
+        )
 
     def _stored_event(self, ev: tuple, window: bool, shared: bool = False) -> Any:
         """The ``BlockStored`` of a ``stored``/``window_stored`` event (None: a chain whose
@@ -476,9 +531,28 @@ class ZmqPublisher:
                             block_hashes=[self._ext(h) for h in hashes], medium=self.medium, **idx
                         )
                     )
+            elif kind == "state_stored":
+                stored = self._state_event(ev)
+                if stored is not None:
+                    out.append(stored)
+            elif kind == "state_removed":
+                keys = ev[1]
+                if sha:
+                    hashes = [self._msha.pop(k) for k in keys if k in self._msha]
+                else:
+                    hashes = list(keys)
+                if hashes:
+                    out.append(
+                        self._removed(
+                            block_hashes=[self._ext(h) for h in hashes],
+                            medium=self.medium,
+                            group_idx=STATE_GROUP[0],
+                        )
+                    )
             elif kind == "cleared":
                 self._sha.clear()
                 self._wsha.clear()
+                self._msha.clear()
                 out.append(self._cleared())
             else:  # pragma: no cover - the core records only these
                 raise ValueError(f"unknown cache event {kind!r}")

@@ -47,7 +47,8 @@ and wait histogram, the engine's finished requests), so it costs nothing between
   restoring from it / holding a snapshot or one pending),
   ``radixkv_prefix_cache_state_hit_tokens_total`` (hit tokens, each hit ending at a snapshot),
   ``radixkv_taken_states_total`` (snapshots taken) and ``radixkv_evicted_states_total``
-  (snapshots evicted: for room, or with a page they needed).
+  (snapshots evicted: for room, or with a page they needed); with an engine over them also
+  ``radixkv_restored_states_total`` (snapshots restored into a request's state at admission).
 - With a scheduler: ``radixkv_scheduler_waiting`` (requests waiting) and the histogram
   ``radixkv_scheduler_wait_calls`` (schedule calls each admitted request waited through).
 - With an engine: ``radixkv_engine_requests_total`` (finished requests), the histograms
@@ -695,6 +696,22 @@ class CacheCollector(Collector):
             ),
             *histograms,
             *self._spec_families(live),
+            *self._engine_state_families(live),
+        ]
+
+    def _engine_state_families(self, live: bool) -> list[Any]:
+        """A hybrid model's snapshots as the engine used them (an engine with ``states``
+        only; the cache's own state families say what it holds, took and evicted)."""
+        if getattr(self.engine, "states", None) is None:
+            return []
+        st = self.engine.stats if live else None
+        return [
+            self._counter(
+                "radixkv_restored_states",
+                "Recurrent-state snapshots restored into a request's state at admission (each "
+                "a hit ending at a snapshot).",
+                None if st is None else st.state_restored,
+            ),
         ]
 
     def _spec_families(self, live: bool) -> list[Any]:

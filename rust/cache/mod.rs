@@ -354,6 +354,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         self.index.publish(r, num_computed / p * p);
         Self::advance_window(&mut self.window, r, p, self.index.events());
         Self::publish_states(&mut self.states, &self.index, r);
+        self.log_states();
         Ok(())
     }
 
@@ -409,6 +410,7 @@ impl<I: Index> PrefixCache for Cache<I> {
         for slot in gone {
             self.states.remove(slot);
         }
+        self.log_states();
         Ok(())
     }
 
@@ -795,6 +797,8 @@ impl<I: Index> PrefixCache for Cache<I> {
 
     fn record_events(&mut self, on: bool) {
         self.index.events().set(on);
+        self.states.record = on && self.states.on();
+        self.states.drain_changes();
     }
 
     fn drain_events(&mut self) -> Vec<CacheEvent> {

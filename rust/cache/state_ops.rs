@@ -95,6 +95,26 @@ impl<I: Index> Cache<I> {
         if self.states.on() {
             let drops = std::mem::take(&mut self.index.drops().pages);
             self.states.dropped(&drops);
+            self.log_states();
+        }
+    }
+
+    /// Moves the snapshots published and removed since the last call into the event log
+    /// (recorded only while events are), after the page events of the same operation: a
+    /// snapshot is announced after its pages, and its removal after theirs.
+    pub(crate) fn log_states(&mut self) {
+        let changes = self.states.drain_changes();
+        if changes.is_empty() {
+            return;
+        }
+        let p = self.index.page_size();
+        let log = self.index.events();
+        for (stored, tokens, namespace) in changes {
+            if stored {
+                log.state_stored(&namespace, &tokens, p);
+            } else {
+                log.state_removed(&namespace, &tokens, p);
+            }
         }
     }
 
@@ -146,6 +166,7 @@ impl<I: Index> Cache<I> {
         for (_, slot) in std::mem::take(&mut r.states.pending) {
             self.states.remove(slot);
         }
+        self.log_states();
     }
 
     /// See [`crate::PrefixCache::take_state`].
@@ -179,6 +200,7 @@ impl<I: Index> Cache<I> {
             return Ok(None);
         };
         self.requests.get_mut(id)?.states.pending.push((pos, slot));
+        self.log_states(); // the snapshot a slot was taken from
         Ok(Some(slot))
     }
 
@@ -190,7 +212,9 @@ impl<I: Index> Cache<I> {
                 self.states.slots()
             )));
         }
-        Ok(self.states.evict(slot))
+        let done = self.states.evict(slot);
+        self.log_states();
+        Ok(done)
     }
 
     /// See [`crate::PrefixCache::release_state`].

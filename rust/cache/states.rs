@@ -158,6 +158,11 @@ pub struct States {
     clock: u64,
     /// Slots that went back to the free list since the last drain.
     freed: Vec<u32>,
+    /// Whether [`States::changes`] are recorded (the cache records KV events).
+    pub record: bool,
+    /// Snapshots published (true) and removed once published (false) since the last drain:
+    /// their prefix tokens and namespace, for the cache's event log.
+    changes: Vec<(bool, Vec<u32>, Namespace)>,
     /// Tokens admissions took from the cache through a snapshot.
     pub hit_tokens: u64,
     /// Snapshots taken so far (slots handed out).
@@ -344,6 +349,10 @@ impl States {
         s.chain = chain;
         s.key = (Temp::Warm, self.clock);
         self.lru.insert(s.key, slot);
+        if self.record {
+            self.changes
+                .push((true, s.tokens.clone(), s.namespace.clone()));
+        }
         true
     }
 
@@ -358,9 +367,18 @@ impl States {
             if s.pins == 0 {
                 self.lru.remove(&s.key);
             }
+            if self.record {
+                self.changes.push((false, s.tokens, s.namespace));
+            }
         }
         self.free.push(slot);
         self.freed.push(slot);
+    }
+
+    /// The snapshots published (true) and removed (false) since the last call, while
+    /// [`States::record`]: `(stored, prefix tokens, namespace)`, in order.
+    pub fn drain_changes(&mut self) -> Vec<(bool, Vec<u32>, Namespace)> {
+        std::mem::take(&mut self.changes)
     }
 
     /// Evicts every snapshot that needs one of `pages` (device pages the index just stopped

@@ -595,7 +595,10 @@ impl PyCache {
     /// ``("removed", keys)`` and ``("cleared",)`` (a reset left the index empty, and the window
     /// group). A cache with a window group also records ``("window_stored", namespace, parent,
     /// keys, tokens)`` and ``("window_removed", keys)``: window pages entering and leaving the
-    /// window group, under the same block keys.
+    /// window group, under the same block keys. A cache with state slots also records
+    /// ``("state_stored", namespace, parent, [key], tokens)`` (a recurrent-state snapshot became
+    /// findable, ending on the page of ``key``, whose tokens these are) and
+    /// ``("state_removed", keys)`` (snapshots ending on those pages left the cache).
     fn drain_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let py = slf.py();
         let events = slf.get().with(py, false, |c| Ok(c.drain_events()))?;
@@ -630,6 +633,15 @@ impl PyCache {
                 CacheEvent::Removed { hashes } => ("removed", keys(&hashes)).into_pyobject(py),
                 CacheEvent::WindowRemoved { hashes } => {
                     ("window_removed", keys(&hashes)).into_pyobject(py)
+                }
+                CacheEvent::StateStored {
+                    namespace,
+                    parent,
+                    hash,
+                    tokens,
+                } => stored("state_stored", namespace, parent, &[hash], tokens),
+                CacheEvent::StateRemoved { hashes } => {
+                    ("state_removed", keys(&hashes)).into_pyobject(py)
                 }
                 CacheEvent::Cleared => ("cleared",).into_pyobject(py),
             })

@@ -3,8 +3,10 @@
 //! A block is a full page named by its radixkv block key (`hash::block_hashes` of its whole
 //! prefix, in its namespace), the same for both indexes. A cache with a sliding-window group
 //! records its window pages too, as events of their own ([`CacheEvent::WindowStored`],
-//! [`CacheEvent::WindowRemoved`]) under the same keys. Recording is off by default; off, each
-//! hook is one branch on [`EventLog::on`].
+//! [`CacheEvent::WindowRemoved`]) under the same keys; a cache with state slots records its
+//! recurrent-state snapshots ([`CacheEvent::StateStored`], [`CacheEvent::StateRemoved`]) under
+//! the key of the page each one ends on. Recording is off by default; off, each hook is one
+//! branch on [`EventLog::on`].
 
 use crate::wire::hash::Namespace;
 use crate::wire::hash::{block_hashes, BlockHash};
@@ -45,6 +47,24 @@ pub enum CacheEvent {
     /// Window pages left the window group (their full pages may still be cached).
     WindowRemoved {
         /// Their keys.
+        hashes: Vec<BlockHash>,
+    },
+    /// A recurrent-state snapshot became findable: a hit may end where its prefix ends, on the
+    /// page of key `hash` (that page and every page before it are cached).
+    StateStored {
+        /// Namespace of the prefix.
+        namespace: Namespace,
+        /// Key of the page before the one it ends on (`None`: it ends on the first page).
+        parent: Option<BlockHash>,
+        /// Key of the page it ends on.
+        hash: BlockHash,
+        /// The tokens of that page.
+        tokens: Vec<u32>,
+    },
+    /// Snapshots left the cache (evicted for a slot, with a page they needed, or by
+    /// `evict_state`): no hit ends on these pages any more (their pages may still be cached).
+    StateRemoved {
+        /// Keys of the pages they ended on.
         hashes: Vec<BlockHash>,
     },
 }
@@ -148,6 +168,33 @@ impl EventLog {
         }
     }
 
+    /// Records that a snapshot of the prefix `tokens` (whole pages) became findable.
+    pub fn state_stored(&mut self, namespace: &Namespace, tokens: &[u32], p: usize) {
+        let keys = block_hashes(tokens, p, namespace);
+        let Some((&hash, before)) = keys.split_last() else {
+            return;
+        };
+        self.events.push(CacheEvent::StateStored {
+            namespace: namespace.clone(),
+            parent: before.last().copied(),
+            hash,
+            tokens: tokens[tokens.len() - p..].to_vec(),
+        });
+    }
+
+    /// Records that the snapshot of the prefix `tokens` left the cache.
+    pub fn state_removed(&mut self, namespace: &Namespace, tokens: &[u32], p: usize) {
+        let Some(&hash) = block_hashes(tokens, p, namespace).last() else {
+            return;
+        };
+        if let Some(CacheEvent::StateRemoved { hashes }) = self.events.last_mut() {
+            hashes.push(hash); // one event for a run of removals
+        } else {
+            self.events
+                .push(CacheEvent::StateRemoved { hashes: vec![hash] });
+        }
+    }
+
     /// Number of events recorded and not drained.
     pub fn len(&self) -> usize {
         self.events.len()
@@ -184,6 +231,9 @@ mod tests {
                 CacheEvent::Cleared => set.clear(),
                 CacheEvent::WindowStored { .. } | CacheEvent::WindowRemoved { .. } => {
                     panic!("a window event from a cache without a window group")
+                }
+                CacheEvent::StateStored { .. } | CacheEvent::StateRemoved { .. } => {
+                    panic!("a state event from a cache without state slots")
                 }
             }
         }

@@ -260,6 +260,9 @@ impl RouterView {
                     self.full.clear();
                     self.window.clear();
                 }
+                CacheEvent::StateStored { .. } | CacheEvent::StateRemoved { .. } => {
+                    panic!("a state event from a cache without state slots")
+                }
             }
         }
     }

@@ -138,6 +138,14 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    #: A hybrid model's recurrent-state snapshots (:mod:`radixkv.engine.states`): snapshots
+    #: restored into a request's state at admission, the prompt tokens those hits covered,
+    #: snapshots taken, and snapshots the cache evicted (for a slot, with a page they needed, or
+    #: as damaged) since the engine started, as of the last step.
+    state_restored: int = 0
+    state_hit_tokens: int = 0
+    state_taken: int = 0
+    state_evicted: int = 0
 
 
 class Engine:
@@ -309,6 +317,7 @@ class Engine:
         if self.states is not None:
             model.states = self.states  # what its forward reads each step's rows from
             self.batcher.states = self.states
+            self.states.stats = self.stats
             cuda_graphs = False
         if cuda_graphs is None:  # on where they can run: CUDA, Triton decode, one process
             cuda_graphs = kv.device.type == "cuda" and group is None and why_not(kv) is None
@@ -853,6 +862,13 @@ class Engine:
         return (retention, held) if held else (None, 0)
 
     def _step_once(self) -> list[Result]:
+        try:
+            return self._step_body()
+        finally:
+            if self.states is not None:
+                self.states.count_evicted()
+
+    def _step_body(self) -> list[Result]:
         st = self.stats
         ended = self.batcher.num_ended
         t0 = time.perf_counter()

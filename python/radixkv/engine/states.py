@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -81,6 +82,10 @@ class EngineStates:
         #: Snapshots restored into a working slot, and taken, by this engine.
         self.restored = 0
         self.taken = 0
+        #: The engine's :class:`radixkv.engine.engine.EngineStats` (its ``state_*`` counters
+        #: are kept here), or None.
+        self.stats: Any = None
+        self._evicted_before = cache.stats.evicted_states
 
     def describe(self) -> str:
         """One line: how many snapshots the cache holds and their size."""
@@ -104,6 +109,9 @@ class EngineStates:
             self.snapshots.copy(snap, w, into=self.working)
             self.cache.release_state(req)
             self.restored += 1
+            if self.stats is not None:
+                self.stats.state_restored += 1
+                self.stats.state_hit_tokens += req.num_cached
         else:
             self.working.zero(w)
         p = self.page_size
@@ -128,7 +136,7 @@ class EngineStates:
                 snap = self.cache.take_state(req, pos)
                 if snap is not None:
                     row.captures.append((pos, snap))
-                    self.taken += 1
+                    self._took()
             rows.append(row)
         self.rows = rows
         return rows
@@ -144,8 +152,19 @@ class EngineStates:
         if snap is None:
             return False
         self.working.copy(w, snap, into=self.snapshots)
-        self.taken += 1
+        self._took()
         return True
+
+    def _took(self) -> None:
+        self.taken += 1
+        if self.stats is not None:
+            self.stats.state_taken += 1
+
+    def count_evicted(self) -> None:
+        """Sets the engine stats' ``state_evicted``: the snapshots the cache evicted since this
+        engine started (after each step: evictions happen inside the cache)."""
+        if self.stats is not None:
+            self.stats.state_evicted = self.cache.stats.evicted_states - self._evicted_before
 
     def free(self, seq_id: int) -> None:
         """Sequence ``seq_id`` no longer runs: its working slot is free."""
