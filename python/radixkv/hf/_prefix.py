@@ -17,10 +17,17 @@ token's K/V: transformers' own window mask still limits what each query reads, s
 gives its own tokens. Over a cache with a window group the window layers' K/V comes from and
 goes to the window pool; the keys of pages released there (older than any query reads) are
 handed over as zeros, which the window mask hides.
+
+A hybrid model (recurrent layers beside attention) needs a cache made with ``state_slots=N``:
+a hit also restores the recurrent states' snapshot it ends at (copied into the DynamicCache),
+``lookup`` computes the rest of the prompt but its last token itself (exactly, for every family)
+and snapshots are taken on the way and at the end (:class:`radixkv.hf._hybrid_cache.PrefixStates`;
+docs/SEMANTICS.md, "Hybrid models in hf.PrefixCache").
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +77,10 @@ class PrefixCache:
 
     Batch size 1 only (``ValueError`` otherwise), greedy or sampled, without beams.
     ``last_cached`` is the number of tokens the last lookup found cached.
+
+    A hybrid model's ``cache`` must be made with ``state_slots=N`` (refused otherwise, as
+    :func:`radixkv.hf.engine` refuses it); its snapshots are shared with an engine over the same
+    ``KVCache`` (``radixkv.hf.engine(model, prefix.kv)``).
     """
 
     def __init__(
@@ -121,7 +132,9 @@ class PrefixCache:
         """A transformers ``DynamicCache`` holding the K/V of the longest cached prefix of
         ``input_ids`` (``[1, n]`` or ``[n]`` token ids): pass it to ``model.generate`` as
         ``past_key_values``, then hand it to :meth:`store` (or :meth:`abort`). The request's
-        pages are admitted and pinned until then. Raises ``ValueError`` for bad ids or a batch
+        pages are admitted and pinned until then. Of a hybrid model the cache also holds the
+        hit's recurrent states, and the rest of ``input_ids`` but the last token, which this
+        call computes through the model. Raises ``ValueError`` for bad ids or a batch
         of more than one row, :class:`radixkv.OutOfPages` when the pool cannot hold the
         prompt."""
         tokens = self._tokens(input_ids, "input_ids")
@@ -314,10 +327,11 @@ class PrefixCache:
         entry = self._open[id(past)]
         n = len(entry.tokens)
         done = False
+        thread = threading.get_ident()  # the hook is the model's: ignore other threads' calls
 
         def hook(module: Any, args: Any, output: Any) -> None:
             nonlocal done
-            if not done:
+            if not done and threading.get_ident() == thread:
                 done = True
                 if int(past.get_seq_length()) == n:
                     assert self.states is not None
