@@ -220,3 +220,23 @@ def test_what_a_hybrid_prefix_cache_cannot_use_is_refused_naming_it(model):
     prefix = prefix_cache(model, pages=64, state_slots=4)
     with pytest.raises(ValueError, match=r"snapshots are held in the states' own dtypes"):
         radixkv.hf.engine(model, prefix.kv, snapshot_dtype=torch.bfloat16)
+
+
+def test_a_host_tier_drops_snapshots_and_stays_exact(model):
+    """Pages offloaded to the host tier take the snapshots that need them along (snapshots stay
+    on the device): a conversation whose pages went to the host is recomputed from an earlier
+    snapshot still on the device, its tokens still plain generate's."""
+    prefix = prefix_cache(model, pages=48, host_pages=256)
+    first = tokens(20, seed=16)
+    out = prefix.generate(first, max_new_tokens=NEW, **GREEDY)
+    check(model, first, out)
+    other = tokens(24, seed=17)  # 23 + 27 pages of 48: the first one's last pages go to the host
+    check(model, other, prefix.generate(other, max_new_tokens=NEW, **GREEDY))
+    s = prefix.cache.stats
+    assert s.offloaded_pages > 0 and s.evicted_states > 0
+    follow = torch.cat([out.sequences, tokens(4, seed=18)], dim=1)
+    check(model, follow, prefix.generate(follow, max_new_tokens=NEW, **GREEDY))
+    # The end's snapshot went with the offloaded pages; the prompt's end is restored.
+    assert prefix.last_cached == first.shape[1]
+    assert prefix.cache.stats.host_hit_tokens == 0
+    prefix.cache.check()
