@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import radixkv
-from radixkv.kv.state_pool import StatePool, StateSpec
+from radixkv.kv.state_pool import StatePool, StateSpec, snapshot_pool
 
 
 @dataclass
@@ -62,6 +62,7 @@ class EngineStates:
         working_slots: int,
         device: torch.device | str = "cpu",
         snapshot_dtype: torch.dtype | None = None,
+        snapshots: StatePool | None = None,
     ) -> None:
         n = cache.stats.state_slots
         if n < 1:
@@ -71,7 +72,13 @@ class EngineStates:
         self.specs = tuple(specs)
         self.device = torch.device(device)
         self.working = StatePool(self.specs, working_slots, self.device)
-        self.snapshots = StatePool(self.specs, n, self.device, dtype=snapshot_dtype)
+        #: The snapshots: ``snapshots`` when given (the pool of a KVCache shared with a
+        #: PrefixCache, :func:`radixkv.kv.state_pool.snapshot_pool`), else a pool of their own.
+        self.snapshots = (
+            snapshots
+            if snapshots is not None
+            else StatePool(self.specs, n, self.device, dtype=snapshot_dtype)
+        )
         self._free = list(range(working_slots - 1, -1, -1))
         #: Working slot of each running request, by sequence id.
         self.slot: dict[int, int] = {}
@@ -234,10 +241,12 @@ def engine_states(
             f"{name} is a hybrid model: its cache must be made with state_slots=N, the "
             "snapshots of its recurrent state a prefix hit restores"
         )
+    dtype = getattr(model, "snapshot_dtype", None)
     return EngineStates(
         specs,
         cache,
         max_batch,
         kv.device,  # type: ignore[attr-defined]
-        getattr(model, "snapshot_dtype", None),
+        dtype,
+        snapshot_pool(kv, specs, dtype),
     )

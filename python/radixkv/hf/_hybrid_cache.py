@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from radixkv.hf._hybrid import ATTENTION_LAYER_TYPES, RecurrentLayer, family
-from radixkv.kv.state_pool import Slots, StatePool
+from radixkv.kv.state_pool import Slots, StatePool, snapshot_pool
 
 #: The most tokens one forward steps through a stepwise family's module (see the module doc).
 STEPWISE_TOKENS = 64
@@ -182,3 +182,90 @@ def _forward(model: Any, cache: Any, input_ids: torch.Tensor, num_cached: int) -
         **{cache_kwarg(model): cache},
     )
     return out.logits
+
+
+def state_length(cache: Any, layers: Sequence[RecurrentLayer]) -> int | None:
+    """The tokens every recurrent layer's state in ``cache`` has folded in, or None when the
+    layers disagree (or hold no state yet)."""
+    seen = set()
+    for layer in layers:
+        cache_layer = _linear(cache, layer)
+        if cache_layer.conv_states.get(0) is None:
+            return None
+        seen.add(int(cache_layer.cumulative_length_linear))
+    return seen.pop() if len(seen) == 1 else None
+
+
+class PrefixStates:
+    """A :class:`radixkv.hf.PrefixCache`'s side of a hybrid model's states: the snapshots of
+    its KV cache's state slots (shared with an engine over the same KV cache,
+    :func:`radixkv.kv.state_pool.snapshot_pool`), restored into and taken from the transformers
+    cache ``generate`` runs on, which is the request's working state (no pool slot of its own).
+
+    ```text
+      lookup:    cache <- snapshot[req.state_slot] (copied) + K/V     tokens [0, num_cached)
+                 prefill(num_cached, n - 1): forward_suffix, split at the junction and at n - 1,
+                 each a snapshot                                     tokens [num_cached, n - 1)
+      generate:  its first forward computes token n - 1: a snapshot at n (the prompt's end)
+      store:     a snapshot at the end, where the state covers exactly the K/V stored
+    ```
+    Snapshots are taken at page boundaries only (token-exact at ``page_size=1``); each is pending
+    until the request's ``commit``/``finish``, and an ``abort`` frees it.
+    """
+
+    def __init__(self, model: Any, kv: Any, layers: Sequence[RecurrentLayer]) -> None:
+        self.model = model
+        self.layers = tuple(layers)
+        self.cache = kv.cache
+        self.page_size = self.cache.stats.page_size
+        specs = tuple(s for layer in self.layers for s in layer.specs)
+        #: The snapshots, in whatever dtype the first user of ``kv`` chose.
+        self.snapshots = snapshot_pool(kv, specs, any_dtype=True)
+        #: Snapshots restored into a lookup's cache, and taken, by this PrefixCache.
+        self.restored = 0
+        self.taken = 0
+
+    def restore(self, req: Any, kv: Sequence[tuple[int, torch.Tensor, torch.Tensor]] = ()) -> Any:
+        """A fresh transformers cache for ``req``'s hit: its snapshot (``req.state_slot``)
+        copied, then released, and ``kv`` (see :func:`restore_cache`) for its
+        ``req.num_cached`` tokens; an empty cache without a hit."""
+        if not req.num_cached:
+            return DynamicCache(config=self.model.config)
+        slot = req.state_slot
+        if slot is None:  # the core ends every hit at a snapshot it pins
+            raise RuntimeError(f"a hit of {req.num_cached} tokens without its state snapshot")
+        cache = restore_cache(self.model, self.layers, self.snapshots, [slot], req.num_cached, kv)
+        self.cache.release_state(req)
+        self.restored += 1
+        return cache
+
+    def prefill(self, cache: Any, req: Any, input_ids: torch.Tensor, stop: int) -> None:
+        """Runs the model over ``input_ids[:, req.num_cached:stop]`` into ``cache`` (exact for
+        every family: :func:`forward_suffix`), split where a snapshot is wanted: the junction
+        (``req.kv_matched``, where the index's K/V match ran past the hit, so the next request
+        sharing that prefix hits all of it) and ``stop``, each floored to a page."""
+        start = req.num_cached
+        p = self.page_size
+        wanted = sorted({x for x in (req.kv_matched // p * p, stop // p * p) if start < x <= stop})
+        pos = start
+        with torch.no_grad():
+            for end in [*wanted, stop]:
+                if end > pos:
+                    forward_suffix(self.model, cache, input_ids[:, pos:end], pos, self.layers)
+                    pos = end
+                if end in wanted:
+                    self.capture(cache, req, end)
+
+    def capture(self, cache: Any, req: Any, pos: int) -> bool:
+        """A snapshot of ``cache``'s states as ``req``'s state at ``pos`` tokens, when ``pos``
+        is a page boundary, the states cover exactly ``pos`` tokens and the index gives a slot
+        (none when one is there already, or every slot is pinned); returns whether one was
+        taken."""
+        if pos < 1 or pos % self.page_size or state_length(cache, self.layers) != pos:
+            return False
+        slot = self.cache.take_state(req, pos)
+        if slot is None:
+            return False
+        read_states(cache, self.layers, self.snapshots, [slot])
+        self.taken += 1
+        return True

@@ -17,10 +17,17 @@ token's K/V: transformers' own window mask still limits what each query reads, s
 gives its own tokens. Over a cache with a window group the window layers' K/V comes from and
 goes to the window pool; the keys of pages released there (older than any query reads) are
 handed over as zeros, which the window mask hides.
+
+A hybrid model (recurrent layers beside attention) needs a cache made with ``state_slots=N``:
+a hit also restores the recurrent states' snapshot it ends at (copied into the DynamicCache),
+``lookup`` computes the rest of the prompt but its last token itself (exactly, for every family)
+and snapshots are taken on the way and at the end (:class:`radixkv.hf._hybrid_cache.PrefixStates`;
+docs/SEMANTICS.md, "Hybrid models in hf.PrefixCache").
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +36,9 @@ import torch
 from transformers import DynamicCache
 
 import radixkv
-from radixkv.hf._adapter import kv_for
+from radixkv.hf._adapter import _check_hybrid_cache, kv_for
+from radixkv.hf._hybrid import recurrent_layers
+from radixkv.hf._hybrid_cache import PrefixStates, state_length
 from radixkv.hf._support import check_model
 from radixkv.kv.kv_cache import KVCache
 
@@ -68,6 +77,10 @@ class PrefixCache:
 
     Batch size 1 only (``ValueError`` otherwise), greedy or sampled, without beams.
     ``last_cached`` is the number of tokens the last lookup found cached.
+
+    A hybrid model's ``cache`` must be made with ``state_slots=N`` (refused otherwise, as
+    :func:`radixkv.hf.engine` refuses it); its snapshots are shared with an engine over the same
+    ``KVCache`` (``radixkv.hf.engine(model, prefix.kv)``).
     """
 
     def __init__(
@@ -77,12 +90,6 @@ class PrefixCache:
         namespace: str | bytes | None = None,
     ) -> None:
         self.spec = check_model(model)
-        if self.spec.kv_layers:
-            raise ValueError(
-                f"{type(model).__name__} is a hybrid model: radixkv.hf.PrefixCache does not hold "
-                "recurrent states (generate() continues them outside radixkv); serve it with "
-                "radixkv.hf.engine"
-            )
         if self.spec.tp_size > 1:
             raise ValueError(
                 f"radixkv.hf.PrefixCache serves one process; this model is tensor-parallel "
@@ -94,9 +101,22 @@ class PrefixCache:
                 f"namespace must be None, a str or bytes, got {namespace!r} "
                 f"({type(namespace).__name__})"
             )
+        if self.spec.kv_layers:
+            _check_hybrid_cache(model, cache, None)
         self.model = model
         self.kv = kv_for(self.spec, cache)
         self.cache = self.kv.cache
+        #: Of a hybrid model: its recurrent states' snapshots and how they are restored and
+        #: taken (:class:`radixkv.hf._hybrid_cache.PrefixStates`); None for other models.
+        self.states: PrefixStates | None = None
+        if self.spec.kv_layers:
+            if self.kv.shared is not None:
+                raise ValueError(
+                    f"{type(model).__name__} is a hybrid model: radixkv does not serve it with a "
+                    "shared tier (its pages travel without the recurrent-state snapshots a hit "
+                    "needs, so no replica could hit them): use a KVCache without shared_store="
+                )
+            self.states = PrefixStates(model, self.kv, recurrent_layers(model))
         self.namespace = namespace
         self.last_cached = 0
         self._open: dict[int, _Open] = {}
@@ -112,7 +132,9 @@ class PrefixCache:
         """A transformers ``DynamicCache`` holding the K/V of the longest cached prefix of
         ``input_ids`` (``[1, n]`` or ``[n]`` token ids): pass it to ``model.generate`` as
         ``past_key_values``, then hand it to :meth:`store` (or :meth:`abort`). The request's
-        pages are admitted and pinned until then. Raises ``ValueError`` for bad ids or a batch
+        pages are admitted and pinned until then. Of a hybrid model the cache also holds the
+        hit's recurrent states, and the rest of ``input_ids`` but the last token, which this
+        call computes through the model. Raises ``ValueError`` for bad ids or a batch
         of more than one row, :class:`radixkv.OutOfPages` when the pool cannot hold the
         prompt."""
         tokens = self._tokens(input_ids, "input_ids")
@@ -121,8 +143,11 @@ class PrefixCache:
             # A hit on the host tier is in the pool only once the pending copies are done.
             self.kv.apply_copies()
             cached = req.num_cached
-            past = _new_dynamic_cache(self.model.config, full=self.spec.windowed)
-            if cached:
+            if self.states is not None:
+                past = self._lookup_hybrid(req, tokens)
+            else:
+                past = _new_dynamic_cache(self.model.config, full=self.spec.windowed)
+            if cached and self.states is None:
                 slots = self._slots(req, 0, cached)
                 held = self._window_rows(req, 0, cached) if self.kv.window else None
                 for layer in range(self.spec.num_layers):
@@ -164,13 +189,15 @@ class PrefixCache:
                 f"output must begin with the {n} looked-up input ids (generate's return for "
                 f"them), got {len(row)} tokens that do not"
             )
-        length = past.get_seq_length()
+        length = int(past.get_seq_length())
         if not cached <= length <= len(row):
             raise ValueError(
                 f"past holds {length} tokens: expected between the {cached} it was given and the "
                 f"{len(row)} of output"
             )
-        layers = _layers(past)
+        layers = _layers(past, self.spec.kv_layers or None)
+        # The end's state is snapshotted only where it folds in exactly the tokens stored.
+        end_state = self.states is not None and state_length(past, self.states.layers) == length
         want = (1, self.spec.num_kv_heads, length, self.spec.head_dim)
         if len(layers) != self.spec.num_layers or any(
             tuple(k.shape) != want or tuple(v.shape) != want for k, v in layers
@@ -195,6 +222,8 @@ class PrefixCache:
                     rows = wrows if layer in self.kv.window_layers else slots
                     self.kv.k[layer].index_copy_(0, rows, _token_major(k, cached, length))
                     self.kv.v[layer].index_copy_(0, rows, _token_major(v, cached, length))
+                if end_state and self.states is not None:  # before the commit that covers it
+                    self.states.capture(past, req, length)
                 self.cache.commit(req, length)
             self.cache.finish(req)
         except BaseException:
@@ -251,13 +280,64 @@ class PrefixCache:
             ids = torch.as_tensor(self._tokens(input_ids, "input_ids").astype(np.int64))[None]
             ids = ids.to(self.spec.device)
         past = self.lookup(ids)
+        hook = None
+        if self.states is not None:
+            hook = self.model.register_forward_hook(self._prompt_end(past))
         try:
             output = self.model.generate(ids, **{self.spec.cache_kwarg: past}, **kwargs)
         except BaseException:
             self.abort(past)
             raise
+        finally:
+            if hook is not None:
+                hook.remove()
         self.store(past, output)
         return output
+
+    # ---- hybrid models ----------------------------------------------------------------------
+
+    def _lookup_hybrid(self, req: radixkv.Request, tokens: np.ndarray) -> Any:
+        """The transformers cache of a hybrid model's lookup: the hit's attention K/V and its
+        state snapshot (copied), then the rest of the prompt but its last token computed into
+        it (exactly, with snapshots at the junction and there): ``generate`` then computes one
+        token before decoding, which every family continues exactly."""
+        assert self.states is not None
+        cached = req.num_cached
+        kv = []
+        if cached:
+            slots = self._slots(req, 0, cached)
+            for i, layer in enumerate(self.spec.kv_layers):
+                k, v = self._read(i, slots, None, cached)  # [c, Hkv, D] each
+                kv.append(
+                    (
+                        layer,
+                        k.transpose(0, 1).unsqueeze(0).to(self.spec.dtype),
+                        v.transpose(0, 1).unsqueeze(0).to(self.spec.dtype),
+                    )
+                )
+        past = self.states.restore(req, kv)
+        ids = torch.from_numpy(tokens.astype(np.int64))[None].to(self.spec.device)
+        self.states.prefill(past, req, ids, len(tokens) - 1)
+        return past
+
+    def _prompt_end(self, past: Any) -> Any:
+        """A forward hook for ``generate`` over ``past`` (from :meth:`lookup`): after the
+        forward that computes the prompt's last token, a snapshot of the state there (the
+        prompt's end, which a longer prompt sharing this one hits in full)."""
+        entry = self._open[id(past)]
+        n = len(entry.tokens)
+        done = False
+        thread = threading.get_ident()  # the hook is the model's: ignore other threads' calls
+
+        def hook(module: Any, args: Any, output: Any) -> None:
+            nonlocal done
+            if not done and threading.get_ident() == thread:
+                done = True
+                if int(past.get_seq_length()) == n:
+                    assert self.states is not None
+                    self.states.capture(past, entry.request, n)
+
+        return hook
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -349,11 +429,18 @@ def _new_dynamic_cache(config: Any, full: bool = False) -> Any:
         return DynamicCache()
 
 
-def _layers(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's (keys, values) of a transformers cache, ``[1, Hkv, L, D]`` each."""
+def _layers(
+    past: Any, indices: tuple[int, ...] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (keys, values) of a transformers cache, ``[1, Hkv, L, D]`` each; with
+    ``indices``, those layers' only (a hybrid model's attention layers)."""
     layers = getattr(past, "layers", None)
     if layers is None:
         raise ValueError(f"past must be a transformers DynamicCache, got {type(past).__name__}")
+    if indices is not None:
+        if len(layers) <= max(indices):
+            raise ValueError(f"past holds {len(layers)} layers, the model has {max(indices) + 1}+")
+        layers = [layers[i] for i in indices]
     out = []
     for layer in layers:
         k, v = getattr(layer, "keys", None), getattr(layer, "values", None)

@@ -17,12 +17,16 @@ and the snapshot is never written through it. Snapshots may live in a second poo
 dtype (``dtype=torch.bfloat16`` halves fp32 states); :meth:`copy` with ``into=`` converts.
 
 The pool knows nothing of models: :mod:`radixkv.hf._hybrid` says which states a model keeps.
+The snapshots of one KV cache's state slots live in one pool whoever takes them (an engine, a
+``PrefixCache``, or both sharing the KV cache): :func:`snapshot_pool`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -165,3 +169,49 @@ class StatePool:
             f"StatePool({len(self.specs)} states, n_slots={self.n_slots}, "
             f"{self.bytes_per_slot} bytes a slot, device={self.device})"
         )
+
+
+#: The snapshot pool of each KV cache (the owner of the core cache whose slot ids index it), and
+#: the dtype it was asked for.
+_SNAPSHOTS: weakref.WeakKeyDictionary[Any, tuple[StatePool, torch.dtype | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def snapshot_pool(
+    kv: Any,
+    specs: Iterable[StateSpec],
+    dtype: torch.dtype | None = None,
+    *,
+    any_dtype: bool = False,
+) -> StatePool:
+    """The pool holding the snapshots of ``kv``'s state slots (``kv``: a
+    :class:`radixkv.KVCache` over a cache made with ``state_slots=N``): made on the first call,
+    ``N`` slots of ``specs`` on ``kv.device`` in ``dtype`` (``None``: each state's own); every
+    later call over the same ``kv`` gets the same pool, so that a slot the core hands to one of
+    its users holds what another wrote. ``ValueError`` for a later call with other states (a
+    different model), or another ``dtype`` unless ``any_dtype`` (take the pool as it is)."""
+    specs = tuple(specs)
+    held = _SNAPSHOTS.get(kv)
+    if held is None:
+        n = kv.cache.stats.state_slots
+        if n < 1:
+            raise ValueError("the cache has no state slots (make it with state_slots=N)")
+        pool = StatePool(specs, n, kv.device, dtype=dtype)
+        _SNAPSHOTS[kv] = (pool, dtype)
+        return pool
+    pool, made = held
+    if [(s.layer, s.name, s.shape, s.dtype) for s in pool.specs] != [
+        (s.layer, s.name, s.shape, s.dtype) for s in specs
+    ]:
+        raise ValueError(
+            "this KVCache's state snapshots are those of another model (other recurrent layers "
+            "or state shapes): a KVCache is shared by users of one model only"
+        )
+    if made != dtype and not any_dtype:
+        own = "the states' own dtypes"
+        raise ValueError(
+            f"this KVCache's state snapshots are held in {made or own} (chosen by the first "
+            f"engine or PrefixCache over it), not {dtype or own}: pass snapshot_dtype={made}"
+        )
+    return pool

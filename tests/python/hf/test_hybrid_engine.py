@@ -197,8 +197,6 @@ def test_what_is_not_built_for_hybrids_is_refused_naming_it(model):
         radixkv.hf.engine(model, slots, speculative=spec)
     with pytest.raises(ValueError, match="CUDA graphs"):
         radixkv.hf.engine(model, slots, cuda_graphs=True)
-    with pytest.raises(ValueError, match="PrefixCache does not hold recurrent states"):
-        radixkv.hf.PrefixCache(model, slots)
     adapter = radixkv.hf.HFCausalLM(model)  # outside an engine: no states to run on
     kv = radixkv.hf._adapter.make_kv_cache(adapter.spec, slots)
     step = kv.plan([slots.admit([1, 2])])
