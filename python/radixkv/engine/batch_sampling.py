@@ -5,8 +5,9 @@
 number of torch operations that does not grow with ``H`` but for one: each sampled row's noise
 comes from its request's own generator, one call a row. Everything else is batched:
 
-- the knobs travel as two host arrays (one of floats ``[H, 6]``, one of token ids and row
-  numbers), one host-to-device copy each;
+- the knobs travel as a few small host arrays whatever ``H`` is (the per-row floats
+  ``[H, 6]``; the (row, token id) pairs; the biases; the rows each filter takes), each one
+  pinned, non-blocking copy on a GPU;
 - ``logit_bias`` is one ``index_put`` over every biased row's ids; the penalties are a
   ``[H, vocab]`` mask of the tokens seen (prompt and output) and a ``[H, vocab]`` count of the
   output's tokens, each built by one ``index_put``;
@@ -59,8 +60,9 @@ class Drawn:
 
 
 class _Knobs:
-    """A batch's knobs as host arrays, moved in two copies: floats ``[H, 6]`` and one int64
-    array of (row, token id) pairs for the bias, the repetition mask and the output counts."""
+    """A batch's knobs on its device, from three host arrays: floats ``[H, 6]``, one int64
+    array of (row, token id) pairs for the bias, the repetition penalty and the output counts,
+    and the biases' values."""
 
     def __init__(self, seqs: list[Sequence], dev: torch.device) -> None:
         self.sps: list[Sampling] = [s.sampling or OFF for s in seqs]
@@ -117,8 +119,11 @@ def draw(raw: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor) -> Drawn
     if knobs.biases is not None or any(sp.penalized for sp in knobs.sps):
         rows = _penalized(_biased(raw.clone(), knobs), seqs, knobs)
     tokens = greedy
-    cold = [j for j, (s, sp) in enumerate(zip(seqs, knobs.sps)) if s.temperature <= 0]
-    changed = [j for j in cold if knobs.sps[j].penalized or knobs.sps[j].logit_bias]
+    changed = [
+        j
+        for j, (s, sp) in enumerate(zip(seqs, knobs.sps))
+        if s.temperature <= 0 and (sp.penalized or sp.logit_bias)
+    ]
     if changed:
         idx = to_device(np.asarray(changed, dtype=np.int64), dev)
         tokens = tokens.index_copy(0, idx, rows.index_select(0, idx).argmax(dim=-1))
