@@ -258,7 +258,7 @@ def graph_cell(before: dict[str, Any], after: dict[str, Any]) -> str:
     if after["on"] == 0:
         return "off"
     cell = "/".join(str(after[k] - before[k]) for k in ("captured", "replayed", "eager"))
-    return cell + (" FAILED" if after["failed"] else "")
+    return cell + (f" FAILED {after['failed']}" if after["failed"] else "")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
+from radixkv.engine import batch_sampling
+from radixkv.engine.batch_sampling import TOP_P_CANDIDATES, Drawn, generator_of, prompt_ids
 from radixkv.engine.params import (
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
@@ -101,16 +103,6 @@ def apply_logit_bias(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return row
 
 
-def generator_of(seq: Sequence, device: torch.device | str = "cpu") -> torch.Generator:
-    """``seq``'s own generator, made on ``device`` (the logits') and seeded with ``seq.seed``
-    on first use. A seed repeats on one kind of device: CUDA's generators (Philox) give other
-    streams than the CPU's (Mersenne Twister), so a seeded request samples the same tokens
-    every time on the CPU and every time on a GPU, not the same on both."""
-    if seq.generator is None:
-        seq.generator = torch.Generator(device=device).manual_seed(seq.seed)
-    return seq.generator
-
-
 def apply_penalties(
     row: torch.Tensor, seen: torch.Tensor, output: Seq[int], sampling: Sampling
 ) -> torch.Tensor:
@@ -136,7 +128,7 @@ def apply_penalties(
 
 
 #: Candidates ``top_p`` looks at before it sorts the whole vocabulary (on the CPU).
-_TOP_P_CANDIDATES = 256
+_TOP_P_CANDIDATES = TOP_P_CANDIDATES
 
 
 def top_p_threshold(probs: torch.Tensor, top_p: float, shortcut: bool) -> torch.Tensor:
@@ -175,15 +167,6 @@ def filter_logits(row: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
         row = row.masked_fill(row < row.max() + math.log(sampling.min_p), -math.inf)
     return row
-
-
-def prompt_ids(seq: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The distinct token ids of ``seq``'s prompt (int64 on ``device``), computed and moved
-    once."""
-    device = torch.device(device)
-    if seq.prompt_ids is None or seq.prompt_ids.device != device:
-        seq.prompt_ids = to_device(np.unique(seq.prompt).astype(np.int64), device)
-    return seq.prompt_ids
 
 
 def _checked(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,13 +366,15 @@ def sample_tokens(
     """One token per row of ``logits [N, vocab]`` (see the module docstring for the knobs):
     argmax where the row's sequence has temperature 0, else a draw from ``softmax(logits /
     temperature)`` with that sequence's own generator (so a request's samples do not depend on
-    what it was batched with). A row holding NaN, or whose draw raises, gets an exception in
-    place of a token (greedy or not: argmax would pick the NaN); the other rows are unaffected.
-    Also returns each row's logprob (None for rows that do not ask), or None when no row asks.
+    what it was batched with). A row holding NaN gets an exception in place of a token (greedy
+    or not: argmax would pick the NaN); the other rows are unaffected. Also returns each row's
+    logprob (None for rows that do not ask), or None when no row asks.
 
-    Everything is computed on the logits' device, each request's draws with its generator on
-    that device; what the host needs (the tokens, NaN flags, logprobs and alternatives) comes
-    back in one copy at the end, the step's only wait for the device."""
+    Everything is computed on the logits' device, the rows with a temperature or knobs all at
+    once (:func:`radixkv.engine.batch_sampling.draw`: a step's operations do not grow with its
+    rows but for one draw a sampled row, from its generator); what the host needs (the tokens,
+    NaN flags, logprobs and alternatives) comes back in one copy at the end, the step's only
+    wait for the device."""
     hot = [i for i, s in enumerate(seqs) if s.temperature > 0 or s.sampling is not None]
     if not hot:
         best, nan_rows = greedy_rows(logits)
@@ -400,82 +385,57 @@ def sample_tokens(
     dev = logits.device
     best_t, nan_t = _argmax_rows(logits)
     if len(hot) == len(seqs):
-        rows = logits.float()
+        rows, greedy = logits.float(), best_t
     else:
-        rows = logits.index_select(0, to_device(np.asarray(hot, dtype=np.int64), dev)).float()
-    picks: dict[int, Pick] = {}
-    errors: dict[int, Exception] = {}
-    for j, i in enumerate(hot):
-        seq = seqs[i]
-        try:
-            if seq.sampling is None:  # temperature alone: as it always was
-                probs, bad = _checked(torch.softmax(rows[j] / seq.temperature, dim=-1))
-                tok = torch.multinomial(probs, 1, generator=generator_of(seq, dev))[0]
-                picks[i] = Pick(tok, None, None, bad)
-            else:
-                picks[i] = sample_row(rows[j], seq, best_t[i])
-        except Exception as e:  # reported on the row's request
-            errors[i] = e
-    return _read_back(best_t, nan_t, picks, errors, seqs)
+        idx = to_device(np.asarray(hot, dtype=np.int64), dev)
+        rows, greedy = logits.index_select(0, idx).float(), best_t.index_select(0, idx)
+    drawn = batch_sampling.draw(rows, [seqs[i] for i in hot], greedy)
+    return _read_back(best_t, nan_t, drawn, hot, seqs)
 
 
 def _read_back(
     best_t: torch.Tensor,
     nan_t: torch.Tensor,
-    picks: dict[int, Pick],
-    errors: dict[int, Exception],
+    drawn: Drawn,
+    hot: list[int],
     seqs: list[Sequence],
 ) -> tuple[list[int | Exception], list[float | None] | None]:
     """:func:`sample_tokens`' results in one device-to-host copy: int64 ``[greedy picks (N) |
-    NaN flags (N) | sampled tokens (H) | their NaN flags (H) | logprobs | alternatives' ids |
-    alternatives' logprobs]``, the float32 values carried as their bits."""
-    n = len(seqs)
-    order = list(picks)
-    ints = [best_t.long(), nan_t.long()]
-    floats: list[torch.Tensor] = []
-    if order:
-        ints.append(torch.stack([picks[i][0].reshape(()).long() for i in order]))
-        no = torch.zeros((), dtype=torch.bool, device=best_t.device)
-        flags = [no if picks[i].bad is None else picks[i].bad for i in order]
-        ints.append(torch.stack(flags).long())
-    with_lp = [i for i in order if picks[i][1] is not None]
-    floats += [picks[i][1].reshape(1) for i in with_lp]  # type: ignore[union-attr]
-    with_top = [i for i in order if picks[i].top is not None]
-    for i in with_top:
-        values, ids = picks[i].top  # type: ignore[misc]
-        ints.append(ids.long())
-        floats.append(values)
+    NaN flags (N) | drawn tokens (H) | their NaN flags (H) | alternatives' ids | logprobs |
+    alternatives' logprobs]``, the float32 values carried as their bits; ``drawn``'s rows are
+    the rows ``hot`` of the batch."""
+    n, h = len(seqs), len(hot)
+    ints = [best_t.long(), nan_t.long(), drawn.tokens.long(), drawn.bad.long()]
+    ints += [ids.reshape(-1).long() for _, _, ids in drawn.tops]
+    floats = [] if drawn.logprobs is None else [drawn.logprobs]
+    floats += [values.reshape(-1) for _, values, _ in drawn.tops]
     if floats:
-        bits = torch.cat([f.float() for f in floats]).view(torch.int32).long()
-        ints.append(bits)
+        ints.append(torch.cat([f.float() for f in floats]).view(torch.int32).long())
     flat = torch.cat(ints).cpu().numpy()  # the one copy
     tokens: list[int | Exception] = flat[:n].tolist()
-    at = 2 * n
-    sampled = flat[at : at + len(order)].tolist()
-    bad = flat[at + len(order) : at + 2 * len(order)]
-    at += 2 * len(order)
-    for j, i in enumerate(order):
-        tokens[i] = (
-            ValueError(_bad_distribution(seqs[i])) if bad[j] else int(sampled[j])  # type: ignore[assignment]
-        )
-    for i, e in errors.items():
-        tokens[i] = e
+    sampled = flat[2 * n : 2 * n + h].tolist()
+    bad = flat[2 * n + h : 2 * n + 2 * h]
+    for j, i in enumerate(hot):
+        tokens[i] = ValueError(_bad_distribution(seqs[i])) if bad[j] else int(sampled[j])
     for i in np.flatnonzero(flat[n : 2 * n]).tolist():  # NaN logits: whatever was drawn
         tokens[i] = ValueError(f"the model's logits for request {seqs[i].id} hold NaN")
+    at = 2 * n + 2 * h
     top_ids = []
-    for i in with_top:
-        k = picks[i].top[0].numel()  # type: ignore[index]
-        top_ids.append(flat[at : at + k].tolist())
-        at += k
+    for _, _, ids in drawn.tops:
+        top_ids.append(flat[at : at + ids.numel()].reshape(ids.shape).tolist())
+        at += ids.numel()
     values = flat[at:].astype(np.int32).view(np.float32).tolist()
     logprobs: list[float | None] | None = None
-    for j, i in enumerate(with_lp):
+    for j, r in enumerate(drawn.logprob_rows):
+        i = hot[r]
         if not isinstance(tokens[i], Exception):
             if logprobs is None:
                 logprobs = [None] * n
             logprobs[i] = values[j]
-    at = len(with_lp)
-    for ids, i in zip(top_ids, with_top):
-        seqs[i].last_top = list(zip(ids, values[at : at + len(ids)]))
-        at += len(ids)
+    at = len(drawn.logprob_rows)
+    for (rows, vals, _), ids in zip(drawn.tops, top_ids):
+        k = vals.shape[-1]
+        for r, row_ids in zip(rows, ids):
+            seqs[hot[r]].last_top = list(zip(row_ids, values[at : at + k]))
+            at += k
     return tokens, logprobs

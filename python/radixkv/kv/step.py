@@ -30,6 +30,21 @@ from radixkv.kv.backends import Backend, Group, slot_matrix
 from radixkv.kv.host_copy import to_device
 
 
+def _aligned_views(ints: np.ndarray, sizes: list[int], dev: torch.device) -> list[torch.Tensor]:
+    """``ints`` (int32, sections of ``sizes`` back to back) on ``dev`` in one host-to-device
+    copy, each section starting at a multiple of 16 bytes: Triton compiles a kernel
+    again for a pointer that is not 16-byte aligned, so a section's alignment must not depend
+    on how long the sections before it are this step (a new kernel variant mid-serving)."""
+    width = [-(-n // 4) * 4 for n in sizes]
+    flat = np.zeros(sum(width), dtype=np.int32)
+    src = dst = 0
+    for n, w in zip(sizes, width):
+        flat[dst : dst + n] = ints[src : src + n]
+        src, dst = src + n, dst + w
+    parts = to_device(flat, dev).split(width)
+    return [t[:n] for t, n in zip(parts, sizes)]
+
+
 class Pool(Protocol):
     """What a step needs of its :class:`~radixkv.KVCache`: the pools, their shape, backends."""
 
@@ -209,9 +224,9 @@ class Step:
         views = to_device(plan.longs, dev).split_with_sizes([t, t, t, b, b])
         made["input_ids"], made["positions"], made["write_slots"] = views[0], views[1], views[2]
         made["last_token_index"], made["kv_len"] = views[3], views[4]
-        ints = to_device(plan.ints, dev)
         pages = b * self.max_pages
-        v32 = ints.split_with_sizes([pages, b, b + 1, b + 1, b, ints.shape[0] - pages - 4 * b - 2])
+        sizes = [pages, b, b + 1, b + 1, b, len(plan.ints) - pages - 4 * b - 2]
+        v32 = _aligned_views(np.asarray(plan.ints), sizes, dev)
         made["block_table"] = v32[0].view(b, self.max_pages)
         made["seq_lens"], made["qo_indptr"], made["paged_kv_indptr"] = v32[1], v32[2], v32[3]
         made["paged_kv_last_page_len"], made["paged_kv_indices"] = v32[4], v32[5]

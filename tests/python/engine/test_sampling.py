@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import radixkv
-from radixkv.engine import sampling
+from radixkv.engine import batch_sampling, sampling
 from radixkv.engine.sampling import Sampling, apply_penalties, check_sampling, filter_logits
 from tiny_model import VOCAB, dense_greedy, ids, tiny_model
 
@@ -358,13 +358,13 @@ def test_a_request_samples_the_same_alone_and_batched(engine):
 
 def test_rows_without_knobs_never_take_the_knob_path(monkeypatch, engine):
     calls = []
-    real = sampling.sample_row
+    real = batch_sampling.draw
 
-    def spy(row, seq, greedy):
-        calls.append(seq.id)
-        return real(row, seq, greedy)
+    def spy(rows, seqs, greedy):
+        calls.extend(s.id for s in seqs)
+        return real(rows, seqs, greedy)
 
-    monkeypatch.setattr(sampling, "sample_row", spy)
+    monkeypatch.setattr(batch_sampling, "draw", spy)
     prompts = [prompt(s) for s in range(4)]
     eng = engine()
     plain = eng.generate(prompts, max_new_tokens=8, top_k=3, top_p=0.5)  # greedy: no-ops

@@ -239,7 +239,16 @@ def _finish(m, lsum, acc, SINKS, heads, hmask, HAS_SINKS: tl.constexpr):
     return acc / tl.where(lsum == 0.0, 1.0, lsum)[:, None]
 
 
-@triton.jit(do_not_specialize=["window", "min_split", "splits"])
+# Runtime integers that change from step to step are not specialized: Triton compiles a
+# variant of a kernel for each integer argument equal to 1 or divisible by 16, so a block
+# table's width (the step's longest request in pages) or the scratch's strides (the split
+# count) would compile new variants while serving. The ones fixed for a pool and a model (the
+# pool's and the queries' strides) keep their specialization; so do pointers, which the step
+# hands over 16-byte aligned (``kv/step.py``).
+_STEP_INTS = ["stride_bt", "stride_ob", "stride_oh", "stride_lb", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=["window", "min_split", "splits", *_STEP_INTS])
 def _decode_split(
     Q,
     K,
@@ -355,7 +364,7 @@ def _decode_split(
         tl.store(LSE_PART + row * stride_lb + heads * stride_lh + s, lse, mask=hmask)
 
 
-@triton.jit(do_not_specialize=["splits"])
+@triton.jit(do_not_specialize=["splits", *_STEP_INTS[1:]])
 def _decode_merge(
     O_PART,
     LSE_PART,
@@ -416,7 +425,7 @@ def _decode_merge(
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _prefill(
     Q,
     K,
