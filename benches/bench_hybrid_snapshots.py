@@ -35,14 +35,15 @@ KV: 32 KiB a token, 31.2 MiB per 1k tokens; fp32 snapshot: 49.5 MiB,
 ``radixkv.hf._hybrid.snapshot_bytes``; bf16 snapshot: 25.5 MiB).
 
 Which snapshot a full budget evicts: the core's own order for token-exact (superseded
-snapshots first, then the least recently used, hubs that 4 requests went past last;
-``docs/SEMANTICS.md``); the bench's own orders through
-``evict_state`` for the other rows: the plain LRU the core had before (vLLM's and SGLang's rules
-run with it, LRU being theirs too), and Belady's (the trace is known: evict the snapshot whose
-next use is furthest, a use being a later request whose hit would end there; or take none when
-the new snapshot's own next use is furthest) for fp32 and bf16 snapshots. Belady's order is the
-reference for what an eviction order can reach, not a proven bound: it ignores how many tokens
-a hit saves and the pages dropped under the pool.
+snapshots first, then the warm ones by saving and level, hubs that 4 requests went past last;
+``docs/SEMANTICS.md``); the bench's own orders through ``evict_state`` for the other rows: the
+plain LRU the core had first (vLLM's and SGLang's rules run with it, LRU being theirs too), the
+order it had next (superseded first, then the least recently used, hubs last), and Belady's
+(the trace is known: evict the snapshot whose next use is furthest, a use being a later
+request whose hit would end there; or take none when the new snapshot's own next use is
+furthest) for fp32 and bf16 snapshots. Belady's order is the reference for what an eviction
+order can reach, not a proven bound: it ignores how many tokens a hit saves and the pages
+dropped under the pool.
 Printed: recomputed tokens and their ratio to full attention in the same setting, the KV the
 match found past the hit (what a snapshot at the match's end would have saved), snapshots
 taken and evicted, snapshot memory per 1k cached tokens at the end, and issue 51's goals
@@ -282,8 +283,8 @@ class Chooser:
 
 
 class OldLru(Chooser):
-    """The core's order before superseded snapshots went cold: least recently published or
-    hit first (what vLLM's and SGLang's rules are run with, LRU being theirs too)."""
+    """The core's first order, before superseded snapshots went cold: least recently published
+    or hit first (what vLLM's and SGLang's rules are run with, LRU being theirs too)."""
 
     def __init__(self, cache: radixkv.Cache, trace: Trace) -> None:
         super().__init__(cache, trace)
@@ -303,6 +304,78 @@ class OldLru(Chooser):
 
     def victim(self, t: int, pos: int) -> int | None:
         return next(iter(self.order), None)
+
+
+class Superseded(Chooser):
+    """The core's order before the saving-by-level one (2026-12-06's): superseded snapshots
+    first (a request's own earlier ones cold, the one its hit continued from cool, each only if
+    no other request went past it), then the least recently published or hit, hubs that
+    ``HUB`` requests went past last (the least recent hub first while more than a quarter of the
+    slots are hubs). Reproduces that core's figures exactly."""
+
+    COLD, COOL, WARM, HOT = range(4)
+    HUB = 4
+
+    def __init__(self, cache: radixkv.Cache, trace: Trace) -> None:
+        super().__init__(cache, trace)
+        self.slots = cache.stats.state_slots
+        self.clock = 0
+        self.snap: dict[int, list[int]] = {}  # slot -> [part, last use, requests past, serial]
+        self.serial = 0
+        self.junction = 0
+        self.came_from: tuple[int, int] | None = None  # (slot, serial) of the request's hit
+        self.own: list[tuple[int, int, int]] = []  # (position, slot, serial) it took
+
+    def start(self, t: int, planned: list[int]) -> None:
+        self.junction, self.came_from, self.own = planned[0], None, []
+
+    def hit(self, slot: int) -> None:
+        self.clock += 1
+        s = self.snap[slot]
+        s[0], s[1] = (self.HOT if s[2] >= self.HUB else self.WARM), self.clock
+        self.came_from = (slot, s[3])
+
+    def took(self, slot: int, t: int, pos: int) -> None:
+        super().took(slot, t, pos)
+        self.clock += 1
+        self.serial += 1
+        self.snap[slot] = [self.WARM, self.clock, int(0 < pos <= self.junction), self.serial]
+        self.own.append((pos, slot, self.serial))
+
+    def forget(self, slot: int) -> None:
+        super().forget(slot)
+        del self.snap[slot]
+
+    def superseded(self, slot: int, serial: int, to: int) -> None:
+        self.clock += 1
+        s = self.snap.get(slot)
+        if s is None or s[3] != serial:
+            return
+        s[2] += 1
+        if s[0] != self.WARM:
+            return
+        if s[2] == 1:
+            s[0], s[1] = to, self.clock
+        elif s[2] >= self.HUB:
+            s[0] = self.HOT
+
+    def end(self, t: int) -> None:
+        if not self.own:
+            return
+        deepest = max(pos for pos, _, _ in self.own)
+        for pos, slot, serial in self.own:
+            if pos < deepest:
+                self.superseded(slot, serial, self.COLD)
+        if self.came_from is not None:
+            slot, serial = self.came_from
+            if slot in self.live and self.snap[slot][3] == serial and self.live[slot] < deepest:
+                self.superseded(slot, serial, self.COOL)
+
+    def victim(self, t: int, pos: int) -> int | None:
+        hubs = sorted((s[1], slot) for slot, s in self.snap.items() if s[0] == self.HOT)
+        if len(hubs) > max(self.slots // 4, 1):
+            return hubs[0][1]
+        return min(self.snap, key=lambda slot: self.snap[slot][:2], default=None)
 
 
 class Belady(Chooser):
@@ -473,6 +546,7 @@ def measure(label: str, trace: Trace, pool_fraction: float, state_share: float) 
     # vLLM's and SGLang's rules keep the plain LRU they have themselves.
     extra = [
         ("token-exact, old LRU", exact, budget_slots, OldLru),
+        ("token-exact, superseded+LRU", exact, budget_slots, Superseded),
         ("token-exact, Belady", exact, budget_slots, Belady),
         (f"token-exact, bf16 ({bf16_slots} slots)", exact, bf16_slots, None),
         ("token-exact, bf16, Belady", exact, bf16_slots, Belady),

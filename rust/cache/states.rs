@@ -20,15 +20,15 @@
 //! [`Drops`], and every snapshot that needs such a page goes with it: a snapshot never outlives
 //! its pages, on either tier (snapshots are not offloaded in this version).
 //!
-//! Snapshots have their own LRU, separate from the pages': a slot is taken from the free list,
-//! else from the least recently used unpinned snapshot. A hit pins the snapshot it ends at until
+//! Snapshots have their own eviction order, separate from the pages': a slot is taken from the
+//! free list, else from an unpinned snapshot evicted. A hit pins the snapshot it ends at until
 //! the request has copied it (or closes), and refreshes it, and only it, when unpinned.
 //!
-//! The LRU has a cold end, evicted first, each part in the order snapshots went there, and a
+//! The order has a cold end, evicted first, each part in the order snapshots went there, and a
 //! hot end, evicted last:
 //!
 //! ```text
-//!   lru:  [ cold ][ cool ][ warm: least recently used .. most recent ][ hot: likewise ]
+//!   lru:  [ cold ][ cool ][ warm: lowest priority first ][ hot: likewise ]
 //!           ^ the next slot taken (the least recent hot one while more than a quarter are hot)
 //! ```
 //!
@@ -42,6 +42,21 @@
 //! snapshot [`HOT`] requests went past is a hub (a system prompt many sessions start from): it
 //! is evicted after the warm ones, but for the least recent hot one while more than a quarter of
 //! the slots are hot, so that hubs never crowd out the running sessions' latest turns.
+//!
+//! Among the warm (or the hot) ones, what a snapshot saves decides, aged by a level
+//! (GreedyDual-Size, every snapshot one slot in size): its saving is its tokens past its parent,
+//! the deepest other snapshot on its prefix, where a hit would fall back to without it; its
+//! priority is that plus its base, the level when it was published or last used; the lowest
+//! goes, and raises the level to its priority. A sub-agent's end, a few hundred tokens past the
+//! turn it branched from, goes before a session's latest turn that only the system prompt's
+//! snapshot is below; a big saving nobody uses goes once the level has risen past it.
+//!
+//! ```text
+//!   system prompt (hub) -+- session A's turn 3 end (saves 9k)   parent links (the tree of
+//!                        +- session B's turn 2 end (saves 6k)   snapshots) kept up to date as
+//!                             +- a sub-agent's end (saves 400)  snapshots are published and
+//!                                                               removed
+//! ```
 
 use crate::arena::ids::PageId;
 use crate::cache::digest::StateDigest;
@@ -134,6 +149,11 @@ struct Snap {
     /// Requests that continued past it (computed tokens after it): a junction snapshot starts
     /// at one, the request whose KV its taker matched.
     continued: u32,
+    /// The slot of the deepest other published snapshot on its prefix (its parent in the tree
+    /// of snapshots), or `NONE`; set while published.
+    parent: u32,
+    /// The level when it was published or last unpinned: its priority is this plus its saving.
+    base: u64,
 }
 
 impl Snap {
@@ -152,10 +172,13 @@ pub struct States {
     anchor: Vec<u32>,
     /// Of each device page: how many published snapshots need it.
     needed: Vec<u32>,
-    /// Published unpinned snapshots, evicted first to last: the cold ones by when they went
-    /// cold, then the warm ones by last use.
+    /// Published unpinned snapshots by part and last use: the cold ones by when they went
+    /// cold, then the cool ones; the warm and hot ones are chosen from by priority.
     lru: BTreeMap<(Temp, u64), u32>,
     clock: u64,
+    /// The priority of the last snapshot evicted by priority (warm or hot): what a snapshot
+    /// published or used now starts from, so that an old one's saving is worth less.
+    level: u64,
     /// Slots that went back to the free list since the last drain.
     freed: Vec<u32>,
     /// Whether [`States::changes`] are recorded (the cache records KV events).
@@ -245,6 +268,7 @@ impl States {
             .expect("a pinned snapshot");
         s.pins -= 1;
         if s.pins == 0 {
+            s.base = self.level;
             s.key = (Temp::of(s.continued), self.clock);
             self.lru.insert(s.key, slot);
         }
@@ -306,11 +330,7 @@ impl States {
         let slot = match self.free.pop() {
             Some(s) => s,
             None => {
-                let mut hot = self.lru.range((Temp::Hot, 0)..);
-                let (_, &s) = match hot.nth((self.snaps.len() / 4).max(1)) {
-                    Some(_) => self.lru.range((Temp::Hot, 0)..).next(),
-                    None => self.lru.iter().next(),
-                }?;
+                let s = self.victim()?;
                 self.remove(s);
                 self.evicted += 1;
                 self.free.pop().expect("just freed")
@@ -324,6 +344,8 @@ impl States {
             key: (Temp::Warm, 0),
             serial: self.taken,
             continued: junction as u32,
+            parent: NONE,
+            base: 0,
         });
         self.taken += 1;
         Some(slot)
@@ -338,15 +360,27 @@ impl States {
             self.remove(slot);
             return false;
         }
+        let (last, len) = (*last, chain.len());
+        let parent = self.nearest(&chain[..len - 1]);
         self.anchor[last.0 as usize] = slot;
         for p in &chain {
             self.needed[p.0 as usize] += 1;
+        }
+        // The new snapshot sits between its parent and the parent's children that go past it.
+        for (i, x) in self.snaps.iter_mut().enumerate() {
+            if let Some(x) = x.as_mut().filter(|x| x.published() && i as u32 != slot) {
+                if x.parent == parent && x.chain.len() > len && x.chain[len - 1] == last {
+                    x.parent = slot;
+                }
+            }
         }
         self.clock += 1;
         let s = self.snaps[slot as usize]
             .as_mut()
             .expect("a pending snapshot");
         s.chain = chain;
+        s.parent = parent;
+        s.base = self.level;
         s.key = (Temp::Warm, self.clock);
         self.lru.insert(s.key, slot);
         if self.record {
@@ -356,10 +390,72 @@ impl States {
         true
     }
 
+    /// The slot of the published snapshot anchored at the last page of `pages` that has one
+    /// (the deepest snapshot on that prefix), or `NONE`.
+    fn nearest(&self, pages: &[PageId]) -> u32 {
+        pages
+            .iter()
+            .rev()
+            .map(|p| self.anchor[p.0 as usize])
+            .find(|&a| a != NONE)
+            .unwrap_or(NONE)
+    }
+
+    /// What keeping the snapshot in `slot` saves a hit on its path: its tokens past its parent
+    /// (all of them without one), where the hit would fall back to. (When a warm one is evicted
+    /// no superseded one is left unpinned, so a parent is never on its way out.)
+    fn saving(&self, slot: u32) -> u64 {
+        let s = self.snaps[slot as usize].as_ref().expect("a snapshot");
+        let below = match s.parent {
+            NONE => 0,
+            up => self.snaps[up as usize]
+                .as_ref()
+                .expect("a parent")
+                .tokens
+                .len(),
+        };
+        (s.tokens.len() - below) as u64
+    }
+
+    /// The snapshot a take evicts (none when every slot is pinned or pending): the least recent
+    /// hub while more than a quarter of the slots are hubs; else the first cold, else the first
+    /// cool one; else the warm one (the hot one when none is warm) of the lowest priority, its
+    /// base level plus its saving (the earlier used on a tie), which raises the level to it.
+    fn victim(&mut self) -> Option<u32> {
+        let quarter = (self.snaps.len() / 4).max(1);
+        if self.lru.range((Temp::Hot, 0)..).nth(quarter).is_some() {
+            return self.lru.range((Temp::Hot, 0)..).next().map(|(_, &s)| s);
+        }
+        let (&(temp, _), &first) = self.lru.iter().next()?;
+        if temp < Temp::Warm {
+            return Some(first);
+        }
+        let tier = if temp == Temp::Warm {
+            Temp::Warm
+        } else {
+            Temp::Hot
+        };
+        let (prio, slot) = self
+            .lru
+            .range((tier, 0)..=(tier, u64::MAX))
+            .map(|(_, &s)| {
+                let base = self.snaps[s as usize].as_ref().expect("listed").base;
+                (base + self.saving(s), s)
+            })
+            .min_by_key(|&(prio, _)| prio)?;
+        self.level = prio;
+        Some(slot)
+    }
+
     /// Frees `slot` (a pending snapshot discarded, or a published one evicted).
     pub fn remove(&mut self, slot: u32) {
         let s = self.snaps[slot as usize].take().expect("a live snapshot");
         if s.published() {
+            for x in self.snaps.iter_mut().flatten() {
+                if x.parent == slot && x.published() {
+                    x.parent = s.parent;
+                }
+            }
             self.anchor[s.chain.last().expect("published").0 as usize] = NONE;
             for p in &s.chain {
                 self.needed[p.0 as usize] -= 1;
@@ -534,6 +630,13 @@ impl States {
                 ));
             }
             anchors += 1;
+            let parent = self.nearest(&s.chain[..s.chain.len() - 1]);
+            if s.parent != parent {
+                return corrupt(format!(
+                    "state slot {i}: its parent is slot {}, the deepest snapshot on its prefix {parent}",
+                    s.parent
+                ));
+            }
             let listed = self.lru.get(&s.key) == Some(&(i as u32));
             if listed != (s.pins == 0) {
                 return corrupt(format!("state slot {i}: in the LRU iff unpinned, broken"));
@@ -555,12 +658,14 @@ impl States {
     /// Feeds the slots' decision-relevant state into `d`.
     pub fn digest(&self, d: &mut StateDigest) {
         d.word(self.snaps.len() as u64);
+        d.word(self.level);
         for s in &self.snaps {
             match s {
                 None => d.word(u64::MAX),
                 Some(s) => {
                     d.word(s.pins as u64);
                     d.word(s.continued as u64);
+                    d.word(s.base);
                     d.pages(&s.chain);
                 }
             }

@@ -102,14 +102,12 @@ fn evicting_a_snapshot_keeps_its_pages_and_the_hit_falls_back() {
         let t = toks(40, 2);
         let s = run(&mut *c, &t, &None, &[2 * p, 6 * p]);
         assert_eq!(c.match_prefix(&t, &None).unwrap(), 6 * p);
-        // A third snapshot elsewhere takes the least recently used slot: the one at 2 pages
-        // (published first). Then a hit at 6 refreshes it; the next one evicts the one at 2.
+        // A third snapshot elsewhere takes the slot of the one at 2 pages (superseded by the
+        // one at 6). Then a hit at 6 refreshes it; the next take evicts u's (it saves 1 page,
+        // the one at 6 six).
         let u = toks(20, 3);
         let s2 = run(&mut *c, &u, &None, &[p]);
-        assert_eq!(
-            s2[0], s[0],
-            "the least recently used snapshot's slot is reused"
-        );
+        assert_eq!(s2[0], s[0], "the superseded snapshot's slot is reused");
         assert_eq!(
             c.drain_freed_states(),
             Vec::<u32>::new(),
@@ -123,14 +121,13 @@ fn evicting_a_snapshot_keeps_its_pages_and_the_hit_falls_back() {
         let s3 = run(&mut *c, &v, &None, &[p]);
         assert_eq!(
             s3[0], s2[0],
-            "u's snapshot was older than the refreshed one"
+            "u's snapshot saves less than the one at 6 pages"
         );
         assert_eq!(c.match_prefix(&t, &None).unwrap(), 6 * p);
         assert_eq!(c.match_prefix(&u, &None).unwrap(), 0);
         // Evicting the slot at 6 leaves its pages: a snapshot at 4 is taken again, and hit.
         let before = c.stats();
-        let w = toks(8, 5);
-        run(&mut *c, &w, &None, &[p]);
+        assert!(c.evict_state(s[1].unwrap()).unwrap());
         assert_eq!(
             c.stats().evicted_pages,
             before.evicted_pages,
@@ -143,8 +140,8 @@ fn evicting_a_snapshot_keeps_its_pages_and_the_hit_falls_back() {
         c.commit(r, t.len()).unwrap();
         c.finish(r).unwrap();
         assert_eq!(c.match_prefix(&t, &None).unwrap(), 4 * p);
-        // u's, v's, the one at 6 pages, and v's (both slots full, v's the older).
-        assert_eq!(c.stats().evicted_states, 4);
+        // The one at 2 pages, u's, the one at 6 pages (a slot was free for the one at 4).
+        assert_eq!(c.stats().evicted_states, 3);
         c.check().unwrap();
     }
 }
@@ -438,10 +435,11 @@ fn a_hub_four_requests_went_past_outlives_the_warm_snapshots() {
         let sys = toks(4 * p, 30);
         let j = hub(&mut *c, &sys, p, &[31, 32, 33, 34]);
         assert!(j.is_some());
-        // 5 held (the hub and 4 request ends), 3 free; 3 + 4 more takes: the 4 request ends
-        // go, the hub (used before the last of them) stays.
+        // 5 held (the hub and 4 request ends), 3 free; 3 + 4 more takes, each saving more
+        // than a request end does past the hub: the 4 request ends go, the hub (used before
+        // the last of them) stays.
         for seed in 40..47 {
-            run(&mut *c, &toks(3 * p, seed), &None, &[p]);
+            run(&mut *c, &toks(5 * p, seed), &None, &[5 * p]);
         }
         assert_eq!(
             c.match_prefix(&cat(&sys, &toks(4 * p, 35)), &None).unwrap(),
@@ -646,5 +644,113 @@ proptest! {
             2,
             ops,
         );
+    }
+}
+
+/// Takes a junction snapshot at `at` on `t`'s KV (cached by an earlier request) for a prompt
+/// that leaves `t` there; returns its slot.
+fn junction(c: &mut dyn PrefixCache, t: &[u32], at: usize, seed: u32) -> Option<u32> {
+    let r = c.admit(&cat(&t[..at], &toks(8, seed)), None).unwrap();
+    assert_eq!(c.request(r).unwrap().kv_matched, at);
+    let slot = c.take_state(r, at).unwrap();
+    c.commit(r, at).unwrap();
+    c.finish(r).unwrap();
+    c.check().unwrap();
+    slot
+}
+
+#[test]
+fn of_the_warm_snapshots_the_one_saving_least_past_its_parent_goes_first() {
+    for (mut c, p) in caches(256, 2) {
+        // x at 8 pages (a junction, so its continuation leaves it warm), then y a page past it,
+        // used later: y saves one page over x, x eight.
+        let t = toks(12 * p, 20);
+        run(&mut *c, &t, &None, &[]);
+        let x = junction(&mut *c, &t, 8 * p, 21);
+        let (hit, y) = cont(&mut *c, &cat(&t[..8 * p], &toks(2 * p, 22)), &[9 * p]);
+        assert_eq!(hit, x);
+        let e = run(&mut *c, &toks(3 * p, 23), &None, &[3 * p]);
+        assert_eq!(e[0], y[0], "y goes, though x was used before it");
+        let past_y = cat(&cat(&t[..8 * p], &toks(2 * p, 22)), &toks(p, 24));
+        assert_eq!(c.match_prefix(&past_y, &None).unwrap(), 8 * p);
+    }
+}
+
+#[test]
+fn a_snapshot_published_below_others_lowers_their_saving() {
+    for (mut c, p) in caches(256, 3) {
+        let w = run(&mut *c, &toks(3 * p, 25), &None, &[3 * p]);
+        // y at 9 pages saves all 9 until the junction x at 8 pages comes below it: then one.
+        let t = toks(12 * p, 26);
+        let y = run(&mut *c, &t, &None, &[9 * p]);
+        junction(&mut *c, &t, 8 * p, 27);
+        let e = run(&mut *c, &toks(2 * p, 28), &None, &[2 * p]);
+        assert_eq!(e[0], y[0], "y goes, though w (3 pages) was used before it");
+        assert_eq!(c.match_prefix(&toks(3 * p + 1, 25), &None).unwrap(), 3 * p);
+        let _ = w;
+    }
+}
+
+#[test]
+fn a_snapshot_saves_more_once_the_one_below_it_is_evicted() {
+    for (mut c, p) in caches(256, 3) {
+        let t = toks(12 * p, 29);
+        run(&mut *c, &t, &None, &[]);
+        let x = junction(&mut *c, &t, 8 * p, 30);
+        let (_, y) = cont(&mut *c, &cat(&t[..8 * p], &toks(2 * p, 31)), &[9 * p]);
+        let w = run(&mut *c, &toks(4 * p, 32), &None, &[4 * p]);
+        // With x gone, y falls back to nothing: it saves 9 pages, more than w's 4 or v's 5.
+        assert!(c.evict_state(x.unwrap()).unwrap());
+        run(&mut *c, &toks(5 * p, 33), &None, &[5 * p]);
+        let e = run(&mut *c, &toks(2 * p, 34), &None, &[2 * p]);
+        assert_eq!(e[0], w[0]);
+        let past_y = cat(&cat(&t[..8 * p], &toks(2 * p, 31)), &toks(p, 35));
+        assert_eq!(c.match_prefix(&past_y, &None).unwrap(), 9 * p);
+        let _ = y;
+    }
+}
+
+#[test]
+fn the_level_rises_with_each_eviction_so_an_unused_big_saving_goes_at_last() {
+    for (mut c, p) in caches(512, 2) {
+        let big = toks(10 * p, 36);
+        run(&mut *c, &big, &None, &[10 * p]);
+        // Snapshots of one page each: the first starts at level 0 (priority 1 page), each next
+        // one evicts the previous and starts where its priority was, a page higher; the 10th
+        // (priority 10 pages) ties with big's, used earlier, which goes at the 11th take.
+        for k in 1..=11u32 {
+            let e = run(&mut *c, &toks(p, 40 + k), &None, &[p]);
+            let kept = c.match_prefix(&cat(&big, &toks(1, 1)), &None).unwrap();
+            assert_eq!(kept, if k < 11 { 10 * p } else { 0 }, "take {k}");
+            assert!(e[0].is_some());
+        }
+        assert_eq!(c.stats().evicted_states, 10);
+    }
+}
+
+#[test]
+fn a_hit_restarts_a_snapshot_from_the_level() {
+    for (mut c, p) in caches(512, 3) {
+        let (x, y) = (toks(10 * p, 50), toks(11 * p, 51));
+        run(&mut *c, &x, &None, &[10 * p]);
+        run(&mut *c, &y, &None, &[11 * p]);
+        // One-page snapshots, each evicting the one before: the 9th leaves the level at 8 pages.
+        for k in 1..=9u32 {
+            run(&mut *c, &toks(p, 60 + k), &None, &[p]);
+        }
+        // A hit on x (priority 10 pages) restarts it from the level: 8 + 10 pages.
+        let r = c.admit(&cat(&x, &toks(1, 2)), None).unwrap();
+        assert_eq!(c.request(r).unwrap().num_cached, 10 * p);
+        c.release_state(r).unwrap();
+        c.abort(r).unwrap();
+        // The next one-page snapshots reach 10 and 11 pages: then y (11) goes, x stays.
+        for k in 10..=12u32 {
+            run(&mut *c, &toks(p, 60 + k), &None, &[p]);
+        }
+        assert_eq!(
+            c.match_prefix(&cat(&x, &toks(1, 2)), &None).unwrap(),
+            10 * p
+        );
+        assert_eq!(c.match_prefix(&cat(&y, &toks(1, 2)), &None).unwrap(), 0);
     }
 }

@@ -57,9 +57,10 @@ def test_after_a_snapshot_is_evicted_the_hit_falls_back_to_an_earlier_one(cls, p
     req = c.admit(t)
     assert req.state_slot == late
     c.abort(req)  # unpinned: the hit refreshed the snapshot at 6 pages, and only it
-    other = served(c, toks(12, 2), at=[p])
+    other = served(c, toks(8 * p, 2), at=[7 * p])
     assert other == [early]
     assert c.match_prefix(t) == 6 * p
+    # Of the two left, the one at 6 pages saves less than other's (7 pages), and goes.
     served(c, toks(12, 3), at=[p])
     assert c.match_prefix(t) == 0
     assert c.stats.evicted_states == 2
@@ -136,6 +137,34 @@ def test_superseded_snapshots_are_evicted_before_the_least_recently_used(cls, p)
     assert c.match_prefix(other) == p
     assert c.match_prefix(np.concatenate([turn2, toks(p, 25)])) == 10 * p
     assert c.match_prefix(np.concatenate([turn1, toks(p, 25)])) == 0
+
+
+@pytest.mark.parametrize(("cls", "p"), CACHES)
+def test_of_the_warm_snapshots_the_one_saving_least_goes_first(cls, p):
+    c = cls(256, page_size=p, state_slots=3)
+    t = toks(12 * p, 30)
+    served(c, t)
+    # A junction at 8 pages (another request's KV ran there), then a turn one page past it.
+    req = c.admit(np.concatenate([t[: 8 * p], toks(8, 31)]))
+    assert req.kv_matched == 8 * p
+    junction = c.take_state(req, 8 * p)
+    c.commit(req, 8 * p)
+    c.finish(req)
+    turn = np.concatenate([t[: 8 * p], toks(2 * p, 32)])
+    req = c.admit(turn)
+    assert req.state_slot == junction
+    c.release_state(req)
+    past = c.take_state(req, 9 * p)
+    c.commit(req, req.num_tokens)
+    c.finish(req)
+    (small,) = served(c, toks(3 * p, 33), at=[3 * p])
+    # The turn's snapshot saves 1 page past the junction, the junction 8, the last one 3:
+    # the turn's goes, though it was used after the junction.
+    assert served(c, toks(2 * p, 34), at=[2 * p]) == [past]
+    assert c.match_prefix(np.concatenate([turn, toks(1, 35)])) == 8 * p
+    assert c.match_prefix(np.concatenate([toks(3 * p, 33), toks(1, 35)])) == 3 * p
+    assert small != past
+    c.check()
 
 
 @pytest.mark.parametrize(("cls", "p"), CACHES)
