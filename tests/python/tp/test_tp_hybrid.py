@@ -1,0 +1,196 @@
+"""Hybrid models under tensor parallelism: 2 processes over gloo on CPU, each loading a tiny
+hybrid checkpoint with ``from_pretrained(..., tp_plan="auto")`` and running
+``radixkv.hf.engine`` over it in lockstep (``digest_every=1``: the index's state slots and the
+engine's working slots compared before every step; ``check_tokens=True``).
+
+transformers' plans keep the recurrent modules whole on every rank (Qwen3.5's Gated DeltaNet
+projections gather their outputs; Nemotron-H's Mamba2 and LFM2's short convolutions are not in
+the plans), so each rank's state pools hold whole states; the attention heads are split where
+the plan splits them (Qwen3.5, Nemotron-H) and whole where it does not (LFM2). For each family,
+rank 0 drives a three-turn session re-sent whole and a batch preempted under a small pool with
+few state slots (snapshots evicted); both ranks' greedy tokens must equal one process's engine
+over the unsharded model and transformers' ``generate``, and every turn after the first must
+hit the previous one on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5TextConfig"):  # requirements allow transformers 4.x
+    pytest.skip(
+        f"the hybrid families need transformers 5.x, found {transformers.__version__}",
+        allow_module_level=True,
+    )
+
+import radixkv  # noqa: E402
+import radixkv.hf  # noqa: E402
+from hf_models import save_model  # noqa: E402
+from ranks import end_rank, run_ranks  # noqa: E402
+from tiny_hybrid import VOCAB, build  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.distributed.is_available(), reason="torch.distributed is not available"
+    ),
+    pytest.mark.skipif(
+        __import__("importlib").util.find_spec("accelerate") is None,
+        reason="transformers' tp_plan needs accelerate (pip install accelerate)",
+    ),
+]
+
+WORLD = 2
+#: A Gated DeltaNet family, a Mamba2 one, and LFM2's short convolutions (whose plan keeps the
+#: attention whole too).
+FAMILIES = ("qwen3_5", "nemotron_h", "lfm2")
+#: Attention KV heads each rank holds: 2 in the config, split by the plans that split them.
+KV_HEADS = {"qwen3_5": 1, "nemotron_h": 1, "lfm2": 2}
+NEW = 4
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def session(eng: radixkv.Engine) -> list[dict[str, Any]]:
+    """A three-turn session re-sent whole (each turn the whole history plus new tokens)."""
+    prompt = tokens(12, seed=1)
+    out = []
+    for turn in range(3):
+        (r,) = eng.generate([prompt], max_new_tokens=NEW)
+        out.append({"prompt": prompt, "output": r.output, "cached": r.cached_tokens})
+        prompt = prompt + r.output + tokens(5, seed=10 + turn)
+    return out
+
+
+def preempted(eng: radixkv.Engine) -> list[dict[str, Any]]:
+    """Four requests sharing a prefix on a pool too small for them all (one is preempted) and
+    2 state slots (snapshots evicted)."""
+    shared = tokens(6, seed=8)
+    prompts = [shared + tokens(3, seed=20 + i) for i in range(4)]
+    results = eng.generate(prompts, max_new_tokens=8)
+    return [
+        {"prompt": p, "output": r.output, "cached": r.cached_tokens}
+        for p, r in zip(prompts, results)
+    ]
+
+
+SCENARIOS = {
+    "session": (lambda: radixkv.RadixCache(256, page_size=1, state_slots=16), session),
+    "preempted": (lambda: radixkv.RadixCache(40, page_size=1, state_slots=2), preempted),
+}
+
+
+def make_engine(model: Any, scenario: str, **kw: Any) -> radixkv.Engine:
+    return radixkv.hf.engine(model, SCENARIOS[scenario][0](), token_budget=32, **kw)
+
+
+def counters(eng: radixkv.Engine) -> dict[str, int]:
+    assert eng.states is not None
+    s = eng.cache.stats
+    return {
+        "restored": eng.states.restored,
+        "taken": eng.states.taken,
+        "evicted_states": s.evicted_states,
+        "preemptions": eng.batcher.preemptions,
+        "digest": eng.cache.state_digest(),
+    }
+
+
+# ---- the processes -------------------------------------------------------------------------
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank: every family's checkpoint loaded with tp_plan="auto", every scenario run
+    (rank 0 drives, rank 1 follows); writes what it saw to ``out_dir/rank<r>.json``."""
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    report: dict[str, Any] = {}
+    try:
+        for family in FAMILIES:
+            with warnings.catch_warnings():  # tp_plan= is deprecated for distributed_config=
+                warnings.simplefilter("ignore", FutureWarning)
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    Path(out_dir, family), dtype=torch.float32, tp_plan="auto"
+                ).eval()
+            for scenario, (_, drive) in SCENARIOS.items():
+                eng = make_engine(model, scenario, digest_every=1, check_tokens=True)
+                rep: dict[str, Any] = {"kv_heads": eng.kv.num_kv_heads}
+                rep["world"] = eng.lockstep.world_size if eng.lockstep else 1
+                rep["snapshot_bytes"] = eng.states.snapshots.bytes_per_slot
+                if rank == 0:
+                    rep["results"] = drive(eng)
+                    eng.close()
+                else:
+                    eng.follow()
+                    # What each sequence produced and hit here, in rank 0's order.
+                    rep["results"] = [
+                        {"output": s.output, "cached": s.cached_tokens}
+                        for s in eng.sequences.values()
+                    ]
+                rep.update(counters(eng))
+                eng.cache.check()
+                report[f"{family}/{scenario}"] = rep
+    except BaseException:  # the test reads it
+        report["crash"] = traceback.format_exc()
+    end_rank(rank, out_dir, report)
+
+
+def generate(model: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens after the whole ``prompt``."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_hybrid_ranks_match_one_process_and_generate(tmp_path):
+    torch.set_num_threads(1)
+    models = {family: build(family) for family in FAMILIES}
+    for family, model in models.items():
+        save_model(model, tmp_path / family)
+    reports = run_ranks(_worker, (str(tmp_path),), tmp_path, WORLD, "the hybrid ranks")
+
+    for family, model in models.items():
+        for scenario in SCENARIOS:
+            key = f"{family}/{scenario}"
+            single = make_engine(model, scenario)
+            want = SCENARIOS[scenario][1](single)
+            mine = counters(single)
+            for r, rep in enumerate(reports):
+                got = rep[key]
+                assert got["world"] == WORLD and got["kv_heads"] == KV_HEADS[family], (key, r)
+                # Whole states on every rank: a snapshot is as large as one process's.
+                assert got["snapshot_bytes"] == single.states.snapshots.bytes_per_slot, (key, r)
+                outs = [(x["output"], x["cached"]) for x in got["results"]]
+                assert outs == [(x["output"], x["cached"]) for x in want], (key, r)
+                assert {k: got[k] for k in mine} == mine, (key, r)
+            for x in want:  # transformers' own greedy decoding of the unsharded model
+                assert x["output"] == generate(model, x["prompt"], len(x["output"])), key
+        # The scenarios did what they are for: hits restored, preemption, snapshots evicted.
+        turns = reports[0][f"{family}/session"]["results"]
+        assert turns[0]["cached"] == 0, family
+        for before, turn in itertools.pairwise(turns):  # the previous turn's end, at least
+            assert turn["cached"] >= len(before["prompt"]) + NEW - 1, (family, turns)
+        assert reports[0][f"{family}/session"]["restored"] == 2, family
+        pre = reports[0][f"{family}/preempted"]
+        assert pre["preemptions"] > 0 and pre["evicted_states"] > 0, (family, pre)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
