@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -62,13 +63,17 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def result(prompt: list[int], r: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "output": r.output, "cached": r.cached_tokens, "lp": r.logprobs}
+
+
 def session(eng: radixkv.Engine) -> list[dict[str, Any]]:
     """A three-turn session re-sent whole (each turn the whole history plus new tokens)."""
     prompt = tokens(12, seed=1)
     out = []
     for turn in range(3):
-        (r,) = eng.generate([prompt], max_new_tokens=NEW)
-        out.append({"prompt": prompt, "output": r.output, "cached": r.cached_tokens})
+        (r,) = eng.generate([prompt], max_new_tokens=NEW, logprobs=True)
+        out.append(result(prompt, r))
         prompt = prompt + r.output + tokens(5, seed=10 + turn)
     return out
 
@@ -78,11 +83,8 @@ def preempted(eng: radixkv.Engine) -> list[dict[str, Any]]:
     2 state slots (snapshots evicted)."""
     shared = tokens(6, seed=8)
     prompts = [shared + tokens(3, seed=20 + i) for i in range(4)]
-    results = eng.generate(prompts, max_new_tokens=8)
-    return [
-        {"prompt": p, "output": r.output, "cached": r.cached_tokens}
-        for p, r in zip(prompts, results)
-    ]
+    results = eng.generate(prompts, max_new_tokens=8, logprobs=True)
+    return [result(p, r) for p, r in zip(prompts, results)]
 
 
 SCENARIOS = {
@@ -159,6 +161,26 @@ def generate(model: Any, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+#: Max |logprob error| against one process and against one forward over the whole sequence
+#: (the sharded sums and the per-request scans differ by about 1e-5 in the logits).
+LOGPROB_TOLERANCE = 1e-3
+
+
+def forward_logprobs(model: Any, prompt: list[int], output: list[int]) -> list[float]:
+    """The log-probability of each of ``output``'s tokens after ``prompt`` in one forward of
+    ``model`` over the whole sequence."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt + output[:-1]])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 :]
+    lp = torch.log_softmax(logits.float(), -1)
+    return lp[torch.arange(len(output)), torch.tensor(output)].tolist()
+
+
+def max_error(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
 def test_hybrid_ranks_match_one_process_and_generate(tmp_path):
     torch.set_num_threads(1)
     models = {family: build(family) for family in FAMILIES}
@@ -182,6 +204,12 @@ def test_hybrid_ranks_match_one_process_and_generate(tmp_path):
                 assert {k: got[k] for k in mine} == mine, (key, r)
             for x in want:  # transformers' own greedy decoding of the unsharded model
                 assert x["output"] == generate(model, x["prompt"], len(x["output"])), key
+            # Rank 0's log-probabilities: one process's, and one forward's over the whole
+            # sequence (a state restored wrong on either rank moves them by 0.01 or more).
+            for x, y in zip(reports[0][key]["results"], want):
+                ref = forward_logprobs(model, x["prompt"], x["output"])
+                assert max_error(x["lp"], y["lp"]) <= LOGPROB_TOLERANCE, key
+                assert max_error(x["lp"], ref) <= LOGPROB_TOLERANCE, key
         # The scenarios did what they are for: hits restored, preemption, snapshots evicted.
         turns = reports[0][f"{family}/session"]["results"]
         assert turns[0]["cached"] == 0, family
@@ -190,6 +218,56 @@ def test_hybrid_ranks_match_one_process_and_generate(tmp_path):
         assert reports[0][f"{family}/session"]["restored"] == 2, family
         pre = reports[0][f"{family}/preempted"]
         assert pre["preemptions"] > 0 and pre["evicted_states"] > 0, (family, pre)
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("fastapi") is None, reason="needs radixkv[serve]"
+)
+def test_serve_tp_serves_a_hybrid_checkpoint(tmp_path):
+    """``radixkv serve --tensor-parallel-size 2 --model DIR`` on a tiny Qwen3.5 over SmolLM2's
+    vocabulary: replies equal transformers' greedy text, a turn re-sent whole hits the previous
+    one, and SIGTERM closes both ranks."""
+    import httpx
+
+    import serve_process
+    from hf_models import greedy_reference, smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    model = build("qwen3_5", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    port = serve_process.free_port()
+    options = ["--tensor-parallel-size", "2", "--num-pages", "256", "--max-state-slots", "8"]
+    proc = serve_process.start(
+        port, "--model", str(tmp_path / "ckpt"), *options, timeout=180, new_session=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        name = httpx.get(f"{url}/models", timeout=30).json()["data"][0]["id"]
+
+        def complete(prompt: list[int]) -> tuple[list[int], int]:
+            """transformers' greedy tokens after ``prompt`` (checked against the reply's text
+            and log-probabilities) and the reply's cached tokens."""
+            body = {"model": name, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+            body["logprobs"] = 1
+            r = httpx.post(f"{url}/completions", json=body, timeout=60).json()
+            want = greedy_reference(model, prompt, 5)
+            got = r["choices"][0]["logprobs"]["token_logprobs"]
+            assert max_error(got, forward_logprobs(model, prompt, want)) <= LOGPROB_TOLERANCE
+            assert r["choices"][0]["text"] == tok.decode(want)
+            return want, r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        prompt = list(range(100, 130))
+        first, cached = complete(prompt)
+        assert cached == 0
+        _, cached = complete(prompt + first + list(range(200, 210)))
+        assert cached == len(prompt) + len(first) - 1  # where the first turn ended
+        rc, err = serve_process.stop(proc)
+        assert rc == 0, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 if __name__ == "__main__":  # pragma: no cover
