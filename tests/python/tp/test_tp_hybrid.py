@@ -1,16 +1,17 @@
 """Hybrid models under tensor parallelism: 2 processes over gloo on CPU, each loading a tiny
-hybrid checkpoint with ``from_pretrained(..., tp_plan="auto")`` and running
-``radixkv.hf.engine`` over it in lockstep (``digest_every=1``: the index's state slots and the
-engine's working slots compared before every step; ``check_tokens=True``).
+hybrid checkpoint of every family radixkv serves with ``from_pretrained(..., tp_plan="auto")``
+and running ``radixkv.hf.engine`` over it in lockstep (``digest_every=1``: the index's state
+slots and the engine's working slots compared before every step; ``check_tokens=True``).
 
-transformers' plans keep the recurrent modules whole on every rank (Qwen3.5's Gated DeltaNet
-projections gather their outputs; Nemotron-H's Mamba2 and LFM2's short convolutions are not in
-the plans), so each rank's state pools hold whole states; the attention heads are split where
-the plan splits them (Qwen3.5, Nemotron-H) and whole where it does not (LFM2). For each family,
+transformers' plans keep the recurrent modules whole on every rank (Qwen3.5's and Qwen3-Next's
+Gated DeltaNet projections gather their outputs; the Mamba, Mamba2 and short-convolution modules
+are not in the plans), so each rank's state pools hold whole states; the attention heads are
+split where the plan splits them and whole where it does not (LFM2, Falcon-H1). For each family
 rank 0 drives a three-turn session re-sent whole and a batch preempted under a small pool with
-few state slots (snapshots evicted); both ranks' greedy tokens must equal one process's engine
-over the unsharded model and transformers' ``generate``, and every turn after the first must
-hit the previous one on every rank.
+2 state slots (snapshots evicted); both ranks' greedy tokens, hits and snapshot counters must
+equal one process's engine over the unsharded model, the tokens transformers' ``generate`` and
+rank 0's log-probabilities one forward's. A recurrent module split among the ranks is refused.
+And ``radixkv serve --tensor-parallel-size 2`` serves a hybrid checkpoint.
 """
 
 from __future__ import annotations
@@ -51,11 +52,19 @@ pytestmark = [
 ]
 
 WORLD = 2
-#: A Gated DeltaNet family, a Mamba2 one, and LFM2's short convolutions (whose plan keeps the
-#: attention whole too).
-FAMILIES = ("qwen3_5", "nemotron_h", "lfm2")
-#: Attention KV heads each rank holds: 2 in the config, split by the plans that split them.
-KV_HEADS = {"qwen3_5": 1, "nemotron_h": 1, "lfm2": 2}
+#: Attention KV heads each rank holds, by family (every family radixkv serves): 2 in the
+#: config, split by the plans that split them (LFM2's and Falcon-H1's keep the attention whole).
+KV_HEADS = {
+    "qwen3_5": 1,
+    "qwen3_next": 1,
+    "lfm2": 2,
+    "granitemoehybrid": 1,
+    "nemotron_h": 1,
+    "falcon_h1": 2,
+    "bamba": 1,
+    "jamba": 1,
+}
+FAMILIES = tuple(KV_HEADS)
 NEW = 4
 
 
@@ -149,9 +158,28 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 rep.update(counters(eng))
                 eng.cache.check()
                 report[f"{family}/{scenario}"] = rep
+            if family == "qwen3_5":
+                report["sharded_conv"] = sharded_conv_refusal(model)
     except BaseException:  # the test reads it
         report["crash"] = traceback.format_exc()
     end_rank(rank, out_dir, report)
+
+
+def sharded_conv_refusal(model: Any) -> str:
+    """What ``radixkv.hf.engine`` says of the tensor-parallel ``model`` (a Qwen3.5) once its
+    first Gated DeltaNet convolution is split among the ranks (a plan that would shard a
+    recurrent state, which no transformers plan does)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    conv = model.model.layers[0].linear_attn.conv1d
+    mesh = model.model.layers[3].self_attn.k_proj.weight.device_mesh
+    split = distribute_tensor(conv.weight.data, mesh, [Shard(0)])
+    conv.weight = torch.nn.Parameter(split, requires_grad=False)
+    try:
+        radixkv.hf.engine(model, radixkv.RadixCache(64, state_slots=4))
+    except ValueError as e:
+        return str(e)
+    return "not refused"
 
 
 def generate(model: Any, prompt: list[int], n: int) -> list[int]:
@@ -187,6 +215,8 @@ def test_hybrid_ranks_match_one_process_and_generate(tmp_path):
     for family, model in models.items():
         save_model(model, tmp_path / family)
     reports = run_ranks(_worker, (str(tmp_path),), tmp_path, WORLD, "the hybrid ranks")
+    for rep in reports:
+        assert "splits the recurrent module of layer 0" in rep["sharded_conv"], rep["sharded_conv"]
 
     for family, model in models.items():
         for scenario in SCENARIOS:
