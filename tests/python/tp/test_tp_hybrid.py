@@ -16,6 +16,7 @@ And ``radixkv serve --tensor-parallel-size 2`` serves a hybrid checkpoint.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import signal
@@ -298,6 +299,25 @@ def test_serve_tp_serves_a_hybrid_checkpoint(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_serve_checks_heads_only_where_the_plan_splits_them(tmp_path):
+    """``radixkv serve -tp 3`` checks before any rank starts that the heads divide among the
+    ranks: refused for a Qwen3.5 (its plan splits 4 heads and 2 KV heads), not for an LFM2 with
+    the same heads (its plan keeps the attention whole on every rank)."""
+    from radixkv.apps.common.args import UsageError
+    from radixkv.apps.serve import ranks
+
+    for family in ("qwen3_5", "lfm2"):
+        build(family, device="meta").config.save_pretrained(tmp_path / family)
+
+    def check(family: str) -> None:
+        args = argparse.Namespace(model=str(tmp_path / family), tensor_parallel_size=3)
+        ranks.check_model(args)
+
+    with pytest.raises(UsageError, match="4 attention heads and 2 KV heads"):
+        check("qwen3_5")
+    check("lfm2")
 
 
 if __name__ == "__main__":  # pragma: no cover
