@@ -311,9 +311,7 @@ class Engine:
         #: Decode steps as CUDA graphs (:mod:`radixkv.engine.graphs`), or None.
         self.graphs: DecodeGraphs | None = None
         #: A hybrid model's recurrent states (:mod:`radixkv.engine.states`), or None.
-        self.states: EngineStates | None = engine_states(
-            model, kv, max_batch, spec, group, cuda_graphs
-        )
+        self.states: EngineStates | None = engine_states(model, kv, max_batch, spec, cuda_graphs)
         if self.states is not None:
             model.states = self.states  # what its forward reads each step's rows from
             self.batcher.states = self.states
@@ -806,7 +804,7 @@ class Engine:
             return
         t = time.perf_counter()
         num_tokens = sum(s.num_tokens - s.num_computed for s in batch)
-        self.lockstep.check_step(self.cache, len(batch), num_tokens)
+        self.lockstep.check_step(self.cache, len(batch), num_tokens, self.states)
         self.lockstep.check_s += time.perf_counter() - t
 
     def _tick(self, now: float) -> None:

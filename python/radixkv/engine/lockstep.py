@@ -220,16 +220,23 @@ class Lockstep:
     def _status(self) -> int:
         return _FORWARD_FAILED if self._forward_failed else _OK
 
-    def check_step(self, cache: Any, num_requests: int, num_tokens: int) -> None:
+    def check_step(
+        self, cache: Any, num_requests: int, num_tokens: int, states: Any = None
+    ) -> None:
         """Before a forward pass: every rank's step number and batch shape, and every
-        ``digest_every`` steps its cache's state digest, must agree (and no rank's last forward
+        ``digest_every`` steps its cache's state digest (with ``states``, a hybrid model's
+        :class:`radixkv.engine.states.EngineStates`: mixed with its ``digest()``, the working
+        slots and the snapshots restored and taken), must agree (and no rank's last forward
         pass may have raised unless every rank's did); else ``radixkv.Error`` (on every rank:
         each sees the whole table)."""
         self._live()
         self.steps += 1
         digest = 0
         if self.digest_every and self.steps % self.digest_every == 0:
-            digest = _signed(cache.state_digest())
+            full = cache.state_digest()
+            if states is not None:
+                full ^= states.digest()
+            digest = _signed(full)
         row = [self.steps, num_requests, num_tokens, digest, self._status()]
         table = self._gather(row, "the step check")
         if num_requests:

@@ -23,14 +23,24 @@ a request that ends off a page boundary takes no snapshot at its end.
 
 A snapshot the index gives out is pending until the request's next ``commit`` or ``finish``,
 and freed by an ``abort``: a failed step never leaves a half-written snapshot to be found.
+
+Under tensor parallelism (``Engine(group=...)``) every rank keeps pools shaped from its own
+modules (``model.state_specs``): transformers' plans keep each family's recurrent modules whole
+on every rank (Qwen3.5's and Qwen3-Next's projections gather their outputs; the Mamba, Mamba2
+and short-convolution modules are not in the plans), so each rank holds every layer's whole
+state. Every decision here (working slots, captures, restores, snapshots taken) follows from the
+index's, which the ranks make alike; the step check compares :meth:`EngineStates.digest` with
+the cache's state digest.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 import radixkv
@@ -173,6 +183,19 @@ class EngineStates:
         if self.stats is not None:
             self.stats.state_evicted = self.cache.stats.evicted_states - self._evicted_before
 
+    def digest(self) -> int:
+        """A 64-bit digest of this engine's side of the states: each running request's working
+        slot and the positions it still wants snapshots at, the working pool's size, and how
+        many snapshots were restored and taken. Tensor-parallel ranks that made the same
+        decisions have equal digests (the step check compares it with the cache's
+        ``state_digest()``, which covers the index's state slots)."""
+        words = [self.working.n_slots, self.restored, self.taken, len(self.slot)]
+        for seq_id in sorted(self.slot):
+            wanted = self._wanted.get(seq_id, [])
+            words += [seq_id, self.slot[seq_id], len(wanted), *wanted]
+        raw = np.asarray(words, dtype=np.int64).tobytes()
+        return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
     def free(self, seq_id: int) -> None:
         """Sequence ``seq_id`` no longer runs: its working slot is free."""
         w = self.slot.pop(seq_id, None)
@@ -196,7 +219,6 @@ def engine_states(
     kv: object,
     max_batch: int,
     speculative: object,
-    group: object,
     cuda_graphs: object,
 ) -> EngineStates | None:
     """The :class:`EngineStates` of an engine over ``model`` when the model keeps recurrent
@@ -212,10 +234,6 @@ def engine_states(
             speculative is not None,
             "speculative decoding (drafts would advance the recurrent "
             "state before they are verified): pass speculative=None",
-        ),
-        (
-            group is not None,
-            "tensor parallelism (a rank's share of the states is not built): run it on one process",
         ),
         (
             bool(cuda_graphs),

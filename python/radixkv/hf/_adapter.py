@@ -72,6 +72,8 @@ class HFCausalLM(torch.nn.Module):
         self.states: Any = None
         if self.spec.kv_layers:
             self.hybrid = HybridRunner(model)
+            if self.spec.tp_size > 1:
+                _check_whole_states(self.hybrid, type(model).__name__)
             self.state_specs = tuple(s for layer in self.hybrid.layers for s in layer.specs)
         _probe(self)
 
@@ -271,6 +273,24 @@ def _probe(adapter: HFCausalLM) -> None:
         )
 
 
+def _check_whole_states(runner: HybridRunner, name: str) -> None:
+    """``ValueError`` unless every recurrent module of a tensor-parallel hybrid model keeps its
+    whole state on this rank: its convolution's weight is not split among the ranks.
+    transformers' plans keep them whole (Qwen3.5's and Qwen3-Next's projections gather their
+    outputs; Mamba, Mamba2 and short convolutions are not in the plans), and the state pools
+    are shaped whole from the modules' own sizes."""
+    for index, mixer in runner.mixers.items():
+        conv = getattr(mixer, "conv1d", None) or getattr(mixer, "conv", None)
+        placements = getattr(getattr(conv, "weight", None), "placements", ())
+        if any(p.is_shard() for p in placements):
+            raise ValueError(
+                f"{name}'s tensor-parallel plan splits the recurrent module of layer {index} "
+                f"({type(mixer).__name__}: its convolution's weight is sharded {placements}): "
+                "radixkv holds a recurrent layer's whole state on every rank; keep its modules "
+                "out of the plan, or run it on one process"
+            )
+
+
 class _ProbeStates:
     """The states of the probe's one token: working slot 0, fresh."""
 
@@ -335,7 +355,8 @@ def engine(
     arguments go to :class:`radixkv.Engine`.
 
     A model loaded with ``from_pretrained(..., tp_plan="auto")`` (tensor-parallel, one process
-    per rank) gets a pool of its own heads: ``num_key_value_heads / tp_size`` KV heads, and
+    per rank) gets a pool of its own heads: ``num_key_value_heads / tp_size`` KV heads (all
+    of them where the plan does not split the attention), and
     its engine runs the ranks in lockstep (see :class:`radixkv.Engine`: rank 0 submits, the
     others call ``follow()``) over ``group=``, by default the group transformers sharded the
     model over; a ``group`` of other ranks is refused. Call it on every rank together: it runs
@@ -366,8 +387,11 @@ def engine(
     ``cache`` must be made with ``state_slots=N``, the snapshots a prefix hit restores
     (``engine.states.describe()`` says what they take); ``snapshot_dtype`` keeps them narrower
     (``torch.bfloat16`` halves fp32 states, at a logit error measured in
-    tests/python/hf/test_hybrid_states.py). It runs eager, on one process, without speculative
-    decoding, a window group or a disk tier (each refused, saying so).
+    tests/python/hf/test_hybrid_states.py). It runs eager, without speculative decoding, a
+    window group or a disk tier (each refused, saying so). Tensor-parallel, each rank holds the
+    whole state of every recurrent layer (transformers' plans keep those modules whole: see
+    :mod:`radixkv.engine.states`) and its own share of the attention heads (all of them where
+    the plan keeps the attention whole, as LFM2's and Falcon-H1's do).
 
     Raises ``ValueError`` saying why for a model radixkv cannot serve (chunked or cross
     attention, a recurrent layer it cannot hold, encoder-decoders, composite models, heads

@@ -235,7 +235,8 @@ class ModelSpec:
     #: Whether forward takes ``logits_to_keep`` (a tensor of row indices).
     logits_to_keep: bool
     #: Query heads of each attention call in this process (``num_attention_heads`` over
-    #: ``tp_size``); ``num_kv_heads`` is per process too.
+    #: ``tp_size``, or all of them where the tensor-parallel plan keeps the attention whole:
+    #: :func:`attention_sharded`); ``num_kv_heads`` is per process too.
     num_heads: int = 0
     #: The tensor-parallel degree transformers sharded the model with (``tp_plan=...``), else 1.
     tp_size: int = 1
@@ -291,6 +292,28 @@ def tp_group(model: Any) -> Any:
             "one-dimensional 'tp' device mesh on it: pass group= explicitly"
         )
     return mesh.get_group()
+
+
+def attention_sharded(model: Any, layers: tuple[int, ...]) -> bool:
+    """Whether transformers' tensor-parallel plan split the attention heads of ``model``'s
+    decoder layer ``layers[0]`` among the ranks: its ``k_proj`` holds fewer rows on this rank
+    than the config's KV heads take (a plan that keeps the attention whole, as LFM2's and
+    Falcon-H1's do, leaves every head on every rank). True when no ``k_proj`` is found (the
+    heads are taken to be split, as the plans of the attention-only families do)."""
+    decoder = getattr(getattr(model, "model", None), "layers", None)
+    if decoder is None or layers[0] >= len(decoder):
+        return True
+    proj = next((m for n, m in decoder[layers[0]].named_modules() if n.endswith("k_proj")), None)
+    weight = getattr(proj, "weight", None)
+    if weight is None:
+        return True
+    to_local = getattr(weight, "to_local", None)  # a DTensor: this rank's rows
+    rows = int((to_local() if to_local is not None else weight).shape[0])
+    config = model.config
+    heads = _positive(config, "num_attention_heads") or 1
+    kv_heads = _positive(config, "num_key_value_heads") or heads
+    head_dim = _positive(config, "head_dim") or (_positive(config, "hidden_size") or 0) // heads
+    return rows != kv_heads * head_dim
 
 
 def undivided_heads(config: Any, tp: int) -> list[tuple[str, int]]:
@@ -432,7 +455,15 @@ def check_model(model: Any) -> ModelSpec:
             raise ValueError(f"{name}'s config gives no head_dim and hidden_size/heads is none")
         head_dim = hidden // heads
     tp = tp_size(model)
-    for what, count in undivided_heads(config, tp)[:1]:
+    kv_layers: tuple[int, ...] = ()
+    if hybrid:
+        kv_layers = tuple(
+            i for i, t in enumerate(layer_types or ()) if t in _hybrid.ATTENTION_LAYER_TYPES
+        )
+    # The ranks the attention heads are split over: tp, or 1 where transformers' plan keeps the
+    # attention whole on every rank (LFM2's and Falcon-H1's plans shard the embeddings only).
+    heads_tp = tp if tp > 1 and attention_sharded(model, kv_layers[:1] or (0,)) else 1
+    for what, count in undivided_heads(config, heads_tp)[:1]:
         raise ValueError(
             f"{name} is tensor-parallel over {tp} ranks but config.{what}={count} is not "
             f"divisible by {tp}: radixkv.hf needs whole heads on every rank"
@@ -447,11 +478,7 @@ def check_model(model: Any) -> ModelSpec:
         )
     params = inspect.signature(model.forward).parameters
     cache_kwarg = "cache" if "cache" in params else "past_key_values"
-    kv_layers: tuple[int, ...] = ()
     if hybrid:
-        kv_layers = tuple(
-            i for i, t in enumerate(layer_types or ()) if t in _hybrid.ATTENTION_LAYER_TYPES
-        )
         if not kv_layers:
             raise ValueError(
                 f"{name} is a hybrid model with no attention layer (config.layer_types): "
@@ -461,14 +488,14 @@ def check_model(model: Any) -> ModelSpec:
     return ModelSpec(
         kv_layers=kv_layers,
         num_layers=num_layers,
-        num_kv_heads=kv_heads // tp,
+        num_kv_heads=kv_heads // heads_tp,
         head_dim=head_dim,
         vocab_size=vocab,
         dtype=param.dtype,
         device=param.device,
         cache_kwarg=cache_kwarg,
         logits_to_keep="logits_to_keep" in params,
-        num_heads=heads // tp,
+        num_heads=heads // heads_tp,
         tp_size=tp,
         windowed=windowed,
         window=int(window) if windowed else 0,

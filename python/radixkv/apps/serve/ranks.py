@@ -73,10 +73,20 @@ def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
     }
 
 
+def splits_attention(config: Any) -> bool:
+    """Whether transformers' tensor-parallel plan for ``config``'s model splits its attention
+    heads among the ranks: its ``base_model_tp_plan`` names a ``k_proj`` (LFM2's and
+    Falcon-H1's plans name the embeddings only, and keep every head on every rank). True for a
+    config with no plan."""
+    plan = getattr(config, "base_model_tp_plan", None)
+    return not plan or any(key.endswith("k_proj") for key in plan)
+
+
 def check_model(args: argparse.Namespace) -> None:
     """Rank 0, before any other rank starts: the checkpoint is there (a ``.gguf`` file is
     converted now, once, rather than by every rank at once) and its heads divide among the
-    ranks; a :class:`UsageError` naming the counts and the sizes that would divide them."""
+    ranks (where the plan splits them); a :class:`UsageError` naming the counts and the sizes
+    that would divide them."""
     import transformers
 
     from radixkv.hf._load import checkpoint_of
@@ -85,7 +95,7 @@ def check_model(args: argparse.Namespace) -> None:
     world = args.tensor_parallel_size
     try:
         config = transformers.AutoConfig.from_pretrained(checkpoint_of(args.model))
-        if not undivided_heads(config, world):
+        if not splits_attention(config) or not undivided_heads(config, world):
             return  # (radixkv.hf.check_model says what else is wrong with the model, if aught)
     except ValueError as e:
         raise UsageError(str(e)) from None
