@@ -3,7 +3,7 @@
 
     .venv/bin/python benches/bench_decode.py [--quick] [--model smollm2|tiny|llama3-8b]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--batches 1,8,32,64] [--prompt 128]
-        [--new 32] [--threads 1] [--repeat 3]
+        [--new 32] [--threads 1] [--repeat 3] [--compile [BACKEND]]
 
 B requests of ``--prompt`` tokens each (distinct random ids, all of one length, so ``generate``
 needs no padding), greedy, ``--new`` tokens each. Each method's decode rate is measured as B x
@@ -24,6 +24,12 @@ whether the tokens equal ``generate``'s, and the engine's graph counters over th
 (captured / replayed / eager steps). The last lines are the graph counters of all engines and
 the target (>= 1.0x ``generate`` at every batch size) and whether it holds; on CUDA a capture
 that failed, or timed decode steps that replayed no graph, make it short whatever the rates.
+
+``--compile``: a second engine per batch size, ``radixkv.hf.engine(..., compile=BACKEND)``
+(``torch.compile`` of the model around radixkv's attention, Inductor by default), timed in the
+same alternation: its rate and its ratios to ``generate`` and to the eager engine, and the
+seconds of its warm-up run (which compiles each new shape; the eager engine's warm-up is given
+beside it). The target line stays the eager engine's.
 """
 
 from __future__ import annotations
@@ -120,8 +126,9 @@ def run_generate(model: Any, prompts: torch.Tensor, new: int, static: bool) -> t
     return out[:, prompts.shape[1] :]
 
 
-def make_engine(model: Any, b: int, prompt: int, new: int, page: int) -> Any:
-    """One engine for ``b`` requests of ``prompt`` + ``new`` tokens, kept for every run."""
+def make_engine(model: Any, b: int, prompt: int, new: int, page: int, compile: Any = False) -> Any:
+    """One engine for ``b`` requests of ``prompt`` + ``new`` tokens, kept for every run
+    (``compile``: ``radixkv.hf.engine``'s)."""
     pages = b * (-(-(prompt + new) // page)) + 8
     return radixkv.hf.engine(
         model,
@@ -130,6 +137,7 @@ def make_engine(model: Any, b: int, prompt: int, new: int, page: int) -> Any:
         max_batch=b,
         prefix_caching=False,
         stop_tokens=(),
+        compile=compile,
     )
 
 
@@ -155,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="also time an engine whose model is torch.compile'd (default backend: inductor)",
+    )
     args = parse_model_args(ap, argv, quick=dict(batches="1,4", prompt=16, new=4, repeat=1))
     batches = positive_ints(ap, args.batches, "--batches")
     at_least_one(ap, args, "prompt", "new", "page_size", "repeat")
@@ -171,15 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     run_generate(model, warm, 2, static)
 
     rows, ratios, counts, timed_replays = [], [], [], []
+    compiled_rows: list[list[str]] = []
     for b in batches:
         prompts = torch.randint(0, vocab, (b, args.prompt), generator=gen).to(args.device)
-        rates: dict[str, list[float]] = {"generate": [], "engine": []}
+        rates: dict[str, list[float]] = {"generate": [], "engine": [], "compiled": []}
         outside: list[float] = []
         outs: dict[str, Any] = {}
         eng = make_engine(model, b, args.prompt, args.new, args.page_size)
         # Warm-up of this shape: compiles, and captures the batch's graph, before any timer.
         warm = torch.randint(0, vocab, (b, args.prompt), generator=gen).to(args.device)
-        run_engine(eng, warm, args.new)
+        warm_s = {"engine": timed(lambda e=eng, w=warm: run_engine(e, w, args.new), args.device)[0]}
+        comp = None
+        if args.compile:
+            comp = make_engine(model, b, args.prompt, args.new, args.page_size, args.compile)
+            warm_s["compiled"] = timed(
+                lambda c=comp, w=warm: run_engine(c, w, args.new), args.device
+            )[0]
         before = graph_counters.counters([eng])
         for _ in range(args.repeat):
             t1, _ = timed(
@@ -205,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
             rates["engine"].append(b * (args.new - 1) / max(tn - t1, 1e-9))
             decode = max(tn - t1, 1e-9)
             outside.append(max(0.0, decode - (fn - f1)) / decode)
+            if comp is not None:
+                t1, _ = timed(
+                    lambda c=comp, prompts=prompts: run_engine(c, prompts, 1), args.device
+                )
+                tn, outs["compiled"] = timed(
+                    lambda c=comp, prompts=prompts: run_engine(c, prompts, args.new), args.device
+                )
+                rates["compiled"].append(b * (args.new - 1) / max(tn - t1, 1e-9))
         g, e = max(rates["generate"]), max(rates["engine"])
         med = statistics.median(rates["engine"]) / statistics.median(rates["generate"])
         ratios.append(e / g)
@@ -222,9 +253,24 @@ def main(argv: list[str] | None = None) -> int:
                 graph_cell(before, after := graph_counters.counters([eng])),
             ]
         )
+        if comp is not None:
+            c = max(rates["compiled"])
+            same_c = sum(1 for x, y in zip(outs["compiled"], want) if x == y)
+            compiled_rows.append(
+                [
+                    str(b),
+                    f"{g:,.1f}",
+                    f"{e:,.1f}",
+                    f"{c:,.1f}",
+                    f"{c / g:.2f}x",
+                    f"{c / e:.2f}x",
+                    f"{warm_s['compiled']:.1f} / {warm_s['engine']:.1f}",
+                    f"{same_c}/{b}",
+                ]
+            )
         timed_replays.append(after["replayed"] - before["replayed"])
         counts.append(after)
-        del eng  # its pool and graphs: the next batch size's engine gets the memory
+        del eng, comp  # pools and graphs: the next batch size's engines get the memory
     table(
         [
             "requests",
@@ -238,6 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
     )
+    if compiled_rows:
+        print(f"torch.compile (backend {args.compile}) of the model around radixkv's attention:")
+        table(
+            [
+                "requests",
+                "generate tok/s",
+                "engine tok/s",
+                "compiled tok/s",
+                "compiled / generate",
+                "compiled / engine",
+                "warm-up s (compiled / eager)",
+                "tokens equal",
+            ],
+            compiled_rows,
+        )
     c = graph_counters.total(counts)
     print(graph_counters.line(c, args.device, "(all engines, warm-ups included)"))
     worst = min(ratios)

@@ -21,7 +21,8 @@ this module:
   Triton kernels, under ``torch.cuda.set_sync_debug_mode("error")``: a forward that waits for
   the device fails there. A bucket whose warm-up or capture fails is counted
   (``capture_failures``, each reason in ``failures``) and its steps run eagerly; no step is
-  captured mid-serving.
+  captured mid-serving. A model compiled with ``torch.compile`` (``radixkv.hf.engine(...,
+  compile=True)``) is compiled by one more run before that warm-up, outside the sync check.
 - Eager (the ordinary path): prefill and mixed steps, batches past the largest bucket, steps
   with host-tier copies in flight or a request longer than the buffers, buckets whose capture
   failed; and no graphs at all for pools with a window group or whose attention is not
@@ -190,8 +191,11 @@ class DecodeGraphs:
         device = self.kv.device
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), syncs_raise(device):
-            self.model(static)
+        with torch.cuda.stream(stream):
+            if getattr(self.model, "compiled", None) is not None:
+                self.model(static)  # torch.compile's first call compiles, and may wait
+            with syncs_raise(device):
+                self.model(static)
         torch.cuda.current_stream(device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

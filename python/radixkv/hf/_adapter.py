@@ -16,7 +16,7 @@ math (embeddings, norms, RoPE of any kind, MLPs, head), radixkv the paged attent
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import torch
 import radixkv
 from radixkv.engine.engine import Engine
 from radixkv.engine.states import RowStates
+from radixkv.hf import _compile
 from radixkv.hf._hybrid import snapshot_bytes
 from radixkv.hf._hybrid_adapter import HybridRunner
 from radixkv.hf._load import eos_token_ids
@@ -56,7 +57,12 @@ class HFCausalLM(torch.nn.Module):
     ``forward``: plain ``model.generate`` works on it as before.
     """
 
-    def __init__(self, model: Any, snapshot_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        snapshot_dtype: torch.dtype | None = None,
+        compile: bool | str | Callable[..., Any] = False,
+    ) -> None:
         super().__init__()
         self.spec: ModelSpec = check_model(model)
         register()
@@ -75,7 +81,12 @@ class HFCausalLM(torch.nn.Module):
             if self.spec.tp_size > 1:
                 _check_whole_states(self.hybrid, type(model).__name__)
             self.state_specs = tuple(s for layer in self.hybrid.layers for s in layer.specs)
+        #: The model's ``torch.compile``d call (:mod:`radixkv.hf._compile`), or None (eager);
+        #: made after the probe, which runs eagerly.
+        self.compiled: Any = None
         _probe(self)
+        if compile is not False:
+            self.compiled = _compiled(self.spec, model, compile)
 
     @torch.inference_mode()
     def forward(self, step: StepLike, all_logits: bool = False) -> torch.Tensor:
@@ -97,7 +108,9 @@ class HFCausalLM(torch.nn.Module):
         keep = None if all_logits or step.is_decode else step.last_token_index
         if keep is not None and self.spec.logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        if self.hybrid is None:
+        if self.compiled is not None and calls is None:
+            out = self._compiled_forward(step, kwargs, keep)
+        elif self.hybrid is None:
             with paged_mode(self.model):
                 out = self.model(input_ids=step.input_ids[None], **kwargs)
         else:
@@ -106,6 +119,20 @@ class HFCausalLM(torch.nn.Module):
         if keep is not None and not self.spec.logits_to_keep:
             logits = logits[keep]
         return logits.float()
+
+    def _compiled_forward(
+        self, step: StepLike, kwargs: dict[str, Any], keep: torch.Tensor | None
+    ) -> Any:
+        """The compiled call over ``step``: the graph gets the one stand-in step
+        (:data:`~radixkv.hf._compile.COMPILED_STEP`), whose attention op attends over ``step``;
+        the packed length and the kept rows are dynamic sizes."""
+        input_ids = step.input_ids[None]
+        kwargs[STEP_KWARG] = _compile.COMPILED_STEP
+        _compile.mark_dynamic(
+            (input_ids, 1), (kwargs["position_ids"], 1), (kwargs.get("logits_to_keep"), 0)
+        )
+        with paged_mode(self.model), _compile.running(step):
+            return self.compiled(input_ids=input_ids, **kwargs)
 
     def _hybrid_forward(self, step: StepLike, kwargs: dict[str, Any], states: Any) -> Any:
         """The forward of a hybrid model: its recurrent modules run each request on its
@@ -343,6 +370,7 @@ def engine(
     shared_store: str | None = None,
     shared_store_key: bytes | str | None = None,
     snapshot_dtype: torch.dtype | None = None,
+    compile: bool | str | Callable[..., Any] = False,
     **kwargs: Any,
 ) -> Engine:
     """A :class:`radixkv.Engine` (continuous batching, sessions, ``branch``, the scheduler)
@@ -381,6 +409,13 @@ def engine(
     ``attention``: the attention backend of the ``KVCache`` this call makes (``"auto"`` by
     default: the Triton kernels on CUDA; see :class:`radixkv.KVCache`).
 
+    ``compile``: run the model's forward through ``torch.compile`` around radixkv's attention
+    (the custom op ``radixkv::paged_attention``, :mod:`radixkv.hf._compile`): ``True`` for
+    Inductor (on the CPU it needs a C++ compiler), or a ``torch.compile`` backend name or
+    callable. The packed length is a dynamic size, so a handful of graphs serve every batch
+    size; each new one compiles on its first step (on CUDA before the decode graphs are
+    captured). Not for hybrid or tensor-parallel models. Off by default: measure it first.
+
     A hybrid model (Qwen3.5, Qwen3-Next, LFM2, Granite-4.0-H, Nemotron-H, Falcon-H1, Bamba,
     Jamba: recurrent layers beside attention) keeps its attention KV in the pool and each
     recurrent layer's state in the engine's state pools (:mod:`radixkv.engine.states`): the
@@ -409,7 +444,7 @@ def engine(
         _check_hybrid_cache(model, cache, snapshot_dtype)
     elif snapshot_dtype is not None:
         raise ValueError(f"snapshot_dtype is for hybrid models; {type(model).__name__} is not one")
-    adapter = HFCausalLM(model, snapshot_dtype)
+    adapter = HFCausalLM(model, snapshot_dtype, compile)
     if disk_dir is not None or shared_store is not None:
         if isinstance(cache, KVCache):
             raise ValueError(
@@ -450,3 +485,28 @@ def _check_hybrid_cache(
         f"snapshots of its recurrent state that prefix hits restore; one takes {each} bytes): "
         f"for instance state_slots={max(4, min(256, kv_pages // 64))}"
     )
+
+
+def _compiled(spec: ModelSpec, model: Any, compile: bool | str | Callable[..., Any]) -> Any:
+    """``compile=``'s compiled call of ``model`` (``True``: Inductor; a str or callable: that
+    ``torch.compile`` backend); ``ValueError`` for a value or a model it does not take."""
+    if compile is True:
+        backend: Any = _compile.DEFAULT_BACKEND
+    elif isinstance(compile, str) or callable(compile):
+        backend = compile
+    else:
+        raise ValueError(
+            f"compile must be a bool, a torch.compile backend name or a callable, got {compile!r}"
+        )
+    name = type(model).__name__
+    if spec.kv_layers:
+        raise ValueError(
+            f"compile=True is for models whose every layer attends; {name} is a hybrid model "
+            "(its recurrent layers run per request): pass compile=False"
+        )
+    if spec.tp_size > 1:
+        raise ValueError(
+            f"compile=True runs one process; {name} is tensor-parallel over {spec.tp_size} "
+            "ranks: pass compile=False"
+        )
+    return _compile.compile_forward(model, backend)
