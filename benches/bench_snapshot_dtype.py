@@ -3,7 +3,7 @@ states (issue 51: "snapshot dtype option (bf16 for fp32 states halves them), mea
 exactness"), per family, against transformers' ``generate``.
 
     .venv/bin/python benches/bench_snapshot_dtype.py [--family F ...] [--dtype bfloat16 ...]
-        [--turns 4] [--new 8] [--sessions 2]
+        [--turns 4] [--new 8] [--sessions 2] [--quick]
 
 Each of the 8 tiny families (fp32, CPU: tests/python/support/tiny_hybrid.py) serves
 ``--sessions`` multi-turn sessions on ``radixkv.hf.engine(..., snapshot_dtype=D)``: each turn
@@ -73,7 +73,12 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=8)
     ap.add_argument("--sessions", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--quick", action="store_true", help="one family, one session of 2 turns of 4 tokens"
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.family, args.sessions, args.turns, args.new = args.family[:1], 1, 2, 4
     torch.set_num_threads(args.threads)
     dtypes = ["float32"] + [d for d in args.dtype if d != "float32"]
     print(

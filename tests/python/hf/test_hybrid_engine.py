@@ -149,6 +149,41 @@ def test_a_shared_prefix_is_hit_in_full_from_the_third_request(model):
     eng.cache.check()
 
 
+@pytest.mark.robust
+def test_a_forward_that_fails_mid_way_publishes_no_snapshot(model):
+    """A forward that raises after some recurrent layers copied their state into a junction
+    snapshot leaves that snapshot damaged (part of the layers written): it is never published,
+    so the next request sharing the prefix is recomputed, not restored from it."""
+    eng = engine(model)
+    system = tokens(14, seed=9)
+    prompts = [system + tokens(4, seed=50 + i) for i in range(4)]
+    (first,) = eng.generate([prompts[0]], max_new_tokens=NEW, logprobs=True)
+    check(model, prompts[0], first)
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("injected: the second layer failed")
+
+    # The second request's KV match runs over the system prompt: its forward splits the scan
+    # there and copies the first layer's state (recurrent in every family), then the second
+    # layer raises before the third (recurrent too) has copied its own.
+    hook = model.model.layers[1].register_forward_pre_hook(fail)
+    try:
+        (failed,) = eng.generate([prompts[1]], max_new_tokens=NEW)
+    finally:
+        hook.remove()
+    assert failed.finish_reason == "error" and "injected" in str(failed.error)
+    got = []
+    for prompt in prompts[2:]:
+        restored = eng.states.restored
+        (r,) = eng.generate([prompt], max_new_tokens=NEW, logprobs=True)
+        check(model, prompt, r)
+        got.append((r.cached_tokens, eng.states.restored - restored))
+    # The third request is the failed one's retry in effect: recomputed, its own junction
+    # snapshot then serves the fourth.
+    assert got == [(0, 0), (len(system), 1)]
+    eng.cache.check()
+
+
 def test_a_host_tier_drops_snapshots_and_stays_exact(model):
     """Pages offloaded to the host tier take the snapshots that need them along (snapshots stay
     on the device): a session whose pages went to the host is recomputed from an earlier

@@ -6,8 +6,8 @@ its requests of several new tokens, and its decode rows (requests of one new tok
 step's) through the split-KV decode kernel too, read in place by their indices
 (:func:`.triton_kernels.paged_mixed`). Windows, softcaps and sinks are kernel flags, so every
 layer of Gemma 2/3, gpt-oss, Mistral and Qwen2 over the full pool runs here. Per step the
-backend builds only the prefill tiles and decode rows (from the plan's host arrays, one
-host-to-device copy); per layer it launches one to three kernels and allocates nothing but the
+backend builds only the prefill tiles and decode rows (from the plan's host arrays, one pinned,
+non-blocking host-to-device copy: no host sync); per layer it launches one to three kernels and allocates nothing but the
 output (the split-KV scratch grows to the largest launch and is reused). Tile sizes, warps and
 stages are the kernels' table entry for the device's architecture, the pool's dtype and head
 dim (:data:`.triton_kernels.CONFIGS`, checked ahead of time for sm_80/90/100), fixed for the
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from radixkv.kv.backends.group import Group, Step
+from radixkv.kv.host_copy import to_device
 
 
 def _packed(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
@@ -35,7 +36,7 @@ def _packed(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     for x, w in zip(lists, width):
         flat[at : at + len(x)] = x
         at += w
-    parts = torch.from_numpy(flat).to(device).split(width)
+    parts = to_device(flat, device).split(width)
     return [t[:n] for t, n in zip(parts, sizes)]
 
 
@@ -75,7 +76,7 @@ class TritonBackend:
         if g.rows is None and step is not None:
             qo = step.qo_indptr
         else:
-            qo = torch.from_numpy(np.asarray(g.q_start, dtype=np.int32)).to(kv.device)
+            qo = to_device(np.asarray(g.q_start, dtype=np.int32), kv.device)
         # The decode rows of a mixed step go to the split-KV kernel, bounded by their count.
         n_dec = int((g.q_len == 1).sum())
         splits = self.kernels.decode_splits(n_dec, kv.num_kv_heads, kv.device) if n_dec else 0
