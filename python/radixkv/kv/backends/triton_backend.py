@@ -7,11 +7,11 @@ step's) through the split-KV decode kernel too, read in place by their indices
 (:func:`.triton_kernels.paged_mixed`). Windows, softcaps and sinks are kernel flags, so every
 layer of Gemma 2/3, gpt-oss, Mistral and Qwen2 over the full pool runs here. Per step the
 backend builds only the prefill tiles and decode rows (from the plan's host arrays, one pinned,
-non-blocking host-to-device copy: no host sync); per layer it launches one to three kernels and allocates nothing but the
-output (the split-KV scratch grows to the largest launch and is reused). Tile sizes, warps and
-stages are the kernels' table entry for the device's architecture, the pool's dtype and head
-dim (:data:`.triton_kernels.CONFIGS`, checked ahead of time for sm_80/90/100), fixed for the
-pool.
+non-blocking host-to-device copy: no host sync); per layer it launches one to three kernels and
+allocates nothing but the output (the split-KV scratch grows to the largest launch and is
+reused). Tile sizes, warps and stages are the kernels' table entry for the device's
+architecture, the pool's dtype and head dim (:data:`.triton_kernels.CONFIGS`, checked ahead of
+time for sm_80/90/100), fixed for the pool.
 """
 
 from __future__ import annotations
