@@ -18,7 +18,7 @@ if not hasattr(transformers, "Qwen3_5TextConfig"):  # requirements allow transfo
 
 import radixkv  # noqa: E402
 import radixkv.hf  # noqa: E402
-from tiny_hybrid import FAMILIES, VOCAB, build  # noqa: E402
+from tiny_hybrid import FAMILIES, VOCAB, shared  # noqa: E402
 
 NEW = 4
 
@@ -29,14 +29,6 @@ NEW = 4
 #: through fp8 instead fail this test for Qwen3.5, Qwen3-Next and GraniteMoeHybrid (5.9e-3 to
 #: 2.8e-2; greedy tokens stay equal, which is why the logprobs are checked).
 BF16_LOGPROB_TOLERANCE = 4e-3
-
-_models: dict[str, Any] = {}
-
-
-def model_of(family: str) -> Any:
-    if family not in _models:
-        _models[family] = build(family)
-    return _models[family]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -68,7 +60,7 @@ def test_bf16_snapshots_keep_generates_tokens_with_a_bounded_logprob_error(famil
     """``snapshot_dtype=torch.bfloat16`` on an fp32 model: a 3-turn session re-sent whole
     restores a bf16 snapshot every turn after the first; its greedy tokens equal ``generate``'s
     and its logprobs stay within ``BF16_LOGPROB_TOLERANCE`` of an fp32 forward."""
-    model = model_of(family)
+    model = shared(family)
     eng = engine(model, snapshot_dtype=torch.bfloat16)
     spec = eng.states.specs[0]
     assert eng.states.snapshots.tensor(spec.layer, spec.name).dtype == torch.bfloat16
@@ -92,7 +84,7 @@ def test_engine_stats_and_metrics_count_restored_taken_and_evicted_snapshots():
     pytest.importorskip("prometheus_client")
     from radixkv.metrics import CacheCollector
 
-    eng = engine(model_of("qwen3_5"), state_slots=2)
+    eng = engine(shared("qwen3_5"), state_slots=2)
     collector = CacheCollector(eng.cache, engine=eng)
     prompts = [tokens(9, seed=50 + s) for s in range(3)]
     hits = []

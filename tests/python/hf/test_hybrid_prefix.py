@@ -22,7 +22,7 @@ if not hasattr(transformers, "Qwen3_5TextConfig"):  # requirements allow transfo
 
 import radixkv  # noqa: E402
 import radixkv.hf  # noqa: E402
-from tiny_hybrid import FAMILIES, VOCAB, build  # noqa: E402
+from tiny_hybrid import FAMILIES, VOCAB, shared  # noqa: E402
 
 NEW = 4
 #: Max |score error| of a generated token against plain ``generate``: the paths differ by about
@@ -36,14 +36,9 @@ def family(request: Any) -> str:
     return request.param
 
 
-_models: dict[str, Any] = {}
-
-
 @pytest.fixture
 def model(family: str) -> Any:
-    if family not in _models:
-        _models[family] = build(family)
-    return _models[family]
+    return shared(family)
 
 
 def tokens(n: int, seed: int) -> torch.Tensor:

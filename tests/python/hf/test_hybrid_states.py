@@ -22,7 +22,7 @@ if not hasattr(transformers, "Qwen3_5TextConfig"):  # requirements allow transfo
 from radixkv.hf import _hybrid, _hybrid_cache  # noqa: E402
 from radixkv.hf._support import check_model  # noqa: E402
 from radixkv.kv.state_pool import StatePool, StateSpec  # noqa: E402
-from tiny_hybrid import FAMILIES, VOCAB, build  # noqa: E402
+from tiny_hybrid import FAMILIES, VOCAB, build, shared  # noqa: E402
 
 PREFIX = 9
 PROMPT = 20
@@ -67,14 +67,9 @@ def family(request: Any) -> str:
     return request.param
 
 
-_models: dict[str, Any] = {}
-
-
 @pytest.fixture
 def model(family: str) -> Any:
-    if family not in _models:
-        _models[family] = build(family)
-    return _models[family]
+    return shared(family)
 
 
 def prompt(seed: int = 1) -> torch.Tensor:

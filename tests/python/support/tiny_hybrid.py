@@ -148,3 +148,14 @@ def build(
     with torch.device(device):
         model = getattr(transformers, model_cls)(config).to(dtype)
     return model.eval() if device == "meta" else _unit_scale(model)
+
+
+_shared: dict[str, Any] = {}
+
+
+def shared(family: str) -> Any:
+    """The float32 CPU tiny ``family`` model, built once per process for the tests that share
+    it (each leaves it as it found it: hooks removed, weights untouched)."""
+    if family not in _shared:
+        _shared[family] = build(family)
+    return _shared[family]
